@@ -1,0 +1,31 @@
+# Two commands from a fresh clone: `make demo` and `make test`.
+# Both create/reuse .venv and install torch==2.13.0 *before* anything else: an unpinned torch
+# on a machine without one would pull gigabytes of CUDA packages.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.pipeplan-installed
+
+.PHONY: demo test venv clean bench
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p out
+	$(VENV)/bin/pipeplan profile models.gpt:gpt --batch-size 32 -o out/gpt.profile.json
+	$(VENV)/bin/pipeplan plan out/gpt.profile.json --stages 4 --memory 256MiB -o out/gpt.plan.json
+	$(VENV)/bin/pipeplan show out/gpt.plan.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2
+
+clean:
+	rm -rf $(VENV) out

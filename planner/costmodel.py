@@ -1,0 +1,324 @@
+"""The closed-form cost model of a checkpointed GPipe pipeline.
+
+Units u = 0..n-1 in order, p contiguous stages, batch B, m micro-batches of size b = B/m.  Stage
+j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
+
+    F_j = sum_{u=l..r} f_u(b) / s_j
+    B_j = sum_{u=l..r} g_u(b) / s_j  (+ F_j when the stage recomputes)
+    C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
+    t_j = F_j + B_j + C_j
+    T(m) = sum_j t_j + (m - 1) * max_j t_j                                   (step time)
+
+    M_j = w_j * (2 + k)                            params, grads, k optimizer states
+        + q_j * x_l(b)                             stashed stage inputs, when recomputing
+        + sum_u a_u(b)        (recompute)          one micro-batch's activations
+        | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
+
+where q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
+``transfer(s) = messages * (latency + overhead) + s / bandwidth``.  A stage recomputes under the
+policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
+``never`` none.
+
+T(m) equals the schedule simulator's makespan when every stage's backward/forward ratio is the
+same, and is a lower bound of it otherwise (see :mod:`planner.simulate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import InvalidRequestError
+from planner.types import (
+    OPTIMIZER_STATES,
+    Cluster,
+    MemoryBreakdown,
+    Plan,
+    PlanOptions,
+    Profile,
+    Stage,
+)
+
+__all__ = [
+    "UnitCosts",
+    "unit_costs",
+    "microbatch_choices",
+    "recomputes",
+    "in_flight",
+    "stage_time",
+    "stage_memory",
+    "build_stages",
+    "step_time",
+    "bubble_fraction",
+    "evaluate",
+    "check_request",
+    "lower_bound",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCosts:
+    """Per-unit arrays for one micro-batch count m (size b = B / m), plus prefix sums.
+
+    ``x[k]`` is the bytes live before unit k for one micro-batch (``x[0]`` = model inputs,
+    ``x[n] = 0``); ``msgs[k]`` the number of tensors crossing there.  ``P*`` arrays are prefix
+    sums with a leading zero: sum over units l..r of f is ``Pf[r + 1] - Pf[l]``.
+    """
+
+    m: int
+    b: int
+    f: np.ndarray
+    g: np.ndarray
+    a: np.ndarray
+    w: np.ndarray
+    x: np.ndarray
+    msgs: np.ndarray
+    Pf: np.ndarray
+    Pg: np.ndarray
+    Pa: np.ndarray
+    Pw: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.f)
+
+
+def unit_costs(profile: Profile, m: int) -> UnitCosts:
+    """Arrays of f, g, a, w, x for ``m`` micro-batches (b = B / m must be a profiled size)."""
+    if m <= 0 or profile.batch_size % m:
+        raise InvalidRequestError(
+            f"micro-batch count {m} does not divide batch size {profile.batch_size}; "
+            f"choose one of {sorted(microbatch_choices(profile, PlanOptions()))}"
+        )
+    b = profile.batch_size // m
+    if b not in profile.microbatch_sizes:
+        raise InvalidRequestError(
+            f"micro-batch count {m} needs micro-batch size {b}, which was not profiled "
+            f"(profiled: {list(profile.microbatch_sizes)}); re-profile with --microbatch-sizes"
+        )
+    f = np.array([u.timings[b].forward_s for u in profile.units], dtype=np.float64)
+    g = np.array([u.timings[b].backward_s for u in profile.units], dtype=np.float64)
+    a = np.array([u.timings[b].saved_bytes for u in profile.units], dtype=np.float64)
+    w = np.array([u.param_bytes for u in profile.units], dtype=np.float64)
+    x = np.zeros(len(f) + 1)
+    msgs = np.zeros(len(f) + 1)
+    x[0] = profile.input_bytes_per_sample * b
+    msgs[0] = 1
+    for cut in profile.cuts:
+        x[cut.after + 1] = cut.bytes_per_sample * b
+        msgs[cut.after + 1] = len(cut.tensors)
+
+    def prefix(v: np.ndarray) -> np.ndarray:
+        return np.concatenate([[0.0], np.cumsum(v)])
+
+    return UnitCosts(m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w))
+
+
+def microbatch_choices(profile: Profile, options: PlanOptions) -> list[int]:
+    """Micro-batch counts m to consider: the user's, or every m whose size B/m was profiled."""
+    if options.microbatches is not None:
+        return [options.microbatches]
+    return sorted({profile.batch_size // b for b in profile.microbatch_sizes})
+
+
+def recomputes(policy: str, j: int, p: int) -> bool:
+    """Whether stage j of p recomputes its forward in the backward pass."""
+    return policy == "always" or (policy == "except_last" and j < p - 1)
+
+
+def in_flight(schedule: str, j: int, p: int, m: int) -> int:
+    """q_j: micro-batches whose inputs or activations stage j holds at once."""
+    return m if schedule == "gpipe" else min(m, p - j)
+
+
+def _comm(costs: UnitCosts, cluster: Cluster, cut: int) -> float:
+    """Seconds to send x_cut forward and its gradient back (0 past the last unit)."""
+    nbytes = float(costs.x[cut])
+    if cut >= costs.n or nbytes <= 0:
+        return 0.0
+    link = cluster.link
+    bw = np.inf if link.bandwidth_Bps is None else link.bandwidth_Bps
+    one_way = costs.msgs[cut] * (link.latency_s + link.overhead_s) + nbytes / bw
+    return float(2.0 * one_way)
+
+
+def stage_time(
+    costs: UnitCosts, cluster: Cluster, options: PlanOptions, l: int, r: int, j: int
+) -> tuple[float, float, float]:
+    """(F_j, B_j, C_j) of stage j covering units l..r."""
+    p = cluster.n_stages
+    speed = cluster.devices[j].speed
+    F = float(costs.Pf[r + 1] - costs.Pf[l]) / speed
+    B = float(costs.Pg[r + 1] - costs.Pg[l]) / speed
+    if recomputes(options.checkpoint, j, p):
+        B += F
+    C = _comm(costs, cluster, r + 1) if j < p - 1 else 0.0
+    return F, B, C
+
+
+def stage_memory(
+    costs: UnitCosts, cluster: Cluster, options: PlanOptions, l: int, r: int, j: int
+) -> MemoryBreakdown:
+    """M_j of stage j covering units l..r, broken down."""
+    p = cluster.n_stages
+    q = in_flight(options.schedule, j, p, costs.m)
+    w = int(costs.Pw[r + 1] - costs.Pw[l])
+    acts = int(costs.Pa[r + 1] - costs.Pa[l])
+    k = OPTIMIZER_STATES[options.optimizer]
+    if recomputes(options.checkpoint, j, p):
+        stash, act = q * int(costs.x[l]), acts
+    else:
+        stash, act = 0, q * acts
+    total = w * (2 + k) + stash + act
+    return MemoryBreakdown(
+        params=w, grads=w, optimizer=k * w, stashed_inputs=stash, activations=act, total=total
+    )
+
+
+def step_time(times: Sequence[float], m: int) -> float:
+    """T(m) = sum_j t_j + (m - 1) max_j t_j."""
+    return float(sum(times) + (m - 1) * max(times))
+
+
+def bubble_fraction(times: Sequence[float], m: int) -> float:
+    """1 - (m * mean_j t_j) / T(m); (p - 1)/(m + p - 1) when all t_j are equal."""
+    total = step_time(times, m)
+    if total <= 0:
+        return 0.0
+    return float(1.0 - m * sum(times) / len(times) / total)
+
+
+def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> None:
+    """Reject requests no solver can satisfy, with the numbers and the fix."""
+    n, p = profile.n_units, cluster.n_stages
+    if p > n:
+        raise InvalidRequestError(
+            f"{p} stages but the profile has only {n} units; use --stages {n} or fewer, "
+            f"or profile with a finer --granularity"
+        )
+    if options.microbatches is not None:
+        unit_costs(profile, options.microbatches)  # raises with the fix
+    for unit, stage in options.pinned.items():
+        if not 0 <= unit < n or not 0 <= stage < p:
+            raise InvalidRequestError(
+                f"pin {unit}->{stage} is out of range (units 0..{n - 1}, stages 0..{p - 1})"
+            )
+    if options.max_units is not None and options.max_units * p < n:
+        raise InvalidRequestError(
+            f"max_units {options.max_units} x {p} stages < {n} units; raise --max-units"
+        )
+    if options.min_units * p > n:
+        raise InvalidRequestError(
+            f"min_units {options.min_units} x {p} stages > {n} units; lower --min-units"
+        )
+
+
+def build_stages(
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    boundaries: Sequence[int],
+    m: int,
+) -> list[Stage]:
+    """Evaluate every stage of the partition whose stages start at 0 and at ``boundaries``."""
+    n, p = profile.n_units, cluster.n_stages
+    starts = [0, *boundaries]
+    if len(starts) != p or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+        raise InvalidRequestError(
+            f"boundaries {list(boundaries)} do not split {n} units into {p} non-empty stages"
+        )
+    costs = unit_costs(profile, m)
+    stages = []
+    for j, l in enumerate(starts):
+        r = (starts[j + 1] if j + 1 < p else n) - 1
+        F, B, C = stage_time(costs, cluster, options, l, r, j)
+        mem = stage_memory(costs, cluster, options, l, r, j)
+        dev = cluster.devices[j]
+        stages.append(
+            Stage(
+                index=j,
+                device=dev.name,
+                first_unit=l,
+                last_unit=r,
+                unit_names=tuple(u.name for u in profile.units[l : r + 1]),
+                recompute=recomputes(options.checkpoint, j, p),
+                forward_s=F,
+                backward_s=B,
+                comm_s=C,
+                time_s=F + B + C,
+                memory=mem,
+                memory_limit=dev.memory_bytes,
+                feasible=mem.total <= dev.memory_bytes,
+            )
+        )
+    return stages
+
+
+def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
+    """A bound no partition beats: min over m of S_lb + (m - 1) max(S_lb / p, max_u t_u).
+
+    S_lb = sum_u (f_u + g_u) / s_max plus recompute of all but one stage's worth (ignored: 0),
+    and t_u = (f_u + g_u) / s_max; communication is taken as free.
+    """
+    p = cluster.n_stages
+    s_max = max(d.speed for d in cluster.devices)
+    best = np.inf
+    for m in microbatch_choices(profile, options):
+        c = unit_costs(profile, m)
+        per_unit = (c.f + c.g) / s_max
+        if options.checkpoint == "always":
+            per_unit = per_unit + c.f / s_max
+        total = float(per_unit.sum())
+        best = min(best, total + (m - 1) * max(total / p, float(per_unit.max())))
+    return float(best)
+
+
+def evaluate(
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    boundaries: Sequence[int],
+    m: int,
+    *,
+    solver: str,
+    status: str | None = None,
+    gap: float | None = None,
+    solve_time_s: float | None = None,
+) -> Plan:
+    """The Plan of a given partition and micro-batch count under this cost model."""
+    stages = build_stages(profile, cluster, options, boundaries, m)
+    times = [s.time_s for s in stages]
+    T = step_time(times, m)
+    feasible = all(s.feasible for s in stages)
+    if status is None:
+        status = "heuristic"
+    if not feasible:
+        status = "infeasible"
+    return Plan(
+        model=profile.model,
+        model_kwargs=profile.model_kwargs,
+        profile_fingerprint=profile.fingerprint,
+        graph_fingerprint=profile.graph_fingerprint,
+        tracer=profile.tracer,
+        granularity=profile.granularity,
+        dtype=profile.dtype,
+        batch_size=profile.batch_size,
+        microbatches=m,
+        microbatch_size=profile.batch_size // m,
+        schedule=options.schedule,
+        checkpoint=options.checkpoint,
+        optimizer=options.optimizer,
+        cluster=cluster,
+        stages=tuple(stages),
+        step_time_s=T,
+        bubble_fraction=bubble_fraction(times, m),
+        throughput=profile.batch_size / T if T > 0 else 0.0,
+        feasible=feasible,
+        solver=solver,
+        status=status,  # type: ignore[arg-type]
+        gap=gap,
+        lower_bound_s=lower_bound(profile, cluster, options),
+        solve_time_s=solve_time_s,
+    )

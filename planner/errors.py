@@ -1,0 +1,63 @@
+"""Named exceptions shared by every pipeplan package.
+
+Every error a user can cause derives from :class:`PipeplanError`; the command line prints its
+message as one line and exits non-zero.  Messages name the offending value and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PipeplanError",
+    "ModelLoadError",
+    "TraceError",
+    "FileFormatError",
+    "InvalidRequestError",
+    "InfeasiblePlanError",
+    "UnsupportedConstraintError",
+    "FingerprintMismatchError",
+    "StageFailedError",
+]
+
+
+class PipeplanError(Exception):
+    """Base class of all errors pipeplan reports to users."""
+
+
+class ModelLoadError(PipeplanError, ValueError):
+    """A ``package.module:callable`` model name could not be loaded or returned the wrong thing."""
+
+
+class TraceError(PipeplanError, RuntimeError):
+    """Neither torch.fx nor torch.export could trace the model."""
+
+
+class FileFormatError(PipeplanError, ValueError):
+    """A profile, plan, cluster or run-report file is corrupt, of another schema version, or invalid."""
+
+
+class InvalidRequestError(PipeplanError, ValueError):
+    """Arguments that contradict each other or the profile (e.g. more stages than units)."""
+
+
+class UnsupportedConstraintError(PipeplanError, ValueError):
+    """A solver was asked for a constraint it cannot model (e.g. the DP and pinned units)."""
+
+
+class InfeasiblePlanError(PipeplanError):
+    """No partition fits the devices' memory.
+
+    ``min_memory_bytes`` is the smallest per-device memory with which the best partition would
+    fit (``None`` when even unlimited memory cannot help, e.g. more stages than units).
+    """
+
+    def __init__(self, message: str, min_memory_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+class FingerprintMismatchError(PipeplanError, ValueError):
+    """A plan was made for a different model or graph than the one given."""
+
+
+class StageFailedError(PipeplanError, RuntimeError):
+    """A pipeline rank raised or died; the message names the stage and its error."""

@@ -1,0 +1,382 @@
+"""The types that cross package boundaries: Profile, Cluster, Plan and RunReport.
+
+These are the only coupling between ``profiler``, ``solvers`` and ``runtime``.  Each is a frozen
+pydantic model, so a file read from disk is validated field by field and an error names the bad
+field (see :mod:`planner.io`).
+
+Notation used throughout pipeplan:
+
+    n = number of units (partition atoms, "layers"), u = 1..n in topological order
+    p = number of stages (one device each), j = 0..p-1
+    B = batch size, m = number of micro-batches, b = B / m = micro-batch size
+    f_u(b), g_u(b) = forward / backward seconds of unit u at micro-batch size b
+    a_u(b) = bytes saved for backward by unit u, w_u = parameter bytes of unit u
+    x_k(b) = bytes live across the cut before unit k (x_0 = the model's inputs)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "PROFILE_SCHEMA",
+    "PLAN_SCHEMA",
+    "CLUSTER_SCHEMA",
+    "REPORT_SCHEMA",
+    "CheckpointPolicy",
+    "ScheduleName",
+    "OptimizerName",
+    "OPTIMIZER_STATES",
+    "Timing",
+    "Unit",
+    "CutTensor",
+    "Cut",
+    "DeviceInfo",
+    "Profile",
+    "Device",
+    "Link",
+    "Cluster",
+    "PlanOptions",
+    "MemoryBreakdown",
+    "Stage",
+    "Plan",
+    "StageMeasurement",
+    "RunReport",
+]
+
+PROFILE_SCHEMA = "pipeplan.profile/1"
+PLAN_SCHEMA = "pipeplan.plan/1"
+CLUSTER_SCHEMA = "pipeplan.cluster/1"
+REPORT_SCHEMA = "pipeplan.run-report/1"
+
+CheckpointPolicy = Literal["always", "except_last", "never"]
+ScheduleName = Literal["gpipe", "1f1b"]
+OptimizerName = Literal["sgd", "momentum", "adam"]
+
+#: Optimizer state tensors kept per parameter (k in the memory model).
+OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+def _canonical_hash(obj: BaseModel) -> str:
+    text = json.dumps(obj.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Profile
+# --------------------------------------------------------------------------------------------
+
+
+class Timing(_Frozen):
+    """One unit measured at one micro-batch size (medians over the repeats)."""
+
+    forward_s: float = Field(ge=0)
+    """Median forward seconds."""
+    backward_s: float = Field(ge=0)
+    """Median backward seconds."""
+    forward_spread_s: float = Field(default=0.0, ge=0)
+    """Interquartile range of the forward repeats."""
+    backward_spread_s: float = Field(default=0.0, ge=0)
+    """Interquartile range of the backward repeats."""
+    saved_bytes: int = Field(ge=0)
+    """Bytes saved for backward (``saved_tensors_hooks``): a_u(b)."""
+    output_bytes: int = Field(ge=0)
+    """Bytes of the unit's outputs."""
+    peak_bytes: int | None = Field(default=None, ge=0)
+    """CUDA only: ``max_memory_allocated`` growth during the unit's forward and backward."""
+
+
+class Unit(_Frozen):
+    """A partition atom: consecutive graph nodes, usually one block of a repeated container."""
+
+    index: int = Field(ge=0)
+    name: str
+    nodes: tuple[str, ...]
+    """Names of the traced graph's nodes that belong to this unit, in graph order."""
+    params: tuple[str, ...] = ()
+    """Qualified names of the parameters and buffers the unit uses."""
+    param_bytes: int = Field(ge=0)
+    """w_u: bytes of the parameters the unit owns (a shared parameter counts once, where first used)."""
+    timings: dict[int, Timing]
+    """Measurements keyed by micro-batch size b."""
+
+
+class CutTensor(_Frozen):
+    """One tensor live across a cut (activation, residual or skip connection)."""
+
+    node: str
+    """Graph node that produces it."""
+    bytes_per_sample: int = Field(ge=0)
+
+
+class Cut(_Frozen):
+    """The cut between unit ``after`` and unit ``after + 1``."""
+
+    after: int = Field(ge=0)
+    tensors: tuple[CutTensor, ...]
+    bytes_per_sample: int = Field(ge=0)
+    """x_k per sample: the sum over ``tensors``."""
+
+
+class DeviceInfo(_Frozen):
+    kind: Literal["cpu", "cuda"]
+    name: str
+    threads: int | None = None
+    """CPU: ``torch.get_num_threads()`` while measuring."""
+    memory_bytes: int | None = None
+
+
+class Profile(_Frozen):
+    """Per-unit costs of one model at several micro-batch sizes, measured on one device."""
+
+    schema_: Literal["pipeplan.profile/1"] = Field(default=PROFILE_SCHEMA, alias="schema")
+    model: str
+    """The ``package.module:callable`` name the profile was made from."""
+    model_kwargs: dict[str, str | int | float | bool] = {}
+    tracer: Literal["fx", "export"]
+    graph_fingerprint: str
+    device: DeviceInfo
+    torch_version: str
+    dtype: str
+    batch_size: int = Field(gt=0)
+    microbatch_sizes: tuple[int, ...]
+    granularity: str = "auto"
+    warmup: int = Field(default=1, ge=0)
+    repeats: int = Field(default=1, ge=1)
+    input_bytes_per_sample: int = Field(ge=0)
+    """x_0: bytes of the model's inputs per sample (stage 0 stashes them)."""
+    units: tuple[Unit, ...]
+    cuts: tuple[Cut, ...]
+    """n - 1 cuts; ``cuts[k]`` lies between ``units[k]`` and ``units[k + 1]``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> Profile:
+        n = len(self.units)
+        if n == 0:
+            raise ValueError("a profile needs at least one unit")
+        if [u.index for u in self.units] != list(range(n)):
+            raise ValueError("units must be numbered 0..n-1 in order")
+        if [c.after for c in self.cuts] != list(range(n - 1)):
+            raise ValueError(f"expected {n - 1} cuts numbered 0..{n - 2}")
+        for size in self.microbatch_sizes:
+            if size <= 0 or self.batch_size % size:
+                raise ValueError(
+                    f"micro-batch size {size} does not divide batch size {self.batch_size}"
+                )
+            for u in self.units:
+                if size not in u.timings:
+                    raise ValueError(f"unit {u.index} ({u.name}) has no timing at size {size}")
+        return self
+
+    @property
+    def n_units(self) -> int:
+        return len(self.units)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the whole profile's content (a plan records it)."""
+        return _canonical_hash(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster
+# --------------------------------------------------------------------------------------------
+
+
+class Device(_Frozen):
+    name: str
+    memory_bytes: int = Field(gt=0)
+    speed: float = Field(default=1.0, gt=0)
+    """Relative speed: unit times measured on the profiling device are divided by it."""
+
+
+class Link(_Frozen):
+    """Point-to-point link between neighbouring stages.
+
+    A message of s bytes takes ``latency_s + overhead_s + s / bandwidth_Bps`` seconds.
+    """
+
+    bandwidth_Bps: float | None = Field(default=None, gt=0)
+    """Bytes per second; ``None`` means transfers are free (the default when not calibrated)."""
+    latency_s: float = Field(default=0.0, ge=0)
+    overhead_s: float = Field(default=0.0, ge=0)
+    """Fixed per-message software cost (measured by ``pipeplan calibrate``)."""
+
+    def transfer_s(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        bw = math.inf if self.bandwidth_Bps is None else self.bandwidth_Bps
+        return self.latency_s + self.overhead_s + nbytes / bw
+
+
+class Cluster(_Frozen):
+    """The devices of a pipeline, stage j on ``devices[j]``, and the link between neighbours."""
+
+    schema_: Literal["pipeplan.cluster/1"] = Field(default=CLUSTER_SCHEMA, alias="schema")
+    devices: tuple[Device, ...] = Field(min_length=1)
+    link: Link = Link()
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @classmethod
+    def homogeneous(cls, stages: int, memory_bytes: int, link: Link | None = None) -> Cluster:
+        if stages < 1:
+            raise ValueError(f"stages must be >= 1, got {stages}")
+        devices = tuple(Device(name=f"dev{j}", memory_bytes=memory_bytes) for j in range(stages))
+        return cls(devices=devices, link=link or Link())
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.devices)
+
+    @property
+    def uniform_speed(self) -> bool:
+        return len({d.speed for d in self.devices}) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Plan
+# --------------------------------------------------------------------------------------------
+
+
+class PlanOptions(_Frozen):
+    """What a user asks of a solver besides the profile and the cluster."""
+
+    microbatches: int | None = Field(default=None, gt=0)
+    """m, or ``None`` to choose it among the profiled micro-batch sizes."""
+    checkpoint: CheckpointPolicy = "except_last"
+    schedule: ScheduleName = "gpipe"
+    optimizer: OptimizerName = "adam"
+    pinned: dict[int, int] = {}
+    """unit index -> stage index (CP-SAT only)."""
+    min_units: int = Field(default=1, ge=1)
+    """Fewest units per stage (values above 1: CP-SAT only)."""
+    max_units: int | None = Field(default=None, ge=1)
+    """Most units per stage (CP-SAT only)."""
+    time_limit_s: float | None = Field(default=None, gt=0)
+    """Wall-clock limit for solvers that search (CP-SAT)."""
+
+
+class MemoryBreakdown(_Frozen):
+    params: int
+    grads: int
+    optimizer: int
+    stashed_inputs: int
+    """In-flight micro-batches times the stage's input bytes (when recomputing)."""
+    activations: int
+    """Bytes saved for backward: one micro-batch's when recomputing, else all in flight."""
+    total: int
+
+
+class Stage(_Frozen):
+    index: int
+    device: str
+    first_unit: int
+    last_unit: int
+    """Inclusive."""
+    unit_names: tuple[str, ...]
+    recompute: bool
+    forward_s: float
+    """F_j per micro-batch (on this stage's device)."""
+    backward_s: float
+    """B_j per micro-batch, recompute included."""
+    comm_s: float
+    """C_j: send the cut's activations forward and receive their gradient back."""
+    time_s: float
+    """t_j = F_j + B_j + C_j."""
+    memory: MemoryBreakdown
+    memory_limit: int
+    feasible: bool
+
+
+class Plan(_Frozen):
+    """A partition of a profile's units into stages plus the micro-batch count, evaluated."""
+
+    schema_: Literal["pipeplan.plan/1"] = Field(default=PLAN_SCHEMA, alias="schema")
+    model: str
+    model_kwargs: dict[str, str | int | float | bool] = {}
+    profile_fingerprint: str
+    graph_fingerprint: str
+    tracer: Literal["fx", "export"] = "fx"
+    granularity: str = "auto"
+    """How the profile grouped graph nodes into units; the runtime regroups the same way."""
+    dtype: str = "float32"
+    batch_size: int
+    microbatches: int
+    microbatch_size: int
+    schedule: ScheduleName
+    checkpoint: CheckpointPolicy
+    optimizer: OptimizerName
+    cluster: Cluster
+    stages: tuple[Stage, ...]
+    step_time_s: float
+    """Closed-form GPipe step time: sum_j t_j + (m - 1) max_j t_j."""
+    bubble_fraction: float
+    """1 - (average busy time per device) / step time."""
+    throughput: float
+    """Samples per second: B / step time."""
+    feasible: bool
+    """Every stage fits its device's memory."""
+    solver: str
+    status: Literal["optimal", "feasible", "infeasible", "unknown", "heuristic"]
+    gap: float | None = None
+    """Relative optimality gap when a search stopped early."""
+    lower_bound_s: float | None = None
+    solve_time_s: float | None = None
+    """Wall-clock solve time; ``None`` in reproducible files (the default)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """First unit of every stage after the first (the cut positions)."""
+        return tuple(s.first_unit for s in self.stages[1:])
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+
+# --------------------------------------------------------------------------------------------
+# Run report
+# --------------------------------------------------------------------------------------------
+
+
+class StageMeasurement(_Frozen):
+    stage: int
+    forward_s: tuple[float, ...]
+    """Per micro-batch forward seconds, median over measured steps."""
+    backward_s: tuple[float, ...]
+    peak_memory_bytes: int | None = None
+    threads: int | None = None
+
+
+class RunReport(_Frozen):
+    schema_: Literal["pipeplan.run-report/1"] = Field(default=REPORT_SCHEMA, alias="schema")
+    plan_fingerprint: str
+    model: str
+    backend: str
+    world_size: int
+    steps: int
+    warmup_steps: int
+    step_times_s: tuple[float, ...]
+    step_time_s: float
+    """Median measured step time."""
+    predicted_step_time_s: float
+    stages: tuple[StageMeasurement, ...]
+    losses: tuple[float, ...] = ()
+    events: tuple[dict[str, str | int | float], ...] = ()
+    """Timeline events (name, stage, microbatch, start_s, end_s) of the last measured step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
