@@ -19,9 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -188,6 +191,31 @@ class Profile(_Frozen):
         """Hash of the whole profile's content (a plan records it)."""
         return _canonical_hash(self)
 
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (unit, micro-batch size): times, bytes, and the cut after the unit."""
+        import pandas as pd
+
+        rows = []
+        for u in self.units:
+            cut = self.cuts[u.index].bytes_per_sample if u.index < len(self.cuts) else 0
+            for b, t in sorted(u.timings.items()):
+                rows.append(
+                    {
+                        "unit": u.index,
+                        "name": u.name,
+                        "microbatch_size": b,
+                        "forward_s": t.forward_s,
+                        "backward_s": t.backward_s,
+                        "forward_spread_s": t.forward_spread_s,
+                        "backward_spread_s": t.backward_spread_s,
+                        "saved_bytes": t.saved_bytes,
+                        "output_bytes": t.output_bytes,
+                        "param_bytes": u.param_bytes,
+                        "cut_bytes_per_sample": cut,
+                    }
+                )
+        return pd.DataFrame(rows)
+
 
 # --------------------------------------------------------------------------------------------
 # Cluster
@@ -346,6 +374,36 @@ class Plan(_Frozen):
     @property
     def n_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the plan's content (a run report records it)."""
+        return _canonical_hash(self)
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per stage: unit range, F/B/C/t seconds, memory breakdown and limit."""
+        import pandas as pd
+
+        rows = []
+        for s in self.stages:
+            rows.append(
+                {
+                    "stage": s.index,
+                    "device": s.device,
+                    "first_unit": s.first_unit,
+                    "last_unit": s.last_unit,
+                    "units": s.last_unit - s.first_unit + 1,
+                    "recompute": s.recompute,
+                    "forward_s": s.forward_s,
+                    "backward_s": s.backward_s,
+                    "comm_s": s.comm_s,
+                    "time_s": s.time_s,
+                    **{f"mem_{k}": v for k, v in s.memory.model_dump().items()},
+                    "memory_limit": s.memory_limit,
+                    "feasible": s.feasible,
+                }
+            )
+        return pd.DataFrame(rows)
 
 
 # --------------------------------------------------------------------------------------------

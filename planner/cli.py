@@ -1,0 +1,320 @@
+"""The ``pipeplan`` command line.
+
+    pipeplan profile MODEL --batch-size B [--device cpu|cuda[:i]] -o profile.json
+    pipeplan plan profile.json --stages P --memory 16GiB [--microbatches auto|M] -o plan.json
+    pipeplan show plan.json|profile.json
+
+Every error a user can cause prints one line ``error: ...`` and exits with status 2; no
+traceback, no partial file.  Commands import their package lazily, so ``pipeplan show`` does
+not pay for importing OR-Tools or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from planner.errors import InfeasiblePlanError, InvalidRequestError, PipeplanError
+from planner.io import format_bytes, load_any, load_cluster, load_profile, parse_bytes
+from planner.io import parse_duration, parse_rate, write_json
+from planner.types import Cluster, Link, Plan, PlanOptions, Profile
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Automatic pipeline-partition planner for PyTorch.",
+)
+console = Console(width=None if sys.stdout.isatty() else 120)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+Output = Annotated[Path, typer.Option("-o", "--output", help="File to write (atomically).")]
+
+
+def _fail(message: str) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _check_output(path: Path) -> None:
+    if path.is_dir():
+        _fail(f"output {path} is a directory; give a file name such as {path / 'out.json'}")
+    if not path.parent.exists():
+        _fail(f"output directory {path.parent} does not exist; create it first")
+
+
+# --------------------------------------------------------------------------------------------
+# profile
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def profile(
+    model: Annotated[str, typer.Argument(help="package.module:callable, e.g. models.gpt:gpt")],
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Mini-batch size B.")],
+    output: Output = Path("profile.json"),
+    device: Annotated[str, typer.Option(help="cpu or cuda[:i].")] = "cpu",
+    microbatch_sizes: Annotated[
+        str | None, typer.Option(help="Comma-separated sizes; default: powers of two dividing B.")
+    ] = None,
+    granularity: Annotated[str, typer.Option(help="auto, top, depth:N or node.")] = "auto",
+    tracer: Annotated[str, typer.Option(help="auto, fx or export.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32, float64, bfloat16 or float16.")] = "float32",
+    warmup: Annotated[int, typer.Option(min=0)] = 2,
+    repeats: Annotated[int, typer.Option(min=1)] = 5,
+    model_arg: Annotated[
+        list[str] | None, typer.Option("--model-arg", help="KEY=VALUE passed to the model callable.")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Trace MODEL, group it into units and measure every unit at several micro-batch sizes."""
+    from planner.model import parse_model_args
+    from profiler import profile_model
+
+    _check_output(output)
+    if batch_size <= 0:
+        _fail(f"--batch-size {batch_size} must be positive")
+    sizes = None
+    if microbatch_sizes:
+        try:
+            sizes = [int(s) for s in microbatch_sizes.split(",")]
+        except ValueError:
+            _fail(f"--microbatch-sizes {microbatch_sizes!r} must be integers like 1,2,4")
+    prof = profile_model(
+        model,
+        batch_size=batch_size,
+        model_kwargs=parse_model_args(model_arg),
+        microbatch_sizes=sizes,
+        device=device,
+        granularity=granularity,
+        tracer=tracer,
+        dtype=dtype,
+        warmup=warmup,
+        repeats=repeats,
+        progress=progress,
+    )
+    write_json(output, prof)
+    console.print(
+        f"profiled {prof.model}: {prof.n_units} units ({prof.tracer}), "
+        f"micro-batch sizes {list(prof.microbatch_sizes)} -> {output}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_pins(pins: list[str] | None) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for pin in pins or []:
+        unit, sep, stage = pin.partition(":")
+        if not sep or not unit.isdigit() or not stage.isdigit():
+            _fail(f"--pin {pin!r} must be UNIT:STAGE with integers, e.g. --pin 0:0")
+        out[int(unit)] = int(stage)
+    return out
+
+
+def make_cluster(
+    stages: int | None,
+    memory: str | None,
+    bandwidth: str | None,
+    latency: str | None,
+    cluster_file: Path | None,
+) -> Cluster:
+    """The cluster from --cluster, or from --stages/--memory/--bandwidth/--latency."""
+    if cluster_file is not None:
+        cluster = load_cluster(cluster_file)
+        if stages is not None and stages != cluster.n_stages:
+            raise InvalidRequestError(
+                f"--stages {stages} contradicts {cluster_file} ({cluster.n_stages} devices); "
+                f"drop --stages"
+            )
+        if memory is not None:
+            mem = parse_bytes(memory)
+            devices = tuple(d.model_copy(update={"memory_bytes": mem}) for d in cluster.devices)
+            cluster = cluster.model_copy(update={"devices": devices})
+        return cluster
+    if stages is None or memory is None:
+        raise InvalidRequestError("give --stages and --memory, or a --cluster file")
+    if stages < 1:
+        raise InvalidRequestError(f"--stages {stages} must be at least 1")
+    link = Link(
+        bandwidth_Bps=parse_rate(bandwidth) if bandwidth else None,
+        latency_s=parse_duration(latency) if latency else 0.0,
+    )
+    return Cluster.homogeneous(stages, parse_bytes(memory), link)
+
+
+@app.command()
+def plan(
+    profile_file: Annotated[Path, typer.Argument(metavar="PROFILE", help="A profile JSON file.")],
+    output: Output = Path("plan.json"),
+    stages: Annotated[int | None, typer.Option("--stages", "-p", help="Number of stages.")] = None,
+    memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 16GiB.")] = None,
+    microbatches: Annotated[str, typer.Option(help="auto or a count m.")] = "auto",
+    checkpoint: Annotated[str, typer.Option(help="always, except_last or never.")] = "except_last",
+    schedule: Annotated[str, typer.Option(help="gpipe or 1f1b.")] = "gpipe",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum or adam.")] = "adam",
+    bandwidth: Annotated[str | None, typer.Option(help="Link bandwidth, e.g. 10GB/s.")] = None,
+    latency: Annotated[str | None, typer.Option(help="Link latency, e.g. 5us.")] = None,
+    cluster: Annotated[Path | None, typer.Option(help="Cluster description JSON.")] = None,
+    solver: Annotated[str, typer.Option(help="dp, cpsat, uniform, params or torchgpipe.")] = "dp",
+    time_limit: Annotated[float | None, typer.Option(help="Seconds (CP-SAT).")] = None,
+    pin: Annotated[list[str] | None, typer.Option(help="UNIT:STAGE (CP-SAT).")] = None,
+    min_units: Annotated[int, typer.Option(help="Fewest units per stage (CP-SAT).")] = 1,
+    max_units: Annotated[int | None, typer.Option(help="Most units per stage (CP-SAT).")] = None,
+    record_solve_time: Annotated[
+        bool, typer.Option(help="Store the solve time (the file is then not reproducible).")
+    ] = False,
+) -> None:
+    """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
+    from solvers import SOLVERS
+
+    _check_output(output)
+    prof = load_profile(profile_file)
+    if isinstance(prof, Profile) is False:  # pragma: no cover - load_profile guarantees it
+        _fail(f"{profile_file} is not a profile")
+    if solver not in SOLVERS:
+        _fail(f"--solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}")
+    m: int | None = None
+    if microbatches != "auto":
+        if not microbatches.isdigit() or int(microbatches) < 1:
+            _fail(f"--microbatches {microbatches!r} must be 'auto' or a positive integer")
+        m = int(microbatches)
+    choices = {
+        "--checkpoint": (checkpoint, ("always", "except_last", "never")),
+        "--schedule": (schedule, ("gpipe", "1f1b")),
+        "--optimizer": (optimizer, ("sgd", "momentum", "adam")),
+    }
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            _fail(f"{flag} {value!r} is not one of {', '.join(allowed)}")
+    options = PlanOptions(
+        microbatches=m,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        schedule=schedule,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
+        pinned=_parse_pins(pin),
+        min_units=max(1, min_units),
+        max_units=max_units,
+        time_limit_s=time_limit,
+    )
+    clus = make_cluster(stages, memory, bandwidth, latency, cluster)
+    try:
+        result = SOLVERS[solver](prof, clus, options)
+    except InfeasiblePlanError as exc:
+        _fail(str(exc))
+    if not record_solve_time:
+        result = result.model_copy(update={"solve_time_s": None})
+    write_json(output, result)
+    _print_plan(result)
+    console.print(f"-> {output}")
+
+
+# --------------------------------------------------------------------------------------------
+# show
+# --------------------------------------------------------------------------------------------
+
+
+def _print_plan(p: Plan) -> None:
+    table = Table(title=f"{p.model}: {p.n_stages} stages, m = {p.microbatches} ({p.solver})")
+    for col in ("stage", "units", "F ms", "B ms", "C ms", "t ms", "memory", "limit", "fits"):
+        table.add_column(col, justify="right")
+    slowest = max(s.time_s for s in p.stages)
+    for s in p.stages:
+        mark = "*" if s.time_s == slowest else ""
+        table.add_row(
+            str(s.index),
+            f"{s.first_unit}-{s.last_unit} ({s.unit_names[0]}..{s.unit_names[-1]})",
+            f"{s.forward_s * 1e3:.3f}",
+            f"{s.backward_s * 1e3:.3f}",
+            f"{s.comm_s * 1e3:.3f}",
+            f"{s.time_s * 1e3:.3f}{mark}",
+            format_bytes(s.memory.total),
+            format_bytes(s.memory_limit),
+            "yes" if s.feasible else "NO",
+        )
+    console.print(table)
+    gap = f", gap {p.gap:.2%}" if p.gap is not None else ""
+    console.print(
+        f"step time {p.step_time_s * 1e3:.3f} ms (lower bound "
+        f"{(p.lower_bound_s or 0) * 1e3:.3f} ms), bubble {p.bubble_fraction:.1%}, "
+        f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
+        f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
+    )
+
+
+def _print_profile(p: Profile) -> None:
+    b = max(p.microbatch_sizes)
+    table = Table(title=f"{p.model}: {p.n_units} units, traced with {p.tracer}, {p.device.name}")
+    for col in ("unit", "name", f"fwd ms @{b}", f"bwd ms @{b}", "saved", "params", "cut/sample"):
+        table.add_column(col, justify="right")
+    for u in p.units:
+        t = u.timings[b]
+        cut = p.cuts[u.index].bytes_per_sample if u.index < len(p.cuts) else 0
+        table.add_row(
+            str(u.index),
+            u.name,
+            f"{t.forward_s * 1e3:.3f}",
+            f"{t.backward_s * 1e3:.3f}",
+            format_bytes(t.saved_bytes),
+            format_bytes(u.param_bytes),
+            format_bytes(cut),
+        )
+    console.print(table)
+    console.print(
+        f"batch {p.batch_size}, micro-batch sizes {list(p.microbatch_sizes)}, dtype {p.dtype}, "
+        f"torch {p.torch_version}, threads {p.device.threads}, fingerprint {p.graph_fingerprint}"
+    )
+
+
+@app.command()
+def show(file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or run report.")]) -> None:
+    """Print a plan or profile as a table."""
+    obj = load_any(file)
+    if isinstance(obj, Plan):
+        _print_plan(obj)
+    elif isinstance(obj, Profile):
+        _print_profile(obj)
+    else:
+        console.print_json(obj.model_dump_json(by_alias=True))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app, turning PipeplanErrors into one line."""
+    try:
+        rc = app(args=argv, standalone_mode=False)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
+    except PipeplanError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and the like
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise
+
+
+if __name__ == "__main__":
+    main()
