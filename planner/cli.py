@@ -292,28 +292,19 @@ def show(file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the app, turning PipeplanErrors into one line."""
+    """Console-script entry point: run the app, turning PipeplanErrors into one line.
+
+    Click runs standalone (usage errors exit 2 with its own message); errors pipeplan raises
+    print ``error: ...`` and exit 2.
+    """
     try:
-        rc = app(args=argv, standalone_mode=False)
-        if isinstance(rc, int) and rc:
-            sys.exit(rc)
+        app(args=argv)
     except PipeplanError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
-        raise
 
 
 if __name__ == "__main__":
