@@ -1,0 +1,499 @@
+"""Trace a model into one graph, group its nodes into units, and find what crosses each cut.
+
+Used by both the profiler (measure each unit) and the runtime (build each stage), so that the
+two agree on the units.  Three steps:
+
+1. :func:`trace_model` turns an ``nn.Module`` into a ``torch.fx.GraphModule``, by
+   ``torch.fx.symbolic_trace`` or, when that fails (data-dependent Python, Hugging Face models),
+   by ``torch.export.export(strict=False)`` with a dynamic batch dimension.  The graph is then
+   normalised: every ``get_attr`` node (a parameter or buffer) is copied next to each of its
+   users, so a parameter never crosses a cut, and export's input-guard call is dropped.
+2. :func:`group_units` groups the compute nodes into units, contiguous in graph order (so in
+   topological order).  ``auto`` makes every item of the "deepest repeated container" a unit
+   (``blocks.3``); the nodes before, between and after the blocks ("glue") become units of their
+   own when they use parameters (``embed``, ``head``) and join a neighbour otherwise.
+3. :func:`cut_tensors` lists, for each cut, the nodes produced before it and used after it:
+   the activations, residuals and skip connections a pipeline stage must send.
+
+:func:`subgraph_module` builds the callable of a run of nodes (a unit or a stage).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.fx import Graph, GraphModule, Node
+
+from planner.errors import InvalidRequestError, TraceError
+
+__all__ = [
+    "GRANULARITIES",
+    "TracedModel",
+    "UnitSpec",
+    "compute_nodes",
+    "cut_tensors",
+    "group_units",
+    "subgraph_module",
+    "trace_model",
+]
+
+TracerName = Literal["fx", "export"]
+
+#: The values ``group_units`` accepts (``N`` is a positive integer).
+GRANULARITIES = ("auto", "top", "depth:N", "node")
+
+_COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    """A traced model: ``gm(*inputs) == module(*inputs)``."""
+
+    gm: GraphModule
+    """For ``fx`` its submodules and parameters are the original module's objects."""
+    tracer: TracerName
+    fingerprint: str
+    """Hash of the graph's structure (node names, ops, targets, parameter shapes); it does not
+    depend on the batch size, the dtype, the device or the process."""
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One partition atom: a readable unique name and its nodes in graph order."""
+
+    name: str
+    nodes: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing
+# --------------------------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _trace_fx(module: nn.Module) -> GraphModule:
+    return torch.fx.symbolic_trace(module)
+
+
+def _trace_export(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> GraphModule:
+    from torch.export import Dim
+
+    dim = getattr(Dim, "DYNAMIC", None) or getattr(Dim, "AUTO", None)
+    try:
+        if dim is None:
+            raise RuntimeError("torch.export.Dim has no DYNAMIC")
+        dynamic = tuple({0: dim} for _ in example_inputs)
+        ep = torch.export.export(module, example_inputs, strict=False, dynamic_shapes=dynamic)
+    except Exception:  # noqa: BLE001 - a model that pins its batch size: export it static
+        ep = torch.export.export(module, example_inputs, strict=False)
+    return ep.module()  # type: ignore[return-value]
+
+
+def _normalise(gm: GraphModule) -> None:
+    """Drop export's input guard and copy each ``get_attr`` node before each of its users."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        users = sorted(node.users, key=_position(graph).__getitem__)
+        if not users:
+            graph.erase_node(node)
+            continue
+        users[0].prepend(node)
+        for user in users[1:]:
+            with graph.inserting_before(user):
+                copy = graph.get_attr(str(node.target))
+            copy.meta = dict(node.meta)
+            user.replace_input_with(node, copy)
+    graph.lint()
+    gm.recompile()
+
+
+def _position(graph: Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _describe(value: Any, index: dict[Node, int]) -> Any:
+    """A JSON-able, process-independent description of a node argument."""
+    if isinstance(value, Node):
+        return f"%{index[value]}"
+    if isinstance(value, (tuple, list)):
+        return [_describe(v, index) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _describe(v, index) for k, v in sorted(value.items(), key=str)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, slice):
+        return ["slice", *(_describe(v, index) for v in (value.start, value.stop, value.step))]
+    if isinstance(value, torch.device):
+        return "<device>"
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return "<dtype>" if isinstance(value, torch.dtype) else str(value)
+    return f"<{type(value).__name__}>"
+
+
+def _target_name(node: Node) -> str:
+    if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            return str(node.target)
+        return torch.fx.node._get_qualified_name(node.target)  # type: ignore[arg-type]
+    return str(node.target)
+
+
+def _shape(node: Node) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, Tensor):
+        return [d if isinstance(d, int) else "?" for d in val.shape]
+    return None
+
+
+def _fingerprint(gm: GraphModule) -> str:
+    index = _position(gm.graph)
+    rows: list[Any] = []
+    for node in gm.graph.nodes:
+        row: list[Any] = [node.name, node.op, _target_name(node)]
+        row.append(_describe(node.args, index))
+        row.append(_describe(node.kwargs, index))
+        if node.op == "get_attr":
+            attr = _get_attr(gm, str(node.target))
+            row.append(list(attr.shape) if isinstance(attr, Tensor) else type(attr).__name__)
+        elif node.op == "call_module":
+            sub = gm.get_submodule(str(node.target))
+            row.append(type(sub).__qualname__)
+            row.append([[k, list(p.shape)] for k, p in sub.named_parameters()])
+        else:
+            row.append(_shape(node))
+        rows.append(row)
+    text = json.dumps(rows, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _get_attr(gm: GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def trace_model(
+    module: nn.Module,
+    example_inputs: tuple[Tensor, ...],
+    tracer: Literal["auto", "fx", "export"] = "auto",
+) -> TracedModel:
+    """Trace ``module`` into a GraphModule: fx first, then export (``tracer="auto"``).
+
+    >>> traced = trace_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    >>> traced.tracer, [n.op for n in traced.gm.graph.nodes]
+    ('fx', ['placeholder', 'call_module', 'call_module', 'output'])
+    """
+    if tracer not in ("auto", "fx", "export"):
+        raise InvalidRequestError(f"tracer {tracer!r} is not one of 'auto', 'fx', 'export'")
+    name = type(module).__name__
+    errors: list[str] = []
+    gm: GraphModule | None = None
+    used: TracerName = "fx"
+    if tracer in ("auto", "fx"):
+        try:
+            gm = _trace_fx(module)
+        except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
+            errors.append(f"torch.fx failed ({_one_line(exc)})")
+    if gm is None and tracer in ("auto", "export"):
+        try:
+            gm, used = _trace_export(module, tuple(example_inputs)), "export"
+        except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
+            errors.append(f"torch.export failed ({_one_line(exc)})")
+    if gm is None:
+        hint = (
+            "make forward() free of data-dependent Python control flow, or try --tracer export"
+            if tracer == "fx"
+            else "make forward() free of data-dependent control flow and Python side effects "
+            "(for Hugging Face models pass use_cache=False)"
+        )
+        raise TraceError(f"cannot trace {name}: {'; '.join(errors)}; {hint}")
+    _normalise(gm)
+    return TracedModel(gm=gm, tracer=used, fingerprint=_fingerprint(gm))
+
+
+# --------------------------------------------------------------------------------------------
+# Grouping
+# --------------------------------------------------------------------------------------------
+
+
+def compute_nodes(gm: GraphModule) -> list[Node]:
+    """The nodes a unit can hold (everything but placeholders and the output), in graph order."""
+    return [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
+
+
+_PATH_FIXES = (
+    (re.compile(r"^(L\['self'\]|L__self__|self)\.?"), ""),
+    (re.compile(r"\[(\d+)\]"), r".\1"),
+    (re.compile(r"getattr\((.*?), '(\w+)'\)"), r"\1.\2"),
+)
+
+
+def _clean_path(path: str) -> tuple[str, ...]:
+    for pattern, repl in _PATH_FIXES:
+        path = pattern.sub(repl, path)
+    return tuple(p for p in path.split(".") if p)
+
+
+def _module_info(gm: GraphModule, node: Node) -> tuple[tuple[str, ...], dict[tuple[str, ...], str]]:
+    """The node's deepest module path and the class name of every module on its stack."""
+    classes: dict[tuple[str, ...], str] = {}
+    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+        if str(path).startswith("_"):  # export's placeholder stacks, e.g. _empty_nn_module_stack
+            continue
+        name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        classes[_clean_path(str(path))] = name
+    if node.op == "call_module":
+        path = _clean_path(str(node.target))
+        sub = gm.get_submodule(str(node.target))
+        classes[path] = f"{type(sub).__module__}.{type(sub).__qualname__}"
+        return path, classes
+    deepest = max(classes, key=len, default=())
+    return deepest, classes
+
+
+def _repeated_items(
+    paths: dict[Node, tuple[str, ...]], classes: dict[tuple[str, ...], str]
+) -> set[tuple[str, ...]]:
+    """Items of the repeated containers that together cover the most nodes (ties: more items).
+
+    A repeated container has two or more digit-named children, all of one class (a ModuleList
+    or Sequential of blocks).  Among antichains of such containers, choose by dynamic
+    programming over the module tree the one covering most compute nodes, then most items.
+    """
+    weight: Counter[tuple[str, ...]] = Counter()
+    for path in paths.values():
+        for i in range(len(path) + 1):
+            weight[path[:i]] += 1
+    children: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
+    for path in weight:
+        if path:
+            children.setdefault(path[:-1], set()).add(path)
+
+    def best(p: tuple[str, ...]) -> tuple[int, int, list[tuple[str, ...]]]:
+        kids = sorted(children.get(p, ()))
+        cover, count, items = 0, 0, list[tuple[str, ...]]()
+        for kid in kids:
+            c, k, i = best(kid)
+            cover, count, items = cover + c, count + k, items + i
+        digits = [k for k in kids if k[-1].isdigit()]
+        kinds = {classes.get(k) for k in digits}
+        if len(digits) >= 2 and len(kinds) == 1 and None not in kinds:
+            mine = sum(weight[k] for k in digits)
+            if (mine, len(digits)) > (cover, count):
+                return mine, len(digits), digits
+        return cover, count, items
+
+    return set(best(())[2])
+
+
+def _owner_names(
+    gm: GraphModule, nodes: list[Node], paths: dict[Node, tuple[str, ...]], strip: int
+) -> str:
+    """Name a glue run after the modules whose parameters it uses (their common prefix)."""
+    owners: list[tuple[str, ...]] = []
+    for n in nodes:
+        if n.op == "get_attr" and isinstance(_get_attr(gm, str(n.target)), nn.Parameter):
+            owner = _clean_path(str(n.target))[strip:-1]
+        elif n.op == "call_module" and any(
+            True for _ in gm.get_submodule(str(n.target)).parameters()
+        ):
+            owner = paths[n][strip:]
+        else:
+            continue
+        if owner and owner not in owners:
+            owners.append(owner)
+    common = _common_prefix(owners)
+    return ".".join(common) if common else "+".join(".".join(o) for o in owners)
+
+
+def _common_prefix(paths: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+    if not paths:
+        return ()
+    n = 0
+    while all(len(p) > n and p[n] == paths[0][n] for p in paths):
+        n += 1
+    return paths[0][:n]
+
+
+def _key_function(granularity: str) -> Any:
+    if granularity == "top":
+        return lambda path: path[:1] or None
+    m = re.fullmatch(r"depth:(\d+)", granularity)
+    if m and int(m.group(1)) >= 1:
+        depth = int(m.group(1))
+        return lambda path: path[:depth] or None
+    raise InvalidRequestError(
+        f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)} "
+        f"(N a positive integer, e.g. depth:2)"
+    )
+
+
+def group_units(traced: TracedModel, granularity: str = "auto") -> list[UnitSpec]:
+    """Group the compute nodes into units contiguous in graph order (see the module docstring).
+
+    >>> traced = trace_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    >>> [u.name for u in group_units(traced, "node")]
+    ['_0', '_1']
+    """
+    gm = traced.gm
+    nodes = compute_nodes(gm)
+    order = {n: i for i, n in enumerate(nodes)}
+    paths: dict[Node, tuple[str, ...]] = {}
+    classes: dict[tuple[str, ...], str] = {}
+    for n in nodes:
+        paths[n], cls = _module_info(gm, n)
+        classes.update(cls)
+
+    keys: dict[Node, tuple[str, ...] | None] = {}
+    if granularity == "node":
+        keys = {n: (n.name,) for n in nodes}
+    elif granularity == "auto":
+        items = _repeated_items({n: p for n, p in paths.items() if n.op != "get_attr"}, classes)
+        if not items:
+            return group_units(traced, "top")
+        for n in nodes:
+            path = paths[n]
+            keys[n] = next((path[:i] for i in range(len(path) + 1) if path[:i] in items), None)
+    else:
+        key_of = _key_function(granularity)
+        keys = {n: key_of(paths[n]) for n in nodes}
+    for n in nodes:  # a parameter belongs where it is used
+        if n.op == "get_attr":
+            first = min((u for u in n.users if u in order), key=order.__getitem__, default=None)
+            keys[n] = keys.get(first) if first is not None else None
+
+    # Names drop the prefix every module path shares (a wrapper's attribute name).
+    strip = len(_common_prefix([p for n, p in paths.items() if n.op != "get_attr" and p]))
+    # Merge every key's span [first, last] with the spans it overlaps.
+    spans: dict[tuple[str, ...], list[int]] = {}
+    for n in nodes:
+        key = keys[n]
+        if key is not None:
+            spans.setdefault(key, [order[n], order[n]])[1] = order[n]
+    merged: list[tuple[int, int, list[str]]] = []
+    for key, (lo, hi) in sorted(spans.items(), key=lambda kv: kv[1][0]):
+        if merged and lo <= merged[-1][1]:
+            a, b, names = merged[-1]
+            merged[-1] = (a, max(b, hi), names + [".".join(key[strip:]) or "root"])
+        else:
+            merged.append((lo, hi, [".".join(key[strip:]) or "root"]))
+
+    # Glue: runs between spans; a run that uses parameters is a unit, else joins a neighbour.
+    bounds: list[tuple[int, int, str]] = []
+    cursor = 0
+    for lo, hi, names in merged + [(len(nodes), len(nodes), [])]:
+        if lo > cursor:
+            name = _owner_names(gm, nodes[cursor:lo], paths, strip)
+            if name or not bounds and lo == len(nodes):
+                bounds.append((cursor, lo - 1, name or "glue"))
+            elif bounds:
+                a, _, label = bounds[-1]
+                bounds[-1] = (a, lo - 1, label)
+            else:
+                lo = cursor  # leading parameter-free glue joins the first span
+        if names:
+            bounds.append((lo, hi, "+".join(names)))
+        cursor = hi + 1
+
+    units: list[UnitSpec] = []
+    seen: Counter[str] = Counter()
+    for lo, hi, name in bounds:
+        seen[name] += 1
+        unique = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        units.append(UnitSpec(unique, tuple(n.name for n in nodes[lo : hi + 1])))
+    if granularity == "node":  # a get_attr unit joins its user's
+        return _fold_get_attr(gm, units)
+    return units
+
+
+def _fold_get_attr(gm: GraphModule, units: list[UnitSpec]) -> list[UnitSpec]:
+    ops = {n.name: n.op for n in gm.graph.nodes}
+    out: list[UnitSpec] = []
+    pending: tuple[str, ...] = ()
+    for u in units:
+        if all(ops[x] == "get_attr" for x in u.nodes):
+            pending += u.nodes
+        else:
+            out.append(UnitSpec(u.name, pending + u.nodes))
+            pending = ()
+    if pending:
+        out.append(UnitSpec("params", pending))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Cuts and sub-graphs
+# --------------------------------------------------------------------------------------------
+
+
+def cut_tensors(traced: TracedModel, units: list[UnitSpec]) -> list[tuple[str, ...]]:
+    """For each cut k (between ``units[k]`` and ``units[k + 1]``) the nodes live across it.
+
+    A node is live across cut k when it is a placeholder or produced in a unit <= k and used in
+    a unit > k or by the graph's output.  Names are in graph order.
+    """
+    where: dict[str, int] = {}
+    for k, unit in enumerate(units):
+        for name in unit.nodes:
+            where[name] = k
+    n = len(units)
+    cuts: list[list[str]] = [[] for _ in range(max(n - 1, 0))]
+    for node in traced.gm.graph.nodes:
+        if node.op == "output":
+            continue
+        made = -1 if node.op == "placeholder" else where.get(node.name)
+        if made is None:
+            raise InvalidRequestError(f"node {node.name!r} is in no unit; regroup the graph")
+        last = max((n if u.op == "output" else where[u.name] for u in node.users), default=made)
+        for k in range(max(made, 0), min(last, n - 1)):
+            cuts[k].append(node.name)
+    return [tuple(c) for c in cuts]
+
+
+def subgraph_module(
+    traced: TracedModel,
+    nodes: Sequence[str],
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+) -> GraphModule:
+    """A GraphModule running ``nodes``: takes ``inputs`` positionally, returns ``outputs``.
+
+    ``inputs`` must hold every value the nodes use that they do not make (placeholders or
+    nodes of earlier units); the result always returns a tuple.  Submodules and parameters are
+    shared with ``traced.gm``, not copied.
+    """
+    gm = traced.gm
+    by_name = {n.name: n for n in gm.graph.nodes}
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    for name in inputs:
+        env[by_name[name]] = graph.placeholder(name)
+    for name in nodes:
+        node = by_name[name]
+        missing = [a.name for a in node.all_input_nodes if a not in env]
+        if missing:
+            raise InvalidRequestError(
+                f"node {name!r} uses {missing}, which are neither inputs nor earlier nodes"
+            )
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[by_name[name]] for name in outputs))
+    return GraphModule(gm, graph, class_name="Subgraph")
