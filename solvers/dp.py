@@ -64,11 +64,16 @@ class _Result:
 
 
 class _Instance:
-    """Banded stage costs and memory for one micro-batch count m."""
+    """Banded costs and memory of one micro-batch count m.
+
+    Stages 0..p-2 ("mid" stages) share one cost formula; the last stage, which starts at unit L,
+    is handled as a vector over L.  ``run_mid`` returns, for every L, the best value of the first
+    p - 1 stages over units 0..L-1.
+    """
 
     def __init__(self, costs: UnitCosts, cluster: Cluster, options: PlanOptions, caps: np.ndarray):
         self.c = costs
-        self.n = costs.n
+        self.n = n = costs.n
         self.p = cluster.n_stages
         self.m = costs.m
         self.caps = caps
@@ -77,174 +82,201 @@ class _Instance:
         bw = _INF if link.bandwidth_Bps is None else link.bandwidth_Bps
         x = costs.x
         one_way = np.where(x > 0, costs.msgs * (link.latency_s + link.overhead_s) + x / bw, 0.0)
-        one_way[self.n] = 0.0
+        one_way[n] = 0.0
         self.comm = 2.0 * one_way  # comm[k]: round trip across the cut before unit k
-        self.rc_mid = recomputes(options.checkpoint, 0, 2)  # any non-last stage
-        self.rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
-        # Q[k] = prefix of the stage-time numerator, so time(l..r) = (Q[r+1] - Q[l]) / s + comm.
-        self.Qmid = ((1 + self.rc_mid) * costs.Pf + costs.Pg) / speed
-        self.Qlast = ((1 + self.rc_last) * costs.Pf + costs.Pg) / speed
-        k = OPTIMIZER_STATES[options.optimizer]
-        self.wk = 2 + k
-        self.q = np.array([in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)])
         self.policy = options.checkpoint
-
-    # ---- band geometry --------------------------------------------------------------------
+        rc_mid = recomputes(options.checkpoint, 0, 2)
+        rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
+        # Stage time of units l..r: (Q[r + 1] - Q[l]) + comm[r + 1] (mid) or Qlast diff (last).
+        self.Qmid = ((1 + rc_mid) * costs.Pf + costs.Pg) / speed
+        self.Qlast = ((1 + rc_last) * costs.Pf + costs.Pg) / speed
+        self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
+        self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
+        # The last stage as a vector over its first unit L (inf where it does not fit).
+        L = np.arange(n + 1)
+        j = self.p - 1
+        w = costs.Pw[n] - costs.Pw[L]
+        a = costs.Pa[n] - costs.Pa[L]
+        if rc_last:
+            mem = w * self.wk + self.q[j] * x + a
+        else:
+            mem = w * self.wk + self.q[j] * a
+        ok = (mem <= caps[j]) & (L < n)
+        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L], _INF)
 
     def width(self, threshold: float) -> int:
-        """Largest stage length (in units) whose time can be <= threshold."""
-        if not np.isfinite(threshold):
-            return self.n
-        r = np.arange(self.n)
-        w = 1
-        for Q, comm in ((self.Qmid, self.comm[1:]), (self.Qlast, np.zeros(self.n))):
-            need = Q[r + 1] + comm - threshold  # need Q[l] >= need
-            lo = np.searchsorted(Q, need - 1e-12 * max(1.0, abs(threshold)), side="left")
-            w = max(w, int(np.max(r - np.minimum(lo, r) + 1)))
-        return min(w, self.n)
+        """Longest mid stage (in units) whose time can be <= threshold."""
+        if not np.isfinite(threshold) or self.n < 2:
+            return max(self.n, 1)
+        r = np.arange(self.n - 1)
+        need = self.Qmid[r + 1] + self.comm[r + 1] - threshold  # stage l..r fits iff Q[l] >= need
+        lo = np.searchsorted(self.Qmid, need - 1e-12 * max(1.0, abs(threshold)), side="left")
+        return int(min(self.n, np.max(r - np.minimum(lo, r) + 1)))
 
-    def band(self, W: int) -> dict[str, np.ndarray]:
-        """Cost and memory of every stage (l = r - d, r) for d < W, as (n, W) arrays."""
+    def band(self, W: int) -> tuple[np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
+        """(l, t) of every mid stage l = r - d .. r, d < W, as (n, W) arrays; memory masks."""
         n, c = self.n, self.c
         r = np.arange(n)[:, None]
         l = r - np.arange(W)[None, :]
-        valid = l >= 0
+        valid = (l >= 0) & (r < n - 1)
         lc = np.where(valid, l, 0)
-        t_mid = self.Qmid[r + 1] - self.Qmid[lc] + self.comm[r + 1]
-        t_last = self.Qlast[r + 1] - self.Qlast[lc]
-        w = c.Pw[r + 1] - c.Pw[lc]
+        t = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.comm[r + 1], _INF)
+        w = (c.Pw[r + 1] - c.Pw[lc]) * self.wk
         a = c.Pa[r + 1] - c.Pa[lc]
-        return {
-            "l": np.where(valid, l, -1),
-            "valid": valid,
-            "t_mid": np.where(valid, t_mid, _INF),
-            "t_last": np.where(valid, t_last, _INF),
-            "w": w,
-            "a": a,
-            "x": c.x[lc],
-        }
+        rc = recomputes(self.policy, 0, 2)
+        masks: dict[tuple[int, float], np.ndarray] = {}
+        for j in range(self.p - 1):
+            key = (self.q[j], float(self.caps[j]))
+            if key not in masks:
+                mem = w + self.q[j] * c.x[lc] + a if rc else w + self.q[j] * a
+                masks[key] = valid & (mem <= self.caps[j])
+        return np.where(valid, l, n + 1), t, masks
 
-    def mem_ok(self, band: dict[str, np.ndarray], j: int) -> np.ndarray:
-        rc = recomputes(self.policy, j, self.p)
-        q = self.q[j]
-        if rc:
-            mem = band["w"] * self.wk + q * band["x"] + band["a"]
-        else:
-            mem = band["w"] * self.wk + q * band["a"]
-        return band["valid"] & (mem <= self.caps[j])
+    def run_mid(self, threshold: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
+        """V[L] = min-sum (or min-max) over the first p - 1 stages covering 0..L-1, t <= threshold.
 
-    # ---- the DPs --------------------------------------------------------------------------
-
-    def run(self, threshold: float, mode: str) -> _Result | None:
-        """Min-sum (``mode='sum'``) or min-max (``'max'``) DP over stages with t <= threshold."""
+        Returns V (length n + 1) and the back-pointers ``choice[j, r]`` = length - 1 of stage j
+        when it ends at unit r.
+        """
         n, p = self.n, self.p
-        W = self.width(threshold)
-        band = self.band(W)
-        lidx = np.where(band["l"] >= 0, band["l"], n + 1)  # n + 1 indexes an inf slot
-        dp = np.full(n + 2, _INF)
+        dp = np.full(n + 2, _INF)  # dp[k]: units 0..k-1 covered; slot n + 1 stays inf
         dp[0] = 0.0
-        choice = np.zeros((p, n), dtype=np.int64)
+        choice = np.zeros((max(p - 1, 0), n), dtype=np.int64)
+        if p == 1:
+            return dp[: n + 1], choice
+        lidx, t, masks = self.band(self.width(threshold))
+        t_ok = t <= threshold
+        costs = {key: np.where(mask & t_ok, t, _INF) for key, mask in masks.items()}
+        rows = np.arange(n)
         for j in range(p - 1):
-            cost = np.where(self.mem_ok(band, j) & (band["t_mid"] <= threshold), band["t_mid"], _INF)
+            cost = costs[(self.q[j], float(self.caps[j]))]
             cand = dp[lidx] + cost if mode == "sum" else np.maximum(dp[lidx], cost)
             choice[j] = np.argmin(cand, axis=1)
             new = np.full(n + 2, _INF)
-            new[1 : n + 1] = cand[np.arange(n), choice[j]]
+            new[1 : n + 1] = cand[rows, choice[j]]
             dp = new
-        # The last stage ends at unit n - 1.
-        last_ok = self.mem_ok(band, p - 1)[n - 1] & (band["t_last"][n - 1] <= threshold)
-        cost = np.where(last_ok, band["t_last"][n - 1], _INF)
-        prev = dp[lidx[n - 1]]
-        cand = prev + cost if mode == "sum" else np.maximum(prev, cost)
-        d = int(np.argmin(cand))
-        if not np.isfinite(cand[d]):
-            return None
-        starts = [n - 1 - d]
-        for j in range(p - 2, -1, -1):
-            r = starts[-1] - 1
-            starts.append(r - int(choice[j][r]))
-        starts.reverse()
-        return _Result(float(cand[d]), tuple(starts))
+        return dp[: n + 1], choice
 
-    def times(self, starts: tuple[int, ...]) -> list[float]:
+    def candidates(self, lo: float, hi: float) -> np.ndarray:
+        """Sorted distinct mid-stage times in [lo, hi]."""
+        _, t, _ = self.band(self.width(hi))
+        vals = t[(t >= lo) & (t <= hi)]
+        return np.unique(vals)
+
+    def starts(self, choice: np.ndarray, L: int) -> tuple[int, ...]:
+        out = [L]
+        for j in range(self.p - 2, -1, -1):
+            r = out[-1] - 1
+            out.append(r - int(choice[j][r]))
+        return tuple(reversed(out))
+
+    def step_time(self, starts: tuple[int, ...]) -> float:
         ends = [*starts[1:], self.n]
-        out = []
-        for j, (l, e) in enumerate(zip(starts, ends)):
-            if j < self.p - 1:
-                out.append(float(self.Qmid[e] - self.Qmid[l] + self.comm[e]))
-            else:
-                out.append(float(self.Qlast[e] - self.Qlast[l]))
-        return out
+        times = [
+            float(self.Qmid[e] - self.Qmid[l] + self.comm[e]) for l, e in zip(starts[:-1], ends)
+        ]
+        times.append(float(self.t_last[starts[-1]]))
+        return sum(times) + (self.m - 1) * max(times)
 
 
 def _solve_m(inst: _Instance) -> _Result | None:
-    """Exact min over partitions of S + (m - 1) M for one micro-batch count."""
-    m = inst.m
-    if m == 1:
-        return inst.run(_INF, "sum")
-    # 1. Bottleneck: the min-max DP on a band wide enough for its own answer.
-    guess = max(float(inst.Qmid[-1]) / inst.p, 1e-300)
-    mm = None
-    while True:
-        mm = inst.run(guess, "max")
-        if mm is not None or not np.isfinite(guess):
-            break
-        guess = guess * 2 if guess < float(inst.Qmid[-1] + inst.comm.sum()) else _INF
-    if mm is None:
-        return None
-    m_min = mm.objective
-    first = inst.run(m_min, "sum")
-    assert first is not None  # the min-max partition is feasible at its own threshold
-    best = _Result(first.objective + (m - 1) * max(inst.times(first.starts)), first.starts)
+    """Exact min over partitions of S + (m - 1) M for one micro-batch count (see module doc)."""
+    m, n, p = inst.m, inst.n, inst.p
+    tl = inst.t_last
+    best: _Result | None = None
 
-    def consider(res: _Result) -> None:
+    def consider(V: np.ndarray, choice: np.ndarray, M: float) -> None:
+        """Best last-stage start under threshold M; keep it if its true step time is better."""
         nonlocal best
-        obj = res.objective + (m - 1) * max(inst.times(res.starts))
-        if obj < best.objective:
-            best = _Result(obj, res.starts)
+        val = V + tl + (m - 1) * np.maximum(M, tl) if m > 1 else V + tl
+        L = int(np.argmin(val))
+        if not np.isfinite(val[L]):
+            return
+        starts = inst.starts(choice, L)
+        obj = inst.step_time(starts)
+        if best is None or obj < best.objective:
+            best = _Result(obj, starts)
 
-    # 2. No plan with M > M_hi0 can win, since S >= S_lb0 (all compute, no communication).
-    s_lb0 = min(float(inst.Qmid[-1]), float(inst.Qlast[-1]))
-    m_hi0 = (best.objective - s_lb0) / (m - 1)
-    if m_hi0 <= m_min:
+    if p == 1 or m == 1:  # no bottleneck term, or a single stage: one DP with no threshold
+        V, choice = inst.run_mid(_INF, "sum")
+        consider(V, choice, 0.0)  # no mid stages when p == 1; the M term is unused when m == 1
         return best
-    top = inst.run(m_hi0, "sum")
-    assert top is not None
-    consider(top)
-    s_lb = top.objective
-    m_hi = (best.objective - s_lb) / (m - 1)
-    # 3. Candidate thresholds: every stage time in (M_min, M_hi].
-    W = inst.width(m_hi)
-    band = inst.band(W)
-    vals = np.concatenate([band["t_mid"].ravel(), band["t_last"][inst.n - 1]])
-    cands = np.unique(vals[(vals > m_min) & (vals <= m_hi)])
-    cache: dict[int, float] = {}
+    # 1. A threshold G at which some plan exists; the min-max DP is exact wherever <= G.
+    total = float(inst.Qmid[n] + inst.comm.sum())
+    G = max(total / p, 1e-300)
+    while True:
+        V, choice = inst.run_mid(G, "sum")
+        consider(V, choice, G)
+        if best is not None:
+            break
+        if not np.isfinite(G):
+            return None
+        G = G * 2 if G < total else _INF
+    mm, mm_choice = inst.run_mid(G, "max")
+    mm_lb = np.where(mm <= G, mm, G)  # a lower bound on the mid bottleneck for every L
+    if not inst.comm.any():
+        # Free links: S = Qmid[L] + t_last(L) for every partition, so the min-max DP decides.
+        # mm[L] is exact where <= G and a lower bound (G) elsewhere: grow G until the minimiser
+        # is exact.
+        while True:
+            val = inst.Qmid + tl + (m - 1) * np.maximum(mm_lb, tl)
+            L = int(np.argmin(val))
+            if mm[L] <= G or not np.isfinite(val[L]):
+                break
+            G = max(G * 1.5, float(mm_lb[L]) * 1.5) if G < total else _INF
+            mm, mm_choice = inst.run_mid(G, "max")
+            mm_lb = np.where(mm <= G, mm, G)
+        if np.isfinite(val[L]):
+            starts = inst.starts(mm_choice, L)
+            obj = inst.step_time(starts)
+            return _Result(obj, starts) if obj < best.objective else best
+        return best
+    # 2. Thresholds above M_top cannot win: S >= Qmid[L] + t_last(L) (communication >= 0).
+    s_lb = inst.Qmid + tl
+    finite = np.isfinite(s_lb)
+    m_top = (best.objective - float(np.min(s_lb[finite]))) / (m - 1)
+    top = G
+    if m_top > G:
+        top = m_top
+        V, choice = inst.run_mid(top, "sum")
+        consider(V, choice, top)
+    v_lb = V  # S*_mid at the top threshold bounds every lower threshold's from below
+    relevant_floor = v_lb + tl + (m - 1) * np.maximum(mm_lb, tl)
+    rel = relevant_floor < best.objective
+    if not rel.any():
+        return best
+    # 3. Bisection over candidate thresholds for the left ends of S*'s plateaus.
+    cands = list(inst.candidates(float(np.min(mm_lb[rel])), top))
+    if not cands or cands[-1] < top:
+        cands.append(top)
+    cache: dict[int, np.ndarray] = {len(cands) - 1: V}
 
-    def s_at(i: int) -> float:
+    def values(i: int) -> np.ndarray:
         if i not in cache:
-            res = inst.run(float(cands[i]), "sum")
-            assert res is not None
-            consider(res)
-            cache[i] = res.objective
+            Vi, ch = inst.run_mid(float(cands[i]), "sum")
+            consider(Vi, ch, float(cands[i]))
+            cache[i] = Vi
         return cache[i]
 
-    def search(lo: int, hi: int, s_lo: float, s_hi: float) -> None:
-        """Thresholds cands[lo..hi]; s_lo = S* just below cands[lo], s_hi = S*(cands[hi])."""
-        if lo > hi or s_lo == s_hi:
-            return  # S* is flat on the range: nothing below improves the left end
-        if s_lb + (m - 1) * float(cands[lo]) >= best.objective:
+    def search(lo: int, hi: int) -> None:
+        """cands[lo] and cands[hi] are evaluated; look between them."""
+        if hi - lo <= 1:
             return
-        if lo == hi:
-            s_at(lo)
+        assert best is not None
+        # Between the two, S*_mid >= its value at cands[hi] and M >= cands[lo + 1].
+        floor = values(hi) + tl + (m - 1) * np.maximum(np.maximum(mm_lb, tl), cands[lo + 1])
+        if not (floor < best.objective).any():
             return
+        rel = relevant_floor < best.objective
+        if np.array_equal(values(lo)[rel], values(hi)[rel]):
+            return  # S*_mid is flat on relevant L: nothing between beats the left end
         mid = (lo + hi) // 2
-        s_mid = s_at(mid)
-        search(lo, mid, s_lo, s_mid)
-        search(mid + 1, hi, s_mid, s_hi)
+        values(mid)
+        search(lo, mid)
+        search(mid, hi)
 
-    if len(cands):
-        s_last = s_at(len(cands) - 1)
-        search(0, len(cands) - 1, first.objective, s_last)
+    values(0)
+    search(0, len(cands) - 1)
     return best
 
 
