@@ -1,0 +1,252 @@
+"""Run one rank's stage of a plan with ``torch.distributed.pipelining``.
+
+Each rank builds every stage module (they share the model's parameters, so this is cheap),
+keeps its own, and hands it to a :class:`~torch.distributed.pipelining.PipelineStage` with
+static metadata from :func:`runtime.stages.build_stages`.  The schedule is
+:class:`~torch.distributed.pipelining.ScheduleGPipe` or
+:class:`~torch.distributed.pipelining.Schedule1F1B` (``plan.schedule``); it splits the batch
+into ``plan.microbatches`` micro-batches and divides the gradients by m, so with a loss that is
+a batch mean the result is the full batch's gradient.
+
+A stage with ``recompute`` runs inside ``torch.utils.checkpoint(use_reentrant=False)``: only
+its inputs are kept per micro-batch and its forward is run again in the backward pass, with
+the RNG state restored and buffer updates (batch-norm statistics) of the rerun undone.
+
+A parameter held by several stages (tied embedding / LM head) gets its gradient summed over
+the ranks that hold it (``all_reduce`` on a group of exactly those ranks) before the optimizer
+steps, so the copies receive the same update and stay equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.checkpoint import checkpoint
+
+from planner.errors import InvalidRequestError
+from planner.graph import group_units, trace_model
+from planner.model import ModelSpec
+from planner.types import Plan
+from runtime.stages import (
+    TiedParameter,
+    build_stages,
+    parameter_names,
+    preserved_buffers,
+    tied_parameters,
+)
+from runtime.timing import Span, StepTimer
+
+__all__ = ["OPTIMIZERS", "PipelineRunner", "Recompute", "cast_batch", "make_optimizer"]
+
+#: ``--optimizer`` choices (``momentum`` is SGD with momentum 0.9).
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+FaultHook = Callable[[int, int], None]
+"""Called with (step, micro-batch) before each forward; tests use it to make a stage fail."""
+
+
+class Recompute(nn.Module):
+    """Run ``inner`` under non-reentrant activation checkpointing when autograd is on."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def _contexts(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        return contextlib.nullcontext(), preserved_buffers(self.inner)
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args)
+        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self._contexts)
+
+
+class _MeasuredStage(PipelineStage):
+    """A PipelineStage that times each micro-batch's forward and backward."""
+
+    timer: StepTimer
+    fault: FaultHook | None
+    step_index: int
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.fault is not None:
+            self.fault(self.step_index, fwd_chunk_id)
+        with self.timer.span("forward", fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self.timer.span("backward", bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def make_optimizer(name: str, params: Sequence[Tensor], lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise InvalidRequestError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def cast_batch(
+    inputs: tuple[Tensor, ...], target: Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Move a batch to ``device``; floating-point tensors take the plan's ``dtype``."""
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    return tuple(cast(t) for t in inputs), cast(target)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequestError(f"plan dtype {name!r} is not a torch dtype; e.g. float32")
+    return dtype
+
+
+class PipelineRunner:
+    """This rank's stage of ``plan``: ``forward_backward`` then ``optimizer_step``.
+
+    Stage j runs on global rank j of ``group`` (default: the world).  ``spec.module`` must
+    hold the same initial parameters on every rank (seed before building it).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        spec: ModelSpec,
+        *,
+        device: torch.device,
+        optimizer: str = "sgd",
+        lr: float = 1e-3,
+        fault: FaultHook | None = None,
+    ) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != plan.n_stages:
+            raise InvalidRequestError(
+                f"plan has {plan.n_stages} stages but the world size is {world}; "
+                f"launch one rank per stage (--nproc-per-node {plan.n_stages})"
+            )
+        self.plan, self.rank, self.device = plan, rank, device
+        self.dtype = _dtype(plan.dtype)
+        self.loss_fn = spec.loss
+        module = spec.module.to(dtype=self.dtype)
+        inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
+        traced = trace_model(module, inputs, tracer=plan.tracer)
+        units = group_units(traced, plan.granularity)
+        programs = build_stages(plan, traced, units, inputs)
+        self.names = parameter_names(module, traced.gm)
+        self.tied = tied_parameters([p.module for p in programs], self.names)
+        mine = programs[rank]
+        self.stage_module = mine.module.to(device)
+        self.recompute = plan.stages[rank].recompute
+        submod: nn.Module = Recompute(self.stage_module) if self.recompute else self.stage_module
+        self.is_first, self.is_last = rank == 0, rank == plan.n_stages - 1
+
+        def to_dev(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            return tuple(t.to(device).requires_grad_(t.requires_grad) for t in ts)
+
+        self.timer = StepTimer(device)
+        stage = _MeasuredStage(
+            submod,
+            rank,
+            plan.n_stages,
+            device,
+            input_args=to_dev(mine.example_inputs),
+            output_args=to_dev(mine.example_outputs),
+        )
+        stage.timer, stage.fault, stage.step_index = self.timer, fault, 0
+        self.stage = stage
+        del programs, mine
+        schedule_cls = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
+        self.schedule = schedule_cls(
+            stage, n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=True
+        )
+        self._loss_calls = 0
+        self.params = list(dict.fromkeys(self.stage_module.parameters()))
+        self.optimizer = make_optimizer(optimizer, self.params, lr)
+        self._tied_groups = self._make_tied_groups()
+
+    # -- tied parameters -------------------------------------------------------------------
+
+    def _make_tied_groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
+        """One process group per distinct set of owning stages (created on every rank)."""
+        by_name = {self.names[id(p)]: p for p in self.params}
+        owners: dict[tuple[int, ...], list[TiedParameter]] = {}
+        for t in self.tied:
+            owners.setdefault(t.stages, []).append(t)
+        groups = []
+        for stages, tied in sorted(owners.items()):
+            group = dist.new_group(list(stages))
+            if self.rank in stages:
+                groups.append((group, [by_name[t.name] for t in tied]))
+        return groups
+
+    def _sync_tied(self) -> None:
+        for group, params in self._tied_groups:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone()
+                offset += n
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _loss(self, output: Any, target: Tensor) -> Tensor:
+        with self.timer.span("loss", self._loss_calls):
+            self._loss_calls += 1
+            return self.loss_fn(output, target)
+
+    def forward_backward(
+        self, inputs: tuple[Tensor, ...], target: Tensor, step: int = 0
+    ) -> float | None:
+        """One pipelined forward and backward of the full batch; tied gradients summed.
+
+        Every rank passes the same batch (only stage 0 uses the inputs, only the last stage
+        the target).  Returns the batch's loss on the last stage, ``None`` elsewhere.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stage.step_index, self._loss_calls = step, 0
+        inputs, target = cast_batch(inputs, target, self.dtype, self.device)
+        args = inputs if self.is_first else ()
+        kwargs: dict[str, Any] = {"return_outputs": False}
+        losses: list[Tensor] = []
+        if self.is_last:
+            kwargs.update(target=target, losses=losses)
+        self.schedule.step(*args, **kwargs)
+        self._sync_tied()
+        if not self.is_last:
+            return None
+        return float(torch.stack([loss.detach() for loss in losses]).mean())
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def timed_step(
+        self, inputs: tuple[Tensor, ...], target: Tensor, step: int
+    ) -> tuple[float, list[Span], float | None]:
+        """A full training step after a barrier: (wall seconds, spans, loss or None)."""
+        dist.barrier()
+        self.timer.begin()
+        loss = self.forward_backward(inputs, target, step)
+        self.optimizer_step()
+        wall, spans = self.timer.end()
+        return wall, spans, loss
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This stage's parameters under the model's qualified names."""
+        return {self.names[id(p)]: p for p in self.params}  # type: ignore[misc]

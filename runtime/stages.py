@@ -1,0 +1,282 @@
+"""Cut a traced model at a plan's unit boundaries into one module per pipeline stage.
+
+Stage j runs the nodes of units ``first_unit..last_unit``.  It receives *everything* live
+across its input cut and sends *everything* live across its output cut
+(:func:`planner.graph.cut_tensors`), so a residual or skip connection that jumps over a stage
+is forwarded through it: every stage talks only to its neighbours.
+
+    stage 0      inputs = the model's inputs           outputs = live across cut after it
+    stage j      inputs = live across cut before it    outputs = live across cut after it
+    stage p - 1  inputs = live across cut before it    outputs = the model's output
+
+Values that cross a cut but are not tensors (``x.size(0)``, a ``sym_size`` of export) are
+the same for every micro-batch of a plan (all micro-batches have size b), so they are recorded
+once, by running the whole graph on one micro-batch (:func:`probe`), and baked into the stage
+that consumes them as constants.  The same run gives every sent tensor's shape, dtype and
+``requires_grad``, which :class:`torch.distributed.pipelining.PipelineStage` takes as static
+metadata (no shape inference on garbage data).
+
+Parameters are never sent: ``planner.graph`` copies each ``get_attr`` next to its users, so a
+parameter used on two stages (a tied embedding and LM head) appears in both stage modules as
+the same object.  :func:`tied_parameters` finds them; the engine sums their gradients across
+the stages that hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx.node import map_arg
+
+from planner.errors import FingerprintMismatchError, InvalidRequestError
+from planner.graph import TracedModel, UnitSpec, cut_tensors, subgraph_module
+from planner.types import Plan
+
+__all__ = [
+    "StageModule",
+    "StageProgram",
+    "TiedParameter",
+    "build_stages",
+    "check_plan",
+    "parameter_names",
+    "preserved_buffers",
+    "probe",
+    "tied_parameters",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class _Const:
+    value: Any
+
+
+class StageModule(nn.Module):
+    """One stage's nodes as a module: tensors in, tensors out (the model's output on the last).
+
+    ``body`` takes every value live across the input cut positionally; ``slots`` says, for
+    each, whether it is the next received tensor or a :class:`_Const`.  Non-last stages return
+    only the tensor outputs, in order; the last rebuilds the model's output structure.
+    """
+
+    def __init__(
+        self,
+        body: GraphModule,
+        slots: Sequence[_Const | None],
+        sent: Sequence[int],
+        root_graph: Graph,
+        *,
+        first: bool,
+        output_template: Any = None,
+    ) -> None:
+        super().__init__()
+        self.body = body
+        self._slots = tuple(slots)
+        self._sent = tuple(sent)
+        self._root_graph = root_graph
+        self._first = first
+        self._template = output_template
+
+    def forward(self, *args: Any) -> Any:
+        if self._first:
+            args = tuple(self._root_graph.process_inputs(*args))
+        received = iter(args)
+        full = [next(received) if s is None else s.value for s in self._slots]
+        outs = self.body(*full)
+        if self._template is None:
+            return tuple(outs[i] for i in self._sent)
+        values = dict(zip(self._template[1], outs))
+        result = map_arg(self._template[0], lambda n: values[n.name])
+        return self._root_graph.process_outputs(result)
+
+
+@dataclass(frozen=True, slots=True)
+class StageProgram:
+    """A stage module plus example tensors of one micro-batch for static metadata."""
+
+    index: int
+    module: StageModule
+    inputs: tuple[str, ...]
+    """Names of the tensors the stage receives (stage 0: the model's inputs)."""
+    outputs: tuple[str, ...]
+    """Names of the tensors it sends (empty for the last stage)."""
+    example_inputs: tuple[Tensor, ...]
+    example_outputs: tuple[Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParameter:
+    """A parameter that two or more stages use; its gradient is summed over ``stages``."""
+
+    name: str
+    stages: tuple[int, ...]
+
+
+def check_plan(plan: Plan, traced: TracedModel, units: Sequence[UnitSpec]) -> None:
+    """Raise :class:`FingerprintMismatchError` unless ``plan`` was made for this graph."""
+    if plan.graph_fingerprint != traced.fingerprint:
+        raise FingerprintMismatchError(
+            f"plan was made for graph fingerprint {plan.graph_fingerprint} ({plan.model}, "
+            f"{plan.tracer}) but this model traces to {traced.fingerprint} ({traced.tracer}); "
+            f"profile and plan this model again, or pass the model the plan was made for"
+        )
+    last = plan.stages[-1].last_unit if plan.stages else -1
+    if last + 1 != len(units):
+        raise FingerprintMismatchError(
+            f"plan covers {last + 1} units but the model groups into {len(units)} units "
+            f"(granularity {plan.granularity!r}); profile and plan it again"
+        )
+    expected = 0
+    for s in plan.stages:
+        if s.first_unit != expected or s.last_unit < s.first_unit:
+            raise InvalidRequestError(
+                f"plan stage {s.index} covers units {s.first_unit}..{s.last_unit}; stages must "
+                f"be non-empty and contiguous from unit 0 (expected first unit {expected})"
+            )
+        have = tuple(u.name for u in units[s.first_unit : s.last_unit + 1])
+        if have != tuple(s.unit_names):
+            diff = next(i for i, (a, b) in enumerate(zip(have, s.unit_names)) if a != b)
+            unit = s.first_unit + diff
+            raise FingerprintMismatchError(
+                f"stage {s.index}: plan names unit {unit} {s.unit_names[diff]!r} but the model's "
+                f"unit {unit} is {have[diff]!r}; profile and plan this model again"
+            )
+        expected = s.last_unit + 1
+
+
+@contextlib.contextmanager
+def preserved_buffers(module: nn.Module) -> Iterator[None]:
+    """Restore every buffer of ``module`` on exit (a probe or a recomputation must not count
+    a batch-norm batch twice)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
+
+
+class _Recorder(Interpreter):
+    def __init__(self, gm: GraphModule, wanted: set[str]) -> None:
+        super().__init__(gm)
+        self.wanted = wanted
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.wanted:
+            self.values[n.name] = out
+        return out
+
+
+def probe(traced: TracedModel, wanted: set[str], inputs: tuple[Tensor, ...]) -> dict[str, Any]:
+    """Run the whole graph on ``inputs`` (one micro-batch) and return the ``wanted`` values.
+
+    Runs with autograd on, so each tensor's ``requires_grad`` is what a stage will see; the
+    model's buffers are left as they were.
+    """
+    rec = _Recorder(traced.gm, wanted)
+    with torch.enable_grad(), preserved_buffers(traced.gm):
+        rec.run(*inputs)
+    return rec.values
+
+
+def _example(value: Tensor) -> Tensor:
+    t = value.detach()
+    return t.requires_grad_(value.requires_grad and t.is_floating_point())
+
+
+def build_stages(
+    plan: Plan,
+    traced: TracedModel,
+    units: Sequence[UnitSpec],
+    example_inputs: tuple[Tensor, ...],
+) -> list[StageProgram]:
+    """One :class:`StageProgram` per plan stage; the stages share the model's parameters.
+
+    ``example_inputs`` is one micro-batch of the model's inputs (size ``plan.microbatch_size``).
+    """
+    check_plan(plan, traced, units)
+    gm = traced.gm
+    cuts = cut_tensors(traced, list(units))
+    placeholders = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_names = tuple(dict.fromkeys(n.name for n in out_node.all_input_nodes))
+    p = plan.n_stages
+    bounds = [
+        (placeholders if j == 0 else cuts[s.first_unit - 1], cuts[s.last_unit] if j < p - 1 else ())
+        for j, s in enumerate(plan.stages)
+    ]
+    wanted = {name for io in bounds for side in io for name in side} | set(out_names)
+    values = probe(traced, wanted, example_inputs)
+
+    programs = []
+    for j, s in enumerate(plan.stages):
+        ins, outs = bounds[j]
+        nodes = [n for u in units[s.first_unit : s.last_unit + 1] for n in u.nodes]
+        last = j == p - 1
+        body = subgraph_module(traced, nodes, ins, out_names if last else outs)
+        slots = [None if isinstance(values[i], Tensor) else _Const(values[i]) for i in ins]
+        sent = [k for k, name in enumerate(outs) if isinstance(values[name], Tensor)]
+        module = StageModule(
+            body,
+            slots,
+            sent,
+            gm.graph,
+            first=j == 0,
+            output_template=(out_node.args[0], out_names) if last else None,
+        )
+        if j == 0:
+            recv = placeholders
+        else:
+            recv = tuple(i for i, slot in zip(ins, slots) if slot is None)
+        send = tuple(outs[k] for k in sent)
+        out_values = [values[n] for n in (out_names if last else send)]
+        programs.append(
+            StageProgram(
+                index=j,
+                module=module,
+                inputs=recv,
+                outputs=send,
+                example_inputs=(
+                    tuple(_example(values[n]) for n in recv) if j else tuple(example_inputs)
+                ),
+                example_outputs=tuple(_example(v) for v in out_values if isinstance(v, Tensor)),
+            )
+        )
+    return programs
+
+
+def _stage_parameters(stage: nn.Module) -> dict[int, nn.Parameter]:
+    return {id(p): p for p in stage.parameters()}
+
+
+def parameter_names(root: nn.Module, *extra: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> qualified name``: the first name under which ``root`` (then each of
+    ``extra``) holds it, so a tied parameter has one name everywhere."""
+    names: dict[int, str] = {}
+    for module in (root, *extra):
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), name)
+    return names
+
+
+def tied_parameters(
+    stages: Sequence[nn.Module], names: dict[int, str] | None = None
+) -> list[TiedParameter]:
+    """Parameters held by two or more of ``stages`` (all of the plan's stages, in order)."""
+    owners: dict[int, list[int]] = {}
+    for j, stage in enumerate(stages):
+        for pid in _stage_parameters(stage):
+            owners.setdefault(pid, []).append(j)
+    names = names or parameter_names(*stages)
+    return sorted(
+        (TiedParameter(names[pid], tuple(js)) for pid, js in owners.items() if len(js) > 1),
+        key=lambda t: (t.stages, t.name),
+    )

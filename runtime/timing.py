@@ -1,0 +1,76 @@
+"""Timers for one rank's pipeline step: spans of forward and backward per micro-batch.
+
+On CPU a span is two ``time.perf_counter()`` readings; on CUDA two CUDA events, read after the
+step's final synchronisation, so timing never stalls the stream.  Every time is relative to
+the start of the step on the rank that measured it (ranks start each step after a barrier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["Span", "SpanKind", "StepTimer"]
+
+SpanKind = Literal["forward", "backward", "loss"]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    kind: SpanKind
+    microbatch: int
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class StepTimer:
+    """Collects :class:`Span` s between :meth:`begin` and :meth:`end` of a step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._t0 = 0.0
+        self._start_event: torch.cuda.Event | None = None
+        self._cpu: list[Span] = []
+        self._gpu: list[tuple[SpanKind, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self) -> None:
+        self._cpu, self._gpu = [], []
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        self._t0 = time.perf_counter()
+
+    def end(self) -> tuple[float, list[Span]]:
+        """Wait for the device; return the step's wall time and its spans in start order."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        spans = list(self._cpu)
+        if self.cuda and self._start_event is not None:
+            ref = self._start_event
+            for kind, mb, a, b in self._gpu:
+                spans.append(Span(kind, mb, ref.elapsed_time(a) / 1e3, ref.elapsed_time(b) / 1e3))
+        return wall, sorted(spans, key=lambda s: s.start_s)
+
+    @contextlib.contextmanager
+    def span(self, kind: SpanKind, microbatch: int) -> Iterator[None]:
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+            self._gpu.append((kind, microbatch, a, b))
+            return
+        start = time.perf_counter() - self._t0
+        yield
+        self._cpu.append(Span(kind, microbatch, start, time.perf_counter() - self._t0))
