@@ -1,0 +1,113 @@
+"""The closed form against the schedule simulator, and the memory model's terms."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costmodel import evaluate, in_flight, recomputes, step_time
+from planner.simulate import operation_order, simulate, simulate_plan
+from planner.synthetic import synthetic_profile
+from planner.types import Cluster, Link, PlanOptions
+
+floats = st.floats(1e-4, 1.0, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(floats, min_size=1, max_size=6),
+    st.floats(0.5, 4.0),
+    st.lists(st.floats(0.0, 0.2), min_size=6, max_size=6),
+    st.integers(1, 12),
+)
+def test_closed_form_equals_simulator_with_equal_ratios(
+    fwd: list[float], ratio: float, comm: list[float], m: int
+) -> None:
+    # Stage j's forward op is F_j + C_j/2 and its backward op B_j + C_j/2; equal ratios of the
+    # two make the closed form exact.
+    p = len(fwd)
+    c = comm[:p]
+    c[-1] = 0.0
+    f_op = [f + ci / 2 for f, ci in zip(fwd, c)]
+    back = [ratio * fo - ci / 2 for fo, ci in zip(f_op, c)]
+    if min(back) < 0:
+        return
+    times = [f + b + ci for f, b, ci in zip(fwd, back, c)]
+    tl = simulate(fwd, back, c, m)
+    assert tl.makespan_s == pytest.approx(step_time(times, m), rel=1e-9)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(floats, floats, st.floats(0, 0.2)), min_size=1, max_size=6),
+       st.integers(1, 12))
+def test_closed_form_bounds_simulator(stages: list[tuple[float, float, float]], m: int) -> None:
+    fwd = [s[0] for s in stages]
+    back = [s[1] for s in stages]
+    comm = [s[2] for s in stages[:-1]] + [0.0]
+    times = [f + b + c for f, b, c in zip(fwd, back, comm)]
+    sim = simulate(fwd, back, comm, m).makespan_s
+    closed = step_time(times, m)
+    assert closed <= sim * (1 + 1e-9)
+    # ...and the simulator's makespan is the GPipe formula with separate maxima.
+    f_op = [f + c / 2 for f, c in zip(fwd, comm)]
+    b_op = [b + c / 2 for b, c in zip(back, comm)]
+    assert sim == pytest.approx(sum(times) + (m - 1) * (max(f_op) + max(b_op)), rel=1e-9)
+
+
+def test_uniform_stages_bubble_formula() -> None:
+    p, m = 4, 8
+    tl = simulate([1.0] * p, [2.0] * p, [0.0] * p, m)
+    assert tl.makespan_s == pytest.approx((m + p - 1) * 3.0)
+    assert tl.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_1f1b_same_makespan_as_gpipe_for_uniform_stages() -> None:
+    g = simulate([1.0] * 3, [2.0] * 3, [0.0] * 3, 6, schedule="gpipe").makespan_s
+    f = simulate([1.0] * 3, [2.0] * 3, [0.0] * 3, 6, schedule="1f1b").makespan_s
+    assert f == pytest.approx(g)
+
+
+def test_operation_orders_exact() -> None:
+    assert operation_order("gpipe", 0, 3, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert operation_order("1f1b", 0, 3, 4) == [
+        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)
+    ]
+    assert operation_order("1f1b", 2, 3, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
+def test_policies_and_in_flight() -> None:
+    assert [recomputes("except_last", j, 3) for j in range(3)] == [True, True, False]
+    assert [recomputes("always", j, 3) for j in range(3)] == [True] * 3
+    assert [recomputes("never", j, 3) for j in range(3)] == [False] * 3
+    assert [in_flight("gpipe", j, 3, 8) for j in range(3)] == [8, 8, 8]
+    assert [in_flight("1f1b", j, 3, 8) for j in range(3)] == [3, 2, 1]
+
+
+def test_stage_terms_by_hand() -> None:
+    prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2, 8], seed=1)
+    cl = Cluster.homogeneous(2, 2**40, Link(bandwidth_Bps=1e9, latency_s=1e-5))
+    opts = PlanOptions(checkpoint="except_last", optimizer="adam")
+    plan = evaluate(prof, cl, opts, [2], 4, solver="t")
+    b = 2
+    u = prof.units
+    s0, s1 = plan.stages
+    f0 = u[0].timings[b].forward_s + u[1].timings[b].forward_s
+    g0 = u[0].timings[b].backward_s + u[1].timings[b].backward_s
+    cut = prof.cuts[1]
+    comm = 2 * (len(cut.tensors) * 1e-5 + cut.bytes_per_sample * b / 1e9)
+    assert s0.forward_s == pytest.approx(f0)
+    assert s0.backward_s == pytest.approx(g0 + f0)  # recomputes
+    assert s0.comm_s == pytest.approx(comm)
+    assert s1.comm_s == 0.0 and not s1.recompute
+    w0 = u[0].param_bytes + u[1].param_bytes
+    assert s0.memory.params == w0 and s0.memory.optimizer == 2 * w0
+    assert s0.memory.stashed_inputs == 4 * prof.input_bytes_per_sample * b
+    assert s0.memory.activations == u[0].timings[b].saved_bytes + u[1].timings[b].saved_bytes
+    a1 = u[2].timings[b].saved_bytes + u[3].timings[b].saved_bytes
+    assert s1.memory.activations == 4 * a1 and s1.memory.stashed_inputs == 0
+    times = [s0.time_s, s1.time_s]
+    assert plan.step_time_s == pytest.approx(sum(times) + 3 * max(times))
+    assert plan.throughput == pytest.approx(8 / plan.step_time_s)
+    # The plan's own simulation is bounded below by its closed form.
+    assert simulate_plan(plan).makespan_s >= plan.step_time_s * (1 - 1e-12)

@@ -1,0 +1,151 @@
+"""The DP is exact: it matches brute force over every partition and micro-batch count."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.costmodel import evaluate, microbatch_choices
+from planner.errors import InfeasiblePlanError, InvalidRequestError, UnsupportedConstraintError
+from planner.synthetic import synthetic_profile
+from planner.types import Cluster, Device, Link, PlanOptions, Profile
+from solvers.dp import partition_dp, solve_dp
+
+
+def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions) -> float | None:
+    """Best feasible step time over all C(n-1, p-1) partitions and all m."""
+    n, p = profile.n_units, cluster.n_stages
+    best = None
+    for m in microbatch_choices(profile, options):
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            plan = evaluate(profile, cluster, options, cuts, m, solver="brute")
+            if plan.feasible and (best is None or plan.step_time_s < best):
+                best = plan.step_time_s
+    return best
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
+    n = draw(st.integers(1, 8))
+    p = draw(st.integers(1, n))
+    prof = synthetic_profile(
+        n,
+        batch_size=8,
+        seed=draw(st.integers(0, 10**6)),
+        spread=draw(st.sampled_from([0.1, 0.5, 1.5])),
+        heavy_ends=draw(st.booleans()),
+    )
+    link = Link(
+        bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e9, 1e11])),
+        latency_s=draw(st.sampled_from([0.0, 1e-4])),
+        overhead_s=draw(st.sampled_from([0.0, 5e-5])),
+    )
+    caps = draw(st.lists(st.sampled_from([10**6, 3 * 10**6, 10**7, 10**12]), min_size=p, max_size=p))
+    cluster = Cluster(
+        devices=tuple(Device(name=f"d{j}", memory_bytes=c) for j, c in enumerate(caps)), link=link
+    )
+    options = PlanOptions(
+        checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
+        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+        optimizer=draw(st.sampled_from(["sgd", "momentum", "adam"])),
+        microbatches=draw(st.sampled_from([None, None, 1, 2, 8])),
+    )
+    return prof, cluster, options
+
+
+@settings(max_examples=2000, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_dp_matches_brute_force(case: tuple[Profile, Cluster, PlanOptions]) -> None:
+    prof, cluster, options = case
+    expected = brute_force(prof, cluster, options)
+    found = partition_dp(prof, cluster, options)
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    starts, m, objective = found
+    assert objective == pytest.approx(expected, rel=1e-9)
+    # The reported objective is the cost model's step time of the returned partition.
+    plan = evaluate(prof, cluster, options, starts[1:], m, solver="dp")
+    assert plan.feasible
+    assert plan.step_time_s == pytest.approx(objective, rel=1e-12)
+
+
+def test_solve_dp_plan_fields() -> None:
+    prof = synthetic_profile(12, batch_size=16, heavy_ends=True)
+    plan = solve_dp(prof, Cluster.homogeneous(3, 2**30))
+    assert plan.solver == "dp" and plan.status == "optimal" and plan.feasible
+    assert [s.first_unit for s in plan.stages] == [0, *plan.boundaries]
+    assert plan.stages[-1].last_unit == prof.n_units - 1
+    assert plan.lower_bound_s is not None and plan.lower_bound_s <= plan.step_time_s
+    assert plan.microbatch_size * plan.microbatches == prof.batch_size
+
+
+def test_more_microbatches_win_without_memory_pressure() -> None:
+    # With free links, no per-kernel overhead and ample memory, the bubble term dominates.
+    prof = synthetic_profile(16, batch_size=64, overhead=0.0, seed=3)
+    plan = solve_dp(prof, Cluster.homogeneous(4, 2**40))
+    assert plan.microbatches == 64
+
+
+def test_infeasible_names_the_memory_that_fits() -> None:
+    prof = synthetic_profile(10, batch_size=8)
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve_dp(prof, Cluster.homogeneous(2, 1000))
+    need = info.value.min_memory_bytes
+    assert need is not None and need > 1000
+    assert str(need) in str(info.value)
+    # ...and that memory is indeed enough.
+    assert solve_dp(prof, Cluster.homogeneous(2, need)).feasible
+
+
+def test_dp_refuses_what_only_cpsat_models() -> None:
+    prof = synthetic_profile(6, batch_size=8)
+    hetero = Cluster(devices=(Device(name="a", memory_bytes=2**30, speed=1.0),
+                              Device(name="b", memory_bytes=2**30, speed=2.0)))
+    with pytest.raises(UnsupportedConstraintError, match="cpsat"):
+        solve_dp(prof, hetero)
+    cl = Cluster.homogeneous(2, 2**30)
+    with pytest.raises(UnsupportedConstraintError, match="pin"):
+        solve_dp(prof, cl, PlanOptions(pinned={0: 0}))
+    with pytest.raises(UnsupportedConstraintError, match="units per stage"):
+        solve_dp(prof, cl, PlanOptions(max_units=3))
+
+
+def test_bad_requests() -> None:
+    prof = synthetic_profile(4, batch_size=8)
+    with pytest.raises(InvalidRequestError, match="5 stages but the profile has only 4 units"):
+        solve_dp(prof, Cluster.homogeneous(5, 2**30))
+    with pytest.raises(InvalidRequestError, match="does not divide"):
+        solve_dp(prof, Cluster.homogeneous(2, 2**30), PlanOptions(microbatches=3))
+
+
+def test_deterministic() -> None:
+    prof = synthetic_profile(40, batch_size=32, seed=7, heavy_ends=True)
+    cl = Cluster.homogeneous(6, 2**26, Link(bandwidth_Bps=1e9, latency_s=1e-5))
+    a = solve_dp(prof, cl).model_copy(update={"solve_time_s": None})
+    b = solve_dp(prof, cl).model_copy(update={"solve_time_s": None})
+    assert a == b
+
+
+def test_large_instance_agrees_with_threshold_free_reference() -> None:
+    """On a mid-size instance with communication, the DP's plan is at least as good as every
+    plan the costmodel evaluates for a dense sample of partitions around it."""
+    prof = synthetic_profile(60, batch_size=16, seed=11, heavy_ends=True)
+    cl = Cluster.homogeneous(5, 2**27, Link(bandwidth_Bps=5e8, latency_s=2e-5))
+    plan = solve_dp(prof, cl)
+    base = list(plan.boundaries)
+    for i in range(len(base)):
+        for delta in (-2, -1, 1, 2):
+            cuts = base.copy()
+            cuts[i] += delta
+            if sorted(set(cuts)) != cuts or cuts[0] <= 0 or cuts[-1] >= prof.n_units:
+                continue
+            for m in microbatch_choices(prof, PlanOptions()):
+                other = evaluate(prof, cl, PlanOptions(), cuts, m, solver="x")
+                if other.feasible:
+                    assert other.step_time_s >= plan.step_time_s * (1 - 1e-12)
