@@ -179,8 +179,8 @@ def parse_duration(text: str, what: str = "latency") -> float:
     m = re.match(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(s|ms|us|ns)?\s*$", str(text))
     if not m:
         raise InvalidRequestError(f"{what} {text!r} is not a duration; write e.g. 5us or 2ms")
-    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[m.group(2) or "s"]
-    return float(m.group(1)) * scale
+    per_second = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}[m.group(2) or "s"]
+    return float(m.group(1)) / per_second
 
 
 def format_bytes(n: float) -> str:

@@ -1,0 +1,146 @@
+"""`pipeplan plan` and `pipeplan show` end to end, and every bad input: one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.io import load_plan, write_json
+from planner.synthetic import synthetic_profile
+
+
+@pytest.fixture
+def profile_file(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    write_json(path, synthetic_profile(12, batch_size=16, heavy_ends=True, seed=4))
+    return path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_and_show(tmp_path: Path, profile_file: Path, capsys) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, _ = run(["plan", str(profile_file), "--stages", "3", "--memory", "1GiB",
+                        "--bandwidth", "10GB/s", "--latency", "5us", "-o", str(out_file)], capsys)
+    assert code == 0
+    plan = load_plan(out_file)
+    assert plan.n_stages == 3 and plan.solver == "dp" and plan.status == "optimal"
+    assert plan.cluster.link.bandwidth_Bps == 1e10 and plan.cluster.link.latency_s == 5e-6
+    assert plan.solve_time_s is None
+    assert "step time" in out
+    code, out, _ = run(["show", str(out_file)], capsys)
+    assert code == 0 and "bubble" in out and "stage" in out
+    code, out, _ = run(["show", str(profile_file)], capsys)
+    assert code == 0 and "unit11" in out
+
+
+def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, capsys) -> None:
+    args = ["plan", str(profile_file), "--stages", "4", "--memory", "256MiB"]
+    run([*args, "-o", str(tmp_path / "a.json")], capsys)
+    run([*args, "-o", str(tmp_path / "b.json")], capsys)
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def test_plan_options_recorded(tmp_path: Path, profile_file: Path, capsys) -> None:
+    out_file = tmp_path / "p.json"
+    code, _, _ = run(["plan", str(profile_file), "--stages", "2", "--memory", "4GiB",
+                      "--microbatches", "4", "--checkpoint", "never", "--schedule", "1f1b",
+                      "--optimizer", "sgd", "--record-solve-time", "-o", str(out_file)], capsys)
+    assert code == 0
+    plan = load_plan(out_file)
+    assert (plan.microbatches, plan.checkpoint, plan.schedule, plan.optimizer) == (
+        4, "never", "1f1b", "sgd")
+    assert plan.solve_time_s is not None and plan.solve_time_s >= 0
+
+
+def test_cluster_file(tmp_path: Path, profile_file: Path, capsys) -> None:
+    cluster = {"schema": "pipeplan.cluster/1",
+               "devices": [{"name": "a", "memory_bytes": 2**30}, {"name": "b", "memory_bytes": 2**29}],
+               "link": {"bandwidth_Bps": 1e9, "latency_s": 1e-5, "overhead_s": 0.0}}
+    (tmp_path / "c.json").write_text(json.dumps(cluster))
+    code, _, err = run(["plan", str(profile_file), "--cluster", str(tmp_path / "c.json"),
+                        "-o", str(tmp_path / "p.json")], capsys)
+    assert code == 0, err
+    plan = load_plan(tmp_path / "p.json")
+    assert [s.memory_limit for s in plan.stages] == [2**30, 2**29]
+
+
+BAD = [
+    (["--stages", "3", "--memory", "-5GB"], "memory '-5GB'"),
+    (["--stages", "3", "--memory", "0"], "must be positive"),
+    (["--stages", "30", "--memory", "1GiB"], "30 stages but the profile has only 12 units"),
+    (["--stages", "0", "--memory", "1GiB"], "--stages 0"),
+    (["--stages", "3", "--memory", "1KiB"], "the best partition needs"),
+    (["--stages", "3", "--memory", "1GiB", "--microbatches", "3"], "does not divide"),
+    (["--stages", "3", "--memory", "1GiB", "--microbatches", "lots"], "--microbatches 'lots'"),
+    (["--stages", "3", "--memory", "1GiB", "--solver", "magic"], "--solver 'magic'"),
+    (["--stages", "3", "--memory", "1GiB", "--checkpoint", "sometimes"], "--checkpoint"),
+    (["--stages", "3", "--memory", "1GiB", "--bandwidth", "fast"], "bandwidth 'fast'"),
+    (["--stages", "3", "--memory", "1GiB", "--pin", "x"], "--pin 'x'"),
+    (["--stages", "3"], "give --stages and --memory"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD)
+def test_bad_plan_input(tmp_path: Path, profile_file: Path, capsys, extra, message) -> None:
+    out_file = tmp_path / "plan.json"
+    code, _, err = run(["plan", str(profile_file), *extra, "-o", str(out_file)], capsys)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out_file.exists()
+    assert list(tmp_path.iterdir()) == [profile_file]  # no temporary left behind
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"schema": "pipeplan.profile/1", ', "not valid JSON"),
+        ('{"schema": "pipeplan.profile/7"}', "schema is 'pipeplan.profile/7'"),
+        ('{"schema": "pipeplan.profile/1", "model": "x"}', "field "),
+        ("[]", "expected a JSON object"),
+    ],
+)
+def test_bad_profile_file(tmp_path: Path, capsys, content: str, message: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    code, _, err = run(["plan", str(bad), "--stages", "2", "--memory", "1GiB",
+                        "-o", str(tmp_path / "plan.json")], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, capsys) -> None:
+    code, _, err = run(["show", str(tmp_path / "nope.json")], capsys)
+    assert code == 2 and "no such file" in err
+    code, _, err = run(["plan", str(profile_file), "--stages", "2", "--memory", "1GiB",
+                        "-o", str(tmp_path / "missing" / "plan.json")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
+    """The installed entry point: real exit codes and stderr, no traceback."""
+    exe = [sys.executable, "-m", "planner.cli"]
+    ok = subprocess.run([*exe, "plan", str(profile_file), "--stages", "2", "--memory", "1GiB",
+                         "-o", str(tmp_path / "p.json")], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([*exe, "plan", str(profile_file), "--stages", "99", "--memory", "1GiB",
+                          "-o", str(tmp_path / "q.json")], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
+    usage = subprocess.run([*exe, "plan", "--no-such-flag"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
