@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models._common import build_seeded, generator, positive
+from models._common import build_seeded, next_token_task, positive
 from planner.model import ModelSpec
 
 __all__ = ["GPT", "Block", "gpt"]
@@ -103,27 +103,10 @@ def gpt(
     >>> spec.module(ids).shape, spec.loss(spec.module(ids), target).item() > 0
     (torch.Size([3, 8, 64]), True)
     """
-    for name, value in (
-        ("vocab", vocab),
-        ("d_model", d_model),
-        ("n_layers", n_layers),
-        ("n_heads", n_heads),
-        ("seq_len", seq_len),
-    ):
-        positive(name, value)
+    positive(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
     if d_model % n_heads:
         raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
     module = build_seeded(
         seed, lambda: GPT(vocab, d_model, n_layers, n_heads, seq_len, bool(tie_weights))
     )
-
-    def make_batch(batch_size: int) -> tuple[Tensor, Tensor]:
-        tokens = torch.randint(
-            vocab, (batch_size, seq_len + 1), generator=generator(seed, batch_size)
-        )
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    def loss(logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-    return ModelSpec(module, make_batch, loss)
+    return ModelSpec(module, *next_token_task(vocab, seq_len, seed))

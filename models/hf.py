@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models._common import build_seeded, generator, positive
+from models._common import build_seeded, next_token_task, positive
 from planner.errors import ModelLoadError
 from planner.model import ModelSpec
 
@@ -46,17 +44,7 @@ class CausalLM(nn.Module):
 
 def _spec(build: Any, vocab: int, seq_len: int, seed: int) -> ModelSpec:
     module = build_seeded(seed, lambda: CausalLM(build()))
-
-    def make_batch(batch_size: int) -> tuple[Tensor, Tensor]:
-        tokens = torch.randint(
-            vocab, (batch_size, seq_len + 1), generator=generator(seed, batch_size)
-        )
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    def loss(logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-    return ModelSpec(module, make_batch, loss)
+    return ModelSpec(module, *next_token_task(vocab, seq_len, seed))
 
 
 def llama(
@@ -70,15 +58,14 @@ def llama(
     seed: int = 0,
 ) -> ModelSpec:
     """``models.hf:llama``: a tiny Llama (RMSNorm, rotary, grouped-query attention, SwiGLU)."""
-    for name, value in (
-        ("vocab", vocab),
-        ("d_model", d_model),
-        ("n_layers", n_layers),
-        ("n_heads", n_heads),
-        ("n_kv_heads", n_kv_heads),
-        ("seq_len", seq_len),
-    ):
-        positive(name, value)
+    positive(
+        vocab=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        seq_len=seq_len,
+    )
     tf = _transformers()
     config = tf.LlamaConfig(
         vocab_size=vocab,
@@ -107,14 +94,7 @@ def gpt2(
     seed: int = 0,
 ) -> ModelSpec:
     """``models.hf:gpt2``: a tiny GPT-2 (its LM head is tied to the token embedding)."""
-    for name, value in (
-        ("vocab", vocab),
-        ("d_model", d_model),
-        ("n_layers", n_layers),
-        ("n_heads", n_heads),
-        ("seq_len", seq_len),
-    ):
-        positive(name, value)
+    positive(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
     tf = _transformers()
     config = tf.GPT2Config(
         vocab_size=vocab,

@@ -47,13 +47,7 @@ def mlp(
     >>> spec.module(x).shape
     torch.Size([5, 2])
     """
-    for name, value in (
-        ("width", width),
-        ("depth", depth),
-        ("in_features", in_features),
-        ("classes", classes),
-    ):
-        positive(name, value)
+    positive(width=width, depth=depth, in_features=in_features, classes=classes)
     module = build_seeded(seed, lambda: MLP(width, depth, in_features, classes))
 
     def make_batch(batch_size: int) -> tuple[Tensor, Tensor]:

@@ -87,7 +87,8 @@ class ResNet(nn.Module):
 
 def _parse_blocks(blocks: Sequence[int] | str | int) -> tuple[int, ...]:
     if isinstance(blocks, int):
-        return (positive("blocks", blocks),) * 4
+        positive(blocks=blocks)
+        return (blocks,) * 4
     if isinstance(blocks, str):
         try:
             blocks = [int(b) for b in blocks.replace("x", ",").split(",") if b.strip()]
@@ -95,7 +96,8 @@ def _parse_blocks(blocks: Sequence[int] | str | int) -> tuple[int, ...]:
             raise ValueError(
                 f"blocks {blocks!r} is not a list of integers; write e.g. 2,2,2,2"
             ) from None
-    out = tuple(positive("blocks", b) for b in blocks)
+    out = tuple(blocks)
+    positive(**{f"blocks[{i}]": b for i, b in enumerate(out)})
     if not out:
         raise ValueError("blocks must name at least one stage, e.g. 2,2,2,2")
     return out
@@ -115,8 +117,7 @@ def resnet(
     >>> spec.module(x).shape
     torch.Size([2, 10])
     """
-    for name, value in (("width", width), ("image", image), ("classes", classes)):
-        positive(name, value)
+    positive(width=width, image=image, classes=classes)
     sizes = _parse_blocks(blocks)
     module = build_seeded(seed, lambda: ResNet(width, sizes, classes))
 
