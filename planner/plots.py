@@ -1,0 +1,459 @@
+"""Figures that compare plans: schedule Gantt charts, stage balance, memory, micro-batch sweeps.
+
+Every function returns a :class:`matplotlib.figure.Figure` with an Agg canvas, made without
+pyplot: nothing is shown, no global backend is switched, and figures are freed with their last
+reference.  Save one with ``fig.savefig`` or let a notebook display it.  Figures are built from
+the package's data types only:
+
+    gantt(plan | timeline)              one row per device, the simulated step
+    stage_times(plans)                  t_j per stage, plans side by side, slowest marked
+    stage_memory(plans)                 M_j stacked by kind against each device's limit
+    compare_figure(plans)               stage_times above stage_memory (``compare --plot``)
+    microbatch_sweep(profile, ...)      step time and bubble against m, with GPipe's ideal
+    measured_vs_simulated(report, plan) the measured step above the simulated one
+
+Drawn artists carry a ``gid`` naming what they show (``"forward/2/5"`` = forward of stage 2,
+micro-batch 5; ``"slowest/0"``; ``"memory-limit"``; ``"ideal-bubble"``), so tests and users can
+find them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from planner.frames import events_frame, ideal_bubble, sweep_frame, timeline_frame
+from planner.simulate import Timeline, simulate_plan
+from planner.types import Cluster, Plan, PlanOptions, Profile, RunReport
+
+__all__ = [
+    "KIND_STYLE",
+    "compare_figure",
+    "gantt",
+    "measured_vs_simulated",
+    "microbatch_sweep",
+    "plan_names",
+    "stage_memory",
+    "stage_times",
+]
+
+#: Face colour and hatch of each event kind; idle time is the white background.
+KIND_STYLE: dict[str, tuple[str, str]] = {
+    "forward": ("#4C72B0", ""),
+    "backward": ("#55A868", ""),
+    "recompute": ("#A6C8E8", "///"),
+    "send": ("#C8C8C8", "..."),
+    "recv": ("#C8C8C8", "..."),
+    "loss": ("#C44E52", ""),
+}
+_LABELLED = {"forward", "backward", "loss"}
+_MEMORY_PARTS = [
+    ("params", "params", "#4C72B0"),
+    ("grads", "grads", "#8172B2"),
+    ("optimizer", "optimizer", "#CCB974"),
+    ("stashed_inputs", "stashed inputs", "#64B5CD"),
+    ("activations", "activations", "#55A868"),
+]
+_PLAN_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860", "#DA8BC3"]
+
+
+def _figure(figsize: tuple[float, float]) -> Figure:
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plan_names(plans: Sequence[Plan], names: Sequence[str] | None = None) -> list[str]:
+    """``names``, checked, or ``"solver p=P m=M"`` per plan (numbered when two coincide)."""
+    if names is not None:
+        if len(names) != len(plans):
+            raise ValueError(f"{len(names)} names for {len(plans)} plans; give one per plan")
+        return list(names)
+    base = [f"{p.solver} p={p.n_stages} m={p.microbatches}" for p in plans]
+    return [f"{b} #{i}" if base.count(b) > 1 else b for i, b in enumerate(base)]
+
+
+def _check_plans(plans: Sequence[Plan]) -> None:
+    if isinstance(plans, Plan):
+        raise TypeError("pass a list of plans, e.g. stage_times([plan])")
+    if not plans:
+        raise ValueError("no plans to draw; pass at least one Plan")
+
+
+# --------------------------------------------------------------------------------------------
+# Gantt charts
+# --------------------------------------------------------------------------------------------
+
+
+def _draw_schedule(ax: Axes, events: pd.DataFrame, p: int, xmax_s: float) -> None:
+    """Draw events (a frame of :data:`planner.frames.EVENT_COLUMNS`) as rows of rectangles."""
+    ms = 1e3
+    for e in events.itertuples(index=False):
+        color, hatch = KIND_STYLE.get(e.kind, ("#999999", "xx"))
+        rect = Rectangle(
+            (e.start_s * ms, e.stage - 0.4),
+            e.duration_s * ms,
+            0.8,
+            facecolor=color,
+            hatch=hatch,
+            edgecolor="white",
+            linewidth=0.5,
+        )
+        rect.set_gid(f"{e.kind}/{e.stage}/{e.microbatch}")
+        ax.add_patch(rect)
+        if e.kind in _LABELLED and e.microbatch >= 0 and e.duration_s >= 0.012 * xmax_s:
+            ax.text(
+                (e.start_s + e.duration_s / 2) * ms,
+                e.stage,
+                str(e.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
+    ax.set_xlim(0, xmax_s * ms * 1.01 if xmax_s > 0 else 1)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_yticks(range(p))
+    ax.set_xlabel("time (ms)")
+    ax.set_facecolor("white")
+    ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
+    ax.set_axisbelow(True)
+
+
+def _stage_labels(ax: Axes, plan: Plan | None, p: int) -> None:
+    devices = [s.device for s in plan.stages] if plan is not None else [None] * p
+    ax.set_yticklabels([f"stage {j}" + (f"\n{d}" if d else "") for j, d in enumerate(devices)])
+
+
+def _kind_legend(ax: Axes, kinds: set[str]) -> None:
+    handles = [
+        Patch(facecolor=c, hatch=h, edgecolor="white", label=k)
+        for k, (c, h) in KIND_STYLE.items()
+        if k in kinds and k != "recv"
+    ]
+    if kinds & {"send", "recv"}:
+        for hd in handles:
+            if hd.get_label() == "send":
+                hd.set_label("send/recv")
+        if "send" not in kinds:
+            c, h = KIND_STYLE["recv"]
+            handles.append(Patch(facecolor=c, hatch=h, edgecolor="white", label="send/recv"))
+    handles.append(Patch(facecolor="white", edgecolor="#888888", label="idle (bubble)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+
+def gantt(
+    source: Plan | Timeline,
+    *,
+    title: str | None = None,
+    figsize: tuple[float, float] | None = None,
+) -> Figure:
+    """The simulated schedule of a plan's step (or of a ready timeline), one row per device.
+
+    Forward and backward of every micro-batch are blocks labelled with the micro-batch number,
+    recompute is hatched light blue, transfers dotted grey; white is idle time (the bubble).
+    The title gives the step time and the bubble fraction.
+    """
+    plan = source if isinstance(source, Plan) else None
+    if plan is not None:
+        timeline = simulate_plan(plan)
+    elif isinstance(source, Timeline):
+        timeline = source
+    else:
+        raise TypeError(f"gantt needs a Plan or a Timeline, got {type(source).__name__}")
+    p, m = timeline.n_stages, timeline.microbatches
+    events = timeline_frame(timeline)
+    fig = _figure(figsize or (10, 0.6 * p + 1.6))
+    ax = fig.add_subplot()
+    _draw_schedule(ax, events, p, timeline.makespan_s)
+    _stage_labels(ax, plan, p)
+    _kind_legend(ax, set(events["kind"]))
+    if title is None:
+        head = f"{plan.schedule} {plan.solver}, " if plan is not None else ""
+        model = f" (cost model {plan.step_time_s * 1e3:.2f} ms)" if plan is not None else ""
+        title = (
+            f"{head}p={p}, m={m}: step {timeline.makespan_s * 1e3:.2f} ms{model}, "
+            f"bubble {timeline.bubble_fraction:.1%}"
+        )
+    ax.set_title(title)
+    return fig
+
+
+def measured_vs_simulated(report: RunReport, plan: Plan) -> Figure:
+    """The measured last step of a run (top) above the plan's simulated step, same time axis."""
+    if report.plan_fingerprint != plan.fingerprint:
+        raise ValueError(
+            f"the report is of plan {report.plan_fingerprint} but this plan is {plan.fingerprint}; "
+            f"pass the plan file the run executed"
+        )
+    if not report.events:
+        raise ValueError("the report has no events; rerun `pipeplan run` with a recent runtime")
+    measured = events_frame(report)
+    timeline = simulate_plan(plan)
+    simulated = timeline_frame(timeline)
+    p = plan.n_stages
+    measured_end = float(measured["end_s"].max())
+    xmax = max(measured_end, timeline.makespan_s)
+    fig = _figure((10, 1.2 * p + 2.6))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    busy = measured.groupby("stage")["duration_s"].sum().reindex(range(p), fill_value=0.0)
+    bubble = 1.0 - float(busy.mean()) / measured_end if measured_end > 0 else 0.0
+    for ax, frame, end, bub, what in (
+        (top, measured, measured_end, bubble, f"measured (last of {report.steps} steps)"),
+        (bottom, simulated, timeline.makespan_s, timeline.bubble_fraction, "simulated"),
+    ):
+        _draw_schedule(ax, frame, p, xmax)
+        _stage_labels(ax, plan, p)
+        _kind_legend(ax, set(frame["kind"]))
+        ax.set_title(f"{what}: step {end * 1e3:.2f} ms, bubble {bub:.1%}")
+    top.set_xlabel("")
+    fig.suptitle(
+        f"{plan.model}: median measured step {report.step_time_s * 1e3:.2f} ms vs predicted "
+        f"{report.predicted_step_time_s * 1e3:.2f} ms "
+        f"({report.step_time_s / report.predicted_step_time_s:.2f}x)"
+        if report.predicted_step_time_s > 0
+        else plan.model
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Balance and memory
+# --------------------------------------------------------------------------------------------
+
+
+def _draw_stage_times(ax: Axes, plans: Sequence[Plan], names: list[str]) -> None:
+    k = len(plans)
+    width = 0.8 / k
+    for i, (plan, name) in enumerate(zip(plans, names)):
+        color = _PLAN_COLORS[i % len(_PLAN_COLORS)]
+        x = np.arange(plan.n_stages) + (i - (k - 1) / 2) * width
+        t = np.array([s.time_s for s in plan.stages]) * 1e3
+        bars = ax.bar(x, t, width * 0.92, color=color, label=name)
+        for j, bar in enumerate(bars):
+            bar.set_gid(f"stage-time/{i}/{j}")
+        j = int(np.argmax(t))
+        ax.plot(
+            [x[j]],
+            [t[j]],
+            marker="v",
+            markersize=9,
+            color="black",
+            linestyle="none",
+            gid=f"slowest/{i}",
+            label="slowest stage" if i == 0 else None,
+        )
+        ax.hlines(
+            t.mean(),
+            x[0] - width / 2,
+            x[-1] + width / 2,
+            colors=color,
+            linestyles=":",
+            linewidth=1.2,
+            gid=f"mean-time/{i}",
+        )
+    pmax = max(p.n_stages for p in plans)
+    ax.set_xticks(range(pmax))
+    ax.set_xticklabels([f"stage {j}" for j in range(pmax)])
+    ax.set_ylabel("t_j per micro-batch (ms)")
+    ax.set_title("Stage times t_j = F + B + C (dotted: perfect balance)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def stage_times(plans: Sequence[Plan], names: Sequence[str] | None = None) -> Figure:
+    """Per-stage time t_j of several plans side by side; each plan's slowest stage marked ▼.
+
+    The dotted line of each plan is its mean stage time, what a perfectly balanced split of
+    the same work would give.
+    """
+    _check_plans(plans)
+    fig = _figure((10, 4))
+    _draw_stage_times(fig.add_subplot(), plans, plan_names(plans, names))
+    return fig
+
+
+def _byte_scale(n: float) -> tuple[float, str]:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return float(scale), unit
+    return 1.0, "B"
+
+
+def _draw_stage_memory(axes: Sequence[Axes], plans: Sequence[Plan], names: list[str]) -> None:
+    top_total = max(s.memory.total for p in plans for s in p.stages)
+    top_limit = max(s.memory_limit for p in plans for s in p.stages)
+    scale, unit = _byte_scale(max(top_total, min(top_limit, 3 * top_total)))
+    ymax = max(top_total, min(top_limit, 3 * top_total)) * 1.12 / scale
+    for i, (ax, plan, name) in enumerate(zip(axes, plans, names)):
+        x = np.arange(plan.n_stages)
+        bottom = np.zeros(plan.n_stages)
+        for field, label, color in _MEMORY_PARTS:
+            v = np.array([getattr(s.memory, field) for s in plan.stages]) / scale
+            bars = ax.bar(x, v, 0.7, bottom=bottom, color=color, label=label)
+            for j, bar in enumerate(bars):
+                bar.set_gid(f"memory/{field}/{j}")
+            bottom += v
+        limits = np.array([s.memory_limit for s in plan.stages]) / scale
+        ax.hlines(
+            limits,
+            x - 0.45,
+            x + 0.45,
+            colors="#C44E52",
+            linewidth=2,
+            gid="memory-limit",
+            label="device limit",
+        )
+        for j, s in enumerate(plan.stages):
+            if s.memory_limit / scale > ymax:
+                ax.annotate(
+                    f"limit {s.memory_limit / scale:.3g} {unit} ↑",
+                    (j, ymax * 0.97),
+                    ha="center",
+                    va="top",
+                    fontsize=7,
+                    color="#C44E52",
+                )
+            if not s.feasible:
+                ax.text(
+                    j,
+                    bottom[j],
+                    "over",
+                    ha="center",
+                    va="bottom",
+                    color="#C44E52",
+                    fontsize=8,
+                    fontweight="bold",
+                )
+        ax.set_ylim(0, ymax)
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(j) for j in x])
+        ax.set_xlabel("stage")
+        ax.set_title(name, fontsize=9)
+        if i == 0:
+            ax.set_ylabel(f"memory ({unit})")
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def stage_memory(plans: Sequence[Plan], names: Sequence[str] | None = None) -> Figure:
+    """Per-stage memory of each plan, stacked by kind, against each device's limit (red line)."""
+    _check_plans(plans)
+    fig = _figure((max(6.0, 3.0 * len(plans) + 1.5), 3.6))
+    axes = fig.subplots(1, len(plans), sharey=True, squeeze=False)[0]
+    _draw_stage_memory(list(axes), plans, plan_names(plans, names))
+    fig.suptitle("Stage memory M_j (params, grads, optimizer, stash, activations)")
+    return fig
+
+
+def compare_figure(plans: Sequence[Plan], names: Sequence[str] | None = None) -> Figure:
+    """Stage times of all plans (top) above one memory panel per plan (bottom)."""
+    _check_plans(plans)
+    labels = plan_names(plans, names)
+    k = len(plans)
+    fig = _figure((max(10.0, 3.0 * k + 1.5), 7.5))
+    grid = fig.add_gridspec(2, k)
+    _draw_stage_times(fig.add_subplot(grid[0, :]), plans, labels)
+    first = fig.add_subplot(grid[1, 0])
+    axes = [first] + [fig.add_subplot(grid[1, i], sharey=first) for i in range(1, k)]
+    _draw_stage_memory(axes, plans, labels)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Micro-batch sweep
+# --------------------------------------------------------------------------------------------
+
+
+def microbatch_sweep(
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions | None = None,
+    ms: Sequence[int] | None = None,
+    *,
+    frame: pd.DataFrame | None = None,
+) -> Figure:
+    """Step time (top) and bubble fraction (bottom) of the best plan at each micro-batch count.
+
+    Each m is planned with :func:`solvers.dp.solve_dp` (see :func:`planner.frames.sweep_frame`;
+    pass its result as ``frame`` to skip the solves).  The top panel also draws the cost
+    model's lower bound at each m; the bottom one GPipe's ideal bubble (p-1)/(m+p-1).  The
+    dashed vertical line is the GPipe paper's rule of thumb m = 4p; infeasible m are crosses.
+    """
+    df = frame if frame is not None else sweep_frame(profile, cluster, options, ms)
+    p = cluster.n_stages
+    fig = _figure((8, 6))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    ok = df[df["feasible"].astype(bool)]
+    bad = df[~df["feasible"].astype(bool)]
+    top.plot(
+        ok["m"],
+        ok["step_time_s"] * 1e3,
+        "o-",
+        color="#4C72B0",
+        label="best plan (DP)",
+        gid="step-time",
+    )
+    top.plot(
+        df["m"],
+        df["lower_bound_s"] * 1e3,
+        "--",
+        color="#999999",
+        label="lower bound (perfect balance, free links)",
+        gid="lower-bound",
+    )
+    if len(bad):
+        top.plot(
+            bad["m"],
+            np.full(len(bad), 0.05),
+            "x",
+            color="#C44E52",
+            markersize=9,
+            transform=top.get_xaxis_transform(),
+            label="does not fit memory",
+            gid="infeasible",
+        )
+    best = df[df["best"]]
+    if len(best):
+        b = best.iloc[0]
+        top.plot(
+            [b["m"]],
+            [b["step_time_s"] * 1e3],
+            "*",
+            color="#DD8452",
+            markersize=16,
+            label=f"best m = {int(b['m'])}",
+            gid="best",
+        )
+    top.set_ylabel("step time (ms)")
+    dense = np.geomspace(float(df["m"].min()), float(df["m"].max()), 200)
+    bottom.plot(
+        ok["m"], ok["bubble_fraction"], "o-", color="#4C72B0", label="best plan (DP)", gid="bubble"
+    )
+    bottom.plot(
+        dense,
+        [ideal_bubble(m, p) for m in dense],
+        "--",
+        color="#999999",
+        label="ideal (p-1)/(m+p-1)",
+        gid="ideal-bubble",
+    )
+    bottom.set_ylabel("bubble fraction")
+    bottom.set_xlabel("micro-batches m")
+    bottom.set_ylim(0, 1)
+    for ax in (top, bottom):
+        ax.set_xscale("log", base=2)
+        ax.axvline(
+            4 * p, color="#8172B2", linestyle=":", label="GPipe rule m = 4p", gid="rule-of-thumb"
+        )
+        ax.grid(color="#eeeeee")
+        ax.legend(fontsize=8)
+    bottom.set_xticks(list(df["m"]))
+    bottom.set_xticklabels([str(int(m)) for m in df["m"]])
+    top.set_title(f"{profile.model}: p={p}, B={profile.batch_size}")
+    return fig
