@@ -91,7 +91,7 @@ def _parse_blocks(blocks: Sequence[int] | str | int) -> tuple[int, ...]:
         return (blocks,) * 4
     if isinstance(blocks, str):
         try:
-            blocks = [int(b) for b in blocks.replace("x", ",").split(",") if b.strip()]
+            blocks = [int(b) for b in blocks.split(",") if b.strip()]
         except ValueError:
             raise ValueError(
                 f"blocks {blocks!r} is not a list of integers; write e.g. 2,2,2,2"

@@ -12,6 +12,8 @@ two agree on the units.  Three steps:
    topological order).  ``auto`` makes every item of the "deepest repeated container" a unit
    (``blocks.3``); the nodes before, between and after the blocks ("glue") become units of their
    own when they use parameters (``embed``, ``head``) and join a neighbour otherwise.
+   ``top`` and ``depth:N`` key each node by its module N levels deep (nodes of shallower
+   modules are glue); ``node`` makes every node a unit (a ``get_attr`` joins its user).
 3. :func:`cut_tensors` lists, for each cut, the nodes produced before it and used after it:
    the activations, residuals and skip connections a pipeline stage must send.
 
@@ -275,9 +277,9 @@ def _repeated_items(
 ) -> set[tuple[str, ...]]:
     """Items of the repeated containers that together cover the most nodes (ties: more items).
 
-    A repeated container has two or more digit-named children, all of one class (a ModuleList
-    or Sequential of blocks).  Among antichains of such containers, choose by dynamic
-    programming over the module tree the one covering most compute nodes, then most items.
+    A container has digit-named children, all of one class (a ModuleList or Sequential of
+    blocks).  Among antichains of containers, choose by dynamic programming over the module
+    tree the one covering most compute nodes, then with most items (at least two are needed).
     """
     weight: Counter[tuple[str, ...]] = Counter()
     for path in paths.values():
@@ -296,7 +298,7 @@ def _repeated_items(
             cover, count, items = cover + c, count + k, items + i
         digits = [k for k in kids if k[-1].isdigit()]
         kinds = {classes.get(k) for k in digits}
-        if len(digits) >= 2 and len(kinds) == 1 and None not in kinds:
+        if digits and len(kinds) == 1 and None not in kinds:
             mine = sum(weight[k] for k in digits)
             if (mine, len(digits)) > (cover, count):
                 return mine, len(digits), digits
@@ -335,12 +337,11 @@ def _common_prefix(paths: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
 
 
 def _key_function(granularity: str) -> Any:
-    if granularity == "top":
-        return lambda path: path[:1] or None
-    m = re.fullmatch(r"depth:(\d+)", granularity)
+    """``top`` = ``depth:1``: a node's unit is its module at depth N; shallower nodes are glue."""
+    m = re.fullmatch(r"depth:(\d+)", "depth:1" if granularity == "top" else granularity)
     if m and int(m.group(1)) >= 1:
         depth = int(m.group(1))
-        return lambda path: path[:depth] or None
+        return lambda path: path[:depth] if len(path) >= depth else None
     raise InvalidRequestError(
         f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)} "
         f"(N a positive integer, e.g. depth:2)"
@@ -368,7 +369,7 @@ def group_units(traced: TracedModel, granularity: str = "auto") -> list[UnitSpec
         keys = {n: (n.name,) for n in nodes}
     elif granularity == "auto":
         items = _repeated_items({n: p for n, p in paths.items() if n.op != "get_attr"}, classes)
-        if not items:
+        if len(items) < 2:
             return group_units(traced, "top")
         for n in nodes:
             path = paths[n]

@@ -1,0 +1,144 @@
+"""Measure one unit at one micro-batch size: forward and backward seconds, saved and output bytes.
+
+The unit runs alone, as a pipeline stage would: its floating-point inputs are fresh leaves that
+require grad, its backward is ``torch.autograd.backward`` from its outputs with random output
+gradients (drawn once, outside the timed region).  Bytes saved for backward are counted with
+``torch.autograd.graph.saved_tensors_hooks`` during one extra forward: each storage once,
+parameters and buffers excluded, the unit's own saved inputs included.  Times are medians over
+``repeats`` runs after ``warmup`` runs (the counting forward is the first); the spread is their interquartile range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from planner.types import Timing
+from profiler.device import Clock
+
+__all__: list[str] = []
+
+
+def value_bytes(value: Any) -> int:
+    """Bytes of every tensor in a (possibly nested) value; non-tensors count 0."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, Tensor))
+
+
+def _storage(t: Tensor) -> tuple[int, int] | None:
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. subclasses)
+        return None
+
+
+def storage_keys(tensors: Sequence[Tensor]) -> set[int]:
+    """Data pointers of the tensors' storages (to exclude parameters from saved bytes)."""
+    return {key[0] for t in tensors if (key := _storage(t)) is not None}
+
+
+def _leaves(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """Detached copies of the inputs; floating-point tensors become leaves that require grad."""
+    out = []
+    for x in inputs:
+        if isinstance(x, Tensor):
+            x = x.detach()
+            if x.is_floating_point() or x.is_complex():
+                x.requires_grad_(True)
+        out.append(x)
+    return tuple(out)
+
+
+def _differentiable(outputs: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(outputs) if isinstance(t, Tensor) and t.requires_grad]
+
+
+def saved_bytes(
+    module: torch.nn.Module, inputs: Sequence[Any], exclude: set[int]
+) -> tuple[int, Any]:
+    """Bytes of the distinct storages autograd saves in one forward (except ``exclude``'s),
+    and that forward's output."""
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage(t)
+        if key is not None and key[0] not in exclude:
+            seen[key[0]] = max(seen.get(key[0], 0), key[1])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*_leaves(inputs))
+    return sum(seen.values()), out
+
+
+def _step(
+    module: torch.nn.Module, inputs: Sequence[Any], grads: list[Tensor], clock: Clock
+) -> tuple[float, float]:
+    """One timed forward and backward: (forward seconds, backward seconds)."""
+    out, f = clock.time(lambda: module(*_leaves(inputs)))
+    diff = _differentiable(out)
+    if not diff:
+        return f, 0.0
+    _, b = clock.time(lambda: torch.autograd.backward(diff, grads))
+    return f, b
+
+
+def _median_iqr(samples: list[float]) -> tuple[float, float]:
+    if not samples:
+        return 0.0, 0.0
+    q1, med, q3 = np.percentile(samples, [25, 50, 75])
+    return float(med), float(q3 - q1)
+
+
+def measure_unit(
+    module: torch.nn.Module,
+    inputs: Sequence[Any],
+    *,
+    clock: Clock,
+    warmup: int,
+    repeats: int,
+    exclude: set[int],
+    seed: int = 0,
+) -> tuple[Timing, tuple[Any, ...]]:
+    """Time ``module(*inputs)`` forward and backward; return the Timing and detached outputs."""
+    saved, out = saved_bytes(module, inputs, exclude)
+    outputs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(seed)
+    grads = [
+        torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device) for t in _differentiable(out)
+    ]
+    if warmup > 0:  # the counting forward doubles as the first warm-up
+        if grads:
+            torch.autograd.backward(_differentiable(out), grads)
+        warmup -= 1
+    del out
+    fwd: list[float] = []
+    bwd: list[float] = []
+    peak: int | None = None
+    for i in range(warmup + repeats):
+        base = clock.reset_peak()
+        f, b = _step(module, inputs, grads, clock)
+        if i >= warmup:
+            fwd.append(f)
+            bwd.append(b)
+            used = clock.peak_since(base)
+            if used is not None:
+                peak = max(peak or 0, used)
+    f_med, f_iqr = _median_iqr(fwd)
+    b_med, b_iqr = _median_iqr(bwd)
+    timing = Timing(
+        forward_s=f_med,
+        backward_s=b_med,
+        forward_spread_s=f_iqr,
+        backward_spread_s=b_iqr,
+        saved_bytes=saved,
+        output_bytes=value_bytes(outputs),
+        peak_bytes=peak,
+    )
+    detached = tuple(t.detach() if isinstance(t, Tensor) else t for t in outputs)
+    return timing, detached

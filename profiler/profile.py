@@ -1,0 +1,202 @@
+"""Profile a model: trace it, group it into units, and measure every unit at every micro-batch size.
+
+For each micro-batch size b the model runs unit by unit on a seeded batch of size b: each unit
+is measured alone (:mod:`profiler.measure`) and its outputs feed the next units.  The cut table
+comes from the largest size's run: every tensor live across a cut (:func:`planner.graph.cut_tensors`)
+with its bytes divided by b.  Sizes are measured largest first, so the warm-up of the largest
+(slowest) runs also warms the allocator for the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from planner.errors import InvalidRequestError
+from planner.graph import cut_tensors, group_units, trace_model
+from planner.model import load_model
+from planner.types import Cut, CutTensor, Profile, Timing, Unit
+from profiler.device import Clock, device_info, resolve_device
+from profiler.measure import measure_unit, storage_keys, value_bytes
+from profiler.split import split_units
+
+__all__ = ["DTYPES", "default_microbatch_sizes", "profile_model"]
+
+#: ``dtype`` names accepted by :func:`profile_model`.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def default_microbatch_sizes(batch_size: int) -> tuple[int, ...]:
+    """Every power of two dividing ``batch_size``, and ``batch_size`` itself.
+
+    >>> default_microbatch_sizes(24)
+    (1, 2, 4, 8, 24)
+    """
+    sizes = [1 << i for i in range(batch_size.bit_length()) if batch_size % (1 << i) == 0]
+    return tuple(sorted({*sizes, batch_size}))
+
+
+def _check_sizes(batch_size: int, sizes: Sequence[int] | None) -> tuple[int, ...]:
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise InvalidRequestError(f"batch size must be a positive integer, got {batch_size!r}")
+    if sizes is None:
+        return default_microbatch_sizes(batch_size)
+    out = tuple(sorted(set(sizes)))
+    if not out:
+        raise InvalidRequestError("no micro-batch sizes given; omit them to use the defaults")
+    for b in out:
+        if b <= 0 or batch_size % b:
+            raise InvalidRequestError(
+                f"micro-batch size {b} does not divide batch size {batch_size}; "
+                f"choose among {list(default_microbatch_sizes(batch_size))} or other divisors"
+            )
+    return out
+
+
+def _check_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, str | int | float | bool]:
+    out: dict[str, str | int | float | bool] = {}
+    for key, value in (kwargs or {}).items():
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        if not isinstance(value, (str, int, float, bool)):
+            raise InvalidRequestError(
+                f"model argument {key}={value!r} is a {type(value).__name__}; "
+                f"a profile records only str, int, float and bool arguments"
+            )
+        out[key] = value
+    return out
+
+
+def _to(value: Any, dev: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dev, dtype) if value.is_floating_point() else value.to(dev)
+    return value
+
+
+def profile_model(
+    model: str,
+    *,
+    batch_size: int,
+    model_kwargs: Mapping[str, Any] | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
+    device: str = "cpu",
+    granularity: str = "auto",
+    tracer: str = "auto",
+    dtype: str = "float32",
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+) -> Profile:
+    """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
+
+    ``microbatch_sizes`` defaults to every power of two dividing ``batch_size`` (and
+    ``batch_size``).  List or tuple model arguments are recorded as comma-separated strings.
+    """
+    sizes = _check_sizes(batch_size, microbatch_sizes)
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if warmup < 0 or repeats < 1:
+        raise InvalidRequestError(
+            f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}"
+        )
+    if tracer not in ("auto", "fx", "export"):
+        raise InvalidRequestError(f"tracer {tracer!r} is not one of auto, fx, export")
+    kwargs = _check_kwargs(model_kwargs)
+    dev = resolve_device(device)
+    torch_dtype = DTYPES[dtype]
+
+    spec = load_model(model, model_kwargs)
+    module = spec.module.to(dev, torch_dtype).train()
+    example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
+    traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
+    units = group_units(traced, granularity)
+    pieces = split_units(traced, units)
+    placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
+    clock = Clock(dev)
+
+    timings: list[dict[int, Timing]] = [{} for _ in pieces]
+    biggest: dict[str, Any] = {}
+    with _progress(progress) as bar:
+        task = bar.add_task(model, total=len(sizes) * len(pieces))
+        for b in sorted(sizes, reverse=True):
+            inputs = tuple(_to(x, dev, torch_dtype) for x in spec.batch(b)[0])
+            if len(inputs) != len(placeholders):
+                raise InvalidRequestError(
+                    f"model {model!r} takes {len(placeholders)} inputs but make_batch gave "
+                    f"{len(inputs)}"
+                )
+            values: dict[str, Any] = dict(zip(placeholders, inputs))
+            for k, piece in enumerate(pieces):
+                bar.update(task, description=f"{model} b={b} {piece.spec.name}")
+                args = [values[name] for name in piece.inputs]
+                timing, outs = measure_unit(
+                    piece.module,
+                    args,
+                    clock=clock,
+                    warmup=warmup,
+                    repeats=repeats,
+                    exclude=exclude,
+                    seed=k,
+                )
+                timings[k][b] = timing
+                values.update(zip(piece.outputs, outs))
+                bar.advance(task)
+            if b == max(sizes):
+                biggest = values
+
+    b_max = max(sizes)
+    cuts = []
+    for k, names in enumerate(cut_tensors(traced, units)):
+        tensors = tuple(
+            CutTensor(node=n, bytes_per_sample=-(-value_bytes(biggest[n]) // b_max)) for n in names
+        )
+        cuts.append(
+            Cut(after=k, tensors=tensors, bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
+        )
+    return Profile(
+        model=model,
+        model_kwargs=kwargs,
+        tracer=traced.tracer,
+        graph_fingerprint=traced.fingerprint,
+        device=device_info(dev),
+        torch_version=torch.__version__,
+        dtype=dtype,
+        batch_size=batch_size,
+        microbatch_sizes=sizes,
+        granularity=granularity,
+        warmup=warmup,
+        repeats=repeats,
+        input_bytes_per_sample=-(-sum(value_bytes(biggest[n]) for n in placeholders) // b_max),
+        units=tuple(
+            Unit(
+                index=k,
+                name=p.spec.name,
+                nodes=p.spec.nodes,
+                params=p.params,
+                param_bytes=p.param_bytes,
+                timings=timings[k],
+            )
+            for k, p in enumerate(pieces)
+        ),
+        cuts=tuple(cuts),
+    )
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=not enabled,
+    )

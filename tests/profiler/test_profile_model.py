@@ -1,0 +1,117 @@
+"""profiler.profile_model on the bundled models: fields, units, cuts, tied weights, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.errors import InvalidRequestError
+from planner.io import load_profile, write_json
+from planner.model import load_model
+from planner.types import Profile
+from profiler import default_microbatch_sizes, profile_model
+
+FAST = {"warmup": 1, "repeats": 2, "progress": False}
+GPT = {"vocab": 512, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}
+RESNET = {"width": 8, "blocks": "1,1", "image": 16}
+MLP = {"width": 64, "depth": 3, "in_features": 32}
+
+
+@pytest.fixture(scope="module")
+def gpt_profile() -> Profile:
+    return profile_model("models.gpt:gpt", batch_size=8, model_kwargs=GPT, **FAST)
+
+
+def test_every_field_is_filled(gpt_profile: Profile) -> None:
+    p = gpt_profile
+    assert p.model == "models.gpt:gpt" and p.model_kwargs == GPT
+    assert p.tracer == "fx" and len(p.graph_fingerprint) == 16
+    assert p.device.kind == "cpu" and p.device.threads == 1
+    assert p.torch_version == torch.__version__ and p.dtype == "float32"
+    assert p.microbatch_sizes == (1, 2, 4, 8) and (p.warmup, p.repeats) == (1, 2)
+    assert [u.name for u in p.units] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert p.input_bytes_per_sample == 16 * 8  # seq_len int64 tokens
+    assert len(p.cuts) == 3 and all(c.bytes_per_sample == 16 * 32 * 4 for c in p.cuts)
+
+
+def test_times_positive_and_saved_bytes_grow_with_microbatch(gpt_profile: Profile) -> None:
+    for unit in gpt_profile.units:
+        for t in unit.timings.values():
+            assert t.forward_s > 0 and t.backward_s > 0 and t.peak_bytes is None
+        saved = [unit.timings[b].saved_bytes for b in gpt_profile.microbatch_sizes]
+        assert saved == sorted(saved) and saved[-1] > saved[0] > 0
+
+
+def test_tied_embedding_counts_once(gpt_profile: Profile) -> None:
+    module = load_model("models.gpt:gpt", GPT).module
+    unique = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert sum(u.param_bytes for u in gpt_profile.units) == unique
+    embed, head = gpt_profile.units[0], gpt_profile.units[-1]
+    assert "embed.tok.weight" in embed.params and "embed.tok.weight" in head.params
+    assert head.param_bytes == 2 * 32 * 4  # only the final LayerNorm
+
+
+def test_json_round_trip(gpt_profile: Profile, tmp_path: Path) -> None:
+    path = tmp_path / "gpt.profile.json"
+    write_json(path, gpt_profile)
+    assert load_profile(path) == gpt_profile
+
+
+def test_resnet_cut_inside_a_block_carries_the_skip() -> None:
+    p = profile_model(
+        "models.resnet:resnet", batch_size=2, model_kwargs=RESNET, granularity="depth:4", **FAST
+    )
+    k = next(i for i, u in enumerate(p.units) if u.name == "stages.0.0.conv1")
+    main = p.units[k].timings[2].output_bytes // 2
+    assert p.cuts[k].bytes_per_sample > main and len(p.cuts[k].tensors) == 2
+    assert p.model_kwargs == RESNET
+
+
+def test_float64_and_explicit_sizes() -> None:
+    p = profile_model(
+        "models.mlp:mlp",
+        batch_size=6,
+        model_kwargs=MLP,
+        microbatch_sizes=[3, 6],
+        dtype="float64",
+        **FAST,
+    )
+    assert p.microbatch_sizes == (3, 6) and p.dtype == "float64"
+    assert p.input_bytes_per_sample == 32 * 8
+    assert p.units[0].param_bytes == (32 * 64 + 64) * 8
+
+
+def test_hf_model_profiles_through_export() -> None:
+    pytest.importorskip("transformers")
+    kwargs = {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
+    p = profile_model("models.hf:gpt2", batch_size=2, model_kwargs=kwargs, **FAST)
+    assert p.tracer == "export" and p.n_units == 4
+
+
+def test_microbatch_size_must_divide_batch() -> None:
+    with pytest.raises(
+        InvalidRequestError, match=r"micro-batch size 3 does not divide batch size 8"
+    ):
+        profile_model("models.mlp:mlp", batch_size=8, microbatch_sizes=[2, 3], **FAST)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(InvalidRequestError, match="CUDA is not available"):
+        profile_model("models.mlp:mlp", batch_size=2, device="cuda", **FAST)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InvalidRequestError, match="dtype 'int8'"):
+        profile_model("models.mlp:mlp", batch_size=2, dtype="int8", **FAST)
+    with pytest.raises(InvalidRequestError, match="granularity 'layers'"):
+        profile_model(
+            "models.mlp:mlp", batch_size=2, model_kwargs=MLP, granularity="layers", **FAST
+        )
+
+
+def test_default_sizes() -> None:
+    assert default_microbatch_sizes(32) == (1, 2, 4, 8, 16, 32)
+    assert default_microbatch_sizes(12) == (1, 2, 4, 12)
