@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from planner.frames import events_frame, ideal_bubble, sweep_frame, timeline_frame
+from planner.io import format_bytes
 from planner.simulate import Timeline, simulate_plan
 from planner.types import Cluster, Plan, PlanOptions, Profile, RunReport
 
@@ -96,14 +97,16 @@ def _draw_schedule(ax: Axes, events: pd.DataFrame, p: int, xmax_s: float) -> Non
     ms = 1e3
     for e in events.itertuples(index=False):
         color, hatch = KIND_STYLE.get(e.kind, ("#999999", "xx"))
+        # a white edge separates neighbouring blocks but would hide a sliver: draw those solid
+        sliver = e.duration_s < 0.004 * xmax_s
         rect = Rectangle(
             (e.start_s * ms, e.stage - 0.4),
             e.duration_s * ms,
             0.8,
             facecolor=color,
             hatch=hatch,
-            edgecolor="white",
-            linewidth=0.5,
+            edgecolor=color if sliver else "white",
+            linewidth=0 if sliver else 0.5,
         )
         rect.set_gid(f"{e.kind}/{e.stage}/{e.microbatch}")
         ax.add_patch(rect)
@@ -455,5 +458,7 @@ def microbatch_sweep(
         ax.legend(fontsize=8)
     bottom.set_xticks(list(df["m"]))
     bottom.set_xticklabels([str(int(m)) for m in df["m"]])
-    top.set_title(f"{profile.model}: p={p}, B={profile.batch_size}")
+    limits = sorted({d.memory_bytes for d in cluster.devices})
+    memory = "/".join(format_bytes(b) for b in limits)
+    top.set_title(f"{profile.model}: p={p}, B={profile.batch_size}, memory {memory} per device")
     return fig
