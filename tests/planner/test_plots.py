@@ -284,3 +284,15 @@ def test_measured_vs_simulated_share_the_time_axis(plans):
     _renders(fig)
     with pytest.raises(ValueError, match="pass the plan file the run executed"):
         plots.measured_vs_simulated(report, plans[1])
+
+
+def test_figures_leave_pyplot_alone(plans):
+    """The module draws on its own Agg canvases: no backend switch, no pyplot figure left open."""
+    import matplotlib.pyplot as plt
+
+    backend = matplotlib.get_backend()
+    before = plt.get_fignums()
+    fig = plots.gantt(plans[0])
+    assert matplotlib.get_backend() == backend
+    assert plt.get_fignums() == before
+    assert type(fig.canvas).__name__ == "FigureCanvasAgg"
