@@ -289,6 +289,61 @@ def show(file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or 
 
 
 # --------------------------------------------------------------------------------------------
+# run
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan JSON file.")],
+    model: Annotated[str | None, typer.Option(help="Default: the plan's model.")] = None,
+    model_arg: Annotated[
+        list[str] | None,
+        typer.Option("--model-arg", help="KEY=VALUE passed to the model callable."),
+    ] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps.")] = 10,
+    warmup: Annotated[int, typer.Option(min=0, help="Unmeasured steps first.")] = 2,
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum or adam.")] = "sgd",
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-3,
+    threads: Annotated[int | None, typer.Option(help="CPU threads per rank.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Run report JSON to write.")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Chrome-trace JSON of the last step.")] = None,
+    device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed for the model and the batch.")] = 0,
+    timeout: Annotated[float, typer.Option(help="Process-group timeout, seconds.")] = 300.0,
+) -> None:
+    """Run PLAN as a pipeline on this machine (torchrun, one rank per stage); compare with it."""
+    from planner.errors import StageFailedError
+    from runtime.launch import launch, preflight
+
+    if optimizer not in ("sgd", "momentum", "adam"):
+        _fail(f"--optimizer {optimizer!r} is not one of sgd, momentum, adam")
+    p = preflight(
+        plan_file,
+        model=model,
+        model_args=model_arg or [],
+        device=device,
+        threads=threads,
+        outputs=[report, trace],
+    )
+    args = [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
+    args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]
+    args += [f"--model={model}"] if model else []
+    args += [f"--model-arg={a}" for a in model_arg or []]
+    args += [f"--threads={threads}"] if threads else []
+    args += [f"--report={report.resolve()}"] if report else []
+    args += [f"--trace={trace.resolve()}"] if trace else []
+    try:
+        launch(p, plan_file.resolve(), args)
+    except StageFailedError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    for path, what in ((report, "report"), (trace, "trace")):
+        if path:
+            console.print(f"{what} -> {path}")
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.checkpoint import checkpoint
 
 from planner.errors import InvalidRequestError
-from planner.graph import group_units, trace_model
+from planner.graph import TracedModel, group_units, trace_model
 from planner.model import ModelSpec
 from planner.types import Plan
 from runtime.stages import (
@@ -118,8 +118,9 @@ def _dtype(name: str) -> torch.dtype:
 class PipelineRunner:
     """This rank's stage of ``plan``: ``forward_backward`` then ``optimizer_step``.
 
-    Stage j runs on global rank j of ``group`` (default: the world).  ``spec.module`` must
-    hold the same initial parameters on every rank (seed before building it).
+    Stage j runs on rank j of the world.  ``spec.module`` must hold the same initial
+    parameters on every rank.  ``traced`` (``spec.module`` already traced, in the plan's dtype)
+    saves tracing it again.
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class PipelineRunner:
         optimizer: str = "sgd",
         lr: float = 1e-3,
         fault: FaultHook | None = None,
+        traced: TracedModel | None = None,
     ) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != plan.n_stages:
@@ -143,7 +145,8 @@ class PipelineRunner:
         self.loss_fn = spec.loss
         module = spec.module.to(dtype=self.dtype)
         inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
-        traced = trace_model(module, inputs, tracer=plan.tracer)
+        if traced is None:
+            traced = trace_model(module, inputs, tracer=plan.tracer)
         units = group_units(traced, plan.granularity)
         programs = build_stages(plan, traced, units, inputs)
         self.names = parameter_names(module, traced.gm)
