@@ -10,10 +10,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from planner.types import Cluster, Plan, PlanOptions, Profile
+from solvers.baselines import solve_params, solve_torchgpipe, solve_uniform
 from solvers.dp import solve_dp
 
-__all__ = ["SOLVERS", "Solver", "solve_dp"]
+__all__ = ["SOLVERS", "Solver", "solve_dp", "solve_cpsat"]
 
 Solver = Callable[[Profile, Cluster, PlanOptions], Plan]
 
-SOLVERS: dict[str, Solver] = {"dp": solve_dp}
+
+def solve_cpsat(profile: Profile, cluster: Cluster, options: PlanOptions | None = None) -> Plan:
+    """:func:`solvers.cpsat.solve_cpsat`, imported on first use (OR-Tools loads slowly)."""
+    from solvers.cpsat import solve_cpsat as solve
+
+    return solve(profile, cluster, options)
+
+
+SOLVERS: dict[str, Solver] = {
+    "dp": solve_dp,
+    "cpsat": solve_cpsat,
+    "uniform": solve_uniform,
+    "params": solve_params,
+    "torchgpipe": solve_torchgpipe,
+}

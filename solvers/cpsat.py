@@ -1,0 +1,455 @@
+"""Pipeline partitioning as a CP-SAT model (OR-Tools), with the constraints the DP cannot take.
+
+Formulation.  For one micro-batch count m, integer *boundary* variables
+
+    0 = b_0 < b_1 < ... < b_{p-1} < b_p = n,      stage j = units b_j .. b_{j+1} - 1,
+
+with ``min_units <= b_{j+1} - b_j <= max_units`` and, for a unit u pinned to stage j,
+``b_j <= u < b_{j+1}``.  Every per-stage quantity of :mod:`planner.costmodel` is a difference of
+prefix sums, read from constant tables with element constraints on the boundaries:
+
+    t_j = Q_j[b_{j+1}] - Q_j[b_j] + C[b_{j+1}]  (C only for j < p - 1)
+    Q_j[k] = sum_{u<k} ((1 + rc_j) f_u + g_u) / s_j     (device speed s_j, recompute rc_j)
+    M_j = (2 + k) (W[b_{j+1}] - W[b_j]) + q_j X[b_j] + A[b_{j+1}] - A[b_j]  (recompute)
+        | (2 + k) (W[b_{j+1}] - W[b_j]) + q_j (A[b_{j+1}] - A[b_j])           (no recompute)
+    M_j <= cap_j
+    minimise  sum_j t_j + (m - 1) T,   T >= t_j for all j.
+
+Bytes are integers already, so memory is exact.  Times are scaled to integer *ticks*: with
+``S = 2**30 / R`` ticks per second, R the largest sum of stage times over the candidate m
+(slowest device, all recompute, every cut paid), each table entry is rounded to the nearest
+tick.  A stage time then errs by at most 1.5 ticks (two prefix entries and one cut), so the
+scaled objective of any partition is within ``E = 1.5 (p + m - 1)`` ticks of S times its step
+time, and the plan CP-SAT proves optimal is within ``2 E / S = 3 (p + m - 1) R / 2**30``
+seconds of the true optimum (about ``3e-9 (p + m - 1)`` of R).  The returned plan is always
+re-evaluated exactly by :func:`planner.costmodel.evaluate`.
+
+One model per m rather than one model with m as a choice: every unit's costs change with the
+micro-batch size, so a joint model would hold |m| copies of every table plus the product
+(m - 1) T, whose linearisation is weak.  Separate models are small, and each one after the first
+gets the incumbent as a cutoff (``objective <= best - 1``), so a hopeless m is refuted quickly;
+an m whose closed-form lower bound (:func:`planner.costmodel.lower_bound` per m) cannot beat the
+incumbent is skipped outright.
+
+Bounds and hints.  Stage compute times (no communication) are monotone interval costs, so the
+greedy "longest stage within T" plus bisection gives the compute-only min-max T_lb (a lower
+bound of max_j t_j, and a floor on T) and a partition to hint.  With an incumbent of step time
+U, any better partition has max_j t_j <= (U - S_lb) / (m - 1), S_lb = sum_u min_j (unit u's
+compute on device j); greedy reach forward and backward under that threshold bounds every b_j
+(the *window*), which shrinks the element tables from O(n) values to a few.
+
+Complexity.  The model has p - 1 integer variables with at most n values each and O(p) element
+and linear constraints (O(p w) literals once CP-SAT encodes the elements, w the window
+width); the search is exponential in the worst case.  200 units x 16 stages x 8 micro-batch
+counts are proven optimal in about a second on two cores (see ``benchmarks/solvers``).
+``options.time_limit_s`` bounds the wall-clock time over all m; a plan found but not proven has
+status ``"feasible"`` and ``gap = (objective - bound) / objective`` in ticks (if time runs out
+before CP-SAT's first solution, the greedy partition is kept when it fits).  The search uses two
+workers and a fixed seed; the optimum is reproducible, though with two threads the choice
+between equally good partitions may in principle depend on timing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from planner.costmodel import (
+    OPTIMIZER_STATES,
+    UnitCosts,
+    check_request,
+    evaluate,
+    in_flight,
+    microbatch_choices,
+    recomputes,
+    stage_time,
+    unit_costs,
+)
+from planner.errors import InfeasiblePlanError
+from planner.io import format_bytes
+from planner.types import Cluster, Plan, PlanOptions, Profile
+
+__all__ = ["solve_cpsat", "partition_cpsat", "CpsatResult", "TICKS", "error_bound_s"]
+
+#: Ticks in the largest possible sum of stage times (the time scale's resolution).
+TICKS = 2**30
+_WORKERS = 2
+_SEED = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CpsatResult:
+    """The best partition found, with what was proven about it."""
+
+    starts: tuple[int, ...]
+    """First unit of every stage (``starts[0] == 0``)."""
+    m: int
+    optimal: bool
+    gap: float
+    """(objective - best bound) / objective, in ticks; 0 when proven optimal."""
+    objective_ticks: int
+    scale: float
+    """Ticks per second."""
+    per_m_status: dict[int, str] = field(default_factory=dict)
+
+
+def _reference_time(profile: Profile, cluster: Cluster, options: PlanOptions, ms: list[int]) -> float:
+    """R: the largest sum of stage times any partition can have, over the candidate m."""
+    s_min = min(d.speed for d in cluster.devices)
+    worst = 0.0
+    for m in ms:
+        c = unit_costs(profile, m)
+        comm = sum(_cut_times(c, cluster, options))
+        worst = max(worst, float(2 * c.f.sum() + c.g.sum()) / s_min + comm)
+    return worst if worst > 0 else 1.0
+
+
+def _cut_times(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[float]:
+    """C at every cut: the round trip across the cut before unit k, k = 0..n (0 at both ends).
+
+    Read from :func:`planner.costmodel.stage_time` (a one-unit first stage ending at k - 1).
+    """
+    n = costs.n
+    if cluster.n_stages < 2:
+        return [0.0] * (n + 1)
+    return [0.0, *(stage_time(costs, cluster, options, k - 1, k - 1, 0)[2] for k in range(1, n)), 0.0]
+
+
+def error_bound_s(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
+    """Seconds by which a plan CP-SAT proves optimal may exceed the true optimum."""
+    ms = microbatch_choices(profile, options)
+    R = _reference_time(profile, cluster, options, ms)
+    return 3.0 * (cluster.n_stages + max(ms) - 1) * R / TICKS
+
+
+def _ticks(values: np.ndarray | list[float], scale: float) -> list[int]:
+    return [int(v) for v in np.rint(np.asarray(values, dtype=np.float64) * scale)]
+
+
+class _Model:
+    """The CP-SAT model of one micro-batch count."""
+
+    def __init__(
+        self,
+        costs: UnitCosts,
+        cluster: Cluster,
+        options: PlanOptions,
+        scale: float,
+        caps: list[int],
+        window: tuple[list[int], list[int]] | None = None,
+        hint: tuple[int, ...] | None = None,
+        t_floor: int = 0,
+    ) -> None:
+        n, p, m = costs.n, cluster.n_stages, costs.m
+        self.n, self.p, self.m = n, p, m
+        md = cp_model.CpModel()
+        self.model = md
+        lo_u, hi_u = options.min_units, options.max_units or n
+        # Boundary b_j: stage j starts at unit b_j.  Domains from the unit counts, the pins and
+        # the window an incumbent leaves (see _window).
+        lower = [max(j * lo_u, n - (p - j) * hi_u) for j in range(p + 1)]
+        upper = [min(n - (p - j) * lo_u, j * hi_u) for j in range(p + 1)]
+        if window is not None:
+            lower = [max(a, b) for a, b in zip(lower, window[0])]
+            upper = [min(a, b) for a, b in zip(upper, window[1])]
+        for unit, stage in options.pinned.items():
+            for j in range(stage + 1):
+                upper[j] = min(upper[j], unit)
+            for j in range(stage + 1, p + 1):
+                lower[j] = max(lower[j], unit + 1)
+        if any(lo > hi for lo, hi in zip(lower, upper)):
+            md.add_bool_or([])  # the pins and unit counts contradict each other
+        self.b = [md.new_int_var(lower[j], max(lower[j], upper[j]), f"b{j}") for j in range(p + 1)]
+        md.add(self.b[0] == 0)
+        md.add(self.b[p] == n)
+        for j in range(p):
+            md.add(self.b[j + 1] - self.b[j] >= lo_u)
+            if options.max_units is not None:
+                md.add(self.b[j + 1] - self.b[j] <= hi_u)
+        cache: dict[tuple[int, tuple[int, ...]], cp_model.IntVar | int] = {}
+
+        def at(j: int, table: list[int], name: str) -> cp_model.IntVar | int:
+            """table[b_j], one element constraint per (boundary, table)."""
+            if j in (0, p):
+                return table[0 if j == 0 else n]
+            key = (j, tuple(table))
+            if key not in cache:
+                var = md.new_int_var(min(table), max(table), f"{name}{j}")
+                md.add_element(self.b[j], table, var)
+                cache[key] = var
+            return cache[key]
+
+        # Tables: times in ticks, bytes exact.
+        comm = _ticks(_cut_times(costs, cluster, options), scale)
+        W = [int(v) for v in costs.Pw]
+        A = [int(v) for v in costs.Pa]
+        X = [int(v) for v in costs.x]
+        wk = 2 + OPTIMIZER_STATES[options.optimizer]
+        horizon = 0
+        self.t: list[cp_model.IntVar] = []
+        for j, dev in enumerate(cluster.devices):
+            rc = recomputes(options.checkpoint, j, p)
+            Q = _ticks(((1 + rc) * costs.Pf + costs.Pg) / dev.speed, scale)
+            expr = at(j + 1, Q, "qe") - at(j, Q, "qs")
+            if j < p - 1:
+                expr = expr + at(j + 1, comm, "c")
+            top = Q[-1] + max(comm)
+            horizon = max(horizon, top)
+            t = md.new_int_var(0, top, f"t{j}")
+            md.add(t == expr)
+            self.t.append(t)
+            q = in_flight(options.schedule, j, p, m)
+            mem = wk * (at(j + 1, W, "we") - at(j, W, "ws"))
+            acts = at(j + 1, A, "ae") - at(j, A, "as")
+            if rc:
+                mem = mem + q * at(j, X, "x") + acts
+            else:
+                mem = mem + q * acts
+            md.add(mem <= caps[j])
+        self.tmax = md.new_int_var(max(0, min(t_floor, horizon)), horizon, "T")
+        md.add_max_equality(self.tmax, self.t)
+        self.objective = sum(self.t) + (m - 1) * self.tmax
+        md.minimize(self.objective)
+        if hint is not None:
+            for var, value in zip(self.b, (*hint, n)):
+                md.add_hint(var, value)
+
+    def solve(self, time_limit: float | None, cutoff: int | None) -> tuple[int, cp_model.CpSolver]:
+        if cutoff is not None:
+            self.model.add(self.objective <= cutoff)
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = _WORKERS
+        solver.parameters.random_seed = _SEED
+        if time_limit is not None:
+            solver.parameters.max_time_in_seconds = max(time_limit, 1e-3)
+        return solver.solve(self.model), solver
+
+    def starts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
+        return tuple(int(solver.value(b)) for b in self.b[:-1])
+
+
+class _Bounds:
+    """Compute-only bounds of one m: the min-max partition, S_lb and the boundary windows.
+
+    ``Qc[j]`` is the prefix table of stage j's compute time on device j (recompute included,
+    communication left out), so a stage's compute time is a lower bound of its t_j.  Greedily
+    taking the longest stage that fits a threshold is exact for the min-max of such monotone
+    interval costs, so bisection on the threshold gives ``T_lb``, a lower bound of max_j t_j
+    over all partitions, and a good partition to hint.
+    """
+
+    def __init__(self, costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> None:
+        p = cluster.n_stages
+        self.n, self.p, self.m = costs.n, p, costs.m
+        per_unit = []
+        self.Qc = []
+        for j, dev in enumerate(cluster.devices):
+            rc = recomputes(options.checkpoint, j, p)
+            self.Qc.append(((1 + rc) * costs.Pf + costs.Pg) / dev.speed)
+            per_unit.append(((1 + rc) * costs.f + costs.g) / dev.speed)
+        self.s_lb = float(np.min(np.array(per_unit), axis=0).sum())
+        """A lower bound of sum_j t_j: every unit runs where it is cheapest, no communication."""
+        hi = max(float(Q[-1]) for Q in self.Qc)
+        lo = 0.0
+        if self.greedy(0.0) is None:
+            for _ in range(100):
+                mid = (lo + hi) / 2
+                if mid in (lo, hi):
+                    break
+                if self.greedy(mid) is None:
+                    lo = mid
+                else:
+                    hi = mid
+        else:
+            hi = 0.0
+        self.t_lb = lo
+        starts = self.greedy(hi)
+        assert starts is not None
+        self.hint = starts
+
+    def greedy(self, T: float) -> tuple[int, ...] | None:
+        """Stage starts when each stage takes the most units whose compute time is <= T."""
+        n, p = self.n, self.p
+        starts = [0]
+        for j in range(p - 1):
+            Q = self.Qc[j]
+            reach = int(np.searchsorted(Q, Q[starts[-1]] + T, side="right")) - 1
+            nxt = min(reach, n - (p - 1 - j))
+            if nxt <= starts[-1]:
+                return None
+            starts.append(nxt)
+        Q = self.Qc[p - 1]
+        return tuple(starts) if Q[n] - Q[starts[-1]] <= T else None
+
+    def window(self, T: float) -> tuple[list[int], list[int]]:
+        """Bounds on every b_j for partitions whose stages all compute within T."""
+        n, p = self.n, self.p
+        T = T * (1 + 1e-9) + 1e-15
+        upper, lower = [0] * (p + 1), [n] * (p + 1)
+        for j in range(p):
+            Q = self.Qc[j]
+            upper[j + 1] = int(np.searchsorted(Q, Q[upper[j]] + T, side="right")) - 1
+        for j in range(p - 1, -1, -1):
+            Q = self.Qc[j]
+            lower[j] = int(np.searchsorted(Q, Q[lower[j + 1]] - T, side="left"))
+        lower[0], upper[p] = 0, n
+        return lower, upper
+
+    def lower_bound(self) -> float:
+        """S_lb + (m - 1) T_lb, a lower bound of the step time of any partition with this m."""
+        return self.s_lb + (self.m - 1) * self.t_lb
+
+    def t_max(self, objective: float) -> float:
+        """The largest max_j t_j a partition whose step time is <= ``objective`` can have."""
+        return objective if self.m == 1 else (objective - self.s_lb) / (self.m - 1)
+
+
+def partition_cpsat(
+    profile: Profile, cluster: Cluster, options: PlanOptions, *, ignore_memory: bool = False
+) -> CpsatResult | None:
+    """The best (starts, m) CP-SAT finds; ``None`` when it proves that no partition fits.
+
+    Raises :class:`InfeasiblePlanError` when the time limit ends the search before a feasible
+    partition is found.
+    """
+    check_request(profile, cluster, options)
+    deadline = None if options.time_limit_s is None else time.monotonic() + options.time_limit_s
+    ms = microbatch_choices(profile, options)
+    scale = TICKS / _reference_time(profile, cluster, options, ms)
+    p = cluster.n_stages
+    if ignore_memory:
+        devices = tuple(d.model_copy(update={"memory_bytes": 2**62}) for d in cluster.devices)
+        cluster = cluster.model_copy(update={"devices": devices})
+    caps = [d.memory_bytes for d in cluster.devices]
+    order = []
+    for m in ms:
+        c = unit_costs(profile, m)
+        order.append((_Bounds(c, cluster, options), c))
+    order.sort(key=lambda item: (item[0].lower_bound(), item[0].m))
+    best: tuple[float, int, tuple[int, ...], int] | None = None  # (step s, ticks, starts, m)
+    bounds: list[float] = []
+    status_of: dict[int, str] = {}
+    proven = True
+    for bd, c in order:
+        m = bd.m
+        lb_ticks = bd.lower_bound() * scale - 1.5 * (p + m - 1)
+        if best is not None and bd.lower_bound() >= best[0]:
+            status_of[m] = "pruned"
+            continue
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            status_of[m] = "not started"
+            bounds.append(lb_ticks)
+            proven = False
+            continue
+        hint_s = _satisfies(profile, cluster, options, bd.hint, m)
+        incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
+        window = bd.window(bd.t_max(incumbent)) if math.isfinite(incumbent) else None
+        t_floor = math.floor(bd.t_lb * scale - 1.5)
+        model = _Model(c, cluster, options, scale, caps, window, bd.hint, t_floor)
+        status, solver = model.solve(left, None if best is None else best[1] - 1)
+        status_of[m] = solver.status_name(status).lower()
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            obj = round(solver.objective_value)
+            starts = model.starts(solver)
+            if best is None or obj < best[1]:
+                exact = evaluate(profile, cluster, options, starts[1:], m, solver="cpsat")
+                best = (exact.step_time_s, obj, starts, m)
+        elif status == cp_model.UNKNOWN and hint_s is not None and hint_s < (best or (math.inf,))[0]:
+            # Out of time before CP-SAT's first solution: keep the greedy one, with its ticks
+            # rounded up by the scaling error so that the cutoff excludes nothing better.
+            best = (hint_s, math.ceil(hint_s * scale + 1.5 * (p + m - 1)), bd.hint, m)
+        if status in (cp_model.FEASIBLE, cp_model.UNKNOWN):
+            proven = False
+            bounds.append(max(lb_ticks, solver.best_objective_bound))
+        elif status == cp_model.MODEL_INVALID:  # pragma: no cover - a bug in this module
+            raise RuntimeError(f"CP-SAT rejected the model: {model.model.validate()}")
+        # OPTIMAL, or INFEASIBLE: nothing fits or nothing beats the cutoff; proven either way.
+    if best is None:
+        if not proven:
+            raise InfeasiblePlanError(
+                f"CP-SAT found no partition of {profile.n_units} units into {p} stages within "
+                f"--time-limit {options.time_limit_s} s; raise --time-limit"
+            )
+        return None
+    _, obj, starts, m = best
+    bound = min([obj, *bounds])
+    gap = 0.0 if proven or obj <= 0 else max(0.0, (obj - bound) / obj)
+    return CpsatResult(starts, m, proven, gap, obj, scale, status_of)
+
+
+def _satisfies(
+    profile: Profile, cluster: Cluster, options: PlanOptions, starts: tuple[int, ...], m: int
+) -> float | None:
+    """The step time of a partition that meets every constraint, else ``None``."""
+    sizes = np.diff([*starts, profile.n_units])
+    if sizes.min() < options.min_units or sizes.max() > (options.max_units or profile.n_units):
+        return None
+    for unit, stage in options.pinned.items():
+        if not starts[stage] <= unit < (starts[stage + 1] if stage + 1 < len(starts) else profile.n_units):
+            return None
+    plan = evaluate(profile, cluster, options, starts[1:], m, solver="cpsat")
+    return plan.step_time_s if plan.feasible else None
+
+
+def solve_cpsat(profile: Profile, cluster: Cluster, options: PlanOptions | None = None) -> Plan:
+    """The step-time-optimal feasible plan (``status="feasible"`` if the time limit hit first).
+
+    Devices may differ in speed and memory; ``options.pinned``, ``min_units`` and ``max_units``
+    constrain the stages.  Raises :class:`InfeasiblePlanError` with the memory the best
+    unconstrained partition needs when no partition fits.
+
+    >>> from planner.synthetic import synthetic_profile
+    >>> prof = synthetic_profile(8, batch_size=8, microbatch_sizes=[1, 2, 4, 8])
+    >>> plan = solve_cpsat(prof, Cluster.homogeneous(2, 2**40), PlanOptions(pinned={7: 1}))
+    >>> (plan.n_stages, plan.status, plan.stages[1].last_unit)
+    (2, 'optimal', 7)
+    """
+    options = options or PlanOptions()
+    t0 = time.perf_counter()
+    found = partition_cpsat(profile, cluster, options)
+    elapsed = time.perf_counter() - t0
+    if found is None:
+        _raise_infeasible(profile, cluster, options)
+    status = "optimal" if found.optimal else "feasible"
+    return evaluate(
+        profile,
+        cluster,
+        options,
+        found.starts[1:],
+        found.m,
+        solver="cpsat",
+        status=status,
+        gap=None if found.optimal else found.gap,
+        solve_time_s=elapsed,
+    )
+
+
+def _raise_infeasible(profile: Profile, cluster: Cluster, options: PlanOptions) -> None:
+    have = min(d.memory_bytes for d in cluster.devices)
+    free = partition_cpsat(profile, cluster, options, ignore_memory=True)
+    where = f"{profile.n_units} units into {cluster.n_stages} stages"
+    if free is None:
+        limit = options.time_limit_s
+        raise InfeasiblePlanError(
+            f"CP-SAT found no partition of {where} within --time-limit {limit} s "
+            f"(memory {format_bytes(have)} per device); raise --time-limit"
+            if limit is not None
+            else f"no partition of {where} satisfies the pins and unit counts; relax them",
+            min_memory_bytes=None,
+        )
+    unlimited = cluster.model_copy(
+        update={"devices": tuple(d.model_copy(update={"memory_bytes": 2**62}) for d in cluster.devices)}
+    )
+    plan = evaluate(profile, unlimited, options, free.starts[1:], free.m, solver="cpsat")
+    need = max(s.memory.total for s in plan.stages)
+    raise InfeasiblePlanError(
+        f"no partition of {where} fits in {format_bytes(have)} per device; the best partition "
+        f"needs {format_bytes(need)} (--memory {need}), or add stages, checkpoint more, or use "
+        f"fewer micro-batches",
+        min_memory_bytes=need,
+    )
