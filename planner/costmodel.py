@@ -10,6 +10,7 @@ j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
     T(m) = sum_j t_j + (m - 1) * max_j t_j                                   (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
+                                                   (w_j includes copies of shared parameters)
         + q_j * x_l(b)                             stashed stage inputs, when recomputing
         + sum_u a_u(b)        (recompute)          one micro-batch's activations
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
@@ -79,10 +80,27 @@ class UnitCosts:
     Pg: np.ndarray
     Pa: np.ndarray
     Pw: np.ndarray
+    shared: tuple[tuple[int, np.ndarray], ...] = ()
+    """(bytes, ascending user units) of every parameter used by several units."""
 
     @property
     def n(self) -> int:
         return len(self.f)
+
+    def shared_bytes(self, l: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
+        """Bytes of shared parameters a stage l..r holds but does not own (broadcasts).
+
+        A stage holds a copy of a shared parameter when it contains one of its users; the
+        bytes are already in ``w`` of the owner (the first user).
+        """
+        l_arr, r_arr = np.asarray(l), np.asarray(r)
+        out = np.zeros(np.broadcast(l_arr, r_arr).shape)
+        for nbytes, users in self.shared:
+            first = np.searchsorted(users, l_arr, side="left")  # first user >= l
+            has_user = (first < len(users)) & (users[np.minimum(first, len(users) - 1)] <= r_arr)
+            owns = (l_arr <= users[0]) & (users[0] <= r_arr)
+            out = out + nbytes * (has_user & ~owns)
+        return out
 
 
 def unit_costs(profile: Profile, m: int) -> UnitCosts:
@@ -113,7 +131,12 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
     def prefix(v: np.ndarray) -> np.ndarray:
         return np.concatenate([[0.0], np.cumsum(v)])
 
-    return UnitCosts(m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w))
+    shared = tuple(
+        (sp.bytes, np.array(sp.units, dtype=np.int64)) for sp in profile.shared_params
+    )
+    return UnitCosts(
+        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), shared
+    )
 
 
 def microbatch_choices(profile: Profile, options: PlanOptions) -> list[int]:
@@ -164,7 +187,7 @@ def stage_memory(
     """M_j of stage j covering units l..r, broken down."""
     p = cluster.n_stages
     q = in_flight(options.schedule, j, p, costs.m)
-    w = int(costs.Pw[r + 1] - costs.Pw[l])
+    w = int(costs.Pw[r + 1] - costs.Pw[l]) + int(costs.shared_bytes(l, r))
     acts = int(costs.Pa[r + 1] - costs.Pa[l])
     k = OPTIMIZER_STATES[options.optimizer]
     if recomputes(options.checkpoint, j, p):

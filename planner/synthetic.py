@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from planner.types import Cut, CutTensor, DeviceInfo, Profile, Timing, Unit
+from planner.types import Cut, CutTensor, DeviceInfo, Profile, SharedParam, Timing, Unit
 
 __all__ = ["synthetic_profile"]
 
@@ -28,6 +28,7 @@ def synthetic_profile(
     heavy_ends: bool = False,
     base_time_s: float = 1e-3,
     overhead: float = 2.0,
+    tied: bool = False,
 ) -> Profile:
     """A random but plausible :class:`Profile` of ``n_units`` units.
 
@@ -78,7 +79,11 @@ def synthetic_profile(
         cuts.append(
             Cut(after=k, tensors=tuple(tensors), bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
         )
+    shared: tuple[SharedParam, ...] = ()
+    if tied and n_units >= 2:  # the first and last units share a weight, as embedding and head
+        shared = (SharedParam(name="p0", bytes=units[0].param_bytes, units=(0, n_units - 1)),)
     return Profile(
+        shared_params=shared,
         model=f"synthetic:n{n_units}-seed{seed}",
         tracer="fx",
         graph_fingerprint=f"synthetic-{n_units}-{seed}",

@@ -39,6 +39,7 @@ __all__ = [
     "Unit",
     "CutTensor",
     "Cut",
+    "SharedParam",
     "DeviceInfo",
     "Profile",
     "Device",
@@ -130,6 +131,20 @@ class Cut(_Frozen):
     """x_k per sample: the sum over ``tensors``."""
 
 
+class SharedParam(_Frozen):
+    """A parameter used by several units (e.g. a tied embedding and LM head).
+
+    Its bytes count in ``param_bytes`` of its first user (the owner).  Every other stage that
+    holds one of its users keeps a copy too (with gradients and optimizer state), which the cost
+    model adds to that stage's memory.
+    """
+
+    name: str
+    bytes: int = Field(ge=0)
+    units: tuple[int, ...] = Field(min_length=2)
+    """The units that use it, ascending; ``units[0]`` owns it."""
+
+
 class DeviceInfo(_Frozen):
     kind: Literal["cpu", "cuda"]
     name: str
@@ -160,6 +175,7 @@ class Profile(_Frozen):
     units: tuple[Unit, ...]
     cuts: tuple[Cut, ...]
     """n - 1 cuts; ``cuts[k]`` lies between ``units[k]`` and ``units[k + 1]``."""
+    shared_params: tuple[SharedParam, ...] = ()
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -172,6 +188,9 @@ class Profile(_Frozen):
             raise ValueError("units must be numbered 0..n-1 in order")
         if [c.after for c in self.cuts] != list(range(n - 1)):
             raise ValueError(f"expected {n - 1} cuts numbered 0..{n - 2}")
+        for sp in self.shared_params:
+            if list(sp.units) != sorted(set(sp.units)) or not 0 <= sp.units[0] <= sp.units[-1] < n:
+                raise ValueError(f"shared parameter {sp.name}: units {sp.units} must be ascending in 0..{n - 1}")
         for size in self.microbatch_sizes:
             if size <= 0 or self.batch_size % size:
                 raise ValueError(

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from planner.errors import InvalidRequestError
 from planner.graph import cut_tensors, group_units, trace_model
 from planner.model import load_model
-from planner.types import Cut, CutTensor, Profile, Timing, Unit
+from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
 from profiler.device import Clock, device_info, resolve_device
 from profiler.measure import measure_unit, storage_keys, value_bytes
 from profiler.split import split_units
@@ -188,6 +188,23 @@ def profile_model(
             for k, p in enumerate(pieces)
         ),
         cuts=tuple(cuts),
+        shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
+    )
+
+
+def _shared_params(gm: torch.nn.Module, used: Sequence[Sequence[str]]) -> tuple[SharedParam, ...]:
+    """Parameters used by more than one unit (tied weights), with their bytes and users."""
+    params = dict(gm.named_parameters())
+    users: dict[str, list[int]] = {}
+    for k, names in enumerate(used):
+        for name in names:
+            if name in params:
+                users.setdefault(name, []).append(k)
+    return tuple(
+        SharedParam(name=name, bytes=params[name].numel() * params[name].element_size(),
+                    units=tuple(sorted(set(ks))))
+        for name, ks in sorted(users.items())
+        if len(set(ks)) > 1
     )
 
 

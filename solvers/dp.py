@@ -95,7 +95,7 @@ class _Instance:
         # The last stage as a vector over its first unit L (inf where it does not fit).
         L = np.arange(n + 1)
         j = self.p - 1
-        w = costs.Pw[n] - costs.Pw[L]
+        w = costs.Pw[n] - costs.Pw[L] + costs.shared_bytes(L, n - 1)
         a = costs.Pa[n] - costs.Pa[L]
         if rc_last:
             mem = w * self.wk + self.q[j] * x + a
@@ -121,7 +121,7 @@ class _Instance:
         valid = (l >= 0) & (r < n - 1)
         lc = np.where(valid, l, 0)
         t = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.comm[r + 1], _INF)
-        w = (c.Pw[r + 1] - c.Pw[lc]) * self.wk
+        w = (c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)) * self.wk
         a = c.Pa[r + 1] - c.Pa[lc]
         rc = recomputes(self.policy, 0, 2)
         masks: dict[tuple[int, float], np.ndarray] = {}

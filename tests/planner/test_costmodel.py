@@ -111,3 +111,18 @@ def test_stage_terms_by_hand() -> None:
     assert plan.throughput == pytest.approx(8 / plan.step_time_s)
     # The plan's own simulation is bounded below by its closed form.
     assert simulate_plan(plan).makespan_s >= plan.step_time_s * (1 - 1e-12)
+
+
+def test_shared_parameter_held_by_every_stage_that_uses_it() -> None:
+    prof = synthetic_profile(6, batch_size=8, tied=True, seed=5)
+    (sp,) = prof.shared_params
+    assert sp.units == (0, 5) and sp.bytes == prof.units[0].param_bytes
+    cl = Cluster.homogeneous(3, 2**40)
+    plan = evaluate(prof, cl, PlanOptions(optimizer="sgd"), [2, 4], 2, solver="t")
+    own = [sum(u.param_bytes for u in prof.units[s.first_unit : s.last_unit + 1]) for s in plan.stages]
+    # The owner (stage 0) counts it once; the head's stage holds a copy; the middle stage none.
+    assert [s.memory.params for s in plan.stages] == [own[0], own[1], own[2] + sp.bytes]
+    assert plan.stages[2].memory.total == 2 * (own[2] + sp.bytes) + plan.stages[2].memory.activations
+    # A single stage holding both users keeps one copy.
+    one = evaluate(prof, Cluster.homogeneous(1, 2**40), PlanOptions(), [], 2, solver="t")
+    assert one.stages[0].memory.params == sum(u.param_bytes for u in prof.units)
