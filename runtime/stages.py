@@ -270,12 +270,16 @@ def parameter_names(root: nn.Module, *extra: nn.Module) -> dict[int, str]:
 def tied_parameters(
     stages: Sequence[nn.Module], names: dict[int, str] | None = None
 ) -> list[TiedParameter]:
-    """Parameters held by two or more of ``stages`` (all of the plan's stages, in order)."""
+    """Parameters held by two or more of ``stages`` (all of the plan's stages, in order).
+
+    Named by ``names`` (``id -> name``, see :func:`parameter_names`), by default as in the
+    traced graph.
+    """
     owners: dict[int, list[int]] = {}
     for j, stage in enumerate(stages):
         for pid in _stage_parameters(stage):
             owners.setdefault(pid, []).append(j)
-    names = names or parameter_names(*stages)
+    names = names or parameter_names(*(getattr(s, "body", s) for s in stages))
     return sorted(
         (TiedParameter(names[pid], tuple(js)) for pid, js in owners.items() if len(js) > 1),
         key=lambda t: (t.stages, t.name),

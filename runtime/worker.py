@@ -213,17 +213,22 @@ def main(argv: list[str] | None = None) -> None:
         step = _progress["step"]
         _write_error(args.run_dir, rank, step, cause)
         msg = " ".join(str(cause).split())[:500]
-        if isinstance(cause, PipeplanError) and step is None:  # a bad request: status 2
+        code = 2 if isinstance(cause, PipeplanError) and step is None else 1  # 2: bad request
+        if code == 2:
             if rank == 0:
                 print(f"error: {msg}", file=sys.stderr, flush=True)
-            os._exit(2)
-        at = f" at step {step}" if step is not None else ""
-        print(
-            f"error: stage {rank} (rank {rank}) failed{at}: {type(cause).__name__}: {msg}",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
+        else:
+            at = f" at step {step}" if step is not None else ""
+            print(
+                f"error: stage {rank} (rank {rank}) failed{at}: {type(cause).__name__}: {msg}",
+                file=sys.stderr,
+                flush=True,
+            )
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # do not wait for communication threads that may hang
+            os._exit(code)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""``pipeplan run`` end to end on 2 and 3 CPU ranks: report and trace written; a stage that
+raises or is killed stops the whole run within bounded time and the message names it; bad
+requests fail before launch with one line and status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _runtime_jobs import make_plan
+
+from planner.cli import main
+from planner.graph import trace_model
+from planner.io import load_report, write_json
+from planner.model import load_model
+from runtime import worker
+
+GPT = ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8})
+PIPEPLAN = [sys.executable, "-c", "from planner.cli import main; main()"]
+
+
+def _plan(path: Path, starts: list[int]) -> Path:
+    spec = load_model(*GPT)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan = make_plan(*GPT, traced, starts=starts, batch_size=8, microbatches=4, dtype="float32")
+    write_json(path, plan)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    d = tmp_path_factory.mktemp("plans")
+    return {2: _plan(d / "plan2.json", [0, 3]), 3: _plan(d / "plan3.json", [0, 2, 4])}
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*PIPEPLAN, "run", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+
+
+def test_run_writes_report_and_trace(plans: dict[int, Path], tmp_path: Path) -> None:
+    report, trace = tmp_path / "report.json", tmp_path / "trace.json"
+    args = [str(plans[2]), "--steps", "2", "--warmup", "1", "--optimizer", "adam"]
+    code, out, err, _ = _run([*args, "--report", str(report), "--trace", str(trace)])
+    assert code == 0, err
+    assert "measured vs predicted" in out and "step time" in out and "bubble" in out
+    rep = load_report(report)
+    assert (rep.world_size, rep.steps, rep.warmup_steps, rep.backend) == (2, 2, 1, "gloo")
+    assert len(rep.step_times_s) == 2 and rep.step_time_s > 0
+    assert [len(s.forward_s) for s in rep.stages] == [4, 4]
+    assert all(s.threads == max(1, len(os.sched_getaffinity(0)) // 2) for s in rep.stages)
+    assert len(rep.losses) == 3 and rep.losses[-1] < rep.losses[0]
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] in (0, 1)]
+    assert {(e["pid"], e["name"]) for e in spans} >= {
+        (j, f"{k}{i}") for j in (0, 1) for k in "FB" for i in range(4)
+    }
+
+
+def test_a_stage_that_raises_stops_every_rank(plans: dict[int, Path]) -> None:
+    code, _, err, took = _run([str(plans[3]), "--steps", "3"], {"PIPEPLAN_FAIL": "1:2"})
+    assert code == 1 and took < 60
+    assert "error: stage 1 failed at step 2: RuntimeError: injected failure" in err
+    assert "Traceback" not in err
+
+
+def test_a_stage_that_dies_stops_every_rank(plans: dict[int, Path]) -> None:
+    code, _, err, took = _run([str(plans[2]), "--steps", "3"], {"PIPEPLAN_FAIL": "1:1:kill"})
+    assert code == 1 and took < 60
+    assert "error: stage 1 died with exit code -9 (SIGKILL)" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "models.mlp:mlp"], "plan was made for graph fingerprint"),
+        (["--model-arg", "n_layers=5"], "plan was made for graph fingerprint"),
+        (["--model", "no_such_module:model"], "cannot import 'no_such_module'"),
+        (["--threads", "0"], "--threads 0 must be at least 1"),
+        (["--report", "/no/such/dir/report.json"], "directory does not exist"),
+    ],
+)
+def test_bad_requests_fail_before_launch(
+    plans: dict[int, Path], capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(plans[2]), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_fails_before_launch(
+    plans: dict[int, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(plans[2]), "--device", "cuda"])
+    assert exc.value.code == 2 and "0 CUDA devices" in capsys.readouterr().err
+
+
+def test_worker_rejects_a_world_size_other_than_the_stage_count(
+    plans: dict[int, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        worker.main([str(plans[2])])
+    assert exc.value.code == 2
+    assert "has 2 stages but the world size is 3" in capsys.readouterr().err

@@ -1,0 +1,198 @@
+"""Single-process tests of the runtime's pieces: stage modules, plan checks, tied parameters,
+recomputation, timers, the run report and the choice of the failed stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _runtime_jobs import make_plan
+from torch import Tensor, nn
+
+from planner.errors import FingerprintMismatchError
+from planner.graph import cut_tensors, group_units, trace_model
+from planner.model import load_model
+from runtime.engine import Recompute
+from runtime.launch import failure
+from runtime.report import RankRecord, build_report, chrome_trace, measured_bubble
+from runtime.stages import build_stages, check_plan, tied_parameters
+from runtime.timing import Span, StepTimer
+
+GPT = ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8})
+
+
+class Skip(nn.Module):
+    """Four blocks and a skip from the first block's output to the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = skip = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            h = torch.tanh(block(h))
+        return h + skip
+
+
+def _run_stages(programs: list, inputs: tuple[Tensor, ...]) -> object:
+    out: object = inputs
+    for prog in programs:
+        out = prog.module(*out)
+    return out
+
+
+@pytest.mark.parametrize("starts", [[0, 2], [0, 1, 3], [0, 1, 2, 3]])
+def test_stages_forward_pass_through_tensors(starts: list[int]) -> None:
+    torch.manual_seed(0)
+    model = Skip()
+    x = torch.randn(3, 4)
+    traced = trace_model(model, (x,))
+    units = group_units(traced)
+    plan = make_plan("skip", {}, traced, starts=starts, batch_size=6, microbatches=2)
+    programs = build_stages(plan, traced, units, (x,))
+    cuts = cut_tensors(traced, units)
+    for j, prog in enumerate(programs[1:], start=1):
+        assert prog.inputs == cuts[starts[j] - 1]  # the skip arrives at every later stage
+        assert programs[j - 1].outputs == prog.inputs
+    assert all(any("blocks_0" in n for n in p.inputs) for p in programs[1:])
+    torch.testing.assert_close(_run_stages(programs, (x,)), model(x))
+    assert [t.shape for t in programs[1].example_inputs] == [torch.Size([3, 4])] * len(
+        programs[1].inputs
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "starts"),
+    [
+        (*GPT, [0, 2, 4]),
+        ("models.resnet:resnet", {"width": 4, "blocks": "1,1", "image": 8}, [0, 1, 3]),
+    ],
+)
+def test_stage_modules_compose_to_the_model(name: str, kwargs: dict, starts: list[int]) -> None:
+    spec = load_model(name, kwargs)
+    inputs, _ = spec.batch(2)
+    traced = trace_model(spec.module, inputs)
+    plan = make_plan(name, kwargs, traced, starts=starts, batch_size=4, microbatches=2)
+    programs = build_stages(plan, traced, group_units(traced), inputs)
+    assert programs[-1].outputs == ()
+    torch.testing.assert_close(_run_stages(programs, inputs), spec.module(*inputs))
+
+
+def test_plan_for_another_graph_is_rejected() -> None:
+    spec = load_model(*GPT)
+    inputs, _ = spec.batch(2)
+    traced = trace_model(spec.module, inputs)
+    units = group_units(traced)
+    plan = make_plan(GPT[0], GPT[1], traced, starts=[0, 3], batch_size=4, microbatches=2)
+    check_plan(plan, traced, units)
+    other = plan.model_copy(update={"graph_fingerprint": "0123456789abcdef"})
+    with pytest.raises(FingerprintMismatchError, match=f"0123456789abcdef.*{traced.fingerprint}"):
+        check_plan(other, traced, units)
+    renamed = plan.stages[1].model_copy(update={"unit_names": ("blocks.2", "bogus", "head")})
+    bad = plan.model_copy(update={"stages": (plan.stages[0], renamed)})
+    with pytest.raises(FingerprintMismatchError, match="unit 4 'bogus'.*'blocks.3'"):
+        check_plan(bad, traced, units)
+    with pytest.raises(
+        FingerprintMismatchError, match="plan covers 6 units but the model groups into 7"
+    ):
+        check_plan(plan, traced, units[:5] + units[5:] + units[:1])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_embedding_and_head_are_found(tie: bool) -> None:
+    spec = load_model(GPT[0], {**GPT[1], "tie_weights": tie})
+    inputs, _ = spec.batch(2)
+    traced = trace_model(spec.module, inputs)
+    kwargs = {**GPT[1], "tie_weights": tie}
+    plan = make_plan(GPT[0], kwargs, traced, starts=[0, 2, 4], batch_size=4, microbatches=2)
+    programs = build_stages(plan, traced, group_units(traced), inputs)
+    tied = tied_parameters([p.module for p in programs])
+    assert [(t.name, t.stages) for t in tied] == ([("embed.tok.weight", (0, 2))] if tie else [])
+
+
+def test_recompute_counts_batch_norm_statistics_once() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    wrapped = Recompute(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    wrapped.inner.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 3)
+    plain(x).square().sum().backward()
+    wrapped(x).square().sum().backward()
+    torch.testing.assert_close(wrapped.inner.state_dict(), plain.state_dict())
+    torch.testing.assert_close(wrapped.inner[0].weight.grad, plain[0].weight.grad)
+
+
+def test_step_timer_spans_are_relative_and_ordered() -> None:
+    timer = StepTimer(torch.device("cpu"))
+    timer.begin()
+    for i in range(2):
+        with timer.span("forward", i):
+            torch.randn(64, 64).sum()
+    wall, spans = timer.end()
+    assert [(s.kind, s.microbatch) for s in spans] == [("forward", 0), ("forward", 1)]
+    assert 0 <= spans[0].start_s <= spans[0].end_s <= spans[1].start_s <= wall
+
+
+def test_report_medians_trace_and_bubble() -> None:
+    spec = load_model(*GPT)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan = make_plan(GPT[0], GPT[1], traced, starts=[0, 3], batch_size=4, microbatches=2)
+
+    def step(stage: int, f: float, b: float) -> list[Span]:
+        t0 = stage * 0.1
+        return [
+            Span("forward", 0, t0, t0 + f),
+            Span("forward", 1, t0 + f, t0 + 2 * f),
+            Span("backward", 0, 0.5, 0.5 + b),
+            Span("backward", 1, 0.5 + b, 0.5 + 2 * b),
+        ]
+
+    records = [
+        RankRecord(0, 1, walls=[1.0, 2.0, 1.5], spans=[step(0, 0.1, 0.2)] * 3),
+        RankRecord(1, 1, walls=[1.1, 1.0, 1.0], spans=[step(1, 0.1, 0.2)] * 3, losses=[3, 2, 1]),
+    ]
+    report = build_report(plan, records, backend="gloo", warmup_steps=1)
+    assert report.step_times_s == (1.1, 2.0, 1.5) and report.step_time_s == 1.5
+    assert report.stages[0].forward_s == pytest.approx((0.1, 0.1))
+    assert report.stages[1].backward_s == pytest.approx((0.2, 0.2))
+    assert report.losses == (3, 2, 1)
+    assert measured_bubble(report) == pytest.approx(1 - 0.6 / 1.5)
+    trace = chrome_trace(report, plan)["traceEvents"]
+    measured = [e for e in trace if e["ph"] == "X" and e["pid"] < 1000]
+    assert {e["pid"] for e in measured} == {0, 1} and len(measured) == 8
+    assert any(e["pid"] >= 1000 for e in trace if e["ph"] == "X")  # predicted timeline
+
+
+def _error(run_dir: Path, stage: int, message: str, peer: bool, time: float) -> None:
+    data = {"stage": stage, "step": 1, "type": "RuntimeError", "message": message}
+    data |= {"peer": peer, "time": time}
+    (run_dir / f"error-{stage}.json").write_text(json.dumps(data))
+
+
+SUMMARY = """Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 10849)  (SIGKILL)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 10848)
+"""
+
+
+def test_failure_names_the_stage_that_failed_first(tmp_path: Path) -> None:
+    _error(tmp_path, 0, "Connection reset by peer", True, 1.0)
+    _error(tmp_path, 2, "Connection closed by peer", True, 2.0)
+    assert "stage 1 died with exit code -9 (SIGKILL)" in str(failure(tmp_path, 3, 1, SUMMARY))
+    _error(tmp_path, 1, "boom", False, 3.0)
+    msg = str(failure(tmp_path, 3, 1, SUMMARY))
+    assert msg.startswith("stage 1 failed at step 1: RuntimeError: boom")
+    assert "stages [0, 2] stopped" in msg
+
+
+def test_failure_without_error_files_shows_the_log(tmp_path: Path) -> None:
+    msg = str(failure(tmp_path, 2, 1, "line 1\nsomething broke\n"))
+    assert "status 1" in msg and "something broke" in msg
