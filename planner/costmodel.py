@@ -3,8 +3,8 @@
 Units u = 0..n-1 in order, p contiguous stages, batch B, m micro-batches of size b = B/m.  Stage
 j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
 
-    F_j = sum_{u=l..r} f_u(b) / s_j
-    B_j = sum_{u=l..r} g_u(b) / s_j  (+ F_j when the stage recomputes)
+    F_j = sum_{u=l..r} f_u(b) / s_j + o
+    B_j = sum_{u=l..r} g_u(b) / s_j  (+ the compute of F_j when the stage recomputes) + o
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     t_j = F_j + B_j + C_j
     T(m) = sum_j t_j + (m - 1) * max_j t_j                                   (step time)
@@ -16,7 +16,8 @@ j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
 
 where q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
-``transfer(s) = messages * (latency + overhead) + s / bandwidth``.  A stage recomputes under the
+``transfer(s) = messages * (latency + overhead) + s / bandwidth`` and o is the pipeline engine's
+fixed cost per forward or backward operation (``Cluster.op_overhead_s``, from calibration).  A stage recomputes under the
 policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
 ``never`` none.
 
@@ -177,6 +178,8 @@ def stage_time(
     B = float(costs.Pg[r + 1] - costs.Pg[l]) / speed
     if recomputes(options.checkpoint, j, p):
         B += F
+    F += cluster.op_overhead_s
+    B += cluster.op_overhead_s
     C = _comm(costs, cluster, r + 1) if j < p - 1 else 0.0
     return F, B, C
 

@@ -273,15 +273,21 @@ class Cluster(_Frozen):
     schema_: Literal["pipeplan.cluster/1"] = Field(default=CLUSTER_SCHEMA, alias="schema")
     devices: tuple[Device, ...] = Field(min_length=1)
     link: Link = Link()
+    op_overhead_s: float = Field(default=0.0, ge=0)
+    """Fixed seconds the pipeline engine spends per stage on every micro-batch's forward and on
+    every backward (scheduling, Python, autograd set-up), beyond the profiled compute; measured
+    by ``pipeplan calibrate``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     @classmethod
-    def homogeneous(cls, stages: int, memory_bytes: int, link: Link | None = None) -> Cluster:
+    def homogeneous(
+        cls, stages: int, memory_bytes: int, link: Link | None = None, op_overhead_s: float = 0.0
+    ) -> Cluster:
         if stages < 1:
             raise ValueError(f"stages must be >= 1, got {stages}")
         devices = tuple(Device(name=f"dev{j}", memory_bytes=memory_bytes) for j in range(stages))
-        return cls(devices=devices, link=link or Link())
+        return cls(devices=devices, link=link or Link(), op_overhead_s=op_overhead_s)
 
     @property
     def n_stages(self) -> int:

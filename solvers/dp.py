@@ -90,6 +90,7 @@ class _Instance:
         # Stage time of units l..r: (Q[r + 1] - Q[l]) + comm[r + 1] (mid) or Qlast diff (last).
         self.Qmid = ((1 + rc_mid) * costs.Pf + costs.Pg) / speed
         self.Qlast = ((1 + rc_last) * costs.Pf + costs.Pg) / speed
+        self.op = 2.0 * cluster.op_overhead_s  # engine cost of one forward and one backward
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
@@ -102,14 +103,14 @@ class _Instance:
         else:
             mem = w * self.wk + self.q[j] * a
         ok = (mem <= caps[j]) & (L < n)
-        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L], _INF)
+        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + self.op, _INF)
 
     def width(self, threshold: float) -> int:
         """Longest mid stage (in units) whose time can be <= threshold."""
         if not np.isfinite(threshold) or self.n < 2:
             return max(self.n, 1)
         r = np.arange(self.n - 1)
-        need = self.Qmid[r + 1] + self.comm[r + 1] - threshold  # stage l..r fits iff Q[l] >= need
+        need = self.Qmid[r + 1] + self.comm[r + 1] + self.op - threshold  # fits iff Q[l] >= need
         lo = np.searchsorted(self.Qmid, need - 1e-12 * max(1.0, abs(threshold)), side="left")
         return int(min(self.n, np.max(r - np.minimum(lo, r) + 1)))
 
@@ -120,7 +121,7 @@ class _Instance:
         l = r - np.arange(W)[None, :]
         valid = (l >= 0) & (r < n - 1)
         lc = np.where(valid, l, 0)
-        t = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.comm[r + 1], _INF)
+        t = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.comm[r + 1] + self.op, _INF)
         w = (c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)) * self.wk
         a = c.Pa[r + 1] - c.Pa[lc]
         rc = recomputes(self.policy, 0, 2)
@@ -173,7 +174,8 @@ class _Instance:
     def step_time(self, starts: tuple[int, ...]) -> float:
         ends = [*starts[1:], self.n]
         times = [
-            float(self.Qmid[e] - self.Qmid[l] + self.comm[e]) for l, e in zip(starts[:-1], ends)
+            float(self.Qmid[e] - self.Qmid[l] + self.comm[e] + self.op)
+            for l, e in zip(starts[:-1], ends)
         ]
         times.append(float(self.t_last[starts[-1]]))
         return sum(times) + (self.m - 1) * max(times)
@@ -202,7 +204,7 @@ def _solve_m(inst: _Instance) -> _Result | None:
         consider(V, choice, 0.0)  # no mid stages when p == 1; the M term is unused when m == 1
         return best
     # 1. A threshold G at which some plan exists; the min-max DP is exact wherever <= G.
-    total = float(inst.Qmid[n] + inst.comm.sum())
+    total = float(inst.Qmid[n] + inst.comm.sum() + p * inst.op)
     G = max(total / p, 1e-300)
     while True:
         V, choice = inst.run_mid(G, "sum")
@@ -232,7 +234,7 @@ def _solve_m(inst: _Instance) -> _Result | None:
             return _Result(obj, starts) if obj < best.objective else best
         return best
     # 2. Thresholds above M_top cannot win: S >= Qmid[L] + t_last(L) (communication >= 0).
-    s_lb = inst.Qmid + tl
+    s_lb = inst.Qmid + (p - 1) * inst.op + tl
     finite = np.isfinite(s_lb)
     m_top = (best.objective - float(np.min(s_lb[finite]))) / (m - 1)
     top = G

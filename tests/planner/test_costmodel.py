@@ -126,3 +126,14 @@ def test_shared_parameter_held_by_every_stage_that_uses_it() -> None:
     # A single stage holding both users keeps one copy.
     one = evaluate(prof, Cluster.homogeneous(1, 2**40), PlanOptions(), [], 2, solver="t")
     assert one.stages[0].memory.params == sum(u.param_bytes for u in prof.units)
+
+
+def test_engine_overhead_charged_per_operation() -> None:
+    prof = synthetic_profile(4, batch_size=8, seed=1)
+    base = evaluate(prof, Cluster.homogeneous(2, 2**40), PlanOptions(), [2], 4, solver="t")
+    slow = evaluate(prof, Cluster.homogeneous(2, 2**40, op_overhead_s=1e-3), PlanOptions(), [2],
+                    4, solver="t")
+    for a, b in zip(base.stages, slow.stages):
+        assert b.forward_s == pytest.approx(a.forward_s + 1e-3)
+        assert b.backward_s == pytest.approx(a.backward_s + 1e-3)
+    assert slow.step_time_s == pytest.approx(base.step_time_s + (2 + 3) * 2e-3)

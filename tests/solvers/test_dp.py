@@ -46,7 +46,9 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     )
     caps = draw(st.lists(st.sampled_from([10**6, 3 * 10**6, 10**7, 10**12]), min_size=p, max_size=p))
     cluster = Cluster(
-        devices=tuple(Device(name=f"d{j}", memory_bytes=c) for j, c in enumerate(caps)), link=link
+        devices=tuple(Device(name=f"d{j}", memory_bytes=c) for j, c in enumerate(caps)),
+        link=link,
+        op_overhead_s=draw(st.sampled_from([0.0, 0.0, 2e-4])),
     )
     options = PlanOptions(
         checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
