@@ -303,6 +303,10 @@ def _draw_stage_memory(axes: Sequence[Axes], plans: Sequence[Plan], names: list[
             for j, bar in enumerate(bars):
                 bar.set_gid(f"memory/{field}/{j}")
             bottom += v
+        other = np.array([s.memory.total for s in plan.stages]) / scale - bottom
+        if (other > 1e-9 * max(1.0, float(bottom.max()))).any():  # a breakdown field we don't know
+            ax.bar(x, other, 0.7, bottom=bottom, color="#BBBBBB", label="other", gid="memory/other")
+            bottom += other
         limits = np.array([s.memory_limit for s in plan.stages]) / scale
         ax.hlines(
             limits,
