@@ -344,6 +344,92 @@ def run(
 
 
 # --------------------------------------------------------------------------------------------
+# compare
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def compare(
+    plan_files: Annotated[list[Path], typer.Argument(metavar="PLAN...", help="Plan JSON files.")],
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="table, csv, json or markdown.")
+    ] = "table",
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
+    ] = None,
+) -> None:
+    """Compare plans side by side: per-stage times, bubble, step time and ratio to the best."""
+    from planner.compare import FORMATS, compare_frame, format_cell, render
+    from planner.io import load_plan, write_text
+
+    if fmt not in FORMATS:
+        _fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if output is not None:
+        _check_output(output)
+    plans = [load_plan(path) for path in plan_files]
+    names = [path.stem for path in plan_files]
+    df = compare_frame(plans, names)
+    if output is not None:
+        write_text(output, render(df, fmt))
+        console.print(f"{len(plans)} plans -> {output}")
+    elif fmt == "table":
+        table = Table(title=f"{len(plans)} plans")
+        for col in df.columns:
+            left = col in ("name", "stage_ms", "stage_mem")
+            width = max(len(str(v)) for v in df[col]) if col in ("name", "solver", "status") else None
+            table.add_column(str(col), justify="left" if left else "right", min_width=width)
+        for rec in df.to_dict(orient="records"):
+            # Per-stage lists wrap at spaces: times to 0.1 ms, memory as 1.5 GiB.
+            rec["stage_ms"] = " ".join(f"{float(t):.1f}" for t in rec["stage_ms"].split("/"))
+            rec["stage_mem"] = " ".join(format_bytes(int(b)) for b in rec["stage_mem"].split("/"))
+            table.add_row(*(format_cell(v) for v in rec.values()))
+        console.print(table)
+    else:
+        sys.stdout.write(render(df, fmt))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def calibrate(
+    output: Output = Path("cluster.json"),
+    nproc: Annotated[int, typer.Option(help="Ranks (= stages) to describe.")] = 2,
+    device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
+    max_size: Annotated[str, typer.Option(help="Largest message, e.g. 16MiB.")] = "16MiB",
+    repeats: Annotated[int, typer.Option(help="Round trips per size.")] = 20,
+    memory: Annotated[
+        str | None, typer.Option(help="Memory per device; default: the GPU's, or RAM / nproc.")
+    ] = None,
+) -> None:
+    """Measure the link between ranks with torch.distributed and write a cluster description."""
+    from runtime.calibrate import calibrate as run_calibration
+
+    _check_output(output)
+    if nproc < 2:
+        _fail(f"--nproc {nproc}: calibration needs at least 2 ranks")
+    cluster, samples = run_calibration(
+        nproc,
+        device=device,
+        max_bytes=parse_bytes(max_size, "--max-size"),
+        repeats=repeats,
+        memory_bytes=parse_bytes(memory) if memory else None,
+    )
+    write_json(output, cluster)
+    link = cluster.link
+    table = Table(title=f"{nproc} ranks, {device}: one-way time per message")
+    for col in ("bytes", "send/recv", "batch_isend_irecv", "model"):
+        table.add_column(col, justify="right")
+    for size, raw, p2p in samples:
+        model = link.transfer_s(size)
+        table.add_row(format_bytes(size), f"{raw * 1e6:.1f} us", f"{p2p * 1e6:.1f} us",
+                      f"{model * 1e6:.1f} us")
+    console.print(table)
+    console.print(
+        f"latency {link.latency_s * 1e6:.1f} us, bandwidth {(link.bandwidth_Bps or 0) / 1e9:.2f} "
+        f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, "
+        f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,227 @@
+"""CP-SAT matches the DP where both apply, and brute force on what only CP-SAT can model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costmodel import evaluate, microbatch_choices
+from planner.errors import InfeasiblePlanError, InvalidRequestError, UnsupportedConstraintError
+from planner.synthetic import synthetic_profile
+from planner.types import Cluster, Device, Link, PlanOptions, Profile
+from solvers import SOLVERS
+from solvers.cpsat import error_bound_s, partition_cpsat, solve_cpsat
+from solvers.dp import solve_dp
+
+
+def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions) -> float | None:
+    """Best feasible step time over every partition meeting pins and unit counts, and every m."""
+    n, p = profile.n_units, cluster.n_stages
+    hi = options.max_units or n
+    best = None
+    for m in microbatch_choices(profile, options):
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            starts = (0, *cuts)
+            sizes = [b - a for a, b in zip(starts, (*cuts, n))]
+            if min(sizes) < options.min_units or max(sizes) > hi:
+                continue
+            stage_of = [j for j, size in enumerate(sizes) for _ in range(size)]
+            if any(stage_of[u] != j for u, j in options.pinned.items()):
+                continue
+            plan = evaluate(profile, cluster, options, cuts, m, solver="brute")
+            if plan.feasible and (best is None or plan.step_time_s < best):
+                best = plan.step_time_s
+    return best
+
+
+def _assert_close(got: float, want: float, bound: float) -> None:
+    assert want - 1e-12 <= got <= want + bound + 1e-12, (got, want, bound)
+
+
+@st.composite
+def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
+    n = draw(st.integers(1, 16))
+    p = draw(st.integers(1, min(n, 6)))
+    prof = synthetic_profile(
+        n,
+        batch_size=8,
+        microbatch_sizes=draw(st.sampled_from([[1, 2, 4, 8], [2], [1, 8]])),
+        seed=draw(st.integers(0, 10**6)),
+        spread=draw(st.sampled_from([0.1, 0.5, 1.5])),
+        heavy_ends=draw(st.booleans()),
+    )
+    link = Link(
+        bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e10])),
+        latency_s=draw(st.sampled_from([0.0, 1e-4])),
+    )
+    memory = draw(st.sampled_from([2**40, 2**25, 2**23, 2**22]))
+    options = PlanOptions(
+        checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
+        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+        optimizer=draw(st.sampled_from(["sgd", "momentum", "adam"])),
+    )
+    return prof, Cluster.homogeneous(p, memory, link), options
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(dp_instances())
+def test_cpsat_matches_dp(inst: tuple[Profile, Cluster, PlanOptions]) -> None:
+    prof, clus, options = inst
+    try:
+        want = solve_dp(prof, clus, options)
+    except InfeasiblePlanError:
+        with pytest.raises(InfeasiblePlanError) as err:
+            solve_cpsat(prof, clus, options)
+        assert err.value.min_memory_bytes is not None
+        assert err.value.min_memory_bytes > min(d.memory_bytes for d in clus.devices)
+        return
+    got = solve_cpsat(prof, clus, options)
+    assert (got.solver, got.status, got.feasible, got.gap) == ("cpsat", "optimal", True, None)
+    _assert_close(got.step_time_s, want.step_time_s, error_bound_s(prof, clus, options))
+
+
+@pytest.mark.parametrize(
+    ("n", "p", "squeeze", "heavy"),
+    [(60, 2, None, True), (60, 8, None, False), (90, 12, 0.9, True), (60, 4, 0.8, True)],
+)
+def test_cpsat_matches_dp_on_synthetic_profiles(
+    n: int, p: int, squeeze: float | None, heavy: bool
+) -> None:
+    """Unlimited memory, or squeezed below what the unconstrained optimum needs."""
+    prof = synthetic_profile(n, batch_size=64, microbatch_sizes=[2, 4, 8, 16], heavy_ends=heavy)
+    link = Link(bandwidth_Bps=1e10, latency_s=1e-5)
+    clus = Cluster.homogeneous(p, 2**40, link)
+    if squeeze is not None:
+        free = solve_dp(prof, clus)
+        need = max(s.memory.total for s in free.stages)
+        clus = Cluster.homogeneous(p, int(need * squeeze), link)
+    want = solve_dp(prof, clus)
+    got = solve_cpsat(prof, clus)
+    assert got.status == "optimal"
+    _assert_close(got.step_time_s, want.step_time_s, error_bound_s(prof, clus, PlanOptions()))
+
+
+@st.composite
+def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
+    """Tiny instances with what only CP-SAT models: speeds, pins, unit counts."""
+    n = draw(st.integers(2, 9))
+    p = draw(st.integers(2, min(n, 4)))
+    prof = synthetic_profile(
+        n, batch_size=8, microbatch_sizes=[2, 8], seed=draw(st.integers(0, 10**6)), spread=1.0
+    )
+    devices = tuple(
+        Device(
+            name=f"d{j}",
+            memory_bytes=draw(st.sampled_from([2**40, 2**24, 2**23])),
+            speed=draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])),
+        )
+        for j in range(p)
+    )
+    pinned = draw(st.dictionaries(st.integers(0, n - 1), st.integers(0, p - 1), max_size=2))
+    lo = draw(st.integers(1, n // p))
+    hi = draw(st.one_of(st.none(), st.integers(max(lo, -(-n // p)), n)))
+    options = PlanOptions(pinned=pinned, min_units=lo, max_units=hi)
+    return prof, Cluster(devices=devices, link=Link(bandwidth_Bps=1e9)), options
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(constrained())
+def test_cpsat_matches_brute_force_with_constraints(
+    inst: tuple[Profile, Cluster, PlanOptions],
+) -> None:
+    prof, clus, options = inst
+    want = brute_force(prof, clus, options)
+    if want is None:
+        with pytest.raises(InfeasiblePlanError):
+            solve_cpsat(prof, clus, options)
+        return
+    got = solve_cpsat(prof, clus, options)
+    assert got.status == "optimal" and got.feasible
+    _assert_close(got.step_time_s, want, error_bound_s(prof, clus, options))
+    for unit, stage in options.pinned.items():
+        assert got.stages[stage].first_unit <= unit <= got.stages[stage].last_unit
+    sizes = [s.last_unit - s.first_unit + 1 for s in got.stages]
+    assert min(sizes) >= options.min_units
+    assert max(sizes) <= (options.max_units or prof.n_units)
+
+
+def test_faster_device_gets_more_work() -> None:
+    prof = synthetic_profile(40, batch_size=8, microbatch_sizes=[2], spread=0.1)
+    devices = (Device(name="slow", memory_bytes=2**40), Device(name="fast", memory_bytes=2**40, speed=3.0))
+    plan = solve_cpsat(prof, Cluster(devices=devices), PlanOptions(checkpoint="never"))
+    slow, fast = (s.last_unit - s.first_unit + 1 for s in plan.stages)
+    assert fast > 2 * slow
+    assert plan.stages[1].device == "fast"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [PlanOptions(pinned={3: 0}), PlanOptions(min_units=2), PlanOptions(max_units=5)],
+    ids=["pinned", "min_units", "max_units"],
+)
+def test_dp_refuses_what_only_cpsat_models(options: PlanOptions) -> None:
+    prof = synthetic_profile(8, batch_size=8)
+    with pytest.raises(UnsupportedConstraintError, match="cpsat"):
+        solve_dp(prof, Cluster.homogeneous(2, 2**40), options)
+    assert solve_cpsat(prof, Cluster.homogeneous(2, 2**40), options).status == "optimal"
+
+
+def test_dp_refuses_heterogeneous_speeds() -> None:
+    devices = (Device(name="a", memory_bytes=2**40), Device(name="b", memory_bytes=2**40, speed=2))
+    with pytest.raises(UnsupportedConstraintError, match="cpsat"):
+        solve_dp(synthetic_profile(8, batch_size=8), Cluster(devices=devices))
+
+
+def test_infeasible_reports_the_memory_that_fits() -> None:
+    prof = synthetic_profile(12, batch_size=8, microbatch_sizes=[8])
+    clus = Cluster.homogeneous(3, 2**20)
+    with pytest.raises(InfeasiblePlanError) as err:
+        solve_cpsat(prof, clus)
+    need = err.value.min_memory_bytes
+    assert need is not None and need > 2**20 and str(need) in str(err.value)
+    assert solve_cpsat(prof, Cluster.homogeneous(3, need)).feasible
+
+
+def test_contradictory_pins_are_infeasible_without_a_memory_hint() -> None:
+    prof = synthetic_profile(6, batch_size=8)
+    options = PlanOptions(pinned={4: 0, 1: 1})  # unit 4 before unit 1's stage: impossible
+    with pytest.raises(InfeasiblePlanError, match="pins") as err:
+        solve_cpsat(prof, Cluster.homogeneous(2, 2**40), options)
+    assert err.value.min_memory_bytes is None
+
+
+def test_bad_requests_are_rejected() -> None:
+    prof = synthetic_profile(4, batch_size=8)
+    with pytest.raises(InvalidRequestError, match="stages"):
+        solve_cpsat(prof, Cluster.homogeneous(5, 2**40))
+    with pytest.raises(InvalidRequestError, match="pin"):
+        solve_cpsat(prof, Cluster.homogeneous(2, 2**40), PlanOptions(pinned={9: 0}))
+
+
+def test_time_limit_records_status_and_gap() -> None:
+    prof = synthetic_profile(1000, batch_size=64, heavy_ends=True, seed=3)
+    clus = Cluster.homogeneous(48, 2**40, Link(bandwidth_Bps=1e10, latency_s=1e-5))
+    plan = solve_cpsat(prof, clus, PlanOptions(time_limit_s=0.5))
+    assert plan.feasible and plan.status in ("optimal", "feasible")
+    if plan.status == "optimal":
+        assert plan.gap is None
+    else:
+        assert plan.gap is not None and 0 <= plan.gap < 1
+        # The gap is against a valid bound: the optimum lies within it.
+        assert plan.lower_bound_s is not None
+        assert plan.step_time_s * (1 - plan.gap) <= plan.step_time_s
+        assert plan.step_time_s * (1 - plan.gap) >= plan.lower_bound_s * (1 - 1e-6)
+
+
+def test_result_is_reproducible() -> None:
+    prof = synthetic_profile(120, batch_size=32, seed=5)
+    clus = Cluster.homogeneous(8, 2**40, Link(bandwidth_Bps=1e10))
+    runs = [partition_cpsat(prof, clus, PlanOptions()) for _ in range(2)]
+    assert len({(r.starts, r.m) for r in runs if r is not None}) == 1
+
+
+def test_registered() -> None:
+    assert SOLVERS["cpsat"](synthetic_profile(6, batch_size=8), Cluster.homogeneous(2, 2**40), PlanOptions()).solver == "cpsat"
