@@ -357,6 +357,10 @@ def compare(
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
     ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Also draw stage times and memory to this image (.png, .svg, .pdf)."),
+    ] = None,
 ) -> None:
     """Compare plans side by side: per-stage times, bubble, step time and ratio to the best."""
     from planner.compare import FORMATS, compare_frame, format_cell, render
@@ -366,9 +370,18 @@ def compare(
         _fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if output is not None:
         _check_output(output)
+    if plot is not None:
+        _check_output(plot)
+        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            _fail(f"--plot {plot} must end in .png, .svg or .pdf")
     plans = [load_plan(path) for path in plan_files]
     names = [path.stem for path in plan_files]
     df = compare_frame(plans, names)
+    if plot is not None:
+        from planner.plots import compare_figure
+
+        compare_figure(plans, names).savefig(plot, dpi=120)
+        err_console.print(f"figure -> {plot}")
     if output is not None:
         write_text(output, render(df, fmt))
         console.print(f"{len(plans)} plans -> {output}")

@@ -296,3 +296,30 @@ def test_figures_leave_pyplot_alone(plans):
     assert matplotlib.get_backend() == backend
     assert plt.get_fignums() == before
     assert type(fig.canvas).__name__ == "FigureCanvasAgg"
+
+
+def test_compare_cli_draws_the_comparison(plans, tmp_path, capsys):
+    """`pipeplan compare a.json b.json --plot out.png`; a bad suffix is one line and exit 2."""
+    from planner.cli import main
+    from planner.io import write_json
+
+    files = []
+    for name, plan in zip(("dp", "uniform"), plans):
+        files.append(str(tmp_path / f"{name}.json"))
+        write_json(files[-1], plan)
+
+    def run(*extra: str) -> int:
+        try:
+            main(["compare", *files, "--format", "csv", *extra])
+        except SystemExit as exc:
+            return int(exc.code or 0)
+        return 0
+
+    image = tmp_path / "cmp.png"
+    assert run("--plot", str(image)) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("name,") and f"figure -> {image}" in err
+    assert image.read_bytes()[:4] == b"\x89PNG"
+    assert run("--plot", str(tmp_path / "cmp.gif")) == 2
+    _, err = capsys.readouterr()
+    assert "must end in .png, .svg or .pdf" in err and not (tmp_path / "cmp.gif").exists()
