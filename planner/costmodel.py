@@ -16,7 +16,7 @@ j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
 
 where q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
-``transfer(s) = messages * (latency + overhead) + s / bandwidth`` and o is the pipeline engine's
+``transfer`` is :meth:`planner.types.Link.one_way_s` and o is the pipeline engine's
 fixed cost per forward or backward operation (``Cluster.op_overhead_s``, from calibration).  A stage recomputes under the
 policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
 ``never`` none.
@@ -162,10 +162,7 @@ def _comm(costs: UnitCosts, cluster: Cluster, cut: int) -> float:
     nbytes = float(costs.x[cut])
     if cut >= costs.n or nbytes <= 0:
         return 0.0
-    link = cluster.link
-    bw = np.inf if link.bandwidth_Bps is None else link.bandwidth_Bps
-    one_way = costs.msgs[cut] * (link.latency_s + link.overhead_s) + nbytes / bw
-    return float(2.0 * one_way)
+    return 2.0 * cluster.link.transfer_s(nbytes, int(costs.msgs[cut]))
 
 
 def stage_time(

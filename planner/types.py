@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
@@ -251,7 +251,11 @@ class Device(_Frozen):
 class Link(_Frozen):
     """Point-to-point link between neighbouring stages.
 
-    A message of s bytes takes ``latency_s + overhead_s + s / bandwidth_Bps`` seconds.
+    A cut whose k tensors hold s bytes in all takes, one way,
+    ``k * (latency_s + overhead_s) + s / bandwidth_Bps`` seconds; with measured ``samples`` the
+    first two terms are replaced by ``k * (one_way(s / k) + overhead_s)``, ``one_way``
+    interpolating the samples piecewise-linearly (and extrapolating with the bandwidth past the
+    largest).
     """
 
     bandwidth_Bps: float | None = Field(default=None, gt=0)
@@ -259,12 +263,33 @@ class Link(_Frozen):
     latency_s: float = Field(default=0.0, ge=0)
     overhead_s: float = Field(default=0.0, ge=0)
     """Fixed per-message software cost (measured by ``pipeplan calibrate``)."""
+    samples: tuple[tuple[int, float], ...] = ()
+    """Measured (bytes, one-way seconds) pairs, ascending in bytes (``pipeplan calibrate``)."""
 
-    def transfer_s(self, nbytes: float) -> float:
-        if nbytes <= 0:
-            return 0.0
-        bw = math.inf if self.bandwidth_Bps is None else self.bandwidth_Bps
-        return self.latency_s + self.overhead_s + nbytes / bw
+    @model_validator(mode="after")
+    def _check_samples(self) -> Link:
+        sizes = [s for s, _ in self.samples]
+        if sizes != sorted(set(sizes)) or any(t < 0 for _, t in self.samples):
+            raise ValueError("samples must be ascending (bytes, seconds >= 0) pairs")
+        return self
+
+    def one_way_s(self, nbytes: np.ndarray, messages: np.ndarray) -> np.ndarray:
+        """Seconds to send ``nbytes`` split over ``messages`` tensors (0 where nbytes == 0)."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        messages = np.maximum(np.asarray(messages, dtype=np.float64), 1.0)
+        bw = np.inf if self.bandwidth_Bps is None else self.bandwidth_Bps
+        if self.samples:
+            xs = np.array([s for s, _ in self.samples], dtype=np.float64)
+            ys = np.array([t for _, t in self.samples])
+            per = nbytes / messages
+            t = np.interp(per, xs, ys) + np.maximum(per - xs[-1], 0.0) / bw
+            out = messages * (t + self.overhead_s)
+        else:
+            out = messages * (self.latency_s + self.overhead_s) + nbytes / bw
+        return np.where(nbytes > 0, out, 0.0)
+
+    def transfer_s(self, nbytes: float, messages: int = 1) -> float:
+        return float(self.one_way_s(np.array(nbytes), np.array(messages)))
 
 
 class Cluster(_Frozen):

@@ -78,10 +78,8 @@ class _Instance:
         self.m = costs.m
         self.caps = caps
         speed = cluster.devices[0].speed
-        link = cluster.link
-        bw = _INF if link.bandwidth_Bps is None else link.bandwidth_Bps
         x = costs.x
-        one_way = np.where(x > 0, costs.msgs * (link.latency_s + link.overhead_s) + x / bw, 0.0)
+        one_way = cluster.link.one_way_s(x, costs.msgs)
         one_way[n] = 0.0
         self.comm = 2.0 * one_way  # comm[k]: round trip across the cut before unit k
         self.policy = options.checkpoint

@@ -43,6 +43,7 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e9, 1e11])),
         latency_s=draw(st.sampled_from([0.0, 1e-4])),
         overhead_s=draw(st.sampled_from([0.0, 5e-5])),
+        samples=draw(st.sampled_from([(), ((4, 6e-5), (65536, 8e-5), (2**20, 3e-4))])),
     )
     caps = draw(st.lists(st.sampled_from([10**6, 3 * 10**6, 10**7, 10**12]), min_size=p, max_size=p))
     cluster = Cluster(

@@ -1,0 +1,193 @@
+"""``pipeplan calibrate``: measure the link between pipeline ranks and describe the cluster.
+
+Ranks 0 and 1 of a torchrun job play ping-pong over ``torch.distributed`` (the backend the
+runtime uses: gloo on CPU, nccl on CUDA) for message sizes from 4 bytes to ``max_bytes``:
+
+* ``raw``: blocking ``send``/``recv``;
+* ``p2p``: ``batch_isend_irecv`` + ``wait``, the path ``torch.distributed.pipelining`` takes.
+
+Half the median round trip is the one-way time.  The latency is the median raw one-way time of
+messages up to 4 KiB; the bandwidth is the least-squares fit of ``(time - latency) = size /
+bandwidth`` over messages of 64 KiB and more; the median extra cost of the p2p path over the
+raw one at small sizes is the per-message software ``overhead``.  The raw samples themselves go
+into the link too: the cost model interpolates them, since a loopback or NIC transport changes
+protocol with the message size and no single line fits all sizes.  The result is a
+:class:`~planner.types.Cluster` with one device per rank (memory: the GPU's, or this machine's
+RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner.errors import InvalidRequestError, StageFailedError
+from planner.types import Cluster, Device, Link
+
+__all__ = ["calibrate", "fit_link", "message_sizes"]
+
+
+def message_sizes(max_bytes: int) -> list[int]:
+    """4 B, then every power of four up to ``max_bytes``.
+
+    >>> message_sizes(1024)
+    [4, 16, 64, 256, 1024]
+    """
+    sizes, s = [], 4
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 4
+    return sizes
+
+
+def fit_link(samples: Sequence[tuple[int, float, float]]) -> Link:
+    """Link from (bytes, raw one-way s, p2p one-way s) samples (see module docstring)."""
+    if len(samples) < 2:
+        raise InvalidRequestError("calibration needs at least two message sizes; raise --max-size")
+    size = np.array([s[0] for s in samples], dtype=np.float64)
+    raw = np.array([s[1] for s in samples])
+    p2p = np.array([s[2] for s in samples])
+    small = size <= 4096
+    latency = float(np.median(raw[small])) if small.any() else float(raw.min())
+    # Bandwidth from the large messages: least squares of (t - latency) = size / bandwidth.
+    large = size >= 65536
+    if not large.any():
+        large = size == size.max()
+    excess = np.maximum(raw[large] - latency, 1e-12)
+    bandwidth = float(np.sum(size[large] ** 2) / np.sum(size[large] * excess))
+    overhead = float(np.median((p2p - raw)[small])) if small.any() else 0.0
+    return Link(
+        bandwidth_Bps=bandwidth,
+        latency_s=latency,
+        overhead_s=max(overhead, 0.0),
+        samples=tuple((int(n), float(t)) for n, t in zip(size, raw)),
+    )
+
+
+def _pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int, float, float]]:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    peer = 1 - rank
+    out: list[tuple[int, float, float]] = []
+    for size in sizes:
+        buf = torch.zeros(max(size // 4, 1), dtype=torch.float32, device=device)
+
+        def raw() -> None:
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+
+        def p2p() -> None:
+            first, second = (dist.isend, dist.irecv) if rank == 0 else (dist.irecv, dist.isend)
+            for op in (first, second):
+                for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+                    work.wait()
+
+        times: dict[str, list[float]] = {"raw": [], "p2p": []}
+        for i in range(repeats + 2):
+            for name, fn in (("raw", raw), ("p2p", p2p)):
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                if i >= 2:  # warm-up
+                    times[name].append((time.perf_counter() - t0) / 2)
+        out.append((size, statistics.median(times["raw"]), statistics.median(times["p2p"])))
+    return out
+
+
+def _worker(argv: list[str] | None = None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-bytes", type=int, required=True)
+    ap.add_argument("--repeats", type=int, required=True)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    try:
+        rank = dist.get_rank()
+        samples = []
+        if rank < 2:  # ranks beyond the pair wait at the barrier
+            samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
+        dist.barrier()
+        if rank == 0:
+            if args.device == "cuda":
+                memory = torch.cuda.get_device_properties(local).total_memory
+            else:
+                memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                memory //= dist.get_world_size()
+            with open(args.out, "w") as fh:
+                json.dump({"samples": samples, "memory": memory}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(
+    nproc: int = 2,
+    *,
+    device: str = "cpu",
+    max_bytes: int = 16 * 2**20,
+    repeats: int = 20,
+    memory_bytes: int | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[Cluster, list[tuple[int, float, float]]]:
+    """Launch ``nproc`` ranks with torchrun, measure, and return the cluster and the samples."""
+    if nproc < 2:
+        raise InvalidRequestError(f"--nproc {nproc}: calibration needs at least 2 ranks")
+    if device not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
+    if repeats < 1:
+        raise InvalidRequestError(f"--repeats {repeats} must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="pipeplan-calibrate-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "runtime.calibrate",
+            "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
+            "--device", device,
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise StageFailedError(f"calibration did not finish in {timeout_s:.0f} s") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise StageFailedError(f"calibration ranks failed (exit {proc.returncode}): {tail}")
+        with open(out) as fh:
+            result = json.load(fh)
+    samples = [tuple(s) for s in result["samples"]]
+    link = fit_link(samples)  # type: ignore[arg-type]
+    memory = memory_bytes if memory_bytes is not None else int(result["memory"])
+    kind = "gpu" if device == "cuda" else "cpu"
+    devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
+    return Cluster(devices=devices, link=link), samples  # type: ignore[return-value]
+
+
+if __name__ == "__main__":
+    _worker()

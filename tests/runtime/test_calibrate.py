@@ -1,0 +1,61 @@
+"""`pipeplan calibrate`: the link fit, and a real two-rank measurement written as a cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.cli import main
+from planner.errors import InvalidRequestError
+from planner.io import load_cluster
+from runtime.calibrate import fit_link
+
+
+def test_fit_recovers_a_linear_link() -> None:
+    lat, bw, ovh = 50e-6, 2e9, 10e-6
+    sizes = [4 * 4**k for k in range(12)]
+    samples = [(s, lat + s / bw, lat + s / bw + ovh) for s in sizes]
+    link = fit_link(samples)
+    assert link.latency_s == pytest.approx(lat, rel=0.05)
+    assert link.bandwidth_Bps == pytest.approx(bw, rel=0.05)
+    assert link.overhead_s == pytest.approx(ovh, rel=0.01)
+    # The samples are kept and interpolated: exact at the measured points.
+    got = link.one_way_s(np.array(sizes, dtype=float), np.ones(len(sizes)))
+    np.testing.assert_allclose(got, [lat + s / bw + ovh for s in sizes], rtol=1e-9)
+    with pytest.raises(InvalidRequestError):
+        fit_link(samples[:1])
+
+
+def test_interpolation_between_and_beyond_samples() -> None:
+    link = fit_link([(4, 1e-5, 1e-5), (1000, 2e-5, 2e-5), (100_000, 1e-4, 1e-4)])
+    assert link.transfer_s(0) == 0.0
+    assert link.transfer_s(500) == pytest.approx(1e-5 + (500 - 4) / (1000 - 4) * 1e-5)
+    beyond = link.transfer_s(200_000)
+    assert beyond == pytest.approx(1e-4 + 100_000 / link.bandwidth_Bps)
+    # Two messages of half the size each pay the per-message part twice.
+    assert link.transfer_s(2000, 2) == pytest.approx(2 * link.transfer_s(1000))
+
+
+def test_calibrate_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    try:
+        main(["calibrate", "--nproc", "2", "--repeats", "3", "--max-size", "256KiB",
+              "--memory", "8GiB", "-o", str(out)])
+    except SystemExit as exc:
+        assert not exc.code
+    cluster = load_cluster(out)
+    assert cluster.n_stages == 2 and cluster.devices[0].memory_bytes == 8 * 2**30
+    link = cluster.link
+    assert link.bandwidth_Bps and link.bandwidth_Bps > 1e6
+    assert 0 < link.latency_s < 0.05
+    assert [s for s, _ in link.samples] == [4 * 4**k for k in range(9)]
+
+
+def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--nproc", "1", "-o", str(tmp_path / "c.json")])
+    assert info.value.code == 2
+    assert "--nproc 1" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
