@@ -49,13 +49,13 @@ from planner.errors import UnsupportedConstraintError
 from planner.types import Cluster, Plan, PlanOptions, Profile
 
 __all__ = [
-    "solve_uniform",
+    "baseline_microbatches",
+    "block_partition",
+    "minmax_partition",
     "solve_params",
     "solve_torchgpipe",
+    "solve_uniform",
     "uniform_partition",
-    "minmax_partition",
-    "block_partition",
-    "baseline_microbatches",
 ]
 
 

@@ -8,8 +8,9 @@ with ``min_units <= b_{j+1} - b_j <= max_units`` and, for a unit u pinned to sta
 ``b_j <= u < b_{j+1}``.  Every per-stage quantity of :mod:`planner.costmodel` is a difference of
 prefix sums, read from constant tables with element constraints on the boundaries:
 
-    t_j = Q_j[b_{j+1}] - Q_j[b_j] + C[b_{j+1}]  (C only for j < p - 1)
+    t_j = Q_j[b_{j+1}] - Q_j[b_j] + C[b_{j+1}] + o_j    (C only for j < p - 1)
     Q_j[k] = sum_{u<k} ((1 + rc_j) f_u + g_u) / s_j     (device speed s_j, recompute rc_j)
+    o_j = what stage_time adds per stage (the engine's fixed cost per operation)
     M_j = (2 + k) (W[b_{j+1}] - W[b_j]) + q_j X[b_j] + A[b_{j+1}] - A[b_j]  (recompute)
         | (2 + k) (W[b_{j+1}] - W[b_j]) + q_j (A[b_{j+1}] - A[b_j])           (no recompute)
     M_j <= cap_j
@@ -17,11 +18,12 @@ prefix sums, read from constant tables with element constraints on the boundarie
 
 Bytes are integers already, so memory is exact.  Times are scaled to integer *ticks*: with
 ``S = 2**30 / R`` ticks per second, R the largest sum of stage times over the candidate m
-(slowest device, all recompute, every cut paid), each table entry is rounded to the nearest
-tick.  A stage time then errs by at most 1.5 ticks (two prefix entries and one cut), so the
-scaled objective of any partition is within ``E = 1.5 (p + m - 1)`` ticks of S times its step
-time, and the plan CP-SAT proves optimal is within ``2 E / S = 3 (p + m - 1) R / 2**30``
-seconds of the true optimum (about ``3e-9 (p + m - 1)`` of R).  The returned plan is always
+(slowest device, all recompute, every cut paid), each table entry and o_j is rounded to the
+nearest tick.  A stage time then errs by at most 2 ticks (two prefix entries, one cut, o_j), so
+the scaled objective of any partition is within ``E = 2 (p + m - 1)`` ticks of S times its
+step time, and the plan CP-SAT proves optimal is within ``2 E / S = 4 (p + m - 1) R / 2**30``
+seconds of the true optimum (about ``4e-9 (p + m - 1)`` of R).  o_j, C and the stage's F and B
+are read from :func:`planner.costmodel.stage_time`, so the model follows the cost model.  The returned plan is always
 re-evaluated exactly by :func:`planner.costmodel.evaluate`.
 
 One model per m rather than one model with m as a choice: every unit's costs change with the
@@ -54,6 +56,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -73,10 +76,12 @@ from planner.errors import InfeasiblePlanError
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
 
-__all__ = ["solve_cpsat", "partition_cpsat", "CpsatResult", "TICKS", "error_bound_s"]
+__all__ = ["TICKS", "CpsatResult", "error_bound_s", "partition_cpsat", "solve_cpsat"]
 
 #: Ticks in the largest possible sum of stage times (the time scale's resolution).
 TICKS = 2**30
+_ERR = 2.0
+"""Largest rounding error of one stage time, in ticks."""
 _WORKERS = 2
 _SEED = 0
 
@@ -104,7 +109,8 @@ def _reference_time(profile: Profile, cluster: Cluster, options: PlanOptions, ms
     for m in ms:
         c = unit_costs(profile, m)
         comm = sum(_cut_times(c, cluster, options))
-        worst = max(worst, float(2 * c.f.sum() + c.g.sum()) / s_min + comm)
+        extra = sum(_offsets(c, cluster, options))
+        worst = max(worst, float(2 * c.f.sum() + c.g.sum()) / s_min + comm + extra)
     return worst if worst > 0 else 1.0
 
 
@@ -119,11 +125,27 @@ def _cut_times(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list
     return [0.0, *(stage_time(costs, cluster, options, k - 1, k - 1, 0)[2] for k in range(1, n)), 0.0]
 
 
+def _compute(costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int) -> np.ndarray:
+    """Q_j: prefix sums of stage j's per-unit compute time (recompute included) on device j."""
+    rc = recomputes(options.checkpoint, j, cluster.n_stages)
+    return ((1 + rc) * costs.Pf + costs.Pg) / cluster.devices[j].speed
+
+
+def _offsets(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[float]:
+    """o_j: stage j's time beyond its units' compute and its cut (a one-unit stage's excess)."""
+    p = cluster.n_stages
+    out = []
+    for j in range(p):
+        F, B, _ = stage_time(costs, cluster, options, 0, 0, j)
+        out.append(max(0.0, F + B - float(_compute(costs, cluster, options, j)[1])))
+    return out
+
+
 def error_bound_s(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
     """Seconds by which a plan CP-SAT proves optimal may exceed the true optimum."""
     ms = microbatch_choices(profile, options)
     R = _reference_time(profile, cluster, options, ms)
-    return 3.0 * (cluster.n_stages + max(ms) - 1) * R / TICKS
+    return 2 * _ERR * (cluster.n_stages + max(ms) - 1) * R / TICKS
 
 
 def _ticks(values: np.ndarray | list[float], scale: float) -> list[int]:
@@ -189,15 +211,16 @@ class _Model:
         A = [int(v) for v in costs.Pa]
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
+        offsets = _ticks(_offsets(costs, cluster, options), scale)
         horizon = 0
         self.t: list[cp_model.IntVar] = []
-        for j, dev in enumerate(cluster.devices):
+        for j in range(p):
             rc = recomputes(options.checkpoint, j, p)
-            Q = _ticks(((1 + rc) * costs.Pf + costs.Pg) / dev.speed, scale)
-            expr = at(j + 1, Q, "qe") - at(j, Q, "qs")
+            Q = _ticks(_compute(costs, cluster, options, j), scale)
+            expr = at(j + 1, Q, "qe") - at(j, Q, "qs") + offsets[j]
             if j < p - 1:
                 expr = expr + at(j + 1, comm, "c")
-            top = Q[-1] + max(comm)
+            top = Q[-1] + max(comm) + offsets[j]
             horizon = max(horizon, top)
             t = md.new_int_var(0, top, f"t{j}")
             md.add(t == expr)
@@ -218,7 +241,9 @@ class _Model:
             for var, value in zip(self.b, (*hint, n)):
                 md.add_hint(var, value)
 
-    def solve(self, time_limit: float | None, cutoff: int | None) -> tuple[int, cp_model.CpSolver]:
+    def solve(
+        self, time_limit: float | None, cutoff: int | None
+    ) -> tuple[cp_model.CpSolverStatus, cp_model.CpSolver]:
         if cutoff is not None:
             self.model.add(self.objective <= cutoff)
         solver = cp_model.CpSolver()
@@ -245,15 +270,12 @@ class _Bounds:
     def __init__(self, costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> None:
         p = cluster.n_stages
         self.n, self.p, self.m = costs.n, p, costs.m
-        per_unit = []
-        self.Qc = []
-        for j, dev in enumerate(cluster.devices):
-            rc = recomputes(options.checkpoint, j, p)
-            self.Qc.append(((1 + rc) * costs.Pf + costs.Pg) / dev.speed)
-            per_unit.append(((1 + rc) * costs.f + costs.g) / dev.speed)
-        self.s_lb = float(np.min(np.array(per_unit), axis=0).sum())
+        self.Qc = [_compute(costs, cluster, options, j) for j in range(p)]
+        self.off = _offsets(costs, cluster, options)
+        per_unit = np.array([np.diff(Q) for Q in self.Qc])
+        self.s_lb = float(per_unit.min(axis=0).sum()) + sum(self.off)
         """A lower bound of sum_j t_j: every unit runs where it is cheapest, no communication."""
-        hi = max(float(Q[-1]) for Q in self.Qc)
+        hi = max(float(Q[-1]) + o for Q, o in zip(self.Qc, self.off))
         lo = 0.0
         if self.greedy(0.0) is None:
             for _ in range(100):
@@ -277,13 +299,13 @@ class _Bounds:
         starts = [0]
         for j in range(p - 1):
             Q = self.Qc[j]
-            reach = int(np.searchsorted(Q, Q[starts[-1]] + T, side="right")) - 1
+            reach = int(np.searchsorted(Q, Q[starts[-1]] + T - self.off[j], side="right")) - 1
             nxt = min(reach, n - (p - 1 - j))
             if nxt <= starts[-1]:
                 return None
             starts.append(nxt)
         Q = self.Qc[p - 1]
-        return tuple(starts) if Q[n] - Q[starts[-1]] <= T else None
+        return tuple(starts) if Q[n] - Q[starts[-1]] + self.off[p - 1] <= T else None
 
     def window(self, T: float) -> tuple[list[int], list[int]]:
         """Bounds on every b_j for partitions whose stages all compute within T."""
@@ -291,11 +313,11 @@ class _Bounds:
         T = T * (1 + 1e-9) + 1e-15
         upper, lower = [0] * (p + 1), [n] * (p + 1)
         for j in range(p):
-            Q = self.Qc[j]
-            upper[j + 1] = int(np.searchsorted(Q, Q[upper[j]] + T, side="right")) - 1
+            Q, room = self.Qc[j], T - self.off[j]
+            upper[j + 1] = max(upper[j], int(np.searchsorted(Q, Q[upper[j]] + room, side="right")) - 1)
         for j in range(p - 1, -1, -1):
-            Q = self.Qc[j]
-            lower[j] = int(np.searchsorted(Q, Q[lower[j + 1]] - T, side="left"))
+            Q, room = self.Qc[j], T - self.off[j]
+            lower[j] = min(lower[j + 1], int(np.searchsorted(Q, Q[lower[j + 1]] - room, side="left")))
         lower[0], upper[p] = 0, n
         return lower, upper
 
@@ -322,8 +344,7 @@ def partition_cpsat(
     scale = TICKS / _reference_time(profile, cluster, options, ms)
     p = cluster.n_stages
     if ignore_memory:
-        devices = tuple(d.model_copy(update={"memory_bytes": 2**62}) for d in cluster.devices)
-        cluster = cluster.model_copy(update={"devices": devices})
+        cluster = _unlimited(cluster)
     caps = [d.memory_bytes for d in cluster.devices]
     order = []
     for m in ms:
@@ -336,7 +357,7 @@ def partition_cpsat(
     proven = True
     for bd, c in order:
         m = bd.m
-        lb_ticks = bd.lower_bound() * scale - 1.5 * (p + m - 1)
+        lb_ticks = bd.lower_bound() * scale - _ERR * (p + m - 1)
         if best is not None and bd.lower_bound() >= best[0]:
             status_of[m] = "pruned"
             continue
@@ -349,7 +370,7 @@ def partition_cpsat(
         hint_s = _satisfies(profile, cluster, options, bd.hint, m)
         incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
         window = bd.window(bd.t_max(incumbent)) if math.isfinite(incumbent) else None
-        t_floor = math.floor(bd.t_lb * scale - 1.5)
+        t_floor = math.floor(bd.t_lb * scale - _ERR)
         model = _Model(c, cluster, options, scale, caps, window, bd.hint, t_floor)
         status, solver = model.solve(left, None if best is None else best[1] - 1)
         status_of[m] = solver.status_name(status).lower()
@@ -362,7 +383,7 @@ def partition_cpsat(
         elif status == cp_model.UNKNOWN and hint_s is not None and hint_s < (best or (math.inf,))[0]:
             # Out of time before CP-SAT's first solution: keep the greedy one, with its ticks
             # rounded up by the scaling error so that the cutoff excludes nothing better.
-            best = (hint_s, math.ceil(hint_s * scale + 1.5 * (p + m - 1)), bd.hint, m)
+            best = (hint_s, math.ceil(hint_s * scale + _ERR * (p + m - 1)), bd.hint, m)
         if status in (cp_model.FEASIBLE, cp_model.UNKNOWN):
             proven = False
             bounds.append(max(lb_ticks, solver.best_objective_bound))
@@ -429,23 +450,21 @@ def solve_cpsat(profile: Profile, cluster: Cluster, options: PlanOptions | None 
     )
 
 
-def _raise_infeasible(profile: Profile, cluster: Cluster, options: PlanOptions) -> None:
+def _unlimited(cluster: Cluster) -> Cluster:
+    devices = tuple(d.model_copy(update={"memory_bytes": 2**62}) for d in cluster.devices)
+    return cluster.model_copy(update={"devices": devices})
+
+
+def _raise_infeasible(profile: Profile, cluster: Cluster, options: PlanOptions) -> NoReturn:
+    """Re-solve without memory limits (a second time budget) and report what that plan needs."""
     have = min(d.memory_bytes for d in cluster.devices)
     free = partition_cpsat(profile, cluster, options, ignore_memory=True)
     where = f"{profile.n_units} units into {cluster.n_stages} stages"
     if free is None:
-        limit = options.time_limit_s
         raise InfeasiblePlanError(
-            f"CP-SAT found no partition of {where} within --time-limit {limit} s "
-            f"(memory {format_bytes(have)} per device); raise --time-limit"
-            if limit is not None
-            else f"no partition of {where} satisfies the pins and unit counts; relax them",
-            min_memory_bytes=None,
+            f"no partition of {where} satisfies the pins and unit counts; relax them"
         )
-    unlimited = cluster.model_copy(
-        update={"devices": tuple(d.model_copy(update={"memory_bytes": 2**62}) for d in cluster.devices)}
-    )
-    plan = evaluate(profile, unlimited, options, free.starts[1:], free.m, solver="cpsat")
+    plan = evaluate(profile, _unlimited(cluster), options, free.starts[1:], free.m, solver="cpsat")
     need = max(s.memory.total for s in plan.stages)
     raise InfeasiblePlanError(
         f"no partition of {where} fits in {format_bytes(have)} per device; the best partition "

@@ -173,7 +173,7 @@ def test_bad_input_is_one_line(
     if "plan" == argv[0]:
         argv += ["-o", str(tmp_path / "out.json")]
     proc = subprocess.run(
-        [sys.executable, "-m", "planner.cli", *argv], capture_output=True, text=True, cwd=tmp_path
+        [sys.executable, "-m", "planner.cli", *argv], capture_output=True, text=True, cwd=tmp_path, check=False
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -63,7 +63,8 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
         optimizer=draw(st.sampled_from(["sgd", "momentum", "adam"])),
     )
-    return prof, Cluster.homogeneous(p, memory, link), options
+    overhead = draw(st.sampled_from([0.0, 1e-3]))
+    return prof, Cluster.homogeneous(p, memory, link, op_overhead_s=overhead), options
 
 
 @settings(max_examples=50, deadline=None, derandomize=True)
@@ -124,7 +125,8 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     lo = draw(st.integers(1, n // p))
     hi = draw(st.one_of(st.none(), st.integers(max(lo, -(-n // p)), n)))
     options = PlanOptions(pinned=pinned, min_units=lo, max_units=hi)
-    return prof, Cluster(devices=devices, link=Link(bandwidth_Bps=1e9)), options
+    overhead = draw(st.sampled_from([0.0, 1e-3]))
+    return prof, Cluster(devices=devices, link=Link(bandwidth_Bps=1e9), op_overhead_s=overhead), options
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
