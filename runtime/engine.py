@@ -42,7 +42,14 @@ from runtime.stages import (
 )
 from runtime.timing import Span, StepTimer
 
-__all__ = ["OPTIMIZERS", "PipelineRunner", "Recompute", "cast_batch", "make_optimizer"]
+__all__ = [
+    "OPTIMIZERS",
+    "PipelineRunner",
+    "Recompute",
+    "cast_batch",
+    "check_schedule",
+    "make_optimizer",
+]
 
 #: ``--optimizer`` choices (``momentum`` is SGD with momentum 0.9).
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -108,6 +115,20 @@ def cast_batch(
     return tuple(cast(t) for t in inputs), cast(target)
 
 
+def check_schedule(plan: Plan) -> None:
+    """Reject micro-batch counts the schedule cannot run, naming the fix."""
+    if plan.microbatch_size * plan.microbatches != plan.batch_size:
+        raise InvalidRequestError(
+            f"plan splits batch {plan.batch_size} into {plan.microbatches} micro-batches of "
+            f"{plan.microbatch_size}; make the plan again"
+        )
+    if plan.schedule == "1f1b" and plan.microbatches < plan.n_stages:
+        raise InvalidRequestError(
+            f"1F1B needs at least as many micro-batches as stages ({plan.microbatches} < "
+            f"{plan.n_stages}); plan with --schedule gpipe or --microbatches {plan.n_stages}"
+        )
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -140,6 +161,7 @@ class PipelineRunner:
                 f"plan has {plan.n_stages} stages but the world size is {world}; "
                 f"launch one rank per stage (--nproc-per-node {plan.n_stages})"
             )
+        check_schedule(plan)
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
         self.loss_fn = spec.loss

@@ -44,10 +44,11 @@ def preflight(
 
     from planner.graph import group_units, trace_model
     from planner.model import load_model, parse_model_args
-    from runtime.engine import cast_batch
+    from runtime.engine import cast_batch, check_schedule
     from runtime.stages import check_plan
 
     plan = load_plan(plan_path)
+    check_schedule(plan)
     for out in outputs:
         if out is not None and not Path(out).resolve().parent.is_dir():
             raise InvalidRequestError(f"cannot write {out}: its directory does not exist")
