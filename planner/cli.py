@@ -73,6 +73,9 @@ def profile(
         list[str] | None, typer.Option("--model-arg", help="KEY=VALUE passed to the model callable.")
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads while measuring: use the runtime's per rank.")
+    ] = None,
 ) -> None:
     """Trace MODEL, group it into units and measure every unit at several micro-batch sizes."""
     from planner.model import parse_model_args
@@ -99,6 +102,7 @@ def profile(
         warmup=warmup,
         repeats=repeats,
         progress=progress,
+        threads=threads,
     )
     write_json(output, prof)
     console.print(

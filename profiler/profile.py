@@ -94,12 +94,42 @@ def profile_model(
     warmup: int = 2,
     repeats: int = 5,
     progress: bool = True,
+    threads: int | None = None,
 ) -> Profile:
     """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
 
     ``microbatch_sizes`` defaults to every power of two dividing ``batch_size`` (and
     ``batch_size``).  List or tuple model arguments are recorded as comma-separated strings.
+    ``threads`` sets ``torch.set_num_threads`` while measuring on CPU (restored afterwards):
+    profile with the thread count each pipeline rank will use, e.g. 1 for 2 ranks on 2 cores.
     """
+    if threads is not None and threads < 1:
+        raise InvalidRequestError(f"threads {threads} must be at least 1")
+    if threads is None:
+        return _profile(model, batch_size, model_kwargs, microbatch_sizes, device, granularity,
+                        tracer, dtype, warmup, repeats, progress)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _profile(model, batch_size, model_kwargs, microbatch_sizes, device, granularity,
+                        tracer, dtype, warmup, repeats, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile(
+    model: str,
+    batch_size: int,
+    model_kwargs: Mapping[str, Any] | None,
+    microbatch_sizes: Sequence[int] | None,
+    device: str,
+    granularity: str,
+    tracer: str,
+    dtype: str,
+    warmup: int,
+    repeats: int,
+    progress: bool,
+) -> Profile:
     sizes = _check_sizes(batch_size, microbatch_sizes)
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
