@@ -170,7 +170,7 @@ class PipelineRunner:
         if traced is None:
             traced = trace_model(module, inputs, tracer=plan.tracer)
         units = group_units(traced, plan.granularity)
-        programs = build_stages(plan, traced, units, inputs)
+        programs = build_stages(plan, traced, units, inputs, device=device)
         self.names = parameter_names(module, traced.gm)
         self.tied = tied_parameters([p.module for p in programs], self.names)
         mine = programs[rank]

@@ -47,6 +47,7 @@ __all__ = [
     "parameter_names",
     "preserved_buffers",
     "probe",
+    "retarget_devices",
     "tied_parameters",
 ]
 
@@ -192,15 +193,39 @@ def _example(value: Tensor) -> Tensor:
     return t.requires_grad_(value.requires_grad and t.is_floating_point())
 
 
+def _retarget(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.device) and value != device:
+        return device
+    if type(value) in (tuple, list):
+        return type(value)(_retarget(v, device) for v in value)
+    return value
+
+
+def retarget_devices(gm: GraphModule, device: torch.device) -> None:
+    """Make the graph create tensors on ``device``.
+
+    A graph traced on one device can hold that device as a literal (export writes
+    ``arange(..., device=cpu)``; a ``x.device`` that crosses a cut is baked in as a constant);
+    running the stage elsewhere needs them rewritten.
+    """
+    for node in gm.graph.nodes:
+        node.args = _retarget(node.args, device)
+        node.kwargs = {k: _retarget(v, device) for k, v in node.kwargs.items()}
+    gm.recompile()
+
+
 def build_stages(
     plan: Plan,
     traced: TracedModel,
     units: Sequence[UnitSpec],
     example_inputs: tuple[Tensor, ...],
+    device: torch.device | None = None,
 ) -> list[StageProgram]:
     """One :class:`StageProgram` per plan stage; the stages share the model's parameters.
 
-    ``example_inputs`` is one micro-batch of the model's inputs (size ``plan.microbatch_size``).
+    ``example_inputs`` is one micro-batch of the model's inputs (size ``plan.microbatch_size``)
+    on the device the model is on.  With ``device``, the stage graphs create their tensors
+    there instead (:func:`retarget_devices`); the modules are not moved.
     """
     check_plan(plan, traced, units)
     gm = traced.gm
@@ -223,6 +248,9 @@ def build_stages(
         last = j == p - 1
         body = subgraph_module(traced, nodes, ins, out_names if last else outs)
         slots = [None if isinstance(values[i], Tensor) else _Const(values[i]) for i in ins]
+        if device is not None:
+            retarget_devices(body, device)
+            slots = [s if s is None else _Const(_retarget(s.value, device)) for s in slots]
         sent = [k for k, name in enumerate(outs) if isinstance(values[name], Tensor)]
         module = StageModule(
             body,

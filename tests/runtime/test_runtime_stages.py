@@ -196,3 +196,23 @@ def test_failure_names_the_stage_that_failed_first(tmp_path: Path) -> None:
 def test_failure_without_error_files_shows_the_log(tmp_path: Path) -> None:
     msg = str(failure(tmp_path, 2, 1, "line 1\nsomething broke\n"))
     assert "status 1" in msg and "something broke" in msg
+
+
+def test_stages_built_for_another_device_run_there() -> None:
+    """Export writes ``device=cpu`` literals into the graph; a stage on CUDA must not create
+    tensors on the CPU.  ``meta`` stands in for CUDA here."""
+    pytest.importorskip("transformers")
+    kwargs = {"vocab": 32, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8}
+    spec = load_model("models.hf:gpt2", kwargs)
+    inputs, _ = spec.batch(2)
+    traced = trace_model(spec.module, inputs)
+    assert traced.tracer == "export"
+    plan = make_plan(
+        "models.hf:gpt2", kwargs, traced, starts=[0, 2, 4], batch_size=4, microbatches=2
+    )
+    meta = torch.device("meta")
+    programs = build_stages(plan, traced, group_units(traced), inputs, device=meta)
+    out: object = tuple(t.to(meta) for t in inputs)
+    for prog in programs:
+        out = prog.module.to(meta)(*out)
+    assert isinstance(out, Tensor) and out.device == meta and out.shape == (2, 8, 32)
