@@ -253,7 +253,9 @@ class PipelineRunner:
         if self.is_last:
             kwargs.update(target=target, losses=losses)
         self.schedule.step(*args, **kwargs)
-        self._sync_tied()
+        if self._tied_groups:
+            with self.timer.span("tied", -1):
+                self._sync_tied()
         if not self.is_last:
             return None
         return float(torch.stack([loss.detach() for loss in losses]).mean())
@@ -268,7 +270,8 @@ class PipelineRunner:
         dist.barrier()
         self.timer.begin()
         loss = self.forward_backward(inputs, target, step)
-        self.optimizer_step()
+        with self.timer.span("optimizer", -1):
+            self.optimizer_step()
         wall, spans = self.timer.end()
         return wall, spans, loss
 

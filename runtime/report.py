@@ -5,7 +5,8 @@ rank's (every rank starts the step after a barrier); a stage's forward and backw
 are per micro-batch medians over the measured steps, the last stage's forward including the
 loss.  The measured bubble fraction is ``1 - mean_j busy_j / step`` on the last measured step,
 where ``busy_j`` is stage j's forward, loss and backward time (what the cost model calls
-F_j + B_j per micro-batch, summed over micro-batches).
+F_j + B_j per micro-batch, summed over micro-batches); the tied-gradient sum and the optimizer
+step appear in the trace but not in ``busy_j``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def _per_microbatch(spans: Sequence[Sequence[Span]], kinds: set[str], m: int) ->
     return tuple(statistics.median(col) for col in zip(*per_step)) if per_step else ()
 
 
+def _event_name(span: Span) -> str:
+    if span.kind in ("forward", "backward"):
+        return f"{span.kind[0].upper()}{span.microbatch}"
+    return span.kind
+
+
 def build_report(
     plan: Plan,
     records: Sequence[RankRecord],
@@ -76,7 +83,7 @@ def build_report(
         for s in r.spans[-1] if r.spans else ():
             events.append(
                 {
-                    "name": f"{s.kind[0].upper()}{s.microbatch}" if s.kind != "loss" else "loss",
+                    "name": _event_name(s),
                     "kind": s.kind,
                     "stage": r.stage,
                     "microbatch": s.microbatch,
@@ -106,7 +113,8 @@ def measured_bubble(report: RunReport) -> float | None:
         return None
     busy = [0.0] * report.world_size
     for e in report.events:
-        busy[int(e["stage"])] += float(e["end_s"]) - float(e["start_s"])
+        if e["kind"] in ("forward", "loss", "backward"):
+            busy[int(e["stage"])] += float(e["end_s"]) - float(e["start_s"])
     step = report.step_times_s[-1]
     return 1.0 - sum(busy) / len(busy) / step if step > 0 else None
 

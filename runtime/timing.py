@@ -17,7 +17,9 @@ import torch
 
 __all__ = ["Span", "SpanKind", "StepTimer"]
 
-SpanKind = Literal["forward", "backward", "loss"]
+SpanKind = Literal["forward", "backward", "loss", "tied", "optimizer"]
+"""``tied``: summing tied gradients across ranks; ``optimizer``: the optimizer step (both once
+per step, micro-batch -1)."""
 
 
 @dataclass(frozen=True, slots=True)
