@@ -11,8 +11,10 @@ prefix sums, read from constant tables with element constraints on the boundarie
     t_j = Q_j[b_{j+1}] - Q_j[b_j] + C[b_{j+1}] + o_j    (C only for j < p - 1)
     Q_j[k] = sum_{u<k} ((1 + rc_j) f_u + g_u) / s_j     (device speed s_j, recompute rc_j)
     o_j = what stage_time adds per stage (the engine's fixed cost per operation)
-    M_j = (2 + k) (W[b_{j+1}] - W[b_j]) + q_j X[b_j] + A[b_{j+1}] - A[b_j]  (recompute)
-        | (2 + k) (W[b_{j+1}] - W[b_j]) + q_j (A[b_{j+1}] - A[b_j])           (no recompute)
+    M_j = (2 + k) (W[b_{j+1}] - W[b_j] + H_j) + q_j X[b_j] + A[b_{j+1}] - A[b_j]  (recompute)
+        | (2 + k) (W[b_{j+1}] - W[b_j] + H_j) + q_j (A[b_{j+1}] - A[b_j])           (no recompute)
+    H_j = sum over shared parameters of bytes * (h_j - [stage j holds the owner]),
+          h_j >= [stage j holds user u] = [b_j <= u] - [b_{j+1} <= u] for every user u
     M_j <= cap_j
     minimise  sum_j t_j + (m - 1) T,   T >= t_j for all j.
 
@@ -170,6 +172,7 @@ class _Model:
         self.n, self.p, self.m = n, p, m
         md = cp_model.CpModel()
         self.model = md
+        self._le: dict[tuple[int, int], cp_model.IntVar] = {}
         lo_u, hi_u = options.min_units, options.max_units or n
         # Boundary b_j: stage j starts at unit b_j.  Domains from the unit counts, the pins and
         # the window an incumbent leaves (see _window).
@@ -226,7 +229,7 @@ class _Model:
             md.add(t == expr)
             self.t.append(t)
             q = in_flight(options.schedule, j, p, m)
-            mem = wk * (at(j + 1, W, "we") - at(j, W, "ws"))
+            mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + self._copies(costs, j))
             acts = at(j + 1, A, "ae") - at(j, A, "as")
             if rc:
                 mem = mem + q * at(j, X, "x") + acts
@@ -240,6 +243,33 @@ class _Model:
         if hint is not None:
             for var, value in zip(self.b, (*hint, n)):
                 md.add_hint(var, value)
+
+    def _before(self, j: int, u: int) -> cp_model.IntVar | int:
+        """The literal [b_j <= u]: stage j starts at or before unit u."""
+        if j == 0 or j == self.p:
+            return int(j == 0)
+        key = (j, u)
+        if key not in self._le:
+            lit = self.model.new_bool_var(f"le{j}_{u}")
+            self.model.add(self.b[j] <= u).only_enforce_if(lit)
+            self.model.add(self.b[j] > u).only_enforce_if(~lit)
+            self._le[key] = lit
+        return self._le[key]
+
+    def _copies(self, costs: UnitCosts, j: int) -> cp_model.LinearExpr | int:
+        """Bytes of shared parameters stage j holds but does not own (cf. shared_bytes).
+
+        Stage j holds unit u iff [b_j <= u] - [b_{j+1} <= u] = 1; h >= that for every user u,
+        and the owner's membership is subtracted exactly.
+        """
+        total: cp_model.LinearExpr | int = 0
+        for k, (nbytes, users) in enumerate(costs.shared):
+            holds = [self._before(j, int(u)) - self._before(j + 1, int(u)) for u in users]
+            h = self.model.new_bool_var(f"h{j}_{k}")
+            for expr in holds:
+                self.model.add(h >= expr)
+            total = total + int(nbytes) * (h - holds[0])
+        return total
 
     def solve(
         self, time_limit: float | None, cutoff: int | None

@@ -52,6 +52,7 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         seed=draw(st.integers(0, 10**6)),
         spread=draw(st.sampled_from([0.1, 0.5, 1.5])),
         heavy_ends=draw(st.booleans()),
+        tied=draw(st.booleans()),
     )
     link = Link(
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e10])),
@@ -111,7 +112,12 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     n = draw(st.integers(2, 9))
     p = draw(st.integers(2, min(n, 4)))
     prof = synthetic_profile(
-        n, batch_size=8, microbatch_sizes=[2, 8], seed=draw(st.integers(0, 10**6)), spread=1.0
+        n,
+        batch_size=8,
+        microbatch_sizes=[2, 8],
+        seed=draw(st.integers(0, 10**6)),
+        spread=1.0,
+        tied=draw(st.booleans()),
     )
     devices = tuple(
         Device(
