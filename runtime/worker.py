@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _fault_hook(rank: int) -> Any:
+def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
+    """The ``PIPEPLAN_FAIL`` hook for this rank (see the module docstring), if any."""
     spec = os.environ.get("PIPEPLAN_FAIL")
     if not spec:
         return None
