@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
 from planner.io import load_plan, write_json
 from planner.synthetic import synthetic_profile
 
@@ -21,44 +20,36 @@ def profile_file(tmp_path: Path) -> Path:
     return path
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
-def test_plan_and_show(tmp_path: Path, profile_file: Path, capsys) -> None:
+def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
     out_file = tmp_path / "plan.json"
-    code, out, _ = run(["plan", str(profile_file), "--stages", "3", "--memory", "1GiB",
-                        "--bandwidth", "10GB/s", "--latency", "5us", "-o", str(out_file)], capsys)
+    code, out, _ = cli(["plan", str(profile_file), "--stages", "3", "--memory", "1GiB",
+                        "--bandwidth", "10GB/s", "--latency", "5us", "-o", str(out_file)])
     assert code == 0
     plan = load_plan(out_file)
     assert plan.n_stages == 3 and plan.solver == "dp" and plan.status == "optimal"
     assert plan.cluster.link.bandwidth_Bps == 1e10 and plan.cluster.link.latency_s == 5e-6
     assert plan.solve_time_s is None
     assert "step time" in out
-    code, out, _ = run(["show", str(out_file)], capsys)
+    code, out, _ = cli(["show", str(out_file)])
     assert code == 0 and "bubble" in out and "stage" in out
-    code, out, _ = run(["show", str(profile_file)], capsys)
+    code, out, _ = cli(["show", str(profile_file)])
     assert code == 0 and "unit11" in out
 
 
-def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, capsys) -> None:
+def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, cli) -> None:
     args = ["plan", str(profile_file), "--stages", "4", "--memory", "256MiB"]
-    run([*args, "-o", str(tmp_path / "a.json")], capsys)
-    run([*args, "-o", str(tmp_path / "b.json")], capsys)
+    cli([*args, "-o", str(tmp_path / "a.json")])
+    cli([*args, "-o", str(tmp_path / "b.json")])
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
 
 
-def test_plan_options_recorded(tmp_path: Path, profile_file: Path, capsys) -> None:
+def test_plan_options_recorded(tmp_path: Path, profile_file: Path, cli) -> None:
     out_file = tmp_path / "p.json"
-    code, _, _ = run(["plan", str(profile_file), "--stages", "2", "--memory", "4GiB",
+    code, _, _ = cli(["plan", str(profile_file), "--stages", "2", "--memory", "4GiB",
                       "--microbatches", "4", "--checkpoint", "never", "--schedule", "1f1b",
-                      "--optimizer", "sgd", "--record-solve-time", "-o", str(out_file)], capsys)
+                      "--optimizer", "sgd", "--record-solve-time", "-o", str(out_file)])
     assert code == 0
     plan = load_plan(out_file)
     assert (plan.microbatches, plan.checkpoint, plan.schedule, plan.optimizer) == (
@@ -66,13 +57,13 @@ def test_plan_options_recorded(tmp_path: Path, profile_file: Path, capsys) -> No
     assert plan.solve_time_s is not None and plan.solve_time_s >= 0
 
 
-def test_cluster_file(tmp_path: Path, profile_file: Path, capsys) -> None:
+def test_cluster_file(tmp_path: Path, profile_file: Path, cli) -> None:
     cluster = {"schema": "pipeplan.cluster/1",
                "devices": [{"name": "a", "memory_bytes": 2**30}, {"name": "b", "memory_bytes": 2**29}],
                "link": {"bandwidth_Bps": 1e9, "latency_s": 1e-5, "overhead_s": 0.0}}
     (tmp_path / "c.json").write_text(json.dumps(cluster))
-    code, _, err = run(["plan", str(profile_file), "--cluster", str(tmp_path / "c.json"),
-                        "-o", str(tmp_path / "p.json")], capsys)
+    code, _, err = cli(["plan", str(profile_file), "--cluster", str(tmp_path / "c.json"),
+                        "-o", str(tmp_path / "p.json")])
     assert code == 0, err
     plan = load_plan(tmp_path / "p.json")
     assert [s.memory_limit for s in plan.stages] == [2**30, 2**29]
@@ -95,9 +86,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("extra, message", BAD)
-def test_bad_plan_input(tmp_path: Path, profile_file: Path, capsys, extra, message) -> None:
+def test_bad_plan_input(tmp_path: Path, profile_file: Path, cli, extra, message) -> None:
     out_file = tmp_path / "plan.json"
-    code, _, err = run(["plan", str(profile_file), *extra, "-o", str(out_file)], capsys)
+    code, _, err = cli(["plan", str(profile_file), *extra, "-o", str(out_file)])
     assert code == 2
     assert message in err
     assert "Traceback" not in err
@@ -115,20 +106,20 @@ def test_bad_plan_input(tmp_path: Path, profile_file: Path, capsys, extra, messa
         ("[]", "expected a JSON object"),
     ],
 )
-def test_bad_profile_file(tmp_path: Path, capsys, content: str, message: str) -> None:
+def test_bad_profile_file(tmp_path: Path, cli, content: str, message: str) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    code, _, err = run(["plan", str(bad), "--stages", "2", "--memory", "1GiB",
-                        "-o", str(tmp_path / "plan.json")], capsys)
+    code, _, err = cli(["plan", str(bad), "--stages", "2", "--memory", "1GiB",
+                        "-o", str(tmp_path / "plan.json")])
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "plan.json").exists()
 
 
-def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, capsys) -> None:
-    code, _, err = run(["show", str(tmp_path / "nope.json")], capsys)
+def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, cli) -> None:
+    code, _, err = cli(["show", str(tmp_path / "nope.json")])
     assert code == 2 and "no such file" in err
-    code, _, err = run(["plan", str(profile_file), "--stages", "2", "--memory", "1GiB",
-                        "-o", str(tmp_path / "missing" / "plan.json")], capsys)
+    code, _, err = cli(["plan", str(profile_file), "--stages", "2", "--memory", "1GiB",
+                        "-o", str(tmp_path / "missing" / "plan.json")])
     assert code == 2 and "does not exist" in err
 
 

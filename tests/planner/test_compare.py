@@ -87,14 +87,6 @@ def test_markdown_escapes_pipes() -> None:
 # ---- command line -------------------------------------------------------------------------
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -123,20 +115,19 @@ def test_plan_with_every_solver(plan_files: list[Path]) -> None:
     assert all(p.step_time_s >= plans[0].step_time_s * (1 - 1e-12) for p in plans)
 
 
-def test_plan_cpsat_with_pins(plan_files: list[Path], tmp_path: Path, capsys) -> None:
+def test_plan_cpsat_with_pins(plan_files: list[Path], tmp_path: Path, cli) -> None:
     profile = plan_files[0].parent / "profile.json"
     out = tmp_path / "pinned.json"
-    code, _, err = run(["plan", str(profile), "-p", "3", "--memory", "1GiB", "--solver", "cpsat",
-                        "--pin", "5:0", "--max-units", "6", "--time-limit", "10", "-o", str(out)],
-                       capsys)
+    code, _, err = cli(["plan", str(profile), "-p", "3", "--memory", "1GiB", "--solver", "cpsat",
+                        "--pin", "5:0", "--max-units", "6", "--time-limit", "10", "-o", str(out)])
     assert code == 0, err
     plan = load_plan(out)
     assert plan.stages[0].last_unit >= 5 and max(len(s.unit_names) for s in plan.stages) <= 6
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_compare_prints_every_format(plan_files: list[Path], fmt: str, capsys) -> None:
-    code, out, err = run(["compare", *map(str, plan_files), "--format", fmt], capsys)
+def test_compare_prints_every_format(plan_files: list[Path], fmt: str, cli) -> None:
+    code, out, err = cli(["compare", *map(str, plan_files), "--format", fmt])
     assert code == 0, err
     for name in SOLVER_NAMES:
         assert name in out
@@ -144,9 +135,9 @@ def test_compare_prints_every_format(plan_files: list[Path], fmt: str, capsys) -
         assert [r["name"] for r in json.loads(out)] == list(SOLVER_NAMES)
 
 
-def test_compare_writes_a_file(plan_files: list[Path], tmp_path: Path, capsys) -> None:
+def test_compare_writes_a_file(plan_files: list[Path], tmp_path: Path, cli) -> None:
     out = tmp_path / "cmp.md"
-    code, _, _ = run(["compare", *map(str, plan_files[:3]), "-f", "markdown", "-o", str(out)], capsys)
+    code, _, _ = cli(["compare", *map(str, plan_files[:3]), "-f", "markdown", "-o", str(out)])
     assert code == 0
     text = out.read_text()
     assert text.startswith("| name |") and len(text.splitlines()) == 5
