@@ -418,8 +418,11 @@ def calibrate(
     memory: Annotated[
         str | None, typer.Option(help="Memory per device; default: the GPU's, or RAM / nproc.")
     ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads per rank; default as pipeplan run.")
+    ] = None,
 ) -> None:
-    """Measure the link between ranks with torch.distributed and write a cluster description."""
+    """Measure the link and the pipeline engine's cost per operation; write a cluster file."""
     from runtime.calibrate import calibrate as run_calibration
 
     _check_output(output)
@@ -431,6 +434,7 @@ def calibrate(
         max_bytes=parse_bytes(max_size, "--max-size"),
         repeats=repeats,
         memory_bytes=parse_bytes(memory) if memory else None,
+        threads=threads,
     )
     write_json(output, cluster)
     link = cluster.link
@@ -444,7 +448,8 @@ def calibrate(
     console.print(table)
     console.print(
         f"latency {link.latency_s * 1e6:.1f} us, bandwidth {(link.bandwidth_Bps or 0) / 1e9:.2f} "
-        f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, "
+        f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, engine cost "
+        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward, "
         f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"
     )
 

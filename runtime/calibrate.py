@@ -11,7 +11,14 @@ messages up to 4 KiB; the bandwidth is the least-squares fit of ``(time - latenc
 bandwidth`` over messages of 64 KiB and more; the median extra cost of the p2p path over the
 raw one at small sizes is the per-message software ``overhead``.  The raw samples themselves go
 into the link too: the cost model interpolates them, since a loopback or NIC transport changes
-protocol with the message size and no single line fits all sizes.  The result is a
+protocol with the message size and no single line fits all sizes.  Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` on a model
+with no compute to speak of (one 4x4 linear layer per stage) at m = 2 and m = 16 micro-batches
+of one sample.  Each extra micro-batch adds one slowest-stage time, 2 o + C_tiny (a forward and
+a backward operation plus a tiny message each way), so the engine's fixed cost per operation is
+
+    o = ((T(16) - T(2)) / 14 - C_tiny) / 2,
+
+with C_tiny the measured batch_isend_irecv round trip of a small message.  The result is a
 :class:`~planner.types.Cluster` with one device per rank (memory: the GPU's, or this machine's
 RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
 """
@@ -27,13 +34,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from planner.errors import InvalidRequestError, StageFailedError
-from planner.types import Cluster, Device, Link
+from planner.types import Cluster, Cut, CutTensor, Device, Link
 
-__all__ = ["calibrate", "fit_link", "message_sizes"]
+__all__ = ["calibrate", "engine_overhead", "fit_link", "message_sizes"]
 
 
 def message_sizes(max_bytes: int) -> list[int]:
@@ -112,6 +120,68 @@ def _pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int, fl
     return out
 
 
+def _tiny_plan(world: int, m: int) -> tuple[Any, Any]:
+    """A plan of ``world`` one-layer stages, m micro-batches of one sample, and its model."""
+    import torch
+    from torch import nn
+
+    from planner.costmodel import evaluate
+    from planner.graph import group_units, trace_model
+    from planner.model import ModelSpec
+    from planner.types import Cluster, DeviceInfo, PlanOptions, Profile, Timing, Unit
+
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
+    spec = ModelSpec(module, lambda b: (torch.ones(b, 4), torch.zeros(b, 4)), nn.functional.mse_loss)
+    traced = trace_model(module, (torch.ones(1, 4),), "fx")
+    units = group_units(traced, "auto")
+    zero = Timing(forward_s=0.0, backward_s=0.0, saved_bytes=0, output_bytes=0)
+    profile = Profile(
+        model="calibration", tracer="fx", graph_fingerprint=traced.fingerprint,
+        device=DeviceInfo(kind="cpu", name="calibration"), torch_version=torch.__version__,
+        dtype="float32", batch_size=m, microbatch_sizes=(1,), input_bytes_per_sample=16,
+        units=tuple(Unit(index=k, name=u.name, nodes=u.nodes, param_bytes=0, timings={1: zero})
+                    for k, u in enumerate(units)),
+        cuts=tuple(Cut(after=k, tensors=(CutTensor(node="x", bytes_per_sample=16),),
+                       bytes_per_sample=16) for k in range(len(units) - 1)),
+    )  # fmt: skip
+    options = PlanOptions(microbatches=m, checkpoint="never")
+    plan = evaluate(profile, Cluster.homogeneous(world, 2**40), options, list(range(1, world)), m,
+                    solver="calibration")
+    return plan, spec
+
+
+def _engine_step_times(device: Any, repeats: int) -> dict[int, float]:
+    """Median step time of the tiny pipeline at m = 2 and m = 16."""
+    import torch.distributed as dist
+
+    from runtime.engine import PipelineRunner
+
+    out = {}
+    for m in (2, 16):
+        plan, spec = _tiny_plan(dist.get_world_size(), m)
+        runner = PipelineRunner(plan, spec, device=device)
+        inputs, target = spec.batch(m)
+        walls = []
+        for step in range(repeats + 3):
+            wall, _, _ = runner.timed_step(inputs, target, step)
+            if step >= 3:
+                walls.append(wall)
+        out[m] = statistics.median(walls)
+        dist.barrier()
+    return out
+
+
+def engine_overhead(step_times: dict[int, float], tiny_round_trip_s: float) -> float:
+    """o from the tiny pipeline's step times (see the module docstring).
+
+    >>> round(engine_overhead({2: 0.004, 16: 0.032}, 0.0002) * 1e3, 3)
+    0.9
+    """
+    slope = (step_times[16] - step_times[2]) / 14
+    return max((slope - tiny_round_trip_s) / 2, 0.0)
+
+
 def _worker(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
@@ -121,9 +191,12 @@ def _worker(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-bytes", type=int, required=True)
     ap.add_argument("--repeats", type=int, required=True)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    from runtime.worker import default_threads
+
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.set_num_threads(args.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     device = "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(local)
@@ -135,6 +208,7 @@ def _worker(argv: list[str] | None = None) -> None:
         if rank < 2:  # ranks beyond the pair wait at the barrier
             samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
         dist.barrier()
+        steps = _engine_step_times(torch.device(device), args.repeats)
         if rank == 0:
             if args.device == "cuda":
                 memory = torch.cuda.get_device_properties(local).total_memory
@@ -142,7 +216,7 @@ def _worker(argv: list[str] | None = None) -> None:
                 memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                 memory //= dist.get_world_size()
             with open(args.out, "w") as fh:
-                json.dump({"samples": samples, "memory": memory}, fh)
+                json.dump({"samples": samples, "memory": memory, "steps": steps}, fh)
     finally:
         dist.destroy_process_group()
 
@@ -154,6 +228,7 @@ def calibrate(
     max_bytes: int = 16 * 2**20,
     repeats: int = 20,
     memory_bytes: int | None = None,
+    threads: int | None = None,
     timeout_s: float = 300.0,
 ) -> tuple[Cluster, list[tuple[int, float, float]]]:
     """Launch ``nproc`` ranks with torchrun, measure, and return the cluster and the samples."""
@@ -169,7 +244,7 @@ def calibrate(
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "-m", "runtime.calibrate",
             "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
-            "--device", device,
+            "--device", device, *(["--threads", str(threads)] if threads else []),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
         try:
@@ -183,10 +258,13 @@ def calibrate(
             result = json.load(fh)
     samples = [tuple(s) for s in result["samples"]]
     link = fit_link(samples)  # type: ignore[arg-type]
+    tiny = 2 * samples[0][2]  # round trip of the smallest message on the pipelining path
+    steps = {int(k): float(v) for k, v in result["steps"].items()}
     memory = memory_bytes if memory_bytes is not None else int(result["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
-    return Cluster(devices=devices, link=link), samples  # type: ignore[return-value]
+    cluster = Cluster(devices=devices, link=link, op_overhead_s=engine_overhead(steps, tiny))
+    return cluster, samples  # type: ignore[return-value]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 from planner.cli import main
 from planner.errors import InvalidRequestError
 from planner.io import load_cluster
-from runtime.calibrate import fit_link
+from runtime.calibrate import engine_overhead, fit_link
 
 
 def test_fit_recovers_a_linear_link() -> None:
@@ -51,6 +51,8 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert link.bandwidth_Bps and link.bandwidth_Bps > 1e6
     assert 0 < link.latency_s < 0.05
     assert [s for s, _ in link.samples] == [4 * 4**k for k in range(9)]
+    # The engine's fixed cost per operation, measured through the real PipelineRunner.
+    assert 0 < cluster.op_overhead_s < 0.05
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
@@ -59,3 +61,11 @@ def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
     assert info.value.code == 2
     assert "--nproc 1" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_engine_overhead_from_step_times() -> None:
+    # Each extra micro-batch costs one slowest-stage time 2 o + C_tiny.
+    o, tiny = 4e-4, 1e-4
+    steps = {2: 0.01, 16: 0.01 + 14 * (2 * o + tiny)}
+    assert engine_overhead(steps, tiny) == pytest.approx(o)
+    assert engine_overhead({2: 0.01, 16: 0.01}, tiny) == 0.0
