@@ -258,7 +258,8 @@ def calibrate(
             result = json.load(fh)
     samples = [tuple(s) for s in result["samples"]]
     link = fit_link(samples)  # type: ignore[arg-type]
-    tiny = 2 * samples[0][2]  # round trip of the smallest message on the pipelining path
+    # Round trip of a small message on the pipelining path (median: robust to a cold first call).
+    tiny = 2 * statistics.median(s[2] for s in samples if s[0] <= 4096)
     steps = {int(k): float(v) for k, v in result["steps"].items()}
     memory = memory_bytes if memory_bytes is not None else int(result["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
