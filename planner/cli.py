@@ -76,6 +76,9 @@ def profile(
     threads: Annotated[
         int | None, typer.Option(help="CPU threads while measuring: use the runtime's per rank.")
     ] = None,
+    rounds: Annotated[
+        int, typer.Option(help="Repeat the whole sweep; median of rounds (robust to bursts).")
+    ] = 1,
 ) -> None:
     """Trace MODEL, group it into units and measure every unit at several micro-batch sizes."""
     from planner.model import parse_model_args
@@ -103,6 +106,7 @@ def profile(
         repeats=repeats,
         progress=progress,
         threads=threads,
+        rounds=rounds,
     )
     write_json(output, prof)
     console.print(

@@ -170,6 +170,8 @@ class Profile(_Frozen):
     granularity: str = "auto"
     warmup: int = Field(default=1, ge=0)
     repeats: int = Field(default=1, ge=1)
+    rounds: int = Field(default=1, ge=1)
+    """Sweeps over all sizes and units; times are medians over rounds of medians over repeats."""
     input_bytes_per_sample: int = Field(ge=0)
     """x_0: bytes of the model's inputs per sample (stage 0 stashes them)."""
     units: tuple[Unit, ...]

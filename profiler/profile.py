@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -95,6 +96,7 @@ def profile_model(
     repeats: int = 5,
     progress: bool = True,
     threads: int | None = None,
+    rounds: int = 1,
 ) -> Profile:
     """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
 
@@ -102,17 +104,22 @@ def profile_model(
     ``batch_size``).  List or tuple model arguments are recorded as comma-separated strings.
     ``threads`` sets ``torch.set_num_threads`` while measuring on CPU (restored afterwards):
     profile with the thread count each pipeline rank will use, e.g. 1 for 2 ranks on 2 cores.
+    ``rounds`` repeats the whole sweep over sizes and units; each time is the median of the
+    rounds' medians, so a burst of interference from other processes (which slows whatever runs
+    during it) is outvoted instead of landing on one unit.
     """
+    if rounds < 1:
+        raise InvalidRequestError(f"rounds {rounds} must be at least 1")
     if threads is not None and threads < 1:
         raise InvalidRequestError(f"threads {threads} must be at least 1")
     if threads is None:
         return _profile(model, batch_size, model_kwargs, microbatch_sizes, device, granularity,
-                        tracer, dtype, warmup, repeats, progress)
+                        tracer, dtype, warmup, repeats, progress, rounds)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _profile(model, batch_size, model_kwargs, microbatch_sizes, device, granularity,
-                        tracer, dtype, warmup, repeats, progress)
+                        tracer, dtype, warmup, repeats, progress, rounds)
     finally:
         torch.set_num_threads(before)
 
@@ -129,6 +136,7 @@ def _profile(
     warmup: int,
     repeats: int,
     progress: bool,
+    rounds: int = 1,
 ) -> Profile:
     sizes = _check_sizes(batch_size, microbatch_sizes)
     if dtype not in DTYPES:
@@ -153,11 +161,11 @@ def _profile(
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
     clock = Clock(dev)
 
-    timings: list[dict[int, Timing]] = [{} for _ in pieces]
+    runs: list[dict[int, list[Timing]]] = [{b: [] for b in sizes} for _ in pieces]
     biggest: dict[str, Any] = {}
     with _progress(progress) as bar:
-        task = bar.add_task(model, total=len(sizes) * len(pieces))
-        for b in sorted(sizes, reverse=True):
+        task = bar.add_task(model, total=rounds * len(sizes) * len(pieces))
+        for b in [b for _ in range(rounds) for b in sorted(sizes, reverse=True)]:
             inputs = tuple(_to(x, dev, torch_dtype) for x in spec.batch(b)[0])
             if len(inputs) != len(placeholders):
                 raise InvalidRequestError(
@@ -177,12 +185,13 @@ def _profile(
                     exclude=exclude,
                     seed=k,
                 )
-                timings[k][b] = timing
+                runs[k][b].append(timing)
                 values.update(zip(piece.outputs, outs))
                 bar.advance(task)
             if b == max(sizes):
                 biggest = values
 
+    timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
     b_max = max(sizes)
     cuts = []
     for k, names in enumerate(cut_tensors(traced, units)):
@@ -205,6 +214,7 @@ def _profile(
         granularity=granularity,
         warmup=warmup,
         repeats=repeats,
+        rounds=rounds,
         input_bytes_per_sample=-(-sum(value_bytes(biggest[n]) for n in placeholders) // b_max),
         units=tuple(
             Unit(
@@ -219,6 +229,30 @@ def _profile(
         ),
         cuts=tuple(cuts),
         shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
+    )
+
+
+def _merge(rounds: list[Timing]) -> Timing:
+    """One Timing from several rounds: median of the medians; spread = their interquartile range
+    (or the single round's own spread)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    fwd = [t.forward_s for t in rounds]
+    bwd = [t.backward_s for t in rounds]
+    peaks = [t.peak_bytes for t in rounds if t.peak_bytes is not None]
+
+    def iqr(xs: list[float]) -> float:
+        q1, q3 = np.percentile(xs, [25, 75])
+        return float(q3 - q1)
+
+    return rounds[0].model_copy(
+        update={
+            "forward_s": float(np.median(fwd)),
+            "backward_s": float(np.median(bwd)),
+            "forward_spread_s": iqr(fwd),
+            "backward_spread_s": iqr(bwd),
+            "peak_bytes": max(peaks) if peaks else None,
+        }
     )
 
 

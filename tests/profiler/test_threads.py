@@ -18,3 +18,26 @@ def test_threads_recorded_and_restored() -> None:
     assert torch.get_num_threads() == before
     with pytest.raises(InvalidRequestError, match="threads 0"):
         profile_model("models.mlp:mlp", batch_size=4, threads=0, progress=False)
+
+
+def test_rounds_take_the_median_of_round_medians() -> None:
+    kwargs = {"width": 32, "depth": 2, "in_features": 32}
+    prof = profile_model("models.mlp:mlp", batch_size=4, model_kwargs=kwargs,
+                         microbatch_sizes=[2, 4], warmup=0, repeats=1, progress=False,
+                         threads=1, rounds=3)
+    assert prof.rounds == 3
+    for unit in prof.units:
+        assert set(unit.timings) == {2, 4}
+        assert all(t.forward_s > 0 and t.forward_spread_s >= 0 for t in unit.timings.values())
+    with pytest.raises(InvalidRequestError, match="rounds 0"):
+        profile_model("models.mlp:mlp", batch_size=4, rounds=0, progress=False)
+
+
+def test_merge_is_median_of_rounds() -> None:
+    from planner.types import Timing
+    from profiler.profile import _merge
+
+    ts = [Timing(forward_s=f, backward_s=2 * f, saved_bytes=8, output_bytes=4) for f in (1.0, 9.0, 2.0)]
+    merged = _merge(ts)
+    assert merged.forward_s == 2.0 and merged.backward_s == 4.0
+    assert merged.saved_bytes == 8
