@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.pipeplan-installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test lint venv clean
 
 venv: $(STAMP)
 
@@ -24,8 +24,12 @@ demo: $(STAMP)
 	$(VENV)/bin/pipeplan plan out/gpt.profile.json --stages 4 --memory 256MiB -o out/gpt.plan.json
 	$(VENV)/bin/pipeplan show out/gpt.plan.json
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check planner profiler solvers runtime models
+	$(VENV)/bin/mypy planner profiler solvers runtime models
 
 clean:
 	rm -rf $(VENV) out

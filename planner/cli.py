@@ -20,8 +20,16 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.errors import InfeasiblePlanError, InvalidRequestError, PipeplanError
-from planner.io import format_bytes, load_any, load_cluster, load_profile, parse_bytes
-from planner.io import parse_duration, parse_rate, write_json
+from planner.io import (
+    format_bytes,
+    load_any,
+    load_cluster,
+    load_profile,
+    parse_bytes,
+    parse_duration,
+    parse_rate,
+    write_json,
+)
 from planner.types import Cluster, Link, Plan, PlanOptions, Profile
 
 __all__ = ["app", "main"]

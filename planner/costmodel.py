@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -45,18 +46,18 @@ from planner.types import (
 
 __all__ = [
     "UnitCosts",
-    "unit_costs",
+    "bubble_fraction",
+    "build_stages",
+    "check_request",
+    "evaluate",
+    "in_flight",
+    "lower_bound",
     "microbatch_choices",
     "recomputes",
-    "in_flight",
-    "stage_time",
     "stage_memory",
-    "build_stages",
+    "stage_time",
     "step_time",
-    "bubble_fraction",
-    "evaluate",
-    "check_request",
-    "lower_bound",
+    "unit_costs",
 ]
 
 
@@ -248,7 +249,7 @@ def build_stages(
     """Evaluate every stage of the partition whose stages start at 0 and at ``boundaries``."""
     n, p = profile.n_units, cluster.n_stages
     starts = [0, *boundaries]
-    if len(starts) != p or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+    if len(starts) != p or any(b <= a for a, b in pairwise(starts)) or starts[-1] >= n:
         raise InvalidRequestError(
             f"boundaries {list(boundaries)} do not split {n} units into {p} non-empty stages"
         )

@@ -7,15 +7,15 @@ message as one line and exits non-zero.  Messages name the offending value and t
 from __future__ import annotations
 
 __all__ = [
-    "PipeplanError",
-    "ModelLoadError",
-    "TraceError",
     "FileFormatError",
-    "InvalidRequestError",
-    "InfeasiblePlanError",
-    "UnsupportedConstraintError",
     "FingerprintMismatchError",
+    "InfeasiblePlanError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "PipeplanError",
     "StageFailedError",
+    "TraceError",
+    "UnsupportedConstraintError",
 ]
 
 

@@ -21,18 +21,18 @@ from planner.errors import FileFormatError, InvalidRequestError
 from planner.types import Cluster, Plan, Profile, RunReport
 
 __all__ = [
+    "dumps",
+    "format_bytes",
+    "load_any",
+    "load_cluster",
+    "load_plan",
+    "load_profile",
+    "load_report",
+    "parse_bytes",
+    "parse_duration",
+    "parse_rate",
     "write_json",
     "write_text",
-    "load_profile",
-    "load_plan",
-    "load_cluster",
-    "load_report",
-    "load_any",
-    "dumps",
-    "parse_bytes",
-    "parse_rate",
-    "parse_duration",
-    "format_bytes",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -119,7 +119,10 @@ def load_any(path: str | os.PathLike[str]) -> Profile | Plan | Cluster | RunRepo
     """Load whichever pipeplan file ``path`` is, by its ``schema`` field."""
     data = _read(path)
     schema = str(data.get("schema", ""))
-    for cls in (Profile, Plan, Cluster, RunReport):
+    classes: tuple[type[Profile | Plan | Cluster | RunReport], ...] = (
+        Profile, Plan, Cluster, RunReport
+    )
+    for cls in classes:
         if schema == cls.model_fields["schema_"].default:
             return _validate(path, data, cls)
     raise FileFormatError(

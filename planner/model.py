@@ -23,7 +23,7 @@ from torch import nn
 
 from planner.errors import ModelLoadError
 
-__all__ = ["ModelSpec", "Batch", "load_model", "parse_model_args", "as_tuple"]
+__all__ = ["Batch", "ModelSpec", "as_tuple", "load_model", "parse_model_args"]
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 

@@ -39,7 +39,7 @@ def synthetic_profile(
     rng = np.random.default_rng(seed)
     if microbatch_sizes is None:
         microbatch_sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if batch_size % b == 0]
-    sizes = sorted(set(int(b) for b in microbatch_sizes))
+    sizes = sorted({int(b) for b in microbatch_sizes})
     scale = rng.lognormal(0.0, spread, n_units)
     if heavy_ends and n_units >= 3:
         scale[0] *= 6.0

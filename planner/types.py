@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -27,36 +27,36 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
-    "PROFILE_SCHEMA",
-    "PLAN_SCHEMA",
     "CLUSTER_SCHEMA",
+    "OPTIMIZER_STATES",
+    "PLAN_SCHEMA",
+    "PROFILE_SCHEMA",
     "REPORT_SCHEMA",
     "CheckpointPolicy",
-    "ScheduleName",
+    "Cluster",
+    "Cut",
+    "CutTensor",
+    "Device",
+    "DeviceInfo",
+    "Link",
+    "MemoryBreakdown",
     "OptimizerName",
-    "OPTIMIZER_STATES",
+    "Plan",
+    "PlanOptions",
+    "Profile",
+    "RunReport",
+    "ScheduleName",
+    "SharedParam",
+    "Stage",
+    "StageMeasurement",
     "Timing",
     "Unit",
-    "CutTensor",
-    "Cut",
-    "SharedParam",
-    "DeviceInfo",
-    "Profile",
-    "Device",
-    "Link",
-    "Cluster",
-    "PlanOptions",
-    "MemoryBreakdown",
-    "Stage",
-    "Plan",
-    "StageMeasurement",
-    "RunReport",
 ]
 
-PROFILE_SCHEMA = "pipeplan.profile/1"
-PLAN_SCHEMA = "pipeplan.plan/1"
-CLUSTER_SCHEMA = "pipeplan.cluster/1"
-REPORT_SCHEMA = "pipeplan.run-report/1"
+PROFILE_SCHEMA: Final = "pipeplan.profile/1"
+PLAN_SCHEMA: Final = "pipeplan.plan/1"
+CLUSTER_SCHEMA: Final = "pipeplan.cluster/1"
+REPORT_SCHEMA: Final = "pipeplan.run-report/1"
 
 CheckpointPolicy = Literal["always", "except_last", "never"]
 ScheduleName = Literal["gpipe", "1f1b"]

@@ -13,7 +13,7 @@ from planner.types import Cluster, Plan, PlanOptions, Profile
 from solvers.baselines import solve_params, solve_torchgpipe, solve_uniform
 from solvers.dp import solve_dp
 
-__all__ = ["SOLVERS", "Solver", "solve_dp", "solve_cpsat"]
+__all__ = ["SOLVERS", "Solver", "solve_cpsat", "solve_dp"]
 
 Solver = Callable[[Profile, Cluster, PlanOptions], Plan]
 

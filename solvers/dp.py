@@ -52,7 +52,7 @@ from planner.errors import InfeasiblePlanError, UnsupportedConstraintError
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
 
-__all__ = ["solve_dp", "partition_dp"]
+__all__ = ["partition_dp", "solve_dp"]
 
 _INF = np.inf
 
