@@ -1,6 +1,7 @@
 """The model contract: how pipeplan gets a model, an example batch and a loss.
 
-A model is named ``package.module:callable`` (like uvicorn's ``module:app``).  The callable is
+A model is named ``package.module:callable`` (like uvicorn's ``module:app``, and, like uvicorn,
+the working directory is importable).  The callable is
 called with the user's keyword arguments (``--model-arg depth=24``) and returns a
 :class:`ModelSpec`, or a 3-tuple ``(module, make_batch, loss)`` with the same meaning:
 
@@ -14,6 +15,8 @@ called with the user's keyword arguments (``--model-arg depth=24``) and returns 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +94,8 @@ def load_model(name: str, kwargs: Mapping[str, Any] | None = None) -> ModelSpec:
             f"model {name!r} is not of the form package.module:callable; "
             f"e.g. models.gpt:gpt"
         )
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like uvicorn: models in the working directory import
     try:
         module = importlib.import_module(mod_name)
     except ImportError as exc:

@@ -135,3 +135,23 @@ def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
     assert bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
     usage = subprocess.run([*exe, "plan", "--no-such-flag"], capture_output=True, text=True)
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
+
+
+def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli) -> None:
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text(
+        "import torch\n"
+        "from planner.model import ModelSpec\n"
+        "def build(width: int = 8) -> ModelSpec:\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))\n"
+        "    return ModelSpec(net, lambda b: (torch.randn(b, width), torch.randn(b, width)),\n"
+        "                     torch.nn.functional.mse_loss)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(["profile", "userpkg.nets:build", "-b", "4", "--repeats", "1",
+                        "--warmup", "0", "--no-progress", "-o", str(tmp_path / "p.json")])
+    assert code == 0, err
+    code, _, err = cli(["profile", "userpkg.nets:missing", "-b", "4", "-o", str(tmp_path / "q.json")])
+    assert code == 2 and "has no attribute 'missing'" in err
