@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from planner.io import load_plan, write_json
 from planner.synthetic import synthetic_profile
@@ -155,3 +156,46 @@ def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli
     assert code == 0, err
     code, _, err = cli(["profile", "userpkg.nets:missing", "-b", "4", "-o", str(tmp_path / "q.json")])
     assert code == 2 and "has no attribute 'missing'" in err
+
+
+def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
+    prof = tmp_path / "mlp.json"
+    code, out, err = cli(["profile", "models.mlp:mlp", "-b", "8", "--model-arg", "width=32",
+                          "--model-arg", "in_features=32", "--model-arg", "depth=3",
+                          "--threads", "1", "--repeats", "1", "--warmup", "0", "--no-progress",
+                          "-o", str(prof)])
+    assert code == 0, err
+    assert "5 units" in out or "units" in out
+    plan_file = tmp_path / "plan.json"
+    code, _, err = cli(["plan", str(prof), "--stages", "2", "--memory", "1GiB", "-o", str(plan_file)])
+    assert code == 0, err
+    plan = load_plan(plan_file)
+    assert plan.model == "models.mlp:mlp" and plan.model_kwargs["width"] == 32
+    code, out, _ = cli(["show", str(prof)])
+    assert code == 0 and "fingerprint" in out
+
+
+BAD_PROFILE = [
+    (["models.nothing:here", "-b", "8"], "cannot import 'models.nothing'"),
+    (["models.mlp:nope", "-b", "8"], "has no attribute 'nope'"),
+    (["not-a-model-name", "-b", "8"], "package.module:callable"),
+    (["models.mlp:mlp", "-b", "6", "--microbatch-sizes", "4"], "does not divide batch size 6"),
+    (["models.mlp:mlp", "-b", "0"], "--batch-size 0"),
+    (["models.mlp:mlp", "-b", "8", "--microbatch-sizes", "a,b"], "--microbatch-sizes"),
+    (["models.mlp:mlp", "-b", "8", "--granularity", "fine"], "granularity"),
+    pytest.param(["models.mlp:mlp", "-b", "8", "--device", "cuda"], "cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+    (["models.mlp:mlp", "-b", "8", "--model-arg", "width"], "KEY=VALUE"),
+    (["models.mlp:mlp", "-b", "8", "--model-arg", "colour=3"], "check --model-arg"),
+    (["models.mlp:mlp", "-b", "8", "--dtype", "int3"], "int3"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_PROFILE)
+def test_bad_profile_input(tmp_path: Path, cli, args: list[str], message: str) -> None:
+    out_file = tmp_path / "profile.json"
+    code, _, err = cli(["profile", *args, "--no-progress", "-o", str(out_file)])
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out_file.exists() and list(tmp_path.iterdir()) == []
