@@ -1,0 +1,1 @@
+"""Runtime overhead: pipeplan's engine against plain PyTorch and hand-built torch.distributed.pipelining."""
