@@ -3,8 +3,9 @@
 Units u = 0..n-1 in order, p contiguous stages, batch B, m micro-batches of size b = B/m.  Stage
 j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
 
-    F_j = sum_{u=l..r} f_u(b) / s_j + o
+    F_j = sum_{u=l..r} f_u(b) / s_j + o      (+ the loss's forward on the last stage)
     B_j = sum_{u=l..r} g_u(b) / s_j  (+ the compute of F_j when the stage recomputes) + o
+                                             (+ the loss's backward on the last stage)
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     t_j = F_j + B_j + C_j
     T(m) = sum_j t_j + (m - 1) * max_j t_j                                   (step time)
@@ -14,6 +15,7 @@ j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
         + q_j * x_l(b)                             stashed stage inputs, when recomputing
         + sum_u a_u(b)        (recompute)          one micro-batch's activations
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
+        (+ q_j * the loss's saved bytes on the last stage)
 
 where q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
 ``transfer`` is :meth:`planner.types.Link.one_way_s` and o is the pipeline engine's
@@ -84,6 +86,11 @@ class UnitCosts:
     Pw: np.ndarray
     shared: tuple[tuple[int, np.ndarray], ...] = ()
     """(bytes, ascending user units) of every parameter used by several units."""
+    loss_f: float = 0.0
+    loss_g: float = 0.0
+    """Forward and backward seconds of the loss on one micro-batch (last stage only)."""
+    loss_a: float = 0.0
+    """Bytes the loss saves for backward per micro-batch (kept for every one in flight)."""
 
     @property
     def n(self) -> int:
@@ -136,8 +143,12 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
     shared = tuple(
         (sp.bytes, np.array(sp.units, dtype=np.int64)) for sp in profile.shared_params
     )
+    loss = profile.loss.get(b)
     return UnitCosts(
-        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), shared
+        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), shared,
+        loss_f=loss.forward_s if loss else 0.0,
+        loss_g=loss.backward_s if loss else 0.0,
+        loss_a=float(loss.saved_bytes) if loss else 0.0,
     )
 
 
@@ -178,6 +189,9 @@ def stage_time(
         B += F
     F += cluster.op_overhead_s
     B += cluster.op_overhead_s
+    if j == p - 1:  # the loss runs on the last stage, outside its recomputed region
+        F += costs.loss_f / speed
+        B += costs.loss_g / speed
     C = _comm(costs, cluster, r + 1) if j < p - 1 else 0.0
     return F, B, C
 
@@ -195,6 +209,8 @@ def stage_memory(
         stash, act = q * int(costs.x[l]), acts
     else:
         stash, act = 0, q * acts
+    if j == p - 1:
+        act += q * int(costs.loss_a)
     total = w * (2 + k) + stash + act
     return MemoryBreakdown(
         params=w, grads=w, optimizer=k * w, stashed_inputs=stash, activations=act, total=total

@@ -29,6 +29,7 @@ def synthetic_profile(
     base_time_s: float = 1e-3,
     overhead: float = 2.0,
     tied: bool = False,
+    loss: bool = False,
 ) -> Profile:
     """A random but plausible :class:`Profile` of ``n_units`` units.
 
@@ -82,7 +83,16 @@ def synthetic_profile(
     shared: tuple[SharedParam, ...] = ()
     if tied and n_units >= 2:  # the first and last units share a weight, as embedding and head
         shared = (SharedParam(name="p0", bytes=units[0].param_bytes, units=(0, n_units - 1)),)
+    loss_timings: dict[int, Timing] = {}
+    if loss:  # a loss as heavy as the last unit's forward, saving its output
+        last = units[-1].timings
+        loss_timings = {
+            b: Timing(forward_s=t.forward_s, backward_s=t.forward_s, saved_bytes=t.output_bytes,
+                      output_bytes=4)
+            for b, t in last.items()
+        }
     return Profile(
+        loss=loss_timings,
         shared_params=shared,
         model=f"synthetic:n{n_units}-seed{seed}",
         tracer="fx",

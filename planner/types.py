@@ -178,6 +178,9 @@ class Profile(_Frozen):
     cuts: tuple[Cut, ...]
     """n - 1 cuts; ``cuts[k]`` lies between ``units[k]`` and ``units[k + 1]``."""
     shared_params: tuple[SharedParam, ...] = ()
+    loss: dict[int, Timing] = {}
+    """The loss on the model's output, by micro-batch size: the last stage pays it per
+    micro-batch, and keeps its saved tensors for every micro-batch in flight."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 

@@ -162,11 +162,14 @@ def _profile(
     clock = Clock(dev)
 
     runs: list[dict[int, list[Timing]]] = [{b: [] for b in sizes} for _ in pieces]
+    loss_runs: dict[int, list[Timing]] = {b: [] for b in sizes}
+    (output_node,) = [n for n in traced.gm.graph.nodes if n.op == "output"]
     biggest: dict[str, Any] = {}
     with _progress(progress) as bar:
         task = bar.add_task(model, total=rounds * len(sizes) * len(pieces))
         for b in [b for _ in range(rounds) for b in sorted(sizes, reverse=True)]:
-            inputs = tuple(_to(x, dev, torch_dtype) for x in spec.batch(b)[0])
+            batch_inputs, target = spec.batch(b)
+            inputs = tuple(_to(x, dev, torch_dtype) for x in batch_inputs)
             if len(inputs) != len(placeholders):
                 raise InvalidRequestError(
                     f"model {model!r} takes {len(placeholders)} inputs but make_batch gave "
@@ -188,10 +191,23 @@ def _profile(
                 runs[k][b].append(timing)
                 values.update(zip(piece.outputs, outs))
                 bar.advance(task)
+            flat = torch.fx.node.map_arg(output_node.args[0], lambda n: values[n.name])
+            output = traced.gm.graph.process_outputs(flat)  # export graphs return it flattened
+            timing, _ = measure_unit(
+                _Loss(spec.loss, _to(target, dev, torch_dtype)),
+                [output],
+                clock=clock,
+                warmup=warmup,
+                repeats=repeats,
+                exclude=exclude,
+                seed=len(pieces),
+            )
+            loss_runs[b].append(timing)
             if b == max(sizes):
                 biggest = values
 
     timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
+    loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
     b_max = max(sizes)
     cuts = []
     for k, names in enumerate(cut_tensors(traced, units)):
@@ -229,7 +245,19 @@ def _profile(
         ),
         cuts=tuple(cuts),
         shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
+        loss=loss_timings,
     )
+
+
+class _Loss(torch.nn.Module):
+    """The model's loss as a module of its output, the target fixed (it needs no gradient)."""
+
+    def __init__(self, loss: Any, target: Any) -> None:
+        super().__init__()
+        self.loss, self.target = loss, target
+
+    def forward(self, output: Any) -> Any:
+        return self.loss(output, self.target)
 
 
 def _merge(rounds: list[Timing]) -> Timing:

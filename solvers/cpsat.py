@@ -235,6 +235,8 @@ class _Model:
                 mem = mem + q * at(j, X, "x") + acts
             else:
                 mem = mem + q * acts
+            if j == p - 1:  # the loss's saved tensors, per micro-batch in flight
+                mem = mem + q * int(costs.loss_a)
             md.add(mem <= caps[j])
         self.tmax = md.new_int_var(max(0, min(t_floor, horizon)), horizon, "T")
         md.add_max_equality(self.tmax, self.t)

@@ -100,8 +100,10 @@ class _Instance:
             mem = w * self.wk + self.q[j] * x + a
         else:
             mem = w * self.wk + self.q[j] * a
+        mem = mem + self.q[j] * int(costs.loss_a)
         ok = (mem <= caps[j]) & (L < n)
-        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + self.op, _INF)
+        loss = (costs.loss_f + costs.loss_g) / speed
+        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + self.op + loss, _INF)
 
     def width(self, threshold: float) -> int:
         """Longest mid stage (in units) whose time can be <= threshold."""

@@ -137,3 +137,19 @@ def test_engine_overhead_charged_per_operation() -> None:
         assert b.forward_s == pytest.approx(a.forward_s + 1e-3)
         assert b.backward_s == pytest.approx(a.backward_s + 1e-3)
     assert slow.step_time_s == pytest.approx(base.step_time_s + (2 + 3) * 2e-3)
+
+
+def test_loss_charged_to_the_last_stage() -> None:
+    prof = synthetic_profile(4, batch_size=8, seed=1, loss=True)
+    b = 2
+    loss = prof.loss[b]
+    cl = Cluster.homogeneous(2, 2**40)
+    opts = PlanOptions(checkpoint="never")
+    plain = evaluate(prof.model_copy(update={"loss": {}}), cl, opts, [2], 4, solver="t")
+    with_loss = evaluate(prof, cl, opts, [2], 4, solver="t")
+    first, last = with_loss.stages
+    assert first.forward_s == plain.stages[0].forward_s  # not on the first stage
+    assert last.forward_s == pytest.approx(plain.stages[1].forward_s + loss.forward_s)
+    assert last.backward_s == pytest.approx(plain.stages[1].backward_s + loss.backward_s)
+    # Its saved tensors stay alive for every micro-batch in flight.
+    assert last.memory.activations == plain.stages[1].memory.activations + 4 * loss.saved_bytes

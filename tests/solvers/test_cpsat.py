@@ -53,6 +53,7 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         spread=draw(st.sampled_from([0.1, 0.5, 1.5])),
         heavy_ends=draw(st.booleans()),
         tied=draw(st.booleans()),
+        loss=draw(st.booleans()),
     )
     link = Link(
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e10])),

@@ -1,4 +1,4 @@
-"""Profiling with the runtime's per-rank thread count."""
+"""Profile options: threads, rounds, and the loss measured alongside the units."""
 
 from __future__ import annotations
 
@@ -41,3 +41,14 @@ def test_merge_is_median_of_rounds() -> None:
     merged = _merge(ts)
     assert merged.forward_s == 2.0 and merged.backward_s == 4.0
     assert merged.saved_bytes == 8
+
+
+def test_loss_is_measured_per_size() -> None:
+    prof = profile_model("models.gpt:gpt", batch_size=4, microbatch_sizes=[1, 4], warmup=0,
+                         repeats=1, progress=False, threads=1,
+                         model_kwargs={"vocab": 512, "n_layers": 1, "d_model": 32, "seq_len": 16})
+    assert set(prof.loss) == {1, 4}
+    assert all(t.forward_s > 0 and t.backward_s > 0 for t in prof.loss.values())
+    # Cross-entropy saves its log-softmax: vocab x tokens floats per sample at least.
+    assert prof.loss[4].saved_bytes >= 4 * 16 * 512 * 4
+    assert prof.loss[4].saved_bytes > prof.loss[1].saved_bytes
