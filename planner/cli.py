@@ -261,7 +261,8 @@ def _print_plan(p: Plan) -> None:
     console.print(table)
     gap = f", gap {p.gap:.2%}" if p.gap is not None else ""
     console.print(
-        f"step time {p.step_time_s * 1e3:.3f} ms (lower bound "
+        f"step time {p.step_time_s * 1e3:.3f} ms (simulated "
+        f"{(p.simulated_step_time_s or p.step_time_s) * 1e3:.3f} ms, lower bound "
         f"{(p.lower_bound_s or 0) * 1e3:.3f} ms), bubble {p.bubble_fraction:.1%}, "
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"

@@ -36,6 +36,7 @@ from itertools import pairwise
 import numpy as np
 
 from planner.errors import InvalidRequestError
+from planner.simulate import simulate
 from planner.types import (
     OPTIMIZER_STATES,
     Cluster,
@@ -315,6 +316,16 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
     return float(best)
 
 
+def _simulated(stages: Sequence[Stage], m: int, schedule: str) -> float:
+    return simulate(
+        [s.forward_s for s in stages],
+        [s.backward_s for s in stages],
+        [s.comm_s for s in stages],
+        m,
+        schedule=schedule,
+    ).makespan_s
+
+
 def evaluate(
     profile: Profile,
     cluster: Cluster,
@@ -353,6 +364,7 @@ def evaluate(
         cluster=cluster,
         stages=tuple(stages),
         step_time_s=T,
+        simulated_step_time_s=_simulated(stages, m, options.schedule),
         bubble_fraction=bubble_fraction(times, m),
         throughput=profile.batch_size / T if T > 0 else 0.0,
         feasible=feasible,

@@ -153,3 +153,10 @@ def test_loss_charged_to_the_last_stage() -> None:
     assert last.backward_s == pytest.approx(plain.stages[1].backward_s + loss.backward_s)
     # Its saved tensors stay alive for every micro-batch in flight.
     assert last.memory.activations == plain.stages[1].memory.activations + 4 * loss.saved_bytes
+
+
+def test_plan_records_simulated_makespan() -> None:
+    prof = synthetic_profile(6, batch_size=8, seed=3)
+    plan = evaluate(prof, Cluster.homogeneous(3, 2**40), PlanOptions(), [2, 4], 4, solver="t")
+    assert plan.simulated_step_time_s == pytest.approx(simulate_plan(plan).makespan_s)
+    assert plan.simulated_step_time_s >= plan.step_time_s * (1 - 1e-12)
