@@ -191,7 +191,7 @@ def _profile(
                 runs[k][b].append(timing)
                 values.update(zip(piece.outputs, outs))
                 bar.advance(task)
-            flat = torch.fx.node.map_arg(output_node.args[0], lambda n: values[n.name])
+            flat = torch.fx.node.map_arg(output_node.args[0], lambda n, v=values: v[n.name])
             output = traced.gm.graph.process_outputs(flat)  # export graphs return it flattened
             timing, _ = measure_unit(
                 _Loss(spec.loss, _to(target, dev, torch_dtype)),
