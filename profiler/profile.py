@@ -9,6 +9,7 @@ with its bytes divided by b.  Sizes are measured largest first, so the warm-up o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -191,7 +192,7 @@ def _profile(
                 runs[k][b].append(timing)
                 values.update(zip(piece.outputs, outs))
                 bar.advance(task)
-            flat = torch.fx.node.map_arg(output_node.args[0], lambda n, v=values: v[n.name])
+            flat = torch.fx.node.map_arg(output_node.args[0], functools.partial(_value, values))
             output = traced.gm.graph.process_outputs(flat)  # export graphs return it flattened
             timing, _ = measure_unit(
                 _Loss(spec.loss, _to(target, dev, torch_dtype)),
@@ -247,6 +248,10 @@ def _profile(
         shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
         loss=loss_timings,
     )
+
+
+def _value(values: dict[str, Any], node: torch.fx.Node) -> Any:
+    return values[node.name]
 
 
 class _Loss(torch.nn.Module):
