@@ -11,14 +11,20 @@ messages up to 4 KiB; the bandwidth is the least-squares fit of ``(time - latenc
 bandwidth`` over messages of 64 KiB and more; the median extra cost of the p2p path over the
 raw one at small sizes is the per-message software ``overhead``.  The raw samples themselves go
 into the link too: the cost model interpolates them, since a loopback or NIC transport changes
-protocol with the message size and no single line fits all sizes.  Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` on a model
-with no compute to speak of (one 4x4 linear layer per stage) at m = 2 and m = 16 micro-batches
-of one sample.  Each extra micro-batch adds one slowest-stage time, 2 o + C_tiny (a forward and
-a backward operation plus a tiny message each way), so the engine's fixed cost per operation is
+protocol with the message size and no single line fits all sizes.  Times are the 25th percentile of the repeats: the uncontended transfer.  (On a busy host a rank
+is sometimes woken milliseconds late; that cost shows up in real steps and is left to the
+engine's cost below, measured on real steps.)
 
-    o = ((T(16) - T(2)) / 14 - C_tiny) / 2,
+Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` on a model
+with no compute to speak of (one 4x4 linear layer per stage) at m = 2, 4, 8 and 16 micro-batches
+of one sample, interleaved over rounds.  Each extra micro-batch adds one slowest-stage time,
+2 o + C_tiny (a forward and a backward operation plus a tiny message each way), so the engine's
+fixed cost per operation is
 
-with C_tiny the measured batch_isend_irecv round trip of a small message.  The result is a
+    o = (slope of T against m - C_tiny) / 2,
+
+with the slope a Theil-Sen fit over the rounds' medians and C_tiny the batch_isend_irecv round
+trip of a small message.  The result is a
 :class:`~planner.types.Cluster` with one device per rank (memory: the GPU's, or this machine's
 RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
 """
@@ -81,6 +87,11 @@ def fit_link(samples: Sequence[tuple[int, float, float]]) -> Link:
     )
 
 
+def _low(samples: list[float]) -> float:
+    """The 25th percentile: the uncontended time (a rank woken late is the engine's cost)."""
+    return float(np.percentile(samples, 25))
+
+
 def _pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int, float, float]]:
     import torch
     import torch.distributed as dist
@@ -116,7 +127,7 @@ def _pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int, fl
                     torch.cuda.synchronize()
                 if i >= 2:  # warm-up
                     times[name].append((time.perf_counter() - t0) / 2)
-        out.append((size, statistics.median(times["raw"]), statistics.median(times["p2p"])))
+        out.append((size, _low(times["raw"]), _low(times["p2p"])))
     return out
 
 
@@ -151,34 +162,49 @@ def _tiny_plan(world: int, m: int) -> tuple[Any, Any]:
     return plan, spec
 
 
-def _engine_step_times(device: Any, repeats: int) -> dict[int, float]:
-    """Median step time of the tiny pipeline at m = 2 and m = 16."""
+#: Micro-batch counts of the engine measurement, run interleaved over rounds.
+ENGINE_MS = (2, 4, 8, 16)
+
+
+def _engine_step_times(device: Any, repeats: int, rounds: int = 3) -> dict[int, list[float]]:
+    """Per round, the median step time of the tiny pipeline at each m in ``ENGINE_MS``."""
     import torch.distributed as dist
 
     from runtime.engine import PipelineRunner
 
-    out = {}
-    for m in (2, 16):
+    runners = {}
+    for m in ENGINE_MS:
         plan, spec = _tiny_plan(dist.get_world_size(), m)
-        runner = PipelineRunner(plan, spec, device=device)
-        inputs, target = spec.batch(m)
-        walls = []
-        for step in range(repeats + 3):
-            wall, _, _ = runner.timed_step(inputs, target, step)
-            if step >= 3:
-                walls.append(wall)
-        out[m] = statistics.median(walls)
-        dist.barrier()
+        runners[m] = (PipelineRunner(plan, spec, device=device), spec.batch(m))
+    out: dict[int, list[float]] = {m: [] for m in ENGINE_MS}
+    for _ in range(rounds):
+        for m, (runner, batch) in runners.items():
+            walls = []
+            for step in range(repeats + 2):
+                inputs, target = batch
+                wall, _, _ = runner.timed_step(inputs, target, step)
+                if step >= 2:
+                    walls.append(wall)
+            out[m].append(statistics.median(walls))
+            dist.barrier()
     return out
 
 
-def engine_overhead(step_times: dict[int, float], tiny_round_trip_s: float) -> float:
+def engine_overhead(step_times: dict[int, list[float]], tiny_round_trip_s: float) -> float:
     """o from the tiny pipeline's step times (see the module docstring).
 
-    >>> round(engine_overhead({2: 0.004, 16: 0.032}, 0.0002) * 1e3, 3)
+    The slope of step time against m is the Theil-Sen estimate: the median of the slopes
+    between every pair of (m, round median) points with different m, robust to outliers.
+
+    >>> round(engine_overhead({2: [0.004], 16: [0.032]}, 0.0002) * 1e3, 3)
     0.9
     """
-    slope = (step_times[16] - step_times[2]) / 14
+    points = [(m, t) for m, ts in step_times.items() for t in ts]
+    slopes = [
+        (t2 - t1) / (m2 - m1) for i, (m1, t1) in enumerate(points) for m2, t2 in points[i + 1 :]
+        if m2 != m1
+    ]  # fmt: skip
+    slope = statistics.median(slopes)
     return max((slope - tiny_round_trip_s) / 2, 0.0)
 
 
@@ -262,7 +288,7 @@ def calibrate(
     link = fit_link(samples)  # type: ignore[arg-type]
     # Round trip of a small message on the pipelining path (median: robust to a cold first call).
     tiny = 2 * statistics.median(s[2] for s in samples if s[0] <= 4096)
-    steps = {int(k): float(v) for k, v in result["steps"].items()}
+    steps = {int(k): [float(x) for x in v] for k, v in result["steps"].items()}
     memory = memory_bytes if memory_bytes is not None else int(result["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))

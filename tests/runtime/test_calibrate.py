@@ -66,6 +66,9 @@ def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
 def test_engine_overhead_from_step_times() -> None:
     # Each extra micro-batch costs one slowest-stage time 2 o + C_tiny.
     o, tiny = 4e-4, 1e-4
-    steps = {2: 0.01, 16: 0.01 + 14 * (2 * o + tiny)}
+    steps = {m: [0.01 + (m - 2) * (2 * o + tiny)] * 3 for m in (2, 4, 8, 16)}
     assert engine_overhead(steps, tiny) == pytest.approx(o)
-    assert engine_overhead({2: 0.01, 16: 0.01}, tiny) == 0.0
+    # One wild round does not move the Theil-Sen slope.
+    steps[16][1] = 1.0
+    assert engine_overhead(steps, tiny) == pytest.approx(o)
+    assert engine_overhead({2: [0.01], 16: [0.01]}, tiny) == 0.0
