@@ -15,16 +15,18 @@ protocol with the message size and no single line fits all sizes.  Times are the
 is sometimes woken milliseconds late; that cost shows up in real steps and is left to the
 engine's cost below, measured on real steps.)
 
-Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` on a model
-with no compute to speak of (one 4x4 linear layer per stage) at m = 2, 4, 8 and 16 micro-batches
-of one sample, interleaved over rounds.  Each extra micro-batch adds one slowest-stage time,
-2 o + C_tiny (a forward and a backward operation plus a tiny message each way), so the engine's
-fixed cost per operation is
+Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` whose stages
+compute (two 512-wide linear layers on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
+interleaved over rounds.  Each extra micro-batch adds one slowest-stage time F + B + 2 o + C,
+so the engine's fixed cost per operation is
 
-    o = (slope of T against m - C_tiny) / 2,
+    o = (slope of T against m - (F + B) - C) / 2,
 
-with the slope a Theil-Sen fit over the rounds' medians and C_tiny the batch_isend_irecv round
-trip of a small message.  The result is a
+with the slope a Theil-Sen fit over the rounds' medians, F + B the stage's forward and backward
+timed alone on rank 0 (as the profiler would), and C the link's round trip of the stage's
+activations.  The stages must compute: with ranks on every core, the transport's threads wait
+for a core while the ranks compute, and that delay, which an idle pipeline does not show, is
+part of what a real step pays per operation.  The result is a
 :class:`~planner.types.Cluster` with one device per rank (memory: the GPU's, or this machine's
 RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
 """
@@ -131,8 +133,20 @@ def _pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int, fl
     return out
 
 
-def _tiny_plan(world: int, m: int) -> tuple[Any, Any]:
-    """A plan of ``world`` one-layer stages, m micro-batches of one sample, and its model."""
+#: Micro-batch counts of the engine measurement, run interleaved over rounds.
+ENGINE_MS = (2, 4, 8, 16)
+#: The calibration stage: width, layers per stage, micro-batch size.
+WIDTH, LAYERS, MICRO = 512, 2, 32
+
+
+def _stage_module() -> Any:
+    from torch import nn
+
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def _calibration_plan(world: int, m: int) -> tuple[Any, Any]:
+    """A plan of ``world`` identical stages and m micro-batches of MICRO samples, and its model."""
     import torch
     from torch import nn
 
@@ -142,40 +156,60 @@ def _tiny_plan(world: int, m: int) -> tuple[Any, Any]:
     from planner.types import Cluster, DeviceInfo, PlanOptions, Profile, Timing, Unit
 
     torch.manual_seed(0)
-    module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
-    spec = ModelSpec(module, lambda b: (torch.ones(b, 4), torch.zeros(b, 4)), nn.functional.mse_loss)
-    traced = trace_model(module, (torch.ones(1, 4),), "fx")
+    module = nn.Sequential(*[_stage_module() for _ in range(world)])
+    spec = ModelSpec(
+        module,
+        lambda b: (torch.randn(b, WIDTH), torch.zeros(b, WIDTH)),
+        nn.functional.mse_loss,
+    )
+    traced = trace_model(module, (torch.ones(1, WIDTH),), "fx")
     units = group_units(traced, "auto")
     zero = Timing(forward_s=0.0, backward_s=0.0, saved_bytes=0, output_bytes=0)
+    row = 4 * WIDTH
     profile = Profile(
         model="calibration", tracer="fx", graph_fingerprint=traced.fingerprint,
         device=DeviceInfo(kind="cpu", name="calibration"), torch_version=torch.__version__,
-        dtype="float32", batch_size=m, microbatch_sizes=(1,), input_bytes_per_sample=16,
-        units=tuple(Unit(index=k, name=u.name, nodes=u.nodes, param_bytes=0, timings={1: zero})
-                    for k, u in enumerate(units)),
-        cuts=tuple(Cut(after=k, tensors=(CutTensor(node="x", bytes_per_sample=16),),
-                       bytes_per_sample=16) for k in range(len(units) - 1)),
+        dtype="float32", batch_size=m * MICRO, microbatch_sizes=(MICRO,),
+        input_bytes_per_sample=row,
+        units=tuple(Unit(index=k, name=u.name, nodes=u.nodes, param_bytes=0,
+                         timings={MICRO: zero}) for k, u in enumerate(units)),
+        cuts=tuple(Cut(after=k, tensors=(CutTensor(node="x", bytes_per_sample=row),),
+                       bytes_per_sample=row) for k in range(len(units) - 1)),
     )  # fmt: skip
+    per_stage = len(units) // world
+    cuts = [per_stage * j for j in range(1, world)]
     options = PlanOptions(microbatches=m, checkpoint="never")
-    plan = evaluate(profile, Cluster.homogeneous(world, 2**40), options, list(range(1, world)), m,
+    plan = evaluate(profile, Cluster.homogeneous(world, 2**40), options, cuts, m,
                     solver="calibration")
     return plan, spec
 
 
-#: Micro-batch counts of the engine measurement, run interleaved over rounds.
-ENGINE_MS = (2, 4, 8, 16)
+def _stage_compute_s(repeats: int) -> float:
+    """Forward + backward seconds of one calibration stage alone (median)."""
+    import torch
+
+    stage = _stage_module()
+    x = torch.randn(MICRO, WIDTH, requires_grad=True)
+    grad = torch.randn(MICRO, WIDTH)
+    times = []
+    for i in range(repeats + 3):
+        t0 = time.perf_counter()
+        stage(x).backward(grad)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _engine_step_times(device: Any, repeats: int, rounds: int = 3) -> dict[int, list[float]]:
-    """Per round, the median step time of the tiny pipeline at each m in ``ENGINE_MS``."""
+    """Per round, the median step time of the calibration pipeline at each m in ENGINE_MS."""
     import torch.distributed as dist
 
     from runtime.engine import PipelineRunner
 
     runners = {}
     for m in ENGINE_MS:
-        plan, spec = _tiny_plan(dist.get_world_size(), m)
-        runners[m] = (PipelineRunner(plan, spec, device=device), spec.batch(m))
+        plan, spec = _calibration_plan(dist.get_world_size(), m)
+        runners[m] = (PipelineRunner(plan, spec, device=device), spec.batch(m * MICRO))
     out: dict[int, list[float]] = {m: [] for m in ENGINE_MS}
     for _ in range(rounds):
         for m, (runner, batch) in runners.items():
@@ -190,13 +224,15 @@ def _engine_step_times(device: Any, repeats: int, rounds: int = 3) -> dict[int, 
     return out
 
 
-def engine_overhead(step_times: dict[int, list[float]], tiny_round_trip_s: float) -> float:
-    """o from the tiny pipeline's step times (see the module docstring).
+def engine_overhead(
+    step_times: dict[int, list[float]], round_trip_s: float, compute_s: float = 0.0
+) -> float:
+    """o from the calibration pipeline's step times (see the module docstring).
 
     The slope of step time against m is the Theil-Sen estimate: the median of the slopes
     between every pair of (m, round median) points with different m, robust to outliers.
 
-    >>> round(engine_overhead({2: [0.004], 16: [0.032]}, 0.0002) * 1e3, 3)
+    >>> round(engine_overhead({2: [0.010], 16: [0.066]}, 0.0002, 0.002) * 1e3, 3)
     0.9
     """
     points = [(m, t) for m, ts in step_times.items() for t in ts]
@@ -205,7 +241,7 @@ def engine_overhead(step_times: dict[int, list[float]], tiny_round_trip_s: float
         if m2 != m1
     ]  # fmt: skip
     slope = statistics.median(slopes)
-    return max((slope - tiny_round_trip_s) / 2, 0.0)
+    return max((slope - compute_s - round_trip_s) / 2, 0.0)
 
 
 def _worker(argv: list[str] | None = None) -> None:
@@ -234,6 +270,8 @@ def _worker(argv: list[str] | None = None) -> None:
         if rank < 2:  # ranks beyond the pair wait at the barrier
             samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
         dist.barrier()
+        compute = _stage_compute_s(args.repeats) if rank == 0 else 0.0
+        dist.barrier()
         steps = _engine_step_times(torch.device(device), args.repeats)
         if rank == 0:
             if args.device == "cuda":
@@ -242,7 +280,9 @@ def _worker(argv: list[str] | None = None) -> None:
                 memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                 memory //= dist.get_world_size()
             with open(args.out, "w") as fh:
-                json.dump({"samples": samples, "memory": memory, "steps": steps}, fh)
+                json.dump(
+                    {"samples": samples, "memory": memory, "steps": steps, "compute": compute}, fh
+                )
     finally:
         dist.destroy_process_group()
 
@@ -286,13 +326,13 @@ def calibrate(
             result = json.load(fh)
     samples = [tuple(s) for s in result["samples"]]
     link = fit_link(samples)  # type: ignore[arg-type]
-    # Round trip of a small message on the pipelining path (median: robust to a cold first call).
-    tiny = 2 * statistics.median(s[2] for s in samples if s[0] <= 4096)
     steps = {int(k): [float(x) for x in v] for k, v in result["steps"].items()}
     memory = memory_bytes if memory_bytes is not None else int(result["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
-    cluster = Cluster(devices=devices, link=link, op_overhead_s=engine_overhead(steps, tiny))
+    round_trip = 2 * link.transfer_s(4 * WIDTH * MICRO)  # the calibration stages' activations
+    overhead = engine_overhead(steps, round_trip, float(result["compute"]))
+    cluster = Cluster(devices=devices, link=link, op_overhead_s=overhead)
     return cluster, samples  # type: ignore[return-value]
 
 

@@ -64,11 +64,11 @@ def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
 
 
 def test_engine_overhead_from_step_times() -> None:
-    # Each extra micro-batch costs one slowest-stage time 2 o + C_tiny.
-    o, tiny = 4e-4, 1e-4
-    steps = {m: [0.01 + (m - 2) * (2 * o + tiny)] * 3 for m in (2, 4, 8, 16)}
-    assert engine_overhead(steps, tiny) == pytest.approx(o)
+    # Each extra micro-batch costs one slowest-stage time F + B + 2 o + C.
+    o, trip, compute = 4e-4, 1e-4, 2e-3
+    steps = {m: [0.01 + (m - 2) * (compute + 2 * o + trip)] * 3 for m in (2, 4, 8, 16)}
+    assert engine_overhead(steps, trip, compute) == pytest.approx(o)
     # One wild round does not move the Theil-Sen slope.
     steps[16][1] = 1.0
-    assert engine_overhead(steps, tiny) == pytest.approx(o)
-    assert engine_overhead({2: [0.01], 16: [0.01]}, tiny) == 0.0
+    assert engine_overhead(steps, trip, compute) == pytest.approx(o)
+    assert engine_overhead({2: [0.01], 16: [0.01]}, trip) == 0.0
