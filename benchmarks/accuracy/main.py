@@ -1,0 +1,138 @@
+"""Accuracy benchmark: the cost model's predicted step and stage times against real runs.
+
+    .venv/bin/python -m benchmarks.accuracy.main [--quick] [--out out/accuracy]
+
+For each model: profile it with one thread (as each of 2 ranks on 2 cores runs), calibrate the
+link and the engine once, plan with the DP at every micro-batch count m in {1, 2, 4, 8} and
+every checkpoint policy, for 1 and 2 stages, then run all plans of a (model, stages) pair in one
+torchrun job, interleaved over rounds (see ``job.py``).  The measured step time of a plan is the
+median over rounds of each round's median step; per-stage forward and backward times are
+medians over rounds, micro-batches and steps.  The prediction is the plan's simulated makespan
+(the closed form, the solvers' objective, is listed beside it).  Writes ``results.csv`` and prints a markdown
+table with the summary the README quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from planner.compare import to_markdown
+from planner.io import load_cluster, load_plan, write_json
+from planner.types import PlanOptions
+from profiler import profile_model
+from runtime.calibrate import calibrate
+from solvers.dp import solve_dp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: name, model, kwargs, batch size
+MODELS = [
+    ("mlp", "models.mlp:mlp", {"width": 512, "depth": 8, "in_features": 512}, 128),
+    ("resnet", "models.resnet:resnet", {"width": 16}, 32),
+    ("gpt", "models.gpt:gpt", {"vocab": 4096, "n_layers": 4}, 16),
+    ("hf-gpt2", "models.hf:gpt2", {}, 16),
+]
+MS = (1, 2, 4, 8)
+POLICIES = {1: ("always", "never"), 2: ("always", "except_last", "never")}
+
+
+def run_job(plans: list[Path], nproc: int, out: Path, rounds: int, steps: int) -> dict:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "benchmarks.accuracy.job",
+        "--out", str(out), "--rounds", str(rounds), "--steps", str(steps), "--threads", "1",
+        *map(str, plans),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out/accuracy")
+    ap.add_argument("--quick", action="store_true", help="one model, fewer steps")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = MODELS[:1] if args.quick else MODELS
+
+    cluster_file = out / "cluster.json"
+    if not cluster_file.exists():
+        cluster2, _ = calibrate(2, repeats=10)
+        write_json(cluster_file, cluster2)
+    cluster2 = load_cluster(cluster_file)
+    print(f"cluster: {cluster2.link.latency_s * 1e6:.0f} us latency, "
+          f"{(cluster2.link.bandwidth_Bps or 0) / 1e9:.2f} GB/s, "
+          f"engine {cluster2.op_overhead_s * 1e6:.0f} us/op", flush=True)
+
+    rows = []
+    for name, model, kwargs, batch in models:
+        prof = profile_model(model, batch_size=batch, model_kwargs=kwargs, threads=1,
+                             warmup=2, repeats=3, rounds=3, progress=False)
+        write_json(out / f"{name}.profile.json", prof)
+        for p in (1, 2):
+            cluster = cluster2.model_copy(update={"devices": cluster2.devices[:p]})
+            plan_files = []
+            for m in MS:
+                if batch % m:
+                    continue
+                for policy in POLICIES[p]:
+                    plan = solve_dp(prof, cluster, PlanOptions(microbatches=m, checkpoint=policy))
+                    path = out / f"{name}.p{p}.m{m}.{policy}.plan.json"
+                    write_json(path, plan)
+                    plan_files.append(path)
+            result = run_job(plan_files, p, out / f"{name}.p{p}.results.json", args.rounds,
+                             args.steps)
+            for path, reports in zip(result["plans"], result["reports"]):
+                plan = load_plan(path)
+                measured = statistics.median(r["step_time_s"] for r in reports)
+                predicted = plan.simulated_step_time_s or plan.step_time_s
+                row = {
+                    "model": name, "stages": p, "m": plan.microbatches,
+                    "checkpoint": plan.checkpoint,
+                    "closed_form_ms": plan.step_time_s * 1e3,
+                    "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
+                    "error": measured / predicted - 1,
+                }  # fmt: skip
+                for j, st in enumerate(plan.stages):
+                    f = statistics.median(x for r in reports for x in r["stages"][j]["forward_s"])
+                    b = statistics.median(x for r in reports for x in r["stages"][j]["backward_s"])
+                    row[f"s{j}_fwd_error"] = f / st.forward_s - 1
+                    row[f"s{j}_bwd_error"] = b / st.backward_s - 1
+                rows.append(row)
+                print(f"{name} p={p} m={plan.microbatches} {plan.checkpoint:11s} "
+                      f"predicted {row['predicted_ms']:8.2f} ms measured {row['measured_ms']:8.2f} "
+                      f"ms ({row['error']:+.1%})", flush=True)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "results.csv", index=False)
+    err = df["error"].abs()
+    stage_cols = [c for c in df.columns if c.endswith("_error") and c.startswith("s")]
+    stage_err = df[stage_cols].abs().stack()
+    print(f"\nstep time: median |error| {err.median():.1%}, worst {err.max():.1%} "
+          f"({len(df)} configurations)")
+    print(f"stage F/B: median |error| {stage_err.median():.1%}, worst {stage_err.max():.1%}")
+    print(df.groupby("model")["error"].agg(lambda e: e.abs().median()).to_string())
+    table = df[["model", "stages", "m", "checkpoint", "closed_form_ms", "predicted_ms",
+                 "measured_ms", "error"]]
+    table = table.assign(
+        closed_form_ms=table["closed_form_ms"].round(2),
+        predicted_ms=table["predicted_ms"].round(2),
+        measured_ms=table["measured_ms"].round(2),
+        error=table["error"].map(lambda e: f"{e:+.1%}"),
+    )
+    print(to_markdown(table))
+
+
+if __name__ == "__main__":
+    main()
