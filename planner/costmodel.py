@@ -4,7 +4,8 @@ Units u = 0..n-1 in order, p contiguous stages, batch B, m micro-batches of size
 j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
 
     F_j = sum_{u=l..r} f_u(b) / s_j + o      (+ the loss's forward on the last stage)
-    B_j = sum_{u=l..r} g_u(b) / s_j  (+ the compute of F_j when the stage recomputes) + o
+    B_j = sum_{u=l..r} g_u(b) / s_j + o      (r_u(b) instead of g_u(b) when the stage recomputes:
+                                             the measured checkpointed backward, else f_u + g_u)
                                              (+ the loss's backward on the last stage)
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     t_j = F_j + B_j + C_j
@@ -85,6 +86,8 @@ class UnitCosts:
     Pg: np.ndarray
     Pa: np.ndarray
     Pw: np.ndarray
+    Pr: np.ndarray
+    """Prefix sums of r_u: the backward under checkpointing (recompute included)."""
     shared: tuple[tuple[int, np.ndarray], ...] = ()
     """(bytes, ascending user units) of every parameter used by several units."""
     loss_f: float = 0.0
@@ -128,6 +131,13 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
         )
     f = np.array([u.timings[b].forward_s for u in profile.units], dtype=np.float64)
     g = np.array([u.timings[b].backward_s for u in profile.units], dtype=np.float64)
+    r = np.array(
+        [
+            t.recompute_backward_s if t.recompute_backward_s is not None else t.forward_s + t.backward_s
+            for t in (u.timings[b] for u in profile.units)
+        ],
+        dtype=np.float64,
+    )
     a = np.array([u.timings[b].saved_bytes for u in profile.units], dtype=np.float64)
     w = np.array([u.param_bytes for u in profile.units], dtype=np.float64)
     x = np.zeros(len(f) + 1)
@@ -146,7 +156,7 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
     )
     loss = profile.loss.get(b)
     return UnitCosts(
-        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), shared,
+        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), prefix(r), shared,
         loss_f=loss.forward_s if loss else 0.0,
         loss_g=loss.backward_s if loss else 0.0,
         loss_a=float(loss.saved_bytes) if loss else 0.0,
@@ -185,9 +195,8 @@ def stage_time(
     p = cluster.n_stages
     speed = cluster.devices[j].speed
     F = float(costs.Pf[r + 1] - costs.Pf[l]) / speed
-    B = float(costs.Pg[r + 1] - costs.Pg[l]) / speed
-    if recomputes(options.checkpoint, j, p):
-        B += F
+    back = costs.Pr if recomputes(options.checkpoint, j, p) else costs.Pg
+    B = float(back[r + 1] - back[l]) / speed
     F += cluster.op_overhead_s
     B += cluster.op_overhead_s
     if j == p - 1:  # the loss runs on the last stage, outside its recomputed region
@@ -300,17 +309,18 @@ def build_stages(
 def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
     """A bound no partition beats: min over m of S_lb + (m - 1) max(S_lb / p, max_u t_u).
 
-    S_lb = sum_u (f_u + g_u) / s_max plus recompute of all but one stage's worth (ignored: 0),
-    and t_u = (f_u + g_u) / s_max; communication is taken as free.
+    t_u = (f_u + g_u) / s_max, with g_u replaced by r_u (the checkpointed backward) under the
+    policy ``always`` and by min(g_u, r_u) under ``except_last``; S_lb = sum_u t_u.
+    Communication and the engine's cost are taken as free.
     """
     p = cluster.n_stages
     s_max = max(d.speed for d in cluster.devices)
     best = np.inf
     for m in microbatch_choices(profile, options):
         c = unit_costs(profile, m)
-        per_unit = (c.f + c.g) / s_max
-        if options.checkpoint == "always":
-            per_unit = per_unit + c.f / s_max
+        r = np.diff(c.Pr)
+        back = {"always": r, "except_last": np.minimum(c.g, r), "never": c.g}[options.checkpoint]
+        per_unit = (c.f + back) / s_max
         total = float(per_unit.sum())
         best = min(best, total + (m - 1) * max(total / p, float(per_unit.max())))
     return float(best)

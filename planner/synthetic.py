@@ -46,6 +46,7 @@ def synthetic_profile(
         scale[0] *= 6.0
         scale[-1] *= 8.0
     ratio = rng.uniform(1.5, 2.5, n_units)
+    recompute_factor = rng.uniform(1.0, 1.3, n_units)  # checkpointing costs more than f + g
     depth = np.linspace(0.0, 1.0, n_units)
     act_per_sample = (rng.lognormal(0.0, spread, n_units) * (2.0 - depth) * 2**16).astype(int)
     params = (rng.lognormal(0.0, spread, n_units) * (0.5 + depth) * 2**20).astype(int)
@@ -58,6 +59,7 @@ def synthetic_profile(
             timings[b] = Timing(
                 forward_s=fwd,
                 backward_s=float(fwd * ratio[u]),
+                recompute_backward_s=float(fwd * (ratio[u] + 1) * recompute_factor[u]),
                 saved_bytes=int(act_per_sample[u] * b * 2),
                 output_bytes=int(act_per_sample[u] * b),
             )

@@ -97,6 +97,10 @@ class Timing(_Frozen):
     """Bytes of the unit's outputs."""
     peak_bytes: int | None = Field(default=None, ge=0)
     """CUDA only: ``max_memory_allocated`` growth during the unit's forward and backward."""
+    recompute_backward_s: float | None = Field(default=None, ge=0)
+    """Median backward seconds when the unit runs under non-reentrant activation checkpointing
+    (the recomputed forward, the checkpoint's hooks and the backward); when absent the cost
+    model uses forward_s + backward_s."""
 
 
 class Unit(_Frozen):

@@ -4,19 +4,23 @@ The unit runs alone, as a pipeline stage would: its floating-point inputs are fr
 require grad, its backward is ``torch.autograd.backward`` from its outputs with random output
 gradients (drawn once, outside the timed region).  Bytes saved for backward are counted with
 ``torch.autograd.graph.saved_tensors_hooks`` during one extra forward: each storage once,
-parameters and buffers excluded, the unit's own saved inputs included.  Times are medians over
+parameters and buffers excluded, the unit's own saved inputs included.  Each repeat also times the
+backward of the unit under non-reentrant ``torch.utils.checkpoint`` (the forward recomputed, as
+a checkpointed stage runs it).  Times are medians over
 ``repeats`` runs after ``warmup`` runs (the counting forward is the first); the spread is their interquartile range.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 
 from planner.types import Timing
 from profiler.device import Clock
@@ -88,6 +92,31 @@ def _step(
     return f, b
 
 
+@contextlib.contextmanager
+def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Undo buffer updates (batch-norm statistics) of the extra checkpointed run."""
+    saved = [b.detach().clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in zip(module.buffers(), saved):
+                b.copy_(v)
+
+
+def _recompute_step(
+    module: torch.nn.Module, inputs: Sequence[Any], grads: list[Tensor], clock: Clock
+) -> float:
+    """Backward seconds of the unit under non-reentrant checkpointing, as a recomputing stage
+    runs it: the forward again, the checkpoint's hooks, then the backward."""
+    out = checkpoint(module, *_leaves(inputs), use_reentrant=False)
+    diff = _differentiable(out)
+    if not diff:
+        return 0.0
+    _, b = clock.time(lambda: torch.autograd.backward(diff, grads))
+    return b
+
+
 def _median_iqr(samples: list[float]) -> tuple[float, float]:
     if not samples:
         return 0.0, 0.0
@@ -119,19 +148,24 @@ def measure_unit(
     del out
     fwd: list[float] = []
     bwd: list[float] = []
+    rec: list[float] = []
     peak: int | None = None
     for i in range(warmup + repeats):
         base = clock.reset_peak()
         f, b = _step(module, inputs, grads, clock)
+        with _buffers_restored(module):
+            r = _recompute_step(module, inputs, grads, clock)
         if i >= warmup:
             fwd.append(f)
             bwd.append(b)
+            rec.append(r)
             used = clock.peak_since(base)
             if used is not None:
                 peak = max(peak or 0, used)
     f_med, f_iqr = _median_iqr(fwd)
     b_med, b_iqr = _median_iqr(bwd)
     timing = Timing(
+        recompute_backward_s=_median_iqr(rec)[0],
         forward_s=f_med,
         backward_s=b_med,
         forward_spread_s=f_iqr,

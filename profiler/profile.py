@@ -278,8 +278,10 @@ def _merge(rounds: list[Timing]) -> Timing:
         q1, q3 = np.percentile(xs, [25, 75])
         return float(q3 - q1)
 
+    rec = [t.recompute_backward_s for t in rounds if t.recompute_backward_s is not None]
     return rounds[0].model_copy(
         update={
+            "recompute_backward_s": float(np.median(rec)) if rec else None,
             "forward_s": float(np.median(fwd)),
             "backward_s": float(np.median(bwd)),
             "forward_spread_s": iqr(fwd),

@@ -9,7 +9,8 @@ with ``min_units <= b_{j+1} - b_j <= max_units`` and, for a unit u pinned to sta
 prefix sums, read from constant tables with element constraints on the boundaries:
 
     t_j = Q_j[b_{j+1}] - Q_j[b_j] + C[b_{j+1}] + o_j    (C only for j < p - 1)
-    Q_j[k] = sum_{u<k} ((1 + rc_j) f_u + g_u) / s_j     (device speed s_j, recompute rc_j)
+    Q_j[k] = sum_{u<k} (f_u + (r_u if rc_j else g_u)) / s_j   (speed s_j; r_u: checkpointed
+                                                               backward, recompute rc_j)
     o_j = what stage_time adds per stage (the engine's fixed cost per operation)
     M_j = (2 + k) (W[b_{j+1}] - W[b_j] + H_j) + q_j X[b_j] + A[b_{j+1}] - A[b_j]  (recompute)
         | (2 + k) (W[b_{j+1}] - W[b_j] + H_j) + q_j (A[b_{j+1}] - A[b_j])           (no recompute)
@@ -130,7 +131,7 @@ def _cut_times(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list
 def _compute(costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int) -> np.ndarray:
     """Q_j: prefix sums of stage j's per-unit compute time (recompute included) on device j."""
     rc = recomputes(options.checkpoint, j, cluster.n_stages)
-    return ((1 + rc) * costs.Pf + costs.Pg) / cluster.devices[j].speed
+    return (costs.Pf + (costs.Pr if rc else costs.Pg)) / cluster.devices[j].speed
 
 
 def _offsets(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[float]:

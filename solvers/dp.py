@@ -86,8 +86,8 @@ class _Instance:
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
         # Stage time of units l..r: (Q[r + 1] - Q[l]) + comm[r + 1] (mid) or Qlast diff (last).
-        self.Qmid = ((1 + rc_mid) * costs.Pf + costs.Pg) / speed
-        self.Qlast = ((1 + rc_last) * costs.Pf + costs.Pg) / speed
+        self.Qmid = (costs.Pf + (costs.Pr if rc_mid else costs.Pg)) / speed
+        self.Qlast = (costs.Pf + (costs.Pr if rc_last else costs.Pg)) / speed
         self.op = 2.0 * cluster.op_overhead_s  # engine cost of one forward and one backward
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]

@@ -52,3 +52,14 @@ def test_loss_is_measured_per_size() -> None:
     # Cross-entropy saves its log-softmax: vocab x tokens floats per sample at least.
     assert prof.loss[4].saved_bytes >= 4 * 16 * 512 * 4
     assert prof.loss[4].saved_bytes > prof.loss[1].saved_bytes
+
+
+def test_checkpointed_backward_is_measured() -> None:
+    prof = profile_model("models.mlp:mlp", batch_size=8, microbatch_sizes=[8], warmup=1,
+                         repeats=3, progress=False, threads=1,
+                         model_kwargs={"width": 128, "depth": 2, "in_features": 128})
+    for unit in prof.units:
+        t = unit.timings[8]
+        assert t.recompute_backward_s is not None
+        # It recomputes the forward, so it is not much cheaper than forward + backward.
+        assert t.recompute_backward_s > 0.5 * (t.forward_s + t.backward_s)
