@@ -104,15 +104,25 @@ class _Instance:
         ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
         self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + self.op + loss, _INF)
+        # Memory bounds a mid stage's length too: its parameters, gradients, optimizer state
+        # and activations only grow with it (stash and shared copies only add), so no stage
+        # longer than w_mem fits the largest cap.
+        mids = range(self.p - 1)
+        q_min = min((self.q[j] for j in mids), default=1)
+        grow = costs.Pw * self.wk + (costs.Pa if rc_mid else q_min * costs.Pa)
+        cap = max((float(caps[j]) for j in mids), default=float(caps[0]))
+        r = np.arange(n)
+        lo = np.searchsorted(grow, grow[r + 1] - cap - 1e-9 * max(cap, 1.0), side="left")
+        self.w_mem = int(max(1, np.max(r - np.minimum(lo, r) + 1)))
 
     def width(self, threshold: float) -> int:
-        """Longest mid stage (in units) whose time can be <= threshold."""
+        """Longest mid stage (in units) whose time can be <= threshold and that can fit."""
         if not np.isfinite(threshold) or self.n < 2:
-            return max(self.n, 1)
+            return min(max(self.n, 1), self.w_mem)
         r = np.arange(self.n - 1)
         need = self.Qmid[r + 1] + self.comm[r + 1] + self.op - threshold  # fits iff Q[l] >= need
         lo = np.searchsorted(self.Qmid, need - 1e-12 * max(1.0, abs(threshold)), side="left")
-        return int(min(self.n, np.max(r - np.minimum(lo, r) + 1)))
+        return int(min(self.n, self.w_mem, np.max(r - np.minimum(lo, r) + 1)))
 
     def band(self, W: int) -> tuple[np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
         """(l, t) of every mid stage l = r - d .. r, d < W, as (n, W) arrays; memory masks."""
