@@ -23,7 +23,9 @@ objective is S alone and one DP with no threshold suffices.
 
 Every DP is *banded*: stage costs are monotone in the stage's length, so under threshold M a
 stage ending at unit r can start no earlier than lo_M(r), and the DP looks only at the
-W = max_r (r - lo_M(r) + 1) last start positions.  One DP costs O(p n W) in vectorised numpy;
+W = max_r (r - lo_M(r) + 1) last start positions.  Memory bounds W too: parameters, gradients,
+optimizer state and activations only grow with a stage, so no stage longer than that monotone
+part allows under the largest memory cap can fit.  One DP costs O(p n W) in vectorised numpy;
 the number of DPs is O(k log n) for k plateaus, small in practice since S varies only through
 communication and the last stage's recomputation.
 
