@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import machine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,25 +47,6 @@ BASELINES = ("uniform", "params", "torchgpipe")
 
 
 # -- driver ------------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, str]:
-    import torch
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line),
-        platform.processor(),
-    )
-    return {
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "uptime": subprocess.run(
-            ["uptime"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
-    }
 
 
 def _env() -> dict[str, str]:
