@@ -9,8 +9,9 @@ with its bytes divided by b.  Sizes are measured largest first, so the warm-up o
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -113,14 +114,21 @@ def profile_model(
         raise InvalidRequestError(f"rounds {rounds} must be at least 1")
     if threads is not None and threads < 1:
         raise InvalidRequestError(f"threads {threads} must be at least 1")
-    if threads is None:
+    with _threads(threads):
         return _profile(model, batch_size, model_kwargs, microbatch_sizes, device, granularity,
                         tracer, dtype, warmup, repeats, progress, rounds)
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` for the block (nothing when ``None``)."""
+    if threads is None:
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _profile(model, batch_size, model_kwargs, microbatch_sizes, device, granularity,
-                        tracer, dtype, warmup, repeats, progress, rounds)
+        yield
     finally:
         torch.set_num_threads(before)
 
