@@ -343,6 +343,19 @@ def run(
         threads=threads,
         outputs=[report, trace],
     )
+    if device == "cpu":
+        from runtime.worker import default_threads
+
+        per_rank = threads or default_threads(p.n_stages)
+        if p.profiled_threads is not None and p.profiled_threads != per_rank:
+            err_console.print(
+                f"[yellow]warning:[/] the profile was measured with {p.profiled_threads} "
+                f"thread(s) but each rank runs {per_rank}; predictions assume "
+                f"{p.profiled_threads} (profile with --threads {per_rank}, or run with "
+                f"--threads {p.profiled_threads})",
+                highlight=False,
+                soft_wrap=True,
+            )
     args = [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
     args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]
     args += [f"--model={model}"] if model else []

@@ -365,6 +365,7 @@ def evaluate(
         tracer=profile.tracer,
         granularity=profile.granularity,
         dtype=profile.dtype,
+        profiled_threads=profile.device.threads if profile.device.kind == "cpu" else None,
         batch_size=profile.batch_size,
         microbatches=m,
         microbatch_size=profile.batch_size // m,

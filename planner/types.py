@@ -399,6 +399,8 @@ class Plan(_Frozen):
     granularity: str = "auto"
     """How the profile grouped graph nodes into units; the runtime regroups the same way."""
     dtype: str = "float32"
+    profiled_threads: int | None = None
+    """CPU threads per process while profiling; a CPU run should give each rank as many."""
     batch_size: int
     microbatches: int
     microbatch_size: int

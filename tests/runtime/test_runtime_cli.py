@@ -17,7 +17,7 @@ from _runtime_jobs import make_plan
 
 from planner.cli import main
 from planner.graph import trace_model
-from planner.io import load_report, write_json
+from planner.io import load_plan, load_report, write_json
 from planner.model import load_model
 from runtime import worker
 
@@ -54,9 +54,13 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str, 
 
 def test_run_writes_report_and_trace(plans: dict[int, Path], tmp_path: Path) -> None:
     report, trace = tmp_path / "report.json", tmp_path / "trace.json"
-    args = [str(plans[2]), "--steps", "2", "--warmup", "1", "--optimizer", "adam"]
+    # A plan whose profile used another thread count than the ranks get: warned, still runs.
+    plan_file = tmp_path / "plan.json"
+    write_json(plan_file, load_plan(plans[2]).model_copy(update={"profiled_threads": 99}))
+    args = [str(plan_file), "--steps", "2", "--warmup", "1", "--optimizer", "adam"]
     code, out, err, _ = _run([*args, "--report", str(report), "--trace", str(trace)])
     assert code == 0, err
+    assert "warning: the profile was measured with 99 thread(s)" in err
     assert "measured vs predicted" in out and "step time" in out and "bubble" in out
     rep = load_report(report)
     assert (rep.world_size, rep.steps, rep.warmup_steps, rep.backend) == (2, 2, 1, "gloo")
