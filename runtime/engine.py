@@ -33,6 +33,7 @@ from planner.errors import InvalidRequestError
 from planner.graph import TracedModel, group_units, trace_model
 from planner.model import ModelSpec
 from planner.types import Plan
+from runtime.report import RankRecord
 from runtime.stages import (
     TiedParameter,
     build_stages,
@@ -274,6 +275,29 @@ class PipelineRunner:
             self.optimizer_step()
         wall, spans = self.timer.end()
         return wall, spans, loss
+
+    def measure(
+        self,
+        inputs: tuple[Tensor, ...],
+        target: Tensor,
+        record: RankRecord,
+        *,
+        warmup: int,
+        steps: int,
+        on_step: Callable[[int], None] | None = None,
+    ) -> RankRecord:
+        """Run ``warmup + steps`` timed steps into ``record``: the walls and spans of the
+        measured steps, and every step's loss (last stage).  ``on_step(step)`` runs first."""
+        for step in range(warmup + steps):
+            if on_step is not None:
+                on_step(step)
+            wall, spans, loss = self.timed_step(inputs, target, step)
+            if loss is not None:
+                record.losses.append(loss)
+            if step >= warmup:
+                record.walls.append(wall)
+                record.spans.append(spans)
+        return record
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This stage's parameters under the model's qualified names."""

@@ -107,6 +107,19 @@ def build_report(
     )
 
 
+def gather_report(
+    plan: Plan, record: RankRecord, *, backend: str, warmup_steps: int
+) -> RunReport | None:
+    """Gather every rank's record on rank 0 and build the report there (``None`` elsewhere)."""
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(record, gathered, dst=0)
+    if gathered is None:
+        return None
+    return build_report(plan, gathered, backend=backend, warmup_steps=warmup_steps)
+
+
 def measured_bubble(report: RunReport) -> float | None:
     """1 - mean busy time per stage / step time, on the last measured step."""
     if not report.events or not report.step_times_s:

@@ -35,7 +35,6 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 __all__ = ["default_threads", "main", "parse_args"]
 
@@ -140,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     from planner.io import load_plan, write_json, write_text
     from planner.model import load_model, parse_model_args
     from runtime.engine import PipelineRunner
-    from runtime.report import RankRecord, build_report, chrome_trace, print_comparison
+    from runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -172,23 +171,20 @@ def run(args: argparse.Namespace) -> None:
     )
     torch.manual_seed(args.seed + 1)
     inputs, target = spec.batch(plan.batch_size)
-    record = RankRecord(stage=rank, threads=threads)
-    for step in range(args.warmup + args.steps):
+
+    def on_step(step: int) -> None:
         if cuda and step == args.warmup:
             torch.cuda.reset_peak_memory_stats(device)
         _progress["step"] = step
-        wall, spans, loss = runner.timed_step(inputs, target, step)
-        if loss is not None:
-            record.losses.append(loss)
-        if step >= args.warmup:
-            record.walls.append(wall)
-            record.spans.append(spans)
+
+    record = runner.measure(
+        inputs, target, RankRecord(stage=rank, threads=threads),
+        warmup=args.warmup, steps=args.steps, on_step=on_step,
+    )  # fmt: skip
     if cuda:
         record.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(record, gathered, dst=0)
-    if rank == 0 and gathered is not None:
-        report = build_report(plan, gathered, backend=backend, warmup_steps=args.warmup)
+    report = gather_report(plan, record, backend=backend, warmup_steps=args.warmup)
+    if report is not None:
         if args.report:
             write_json(args.report, report)
         if args.trace:

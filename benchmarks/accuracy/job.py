@@ -20,7 +20,7 @@ import torch.distributed as dist
 from planner.io import load_plan
 from planner.model import load_model
 from runtime.engine import PipelineRunner
-from runtime.report import RankRecord, build_report
+from runtime.report import RankRecord, gather_report
 from runtime.worker import default_threads
 
 
@@ -48,16 +48,13 @@ def main() -> None:
     results: list[list[dict]] = [[] for _ in plans]
     for _ in range(args.rounds):
         for i, (plan, runner) in enumerate(zip(plans, runners)):
-            record = RankRecord(stage=rank, threads=threads)
-            for step in range(args.warmup + args.steps):
-                wall, spans, _ = runner.timed_step(*batches[i], step)
-                if step >= args.warmup:
-                    record.walls.append(wall)
-                    record.spans.append(spans)
-            gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
-            dist.gather_object(record, gathered, dst=0)
-            if rank == 0 and gathered is not None:
-                report = build_report(plan, gathered, backend="gloo", warmup_steps=args.warmup)
+            inputs, target = batches[i]
+            record = runner.measure(
+                inputs, target, RankRecord(stage=rank, threads=threads),
+                warmup=args.warmup, steps=args.steps,
+            )  # fmt: skip
+            report = gather_report(plan, record, backend="gloo", warmup_steps=args.warmup)
+            if report is not None:
                 results[i].append(report.model_dump(mode="json", by_alias=True, exclude={"events"}))
             dist.barrier()
     if rank == 0:

@@ -279,7 +279,7 @@ def worker(args: argparse.Namespace) -> None:
     from planner.io import load_plan, write_json
     from planner.model import load_model
     from runtime.engine import PipelineRunner
-    from runtime.report import RankRecord, build_report
+    from runtime.report import RankRecord, gather_report
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -294,18 +294,12 @@ def worker(args: argparse.Namespace) -> None:
         runs.append((Path(path), plan, runner, spec.batch(plan.batch_size)))
     for rnd in range(args.rounds):
         for path, plan, runner, (inputs, target) in runs:
-            record = RankRecord(stage=rank, threads=1)
-            for step in range(args.warmup + args.steps):
-                wall, spans, loss = runner.timed_step(inputs, target, step)
-                if loss is not None:
-                    record.losses.append(loss)
-                if step >= args.warmup:
-                    record.walls.append(wall)
-                    record.spans.append(spans)
-            gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-            dist.gather_object(record, gathered, dst=0)
-            if rank == 0 and gathered is not None:
-                report = build_report(plan, gathered, backend="gloo", warmup_steps=args.warmup)
+            record = runner.measure(
+                inputs, target, RankRecord(stage=rank, threads=1),
+                warmup=args.warmup, steps=args.steps,
+            )  # fmt: skip
+            report = gather_report(plan, record, backend="gloo", warmup_steps=args.warmup)
+            if report is not None:
                 stem = path.name.removesuffix(".json")
                 write_json(Path(args.out) / f"{stem}.round{rnd}.report.json", report)
     dist.barrier()
