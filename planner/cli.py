@@ -441,6 +441,9 @@ def calibrate(
     device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
     max_size: Annotated[str, typer.Option(help="Largest message, e.g. 16MiB.")] = "16MiB",
     repeats: Annotated[int, typer.Option(help="Round trips per size.")] = 20,
+    launches: Annotated[
+        int, typer.Option(help="Separate torchrun jobs; the cluster takes their medians.")
+    ] = 3,
     memory: Annotated[
         str | None, typer.Option(help="Memory per device; default: the GPU's, or RAM / nproc.")
     ] = None,
@@ -459,6 +462,7 @@ def calibrate(
         device=device,
         max_bytes=parse_bytes(max_size, "--max-size"),
         repeats=repeats,
+        launches=launches,
         memory_bytes=parse_bytes(memory) if memory else None,
         threads=threads,
     )

@@ -26,9 +26,14 @@ with the slope a Theil-Sen fit over the rounds' medians, F + B the stage's forwa
 timed alone on rank 0 (as the profiler would), and C the link's round trip of the stage's
 activations.  The stages must compute: with ranks on every core, the transport's threads wait
 for a core while the ranks compute, and that delay, which an idle pipeline does not show, is
-part of what a real step pays per operation.  The result is a
-:class:`~planner.types.Cluster` with one device per rank (memory: the GPU's, or this machine's
-RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
+part of what a real step pays per operation.  On 2 ranks sharing 2 vCPUs that delay grows
+with the length of the operations (``benchmarks/accuracy/engine_sweep.py``: about
+0.66 ms + 0.15 (F + B) per operation), so o is exact for operations near the calibration
+stage's ~1 ms and low for longer ones; ``--width`` of the worker changes the stage.
+
+Every launch measures both; :func:`calibrate` runs ``launches`` of them and keeps the medians.
+The result is a :class:`~planner.types.Cluster` with one device per rank (memory: the GPU's,
+or this machine's RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import numpy as np
 from planner.errors import InvalidRequestError, StageFailedError
 from planner.types import Cluster, Cut, CutTensor, Device, Link
 
-__all__ = ["calibrate", "engine_overhead", "fit_link", "message_sizes"]
+__all__ = ["calibrate", "engine_overhead", "fit_link", "message_sizes", "slope_per_microbatch"]
 
 
 def message_sizes(max_bytes: int) -> list[int]:
@@ -139,13 +144,13 @@ ENGINE_MS = (2, 4, 8, 16)
 WIDTH, LAYERS, MICRO = 512, 2, 32
 
 
-def _stage_module() -> Any:
+def _stage_module(width: int = WIDTH) -> Any:
     from torch import nn
 
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(LAYERS)])
 
 
-def _calibration_plan(world: int, m: int) -> tuple[Any, Any]:
+def _calibration_plan(world: int, m: int, width: int = WIDTH) -> tuple[Any, Any]:
     """A plan of ``world`` identical stages and m micro-batches of MICRO samples, and its model."""
     import torch
     from torch import nn
@@ -156,16 +161,16 @@ def _calibration_plan(world: int, m: int) -> tuple[Any, Any]:
     from planner.types import Cluster, DeviceInfo, PlanOptions, Profile, Timing, Unit
 
     torch.manual_seed(0)
-    module = nn.Sequential(*[_stage_module() for _ in range(world)])
+    module = nn.Sequential(*[_stage_module(width) for _ in range(world)])
     spec = ModelSpec(
         module,
-        lambda b: (torch.randn(b, WIDTH), torch.zeros(b, WIDTH)),
+        lambda b: (torch.randn(b, width), torch.zeros(b, width)),
         nn.functional.mse_loss,
     )
-    traced = trace_model(module, (torch.ones(1, WIDTH),), "fx")
+    traced = trace_model(module, (torch.ones(1, width),), "fx")
     units = group_units(traced, "auto")
     zero = Timing(forward_s=0.0, backward_s=0.0, saved_bytes=0, output_bytes=0)
-    row = 4 * WIDTH
+    row = 4 * width
     profile = Profile(
         model="calibration", tracer="fx", graph_fingerprint=traced.fingerprint,
         device=DeviceInfo(kind="cpu", name="calibration"), torch_version=torch.__version__,
@@ -179,18 +184,19 @@ def _calibration_plan(world: int, m: int) -> tuple[Any, Any]:
     per_stage = len(units) // world
     cuts = [per_stage * j for j in range(1, world)]
     options = PlanOptions(microbatches=m, checkpoint="never")
-    plan = evaluate(profile, Cluster.homogeneous(world, 2**40), options, cuts, m,
-                    solver="calibration")
+    plan = evaluate(
+        profile, Cluster.homogeneous(world, 2**40), options, cuts, m, solver="calibration"
+    )
     return plan, spec
 
 
-def _stage_compute_s(repeats: int) -> float:
+def _stage_compute_s(repeats: int, width: int = WIDTH) -> float:
     """Forward + backward seconds of one calibration stage alone (median)."""
     import torch
 
-    stage = _stage_module()
-    x = torch.randn(MICRO, WIDTH, requires_grad=True)
-    grad = torch.randn(MICRO, WIDTH)
+    stage = _stage_module(width)
+    x = torch.randn(MICRO, width, requires_grad=True)
+    grad = torch.randn(MICRO, width)
     times = []
     for i in range(repeats + 3):
         t0 = time.perf_counter()
@@ -200,7 +206,9 @@ def _stage_compute_s(repeats: int) -> float:
     return statistics.median(times)
 
 
-def _engine_step_times(device: Any, repeats: int, rounds: int = 3) -> dict[int, list[float]]:
+def _engine_step_times(
+    device: Any, repeats: int, rounds: int = 3, width: int = WIDTH
+) -> dict[int, list[float]]:
     """Per round, the median step time of the calibration pipeline at each m in ENGINE_MS."""
     import torch.distributed as dist
 
@@ -208,7 +216,7 @@ def _engine_step_times(device: Any, repeats: int, rounds: int = 3) -> dict[int, 
 
     runners = {}
     for m in ENGINE_MS:
-        plan, spec = _calibration_plan(dist.get_world_size(), m)
+        plan, spec = _calibration_plan(dist.get_world_size(), m, width)
         runners[m] = (PipelineRunner(plan, spec, device=device), spec.batch(m * MICRO))
     out: dict[int, list[float]] = {m: [] for m in ENGINE_MS}
     for _ in range(rounds):
@@ -224,23 +232,30 @@ def _engine_step_times(device: Any, repeats: int, rounds: int = 3) -> dict[int, 
     return out
 
 
-def engine_overhead(
-    step_times: dict[int, list[float]], round_trip_s: float, compute_s: float = 0.0
-) -> float:
-    """o from the calibration pipeline's step times (see the module docstring).
+def slope_per_microbatch(step_times: dict[int, list[float]]) -> float:
+    """Theil-Sen slope of step time against m: the median of the slopes between every pair of
+    (m, round median) points with different m, robust to a round that landed in a slow phase.
 
-    The slope of step time against m is the Theil-Sen estimate: the median of the slopes
-    between every pair of (m, round median) points with different m, robust to outliers.
-
-    >>> round(engine_overhead({2: [0.010], 16: [0.066]}, 0.0002, 0.002) * 1e3, 3)
-    0.9
+    >>> round(slope_per_microbatch({2: [0.010, 0.010, 0.010], 16: [0.066, 0.066, 0.5]}), 6)
+    0.004
     """
     points = [(m, t) for m, ts in step_times.items() for t in ts]
     slopes = [
         (t2 - t1) / (m2 - m1) for i, (m1, t1) in enumerate(points) for m2, t2 in points[i + 1 :]
         if m2 != m1
     ]  # fmt: skip
-    slope = statistics.median(slopes)
+    return statistics.median(slopes)
+
+
+def engine_overhead(
+    step_times: dict[int, list[float]], round_trip_s: float, compute_s: float = 0.0
+) -> float:
+    """o from the calibration pipeline's step times (see the module docstring).
+
+    >>> round(engine_overhead({2: [0.010], 16: [0.066]}, 0.0002, 0.002) * 1e3, 3)
+    0.9
+    """
+    slope = slope_per_microbatch(step_times)
     return max((slope - compute_s - round_trip_s) / 2, 0.0)
 
 
@@ -254,11 +269,14 @@ def _worker(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--width", type=int, default=WIDTH, help="calibration layers' width")
     args = ap.parse_args(argv)
     from runtime.worker import default_threads
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.set_num_threads(args.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(
+        args.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    )
     device = "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(local)
@@ -270,9 +288,9 @@ def _worker(argv: list[str] | None = None) -> None:
         if rank < 2:  # ranks beyond the pair wait at the barrier
             samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
         dist.barrier()
-        compute = _stage_compute_s(args.repeats) if rank == 0 else 0.0
+        compute = _stage_compute_s(args.repeats, args.width) if rank == 0 else 0.0
         dist.barrier()
-        steps = _engine_step_times(torch.device(device), args.repeats)
+        steps = _engine_step_times(torch.device(device), args.repeats, width=args.width)
         if rank == 0:
             if args.device == "cuda":
                 memory = torch.cuda.get_device_properties(local).total_memory
@@ -287,30 +305,24 @@ def _worker(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def calibrate(
-    nproc: int = 2,
-    *,
-    device: str = "cpu",
-    max_bytes: int = 16 * 2**20,
-    repeats: int = 20,
-    memory_bytes: int | None = None,
-    threads: int | None = None,
-    timeout_s: float = 300.0,
-) -> tuple[Cluster, list[tuple[int, float, float]]]:
-    """Launch ``nproc`` ranks with torchrun, measure, and return the cluster and the samples."""
-    if nproc < 2:
-        raise InvalidRequestError(f"--nproc {nproc}: calibration needs at least 2 ranks")
-    if device not in ("cpu", "cuda"):
-        raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
-    if repeats < 1:
-        raise InvalidRequestError(f"--repeats {repeats} must be at least 1")
+def _launch(
+    nproc: int,
+    device: str,
+    max_bytes: int,
+    repeats: int,
+    threads: int | None,
+    timeout_s: float,
+    width: int = WIDTH,
+) -> dict[str, Any]:
+    """One torchrun job of ``nproc`` calibration ranks; rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="pipeplan-calibrate-") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "-m", "runtime.calibrate",
             "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
-            "--device", device, *(["--threads", str(threads)] if threads else []),
+            "--device", device, "--width", str(width),
+            *(["--threads", str(threads)] if threads else []),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
         try:
@@ -323,16 +335,58 @@ def calibrate(
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise StageFailedError(f"calibration ranks failed (exit {proc.returncode}): {tail}")
         with open(out) as fh:
-            result = json.load(fh)
-    samples = [tuple(s) for s in result["samples"]]
+            result: dict[str, Any] = json.load(fh)
+    return result
+
+
+def calibrate(
+    nproc: int = 2,
+    *,
+    device: str = "cpu",
+    max_bytes: int = 16 * 2**20,
+    repeats: int = 20,
+    launches: int = 3,
+    memory_bytes: int | None = None,
+    threads: int | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[Cluster, list[tuple[int, float, float]]]:
+    """Launch ``nproc`` ranks with torchrun ``launches`` times, measure, and return the cluster
+    and the link samples.
+
+    Every launch measures the link and the engine; the cluster takes, per message size, the
+    median of the launches' one-way times, and the median of their engine costs.  On a shared
+    host one launch can land in a slow or a fast phase (engine costs of 0.49 and 0.90-0.99 ms
+    per operation were measured by single launches minutes apart), so one launch is not enough.
+    """
+    if nproc < 2:
+        raise InvalidRequestError(f"--nproc {nproc}: calibration needs at least 2 ranks")
+    if device not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
+    if repeats < 1:
+        raise InvalidRequestError(f"--repeats {repeats} must be at least 1")
+    if launches < 1:
+        raise InvalidRequestError(f"--launches {launches} must be at least 1")
+    results = [
+        _launch(nproc, device, max_bytes, repeats, threads, timeout_s) for _ in range(launches)
+    ]
+    samples = [
+        (int(per_size[0][0]), *(float(np.median([s[k] for s in per_size])) for k in (1, 2)))
+        for per_size in zip(*(r["samples"] for r in results))
+    ]
     link = fit_link(samples)  # type: ignore[arg-type]
-    steps = {int(k): [float(x) for x in v] for k, v in result["steps"].items()}
-    memory = memory_bytes if memory_bytes is not None else int(result["memory"])
+    round_trip = 2 * link.transfer_s(4 * WIDTH * MICRO)  # the calibration stages' activations
+    overheads = [
+        engine_overhead(
+            {int(k): [float(x) for x in v] for k, v in r["steps"].items()},
+            round_trip,
+            float(r["compute"]),
+        )
+        for r in results
+    ]
+    memory = memory_bytes if memory_bytes is not None else int(results[0]["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
-    round_trip = 2 * link.transfer_s(4 * WIDTH * MICRO)  # the calibration stages' activations
-    overhead = engine_overhead(steps, round_trip, float(result["compute"]))
-    cluster = Cluster(devices=devices, link=link, op_overhead_s=overhead)
+    cluster = Cluster(devices=devices, link=link, op_overhead_s=float(np.median(overheads)))
     return cluster, samples  # type: ignore[return-value]
 
 

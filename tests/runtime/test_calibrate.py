@@ -7,10 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import runtime.calibrate as calibrate_module
 from planner.cli import main
 from planner.errors import InvalidRequestError
 from planner.io import load_cluster
-from runtime.calibrate import engine_overhead, fit_link
+from runtime.calibrate import engine_overhead, fit_link, slope_per_microbatch
 
 
 def test_fit_recovers_a_linear_link() -> None:
@@ -41,8 +42,8 @@ def test_interpolation_between_and_beyond_samples() -> None:
 def test_calibrate_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
     try:
-        main(["calibrate", "--nproc", "2", "--repeats", "3", "--max-size", "256KiB",
-              "--memory", "8GiB", "-o", str(out)])
+        main(["calibrate", "--nproc", "2", "--repeats", "3", "--launches", "2",
+              "--max-size", "256KiB", "--memory", "8GiB", "-o", str(out)])  # fmt: skip
     except SystemExit as exc:
         assert not exc.code
     cluster = load_cluster(out)
@@ -63,6 +64,35 @@ def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "c.json").exists()
 
 
+@pytest.mark.parametrize("flag", [["--launches", "0"], ["--repeats", "0"]])
+def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", *flag, "-o", str(tmp_path / "c.json")])
+    assert info.value.code != 0
+    assert flag[0] in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three launches: one in a fast phase, two in a slow one.  Per message size the cluster
+    # keeps the median one-way time, and the median engine cost, not the mean or the first.
+    def result(scale: float, slope: float) -> dict:
+        sizes = [4, 64, 1024, 65536, 1048576]
+        return {
+            "samples": [(n, scale * (5e-5 + n / 4e9), scale * (6e-5 + n / 4e9)) for n in sizes],
+            "memory": 2**30,
+            "steps": {str(m): [m * slope] * 3 for m in (2, 4, 8, 16)},
+            "compute": 0.0,
+        }
+
+    launches = iter([result(1.0, 1e-3), result(2.0, 3e-3), result(3.0, 2e-3)])
+    monkeypatch.setattr(calibrate_module, "_launch", lambda *a, **k: next(launches))
+    cluster, samples = calibrate_module.calibrate(2, launches=3)
+    assert samples[0] == (4, pytest.approx(2.0 * (5e-5 + 1e-9)), pytest.approx(2.0 * 6e-5 + 2e-9))
+    trip = 2 * cluster.link.transfer_s(4 * calibrate_module.WIDTH * calibrate_module.MICRO)
+    assert cluster.op_overhead_s == pytest.approx((2e-3 - trip) / 2)
+
+
 def test_engine_overhead_from_step_times() -> None:
     # Each extra micro-batch costs one slowest-stage time F + B + 2 o + C.
     o, trip, compute = 4e-4, 1e-4, 2e-3
@@ -72,3 +102,9 @@ def test_engine_overhead_from_step_times() -> None:
     steps[16][1] = 1.0
     assert engine_overhead(steps, trip, compute) == pytest.approx(o)
     assert engine_overhead({2: [0.01], 16: [0.01]}, trip) == 0.0
+
+
+def test_slope_is_robust_to_an_outlier_round() -> None:
+    steps = {m: [0.002 * m + 0.001] * 3 for m in (2, 4, 8, 16)}
+    steps[16][1] = 1.0  # one round landed in a slow phase
+    assert slope_per_microbatch(steps) == pytest.approx(0.002)
