@@ -7,9 +7,19 @@ link and the engine once, plan with the DP at every micro-batch count m in {1, 2
 every checkpoint policy, for 1 and 2 stages, then run all plans of a (model, stages) pair in one
 torchrun job, interleaved over rounds (see ``job.py``).  The measured step time of a plan is the
 median over rounds of each round's median step; per-stage forward and backward times are
-medians over rounds, micro-batches and steps.  The prediction is the plan's simulated makespan
-(the closed form, the solvers' objective, is listed beside it).  Writes ``results.csv`` and prints a markdown
-table with the summary the README quotes.
+medians over rounds, micro-batches and steps.
+
+Two predictions are compared with it:
+
+* ``predicted``: the plan's own simulated makespan, from the profile it was planned with (the
+  closed form, the solvers' objective, is listed beside it);
+* ``bracketed``: the same plan re-evaluated with a profile taken just before its job and one
+  taken just after, averaged.  This host's speed drifts by 10-17 % over minutes (two profiles
+  of one model a minute apart, or a profile and a plain training loop), so the planning
+  profile can be minutes stale when a job runs; bracketing separates the cost model's error
+  from that drift, and ``drift`` (after / before - 1) records how much the host moved.
+
+Writes ``results.csv`` and prints a markdown table with the summary the README quotes.
 """
 
 from __future__ import annotations
@@ -25,8 +35,9 @@ from pathlib import Path
 import pandas as pd
 
 from planner.compare import to_markdown
+from planner.costmodel import evaluate
 from planner.io import load_cluster, load_plan, write_json
-from planner.types import PlanOptions
+from planner.types import Cluster, Plan, PlanOptions, Profile
 from profiler import profile_model
 from runtime.calibrate import calibrate
 from solvers.dp import solve_dp
@@ -56,6 +67,21 @@ def run_job(plans: list[Path], nproc: int, out: Path, rounds: int, steps: int) -
     return json.loads(out.read_text())
 
 
+def _profile(model: str, batch: int, kwargs: dict) -> Profile:
+    return profile_model(model, batch_size=batch, model_kwargs=kwargs, threads=1,
+                         warmup=2, repeats=3, rounds=3, progress=False)  # fmt: skip
+
+
+def _simulated(plan: Plan, profile: Profile, cluster: Cluster) -> float:
+    """The plan's partition and m, re-evaluated with another profile: its simulated makespan."""
+    options = PlanOptions.model_validate(
+        {"microbatches": plan.microbatches, "checkpoint": plan.checkpoint,
+         "schedule": plan.schedule}
+    )  # fmt: skip
+    again = evaluate(profile, cluster, options, plan.boundaries, plan.microbatches, solver="dp")
+    return again.simulated_step_time_s or again.step_time_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out/accuracy")
@@ -72,15 +98,18 @@ def main() -> None:
         cluster2, _ = calibrate(2, repeats=10)
         write_json(cluster_file, cluster2)
     cluster2 = load_cluster(cluster_file)
-    print(f"cluster: {cluster2.link.latency_s * 1e6:.0f} us latency, "
-          f"{(cluster2.link.bandwidth_Bps or 0) / 1e9:.2f} GB/s, "
-          f"engine {cluster2.op_overhead_s * 1e6:.0f} us/op", flush=True)
+    print(
+        f"cluster: {cluster2.link.latency_s * 1e6:.0f} us latency, "
+        f"{(cluster2.link.bandwidth_Bps or 0) / 1e9:.2f} GB/s, "
+        f"engine {cluster2.op_overhead_s * 1e6:.0f} us/op",
+        flush=True,
+    )
 
     rows = []
     for name, model, kwargs, batch in models:
-        prof = profile_model(model, batch_size=batch, model_kwargs=kwargs, threads=1,
-                             warmup=2, repeats=3, rounds=3, progress=False)
+        prof = _profile(model, batch, kwargs)
         write_json(out / f"{name}.profile.json", prof)
+        before = prof
         for p in (1, 2):
             cluster = cluster2.model_copy(update={"devices": cluster2.devices[:p]})
             plan_files = []
@@ -92,18 +121,25 @@ def main() -> None:
                     path = out / f"{name}.p{p}.m{m}.{policy}.plan.json"
                     write_json(path, plan)
                     plan_files.append(path)
-            result = run_job(plan_files, p, out / f"{name}.p{p}.results.json", args.rounds,
-                             args.steps)
+            result = run_job(
+                plan_files, p, out / f"{name}.p{p}.results.json", args.rounds, args.steps
+            )
+            after = _profile(model, batch, kwargs)
+            write_json(out / f"{name}.p{p}.after.profile.json", after)
             for path, reports in zip(result["plans"], result["reports"]):
                 plan = load_plan(path)
                 measured = statistics.median(r["step_time_s"] for r in reports)
                 predicted = plan.simulated_step_time_s or plan.step_time_s
+                pre, post = (_simulated(plan, x, cluster) for x in (before, after))
+                bracketed = (pre + post) / 2
                 row = {
                     "model": name, "stages": p, "m": plan.microbatches,
                     "checkpoint": plan.checkpoint,
                     "closed_form_ms": plan.step_time_s * 1e3,
-                    "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
+                    "predicted_ms": predicted * 1e3, "bracketed_ms": bracketed * 1e3,
+                    "measured_ms": measured * 1e3,
                     "error": measured / predicted - 1,
+                    "bracketed_error": measured / bracketed - 1, "drift": post / pre - 1,
                 }  # fmt: skip
                 for j, st in enumerate(plan.stages):
                     f = statistics.median(x for r in reports for x in r["stages"][j]["forward_s"])
@@ -111,25 +147,56 @@ def main() -> None:
                     row[f"s{j}_fwd_error"] = f / st.forward_s - 1
                     row[f"s{j}_bwd_error"] = b / st.backward_s - 1
                 rows.append(row)
-                print(f"{name} p={p} m={plan.microbatches} {plan.checkpoint:11s} "
-                      f"predicted {row['predicted_ms']:8.2f} ms measured {row['measured_ms']:8.2f} "
-                      f"ms ({row['error']:+.1%})", flush=True)
+                print(
+                    f"{name} p={p} m={plan.microbatches} {plan.checkpoint:11s} "
+                    f"predicted {row['predicted_ms']:8.2f} ms measured {row['measured_ms']:8.2f} "
+                    f"ms ({row['error']:+.1%}, bracketed {row['bracketed_error']:+.1%}, "
+                    f"drift {row['drift']:+.1%})",
+                    flush=True,
+                )
+            before = after
     df = pd.DataFrame(rows)
     df.to_csv(out / "results.csv", index=False)
-    err = df["error"].abs()
     stage_cols = [c for c in df.columns if c.endswith("_error") and c.startswith("s")]
     stage_err = df[stage_cols].abs().stack()
-    print(f"\nstep time: median |error| {err.median():.1%}, worst {err.max():.1%} "
-          f"({len(df)} configurations)")
+    overlap = (df["stages"] > 1) & (df["m"] > 1)
+    for col in ("error", "bracketed_error"):
+        err = df[col].abs()
+        print(
+            f"\n{col}: median |error| {err.median():.1%}, worst {err.max():.1%} "
+            f"({len(df)} configurations); no overlap {err[~overlap].median():.1%}, "
+            f"overlap {err[overlap].median():.1%}"
+        )
+    print(
+        f"drift between bracketing profiles: median |drift| {df['drift'].abs().median():.1%}, "
+        f"worst {df['drift'].abs().max():.1%}"
+    )
     print(f"stage F/B: median |error| {stage_err.median():.1%}, worst {stage_err.max():.1%}")
-    print(df.groupby("model")["error"].agg(lambda e: e.abs().median()).to_string())
-    table = df[["model", "stages", "m", "checkpoint", "closed_form_ms", "predicted_ms",
-                 "measured_ms", "error"]]
+    print(
+        df.groupby("model")[["error", "bracketed_error"]]
+        .agg(lambda e: e.abs().median())
+        .to_string()
+    )
+    table = df[
+        [
+            "model",
+            "stages",
+            "m",
+            "checkpoint",
+            "closed_form_ms",
+            "predicted_ms",
+            "bracketed_ms",
+            "measured_ms",
+            "error",
+            "bracketed_error",
+            "drift",
+        ]
+    ]
+    ms = ("closed_form_ms", "predicted_ms", "bracketed_ms", "measured_ms")
+    pct = ("error", "bracketed_error", "drift")
     table = table.assign(
-        closed_form_ms=table["closed_form_ms"].round(2),
-        predicted_ms=table["predicted_ms"].round(2),
-        measured_ms=table["measured_ms"].round(2),
-        error=table["error"].map(lambda e: f"{e:+.1%}"),
+        **{c: table[c].round(2) for c in ms},
+        **{c: table[c].map(lambda e: f"{e:+.1%}") for c in pct},
     )
     print(to_markdown(table))
 
