@@ -28,8 +28,8 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check planner profiler solvers runtime models
-	$(VENV)/bin/mypy planner profiler solvers runtime models
+	$(VENV)/bin/ruff check planner profiler solvers runtime models benchmarks
+	$(VENV)/bin/mypy planner profiler solvers runtime models benchmarks
 
 clean:
 	rm -rf $(VENV) out

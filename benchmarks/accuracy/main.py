@@ -37,7 +37,7 @@ import pandas as pd
 from planner.compare import to_markdown
 from planner.costmodel import evaluate
 from planner.io import load_cluster, load_plan, write_json
-from planner.types import Cluster, Plan, PlanOptions, Profile
+from planner.types import CheckpointPolicy, Cluster, Plan, PlanOptions, Profile
 from profiler import profile_model
 from runtime.calibrate import calibrate
 from solvers.dp import solve_dp
@@ -52,7 +52,10 @@ MODELS = [
     ("hf-gpt2", "models.hf:gpt2", {}, 16),
 ]
 MS = (1, 2, 4, 8)
-POLICIES = {1: ("always", "never"), 2: ("always", "except_last", "never")}
+POLICIES: dict[int, tuple[CheckpointPolicy, ...]] = {
+    1: ("always", "never"),
+    2: ("always", "except_last", "never"),
+}
 
 
 def run_job(plans: list[Path], nproc: int, out: Path, rounds: int, steps: int) -> dict:

@@ -39,8 +39,8 @@ BATCH = 128
 
 def machine() -> dict[str, str]:
     import os
+    from importlib.metadata import version
 
-    import ortools
     import torch
 
     try:
@@ -56,7 +56,7 @@ def machine() -> dict[str, str]:
         "cores": str(os.cpu_count()),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "ortools": ortools.__version__,
+        "ortools": version("ortools"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
 
@@ -101,10 +101,10 @@ def speed(sizes: list[int], stages: list[int], time_limit: float, skip_cpsat_abo
 
 def quality(stages: list[int]) -> list[dict[str, Any]]:
     profiles = {
-        "uniform-ish (spread 0.1)": dict(spread=0.1, heavy=False),
-        "log-normal (spread 0.5)": dict(spread=0.5, heavy=False),
-        "log-normal, heavy ends": dict(spread=0.5, heavy=True),
-        "wide (spread 1.0), heavy ends": dict(spread=1.0, heavy=True),
+        "uniform-ish (spread 0.1)": {"spread": 0.1, "heavy": False},
+        "log-normal (spread 0.5)": {"spread": 0.5, "heavy": False},
+        "log-normal, heavy ends": {"spread": 0.5, "heavy": True},
+        "wide (spread 1.0), heavy ends": {"spread": 1.0, "heavy": True},
     }
     rows = []
     for label, kw in profiles.items():
