@@ -9,7 +9,8 @@ j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
                                              (+ the loss's backward on the last stage)
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     t_j = F_j + B_j + C_j
-    T(m) = sum_j t_j + (m - 1) * max_j t_j                                   (step time)
+    s_j = t_j + k (F_j + B_j)        (steady-state stage time; k = Cluster.contention)
+    T(m) = sum_j t_j + (m - 1) * max_j s_j + k * sum_{0<j<p-1} (F_j + B_j)  (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
                                                    (w_j includes copies of shared parameters)
@@ -24,8 +25,17 @@ fixed cost per forward or backward operation (``Cluster.op_overhead_s``, from ca
 policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
 ``never`` none.
 
-T(m) equals the schedule simulator's makespan when every stage's backward/forward ratio is the
-same, and is a lower bound of it otherwise (see :mod:`planner.simulate`).
+Contention.  On hosts where ranks share cores (two ranks on two vCPUs here), a stage computes
+more slowly while another stage computes too.  The simulator slows every forward and backward
+by the factor 1 + k while any other stage computes; in a pipeline's steady state every stage
+does, in its fill and drain the first and last stages' first and last operations run alone.
+For p identical stages that gives exactly the T(m) above: the fill/drain path of p + m - 1
+slots, 2 of them alone and p + m - 3 contended.  k is 0, and T(m) the plain GPipe form, when
+m = 1 or p = 1 (nothing overlaps), and on devices that share nothing.
+
+T(m) equals the schedule simulator's makespan when the stages are identical, or, with k = 0,
+when every stage's backward/forward ratio is the same; it is a lower bound of it when k = 0
+and the ratios differ (see :mod:`planner.simulate`).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ __all__ = [
     "bubble_fraction",
     "build_stages",
     "check_request",
+    "contention",
     "evaluate",
     "in_flight",
     "lower_bound",
@@ -227,14 +238,30 @@ def stage_memory(
     )
 
 
-def step_time(times: Sequence[float], m: int) -> float:
-    """T(m) = sum_j t_j + (m - 1) max_j t_j."""
-    return float(sum(times) + (m - 1) * max(times))
+def contention(cluster: Cluster, m: int) -> float:
+    """k in effect: ``cluster.contention`` when stages overlap (p >= 2 and m >= 2), else 0."""
+    return cluster.contention if cluster.n_stages > 1 and m > 1 else 0.0
 
 
-def bubble_fraction(times: Sequence[float], m: int) -> float:
-    """1 - (m * mean_j t_j) / T(m); (p - 1)/(m + p - 1) when all t_j are equal."""
-    total = step_time(times, m)
+def step_time(
+    times: Sequence[float], m: int, busy: Sequence[float] = (), kappa: float = 0.0
+) -> float:
+    """T(m) = sum_j t_j + (m - 1) max_j s_j + k sum_{0<j<p-1} c_j,  s_j = t_j + k c_j.
+
+    ``busy`` holds c_j = F_j + B_j (the stage's time off the link); with ``kappa`` = 0 (the
+    default) it is unused and T(m) = sum_j t_j + (m - 1) max_j t_j.
+    """
+    if not kappa or m <= 1 or len(times) < 2:
+        return float(sum(times) + (m - 1) * max(times))
+    steady = max(t + kappa * c for t, c in zip(times, busy, strict=True))
+    return float(sum(times) + (m - 1) * steady + kappa * sum(busy[1:-1]))
+
+
+def bubble_fraction(
+    times: Sequence[float], m: int, busy: Sequence[float] = (), kappa: float = 0.0
+) -> float:
+    """1 - (m * mean_j t_j) / T(m); (p - 1)/(m + p - 1) when all t_j are equal and k = 0."""
+    total = step_time(times, m, busy, kappa)
     if total <= 0:
         return 0.0
     return float(1.0 - m * sum(times) / len(times) / total)
@@ -326,13 +353,14 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
     return float(best)
 
 
-def _simulated(stages: Sequence[Stage], m: int, schedule: str) -> float:
+def _simulated(stages: Sequence[Stage], m: int, schedule: str, kappa: float) -> float:
     return simulate(
         [s.forward_s for s in stages],
         [s.backward_s for s in stages],
         [s.comm_s for s in stages],
         m,
         schedule=schedule,
+        contention=kappa,
     ).makespan_s
 
 
@@ -351,7 +379,9 @@ def evaluate(
     """The Plan of a given partition and micro-batch count under this cost model."""
     stages = build_stages(profile, cluster, options, boundaries, m)
     times = [s.time_s for s in stages]
-    T = step_time(times, m)
+    busy = [s.forward_s + s.backward_s for s in stages]
+    kappa = contention(cluster, m)
+    T = step_time(times, m, busy, kappa)
     feasible = all(s.feasible for s in stages)
     if status is None:
         status = "heuristic"
@@ -375,8 +405,8 @@ def evaluate(
         cluster=cluster,
         stages=tuple(stages),
         step_time_s=T,
-        simulated_step_time_s=_simulated(stages, m, options.schedule),
-        bubble_fraction=bubble_fraction(times, m),
+        simulated_step_time_s=_simulated(stages, m, options.schedule, kappa),
+        bubble_fraction=bubble_fraction(times, m, busy, kappa),
         throughput=profile.batch_size / T if T > 0 else 0.0,
         feasible=feasible,
         solver=solver,

@@ -13,6 +13,10 @@ f_j = F_j + C_j/2 and b_j = B_j + C_j/2, so the closed form of :mod:`planner.cos
 sum_j t_j + (m - 1) max_j t_j, is exact when b_j / f_j is the same for every stage and a lower
 bound otherwise.
 
+With contention k (``Cluster.contention``), compute runs at rate 1 / (1 + k) while another stage
+computes too, and the makespan of p identical stages without transfers becomes
+(F + B) (2 + (m + p - 3)(1 + k)) for m >= 2: the closed form with k.
+
 The operation order of stage j, drawn for p = 3, m = 4 (F = forward, B = backward)::
 
     gpipe  j=0: F0 F1 F2 F3 B0 B1 B2 B3          1f1b  j=0: F0 F1 F2 B0 F3 B1 B2 B3
@@ -77,6 +81,21 @@ def operation_order(schedule: str, j: int, p: int, m: int) -> list[tuple[str, in
     return order
 
 
+def _phases(
+    op: str, j: int, forward_s: Sequence[float], backward_s: Sequence[float],
+    comm_s: Sequence[float], rec: Sequence[float],
+) -> list[tuple[Kind, float, bool]]:
+    """(kind, amount, compute?) phases of one operation; compute is slowed by contention."""
+    half = comm_s[j] / 2
+    if op == "F":
+        return [("forward", forward_s[j], True), ("send", half, False)]
+    return [
+        ("recv", half, False),
+        ("recompute", rec[j], True),
+        ("backward", backward_s[j] - rec[j], True),
+    ]  # fmt: skip
+
+
 def simulate(
     forward_s: Sequence[float],
     backward_s: Sequence[float],
@@ -85,56 +104,92 @@ def simulate(
     *,
     schedule: str = "gpipe",
     recompute_s: Sequence[float] | None = None,
+    contention: float = 0.0,
 ) -> Timeline:
     """Simulate one training step.
 
     ``backward_s[j]`` includes recomputation; ``recompute_s[j]`` (its part that is recompute) is
     used only to label the timeline.  ``comm_s[j]`` is the round trip C_j across the cut after
-    stage j.
+    stage j.  ``contention`` k slows compute (forward, recompute, backward; not transfers) by
+    the factor 1 + k while at least one other stage computes: the stages' progress is
+    integrated between events, so partial overlaps cost in proportion.
     """
     p = len(forward_s)
+    kappa = contention if p > 1 and m > 1 else 0.0
     rec = list(recompute_s) if recompute_s is not None else [0.0] * p
     orders = [operation_order(schedule, j, p, m) for j in range(p)]
     pos = [0] * p
-    free = [0.0] * p
+    # The running operation of each stage: its phases, the current one's index, the amount
+    # left of it and when it started; None while the stage waits.
+    running: list[tuple[int, list[tuple[Kind, float, bool]], int] | None] = [None] * p
+    left = [0.0] * p
+    began = [0.0] * p
     f_done: dict[tuple[int, int], float] = {}
     b_done: dict[tuple[int, int], float] = {}
     events: list[Event] = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for j in range(p):
-            while pos[j] < len(orders[j]):
+    now = 0.0
+
+    def ready(j: int) -> bool:
+        op, i = orders[j][pos[j]]
+        if op == "F":
+            return j == 0 or (j - 1, i) in f_done
+        return (j == p - 1 or (j + 1, i) in b_done) and (j, i) in f_done
+
+    def advance(j: int) -> None:
+        """Finish phases of stage j that are over (or empty) at ``now``; start what is ready."""
+        while True:
+            cur = running[j]
+            if cur is None:
+                if pos[j] >= len(orders[j]) or not ready(j):
+                    return
                 op, i = orders[j][pos[j]]
-                half = comm_s[j] / 2
-                if op == "F":
-                    if j > 0 and (j - 1, i) not in f_done:
-                        break
-                    t0 = max(free[j], f_done.get((j - 1, i), 0.0))
-                    t1 = t0 + forward_s[j]
-                    events.append(Event(j, i, "forward", t0, t1))
-                    if half:
-                        events.append(Event(j, i, "send", t1, t1 + half))
-                    f_done[(j, i)] = free[j] = t1 + half
-                else:
-                    if j < p - 1 and (j + 1, i) not in b_done:
-                        break
-                    t0 = max(free[j], b_done.get((j + 1, i), 0.0), f_done[(j, i)])
-                    t = t0
-                    if half:
-                        events.append(Event(j, i, "recv", t, t + half))
-                        t += half
-                    if rec[j]:
-                        events.append(Event(j, i, "recompute", t, t + rec[j]))
-                    events.append(Event(j, i, "backward", t + rec[j], t + backward_s[j]))
-                    b_done[(j, i)] = free[j] = t + backward_s[j]
-                pos[j] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - operation_order never deadlocks
-            raise RuntimeError("schedule deadlocked")
+                cur = (i, _phases(op, j, forward_s, backward_s, comm_s, rec), 0)
+                running[j] = cur
+                left[j], began[j] = cur[1][0][1], now
+            i, phases, k = cur
+            if left[j] > 0:
+                return
+            kind, amount, _ = phases[k]
+            if amount > 0 or kind in ("forward", "backward"):
+                events.append(Event(j, i, kind, began[j], now))
+            if k + 1 < len(phases):
+                running[j] = (i, phases, k + 1)
+                left[j], began[j] = phases[k + 1][1], now
+                continue
+            op, _ = orders[j][pos[j]]
+            (f_done if op == "F" else b_done)[(j, i)] = now
+            running[j], pos[j] = None, pos[j] + 1
+
+    while True:
+        while True:  # a finish can make a neighbour ready at the same instant
+            before = (tuple(pos), tuple(running))
+            for j in range(p):
+                advance(j)
+            if (tuple(pos), tuple(running)) == before:
+                break
+        active = [j for j in range(p) if running[j] is not None]
+        if not active:
+            break
+        computing = [j for j in active if _phase(running[j])[2]]
+        rate = {j: 1.0 for j in active}
+        for j in computing:
+            if len(computing) > 1:
+                rate[j] = 1.0 / (1.0 + kappa)
+        dt, first = min((left[j] / rate[j], j) for j in active)
+        now += dt
+        for j in active:
+            left[j] = 0.0 if j == first else max(left[j] - dt * rate[j], 0.0)
+            if left[j] <= 1e-12 * max(now, 1e-300):
+                left[j] = 0.0
+    if any(pos[j] < len(orders[j]) for j in range(p)):  # pragma: no cover
+        raise RuntimeError("schedule deadlocked")
     makespan = max(e.end_s for e in events) if events else 0.0
     return Timeline(tuple(events), makespan, p, m)
+
+
+def _phase(cur: tuple[int, list[tuple[Kind, float, bool]], int] | None) -> tuple[Kind, float, bool]:
+    assert cur is not None
+    return cur[1][cur[2]]
 
 
 def simulate_plan(plan: Plan) -> Timeline:
@@ -146,4 +201,5 @@ def simulate_plan(plan: Plan) -> Timeline:
         plan.microbatches,
         schedule=plan.schedule,
         recompute_s=[s.forward_s if s.recompute else 0.0 for s in plan.stages],
+        contention=plan.cluster.contention,
     )

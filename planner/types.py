@@ -311,17 +311,29 @@ class Cluster(_Frozen):
     """Fixed seconds the pipeline engine spends per stage on every micro-batch's forward and on
     every backward (scheduling, Python, autograd set-up), beyond the profiled compute; measured
     by ``pipeplan calibrate``."""
+    contention: float = Field(default=0.0, ge=0)
+    """kappa: the fractional slowdown of a stage's forward and backward while another stage
+    computes at the same time, as in a pipeline's steady state (ranks sharing cores, memory
+    bandwidth or the transport's threads); 0 for devices that share nothing.  Measured by
+    ``pipeplan calibrate`` from the engine's cost at two operation lengths."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     @classmethod
     def homogeneous(
-        cls, stages: int, memory_bytes: int, link: Link | None = None, op_overhead_s: float = 0.0
+        cls,
+        stages: int,
+        memory_bytes: int,
+        link: Link | None = None,
+        op_overhead_s: float = 0.0,
+        contention: float = 0.0,
     ) -> Cluster:
         if stages < 1:
             raise ValueError(f"stages must be >= 1, got {stages}")
         devices = tuple(Device(name=f"dev{j}", memory_bytes=memory_bytes) for j in range(stages))
-        return cls(devices=devices, link=link or Link(), op_overhead_s=op_overhead_s)
+        return cls(
+            devices=devices, link=link or Link(), op_overhead_s=op_overhead_s, contention=contention
+        )
 
     @property
     def n_stages(self) -> int:

@@ -17,7 +17,9 @@ prefix sums, read from constant tables with element constraints on the boundarie
     H_j = sum over shared parameters of bytes * (h_j - [stage j holds the owner]),
           h_j >= [stage j holds user u] = [b_j <= u] - [b_{j+1} <= u] for every user u
     M_j <= cap_j
-    minimise  sum_j t_j + (m - 1) T,   T >= t_j for all j.
+    s_j = (1 + k) (Q_j[b_{j+1}] - Q_j[b_j] + o_j) + C[b_{j+1}]   (steady state, contention k)
+    minimise  t_0 + sum_{0<j<p-1} s_j + t_{p-1} + (m - 1) T,   T >= s_j for all j
+    (for p = 1 the sum is t_0 alone; with k = 0, or m = 1, s_j = t_j).
 
 Bytes are integers already, so memory is exact.  Times are scaled to integer *ticks*: with
 ``S = 2**30 / R`` ticks per second, R the largest sum of stage times over the candidate m
@@ -68,6 +70,7 @@ from planner.costmodel import (
     OPTIMIZER_STATES,
     UnitCosts,
     check_request,
+    contention,
     evaluate,
     in_flight,
     microbatch_choices,
@@ -216,19 +219,30 @@ class _Model:
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
         offsets = _ticks(_offsets(costs, cluster, options), scale)
+        kappa = contention(cluster, m)
         horizon = 0
         self.t: list[cp_model.IntVar] = []
+        self.s: list[cp_model.IntVar] = []
         for j in range(p):
             rc = recomputes(options.checkpoint, j, p)
-            Q = _ticks(_compute(costs, cluster, options, j), scale)
+            compute = _compute(costs, cluster, options, j)
+            Q = _ticks(compute, scale)
             expr = at(j + 1, Q, "qe") - at(j, Q, "qs") + offsets[j]
-            if j < p - 1:
-                expr = expr + at(j + 1, comm, "c")
+            cut = at(j + 1, comm, "c") if j < p - 1 else 0
             top = Q[-1] + max(comm) + offsets[j]
-            horizon = max(horizon, top)
             t = md.new_int_var(0, top, f"t{j}")
-            md.add(t == expr)
+            md.add(t == expr + cut)
             self.t.append(t)
+            if kappa:  # the steady-state time, from tables of the slowed compute
+                Qs = _ticks(compute * (1 + kappa), scale)
+                o_s = _ticks([_offsets(costs, cluster, options)[j] * (1 + kappa)], scale)[0]
+                top = Qs[-1] + max(comm) + o_s
+                s_j = md.new_int_var(0, top, f"s{j}")
+                md.add(s_j == at(j + 1, Qs, "se") - at(j, Qs, "ss") + o_s + cut)
+                self.s.append(s_j)
+            else:
+                self.s.append(t)
+            horizon = max(horizon, top)
             q = in_flight(options.schedule, j, p, m)
             mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + self._copies(costs, j))
             acts = at(j + 1, A, "ae") - at(j, A, "as")
@@ -240,8 +254,9 @@ class _Model:
                 mem = mem + q * int(costs.loss_a)
             md.add(mem <= caps[j])
         self.tmax = md.new_int_var(max(0, min(t_floor, horizon)), horizon, "T")
-        md.add_max_equality(self.tmax, self.t)
-        self.objective = sum(self.t) + (m - 1) * self.tmax
+        md.add_max_equality(self.tmax, self.s)
+        stage_sum = [self.t[j] if j in (0, p - 1) else self.s[j] for j in range(p)]
+        self.objective = sum(stage_sum) + (m - 1) * self.tmax
         md.minimize(self.objective)
         if hint is not None:
             for var, value in zip(self.b, (*hint, n)):

@@ -3,16 +3,20 @@
 Problem.  Split units 0..n-1 into p contiguous non-empty stages and choose m (micro-batches) to
 minimise the GPipe step time of :mod:`planner.costmodel`,
 
-    T(m, P) = S(P) + (m - 1) M(P),   S = sum_j t_j,  M = max_j t_j,
+    T(m, P) = S(P) + (m - 1) M(P),   S = sum_j t_j + k sum_{0<j<p-1} c_j,  M = max_j s_j,
+
+with s_j = t_j + k c_j the steady-state stage time under contention k (c_j = F_j + B_j; k = 0
+when m = 1 or p = 1, and then s_j = t_j),
 
 subject to M_j <= cap_j on every stage.  The objective mixes a sum and a maximum, so a plain
 prefix DP is not exact.  For a fixed m we use the bottleneck-threshold method (as in Alpa's
 inter-operator pass): for a threshold M let
 
-    S*(M) = min { S(P) : every stage of P has t_j <= M and fits in memory },
+    S*(M) = min { S(P) : every stage of P has s_j <= M and fits in memory },
 
 computed by a prefix DP over (stage, last unit); then min_P T = min_M S*(M) + (m - 1) M over
-the distinct stage times M.  S* is a non-increasing step function, so only the left ends of its
+the distinct steady-state stage times M.  S is a sum of per-stage terms (stage 0 and the last
+add t_j, the stages between s_j), so the prefix DP stays exact.  S* is a non-increasing step function, so only the left ends of its
 plateaus matter; they are found by bisection over the sorted candidate thresholds between
 
     M_min = the min-max stage time (a min-max prefix DP), and
@@ -44,10 +48,12 @@ from planner.costmodel import (
     OPTIMIZER_STATES,
     UnitCosts,
     check_request,
+    contention,
     evaluate,
     in_flight,
     microbatch_choices,
     recomputes,
+    step_time,
     unit_costs,
 )
 from planner.errors import InfeasiblePlanError, UnsupportedConstraintError
@@ -91,6 +97,7 @@ class _Instance:
         self.Qmid = (costs.Pf + (costs.Pr if rc_mid else costs.Pg)) / speed
         self.Qlast = (costs.Pf + (costs.Pr if rc_last else costs.Pg)) / speed
         self.op = 2.0 * cluster.op_overhead_s  # engine cost of one forward and one backward
+        self.kappa = contention(cluster, self.m)
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
@@ -106,6 +113,7 @@ class _Instance:
         ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
         self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + self.op + loss, _INF)
+        self.s_last = self.t_last * (1.0 + self.kappa)  # the last stage has no cut: c = t
         # Memory bounds a mid stage's length too: its parameters, gradients, optimizer state
         # and activations only grow with it (stash and shared copies only add), so no stage
         # longer than w_mem fits the largest cap.
@@ -126,14 +134,18 @@ class _Instance:
         lo = np.searchsorted(self.Qmid, need - 1e-12 * max(1.0, abs(threshold)), side="left")
         return int(min(self.n, self.w_mem, np.max(r - np.minimum(lo, r) + 1)))
 
-    def band(self, W: int) -> tuple[np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
-        """(l, t) of every mid stage l = r - d .. r, d < W, as (n, W) arrays; memory masks."""
+    def band(
+        self, W: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
+        """(l, t, s) of every mid stage l = r - d .. r, d < W, as (n, W) arrays; memory masks."""
         n, c = self.n, self.c
         r = np.arange(n)[:, None]
         l = r - np.arange(W)[None, :]
         valid = (l >= 0) & (r < n - 1)
         lc = np.where(valid, l, 0)
-        t = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.comm[r + 1] + self.op, _INF)
+        busy = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.op, _INF)
+        t = busy + np.where(valid, self.comm[r + 1], 0.0)
+        s = t + self.kappa * busy if self.kappa else t
         w = (c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)) * self.wk
         a = c.Pa[r + 1] - c.Pa[lc]
         rc = recomputes(self.policy, 0, 2)
@@ -143,7 +155,7 @@ class _Instance:
             if key not in masks:
                 mem = w + self.q[j] * c.x[lc] + a if rc else w + self.q[j] * a
                 masks[key] = valid & (mem <= self.caps[j])
-        return np.where(valid, l, n + 1), t, masks
+        return np.where(valid, l, n + 1), t, s, masks
 
     def run_mid(self, threshold: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
         """V[L] = min-sum (or min-max) over the first p - 1 stages covering 0..L-1, t <= threshold.
@@ -157,12 +169,16 @@ class _Instance:
         choice = np.zeros((max(p - 1, 0), n), dtype=np.int64)
         if p == 1:
             return dp[: n + 1], choice
-        lidx, t, masks = self.band(self.width(threshold))
-        t_ok = t <= threshold
-        costs = {key: np.where(mask & t_ok, t, _INF) for key, mask in masks.items()}
+        lidx, t, s, masks = self.band(self.width(threshold))
+        ok = s <= threshold
+        # Stage 0 adds t_j to S, the stages between s_j (their fill and drain contend too); the
+        # bottleneck M is over s_j.
+        first = {key: np.where(mask & ok, t, _INF) for key, mask in masks.items()}
+        later = {key: np.where(mask & ok, s, _INF) for key, mask in masks.items()}
         rows = np.arange(n)
         for j in range(p - 1):
-            cost = costs[(self.q[j], float(self.caps[j]))]
+            key = (self.q[j], float(self.caps[j]))
+            cost = (first if j == 0 and mode == "sum" else later)[key]
             cand = dp[lidx] + cost if mode == "sum" else np.maximum(dp[lidx], cost)
             choice[j] = np.argmin(cand, axis=1)
             new = np.full(n + 2, _INF)
@@ -171,9 +187,9 @@ class _Instance:
         return dp[: n + 1], choice
 
     def candidates(self, lo: float, hi: float) -> np.ndarray:
-        """Sorted distinct mid-stage times in [lo, hi]."""
-        _, t, _ = self.band(self.width(hi))
-        vals = t[(t >= lo) & (t <= hi)]
+        """Sorted distinct mid-stage steady-state times s in [lo, hi]."""
+        _, _, s, _ = self.band(self.width(hi))
+        vals = s[(s >= lo) & (s <= hi)]
         return np.unique(vals)
 
     def starts(self, choice: np.ndarray, L: int) -> tuple[int, ...]:
@@ -185,24 +201,23 @@ class _Instance:
 
     def step_time(self, starts: tuple[int, ...]) -> float:
         ends = [*starts[1:], self.n]
-        times = [
-            float(self.Qmid[e] - self.Qmid[l] + self.comm[e] + self.op)
-            for l, e in zip(starts[:-1], ends)
-        ]
-        times.append(float(self.t_last[starts[-1]]))
-        return sum(times) + (self.m - 1) * max(times)
+        busy = [float(self.Qmid[e] - self.Qmid[l] + self.op) for l, e in zip(starts[:-1], ends)]
+        times = [c + float(self.comm[e]) for c, e in zip(busy, ends)]
+        busy.append(float(self.t_last[starts[-1]]))
+        times.append(busy[-1])
+        return step_time(times, self.m, busy, self.kappa)
 
 
 def _solve_m(inst: _Instance) -> _Result | None:
     """Exact min over partitions of S + (m - 1) M for one micro-batch count (see module doc)."""
     m, n, p = inst.m, inst.n, inst.p
-    tl = inst.t_last
+    tl, sl = inst.t_last, inst.s_last
     best: _Result | None = None
 
     def consider(V: np.ndarray, choice: np.ndarray, M: float) -> None:
         """Best last-stage start under threshold M; keep it if its true step time is better."""
         nonlocal best
-        val = V + tl + (m - 1) * np.maximum(M, tl) if m > 1 else V + tl
+        val = V + tl + (m - 1) * np.maximum(M, sl) if m > 1 else V + tl
         L = int(np.argmin(val))
         if not np.isfinite(val[L]):
             return
@@ -216,7 +231,7 @@ def _solve_m(inst: _Instance) -> _Result | None:
         consider(V, choice, 0.0)  # no mid stages when p == 1; the M term is unused when m == 1
         return best
     # 1. A threshold G at which some plan exists; the min-max DP is exact wherever <= G.
-    total = float(inst.Qmid[n] + inst.comm.sum() + p * inst.op)
+    total = float(inst.Qmid[n] + inst.comm.sum() + p * inst.op) * (1.0 + inst.kappa)
     G = max(total / p, 1e-300)
     while True:
         V, choice = inst.run_mid(G, "sum")
@@ -228,12 +243,12 @@ def _solve_m(inst: _Instance) -> _Result | None:
         G = G * 2 if G < total else _INF
     mm, mm_choice = inst.run_mid(G, "max")
     mm_lb = np.where(mm <= G, mm, G)  # a lower bound on the mid bottleneck for every L
-    if not inst.comm.any():
+    if not inst.comm.any() and (p == 2 or not inst.kappa):
         # Free links: S = Qmid[L] + t_last(L) for every partition, so the min-max DP decides.
         # mm[L] is exact where <= G and a lower bound (G) elsewhere: grow G until the minimiser
         # is exact.
         while True:
-            val = inst.Qmid + tl + (m - 1) * np.maximum(mm_lb, tl)
+            val = inst.Qmid + tl + (m - 1) * np.maximum(mm_lb, sl)
             L = int(np.argmin(val))
             if mm[L] <= G or not np.isfinite(val[L]):
                 break
@@ -255,7 +270,7 @@ def _solve_m(inst: _Instance) -> _Result | None:
         V, choice = inst.run_mid(top, "sum")
         consider(V, choice, top)
     v_lb = V  # S*_mid at the top threshold bounds every lower threshold's from below
-    relevant_floor = v_lb + tl + (m - 1) * np.maximum(mm_lb, tl)
+    relevant_floor = v_lb + tl + (m - 1) * np.maximum(mm_lb, sl)
     rel = relevant_floor < best.objective
     if not rel.any():
         return best
@@ -278,7 +293,7 @@ def _solve_m(inst: _Instance) -> _Result | None:
             return
         assert best is not None
         # Between the two, S*_mid >= its value at cands[hi] and M >= cands[lo + 1].
-        floor = values(hi) + tl + (m - 1) * np.maximum(np.maximum(mm_lb, tl), cands[lo + 1])
+        floor = values(hi) + tl + (m - 1) * np.maximum(np.maximum(mm_lb, sl), cands[lo + 1])
         if not (floor < best.objective).any():
             return
         rel = relevant_floor < best.objective

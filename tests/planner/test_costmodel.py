@@ -55,6 +55,43 @@ def test_closed_form_bounds_simulator(stages: list[tuple[float, float, float]], 
     assert sim == pytest.approx(sum(times) + (m - 1) * (max(f_op) + max(b_op)), rel=1e-9)
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(floats, floats, st.integers(1, 6), st.integers(1, 12), st.floats(0.0, 1.0),
+       st.sampled_from(["gpipe", "1f1b"]))
+def test_closed_form_equals_simulator_with_contention(
+    f: float, b: float, p: int, m: int, kappa: float, schedule: str
+) -> None:
+    # Identical stages, no transfers: 2 slots of the fill/drain path run alone, m + p - 3 with
+    # every neighbour computing (GPipe; 1F1B has the same critical path).
+    tl = simulate([f] * p, [b] * p, [0.0] * p, m, contention=kappa, schedule=schedule)
+    closed = step_time([f + b] * p, m, [f + b] * p, kappa)
+    assert tl.makespan_s == pytest.approx(closed, rel=1e-9)
+    if p > 1 and m > 1:
+        assert closed == pytest.approx((f + b) * (2 + (m + p - 3) * (1 + kappa)), rel=1e-12)
+    else:
+        assert closed == pytest.approx((f + b) * (p + m - 1), rel=1e-12)
+
+
+def test_contention_slows_only_overlapping_compute() -> None:
+    # Two stages, stage 1 three times longer: stage 1 is slowed only while stage 0 computes.
+    k = 0.5
+    tl = simulate([1.0, 3.0], [0.0, 0.0], [0.0, 0.0], 2, contention=k)
+    f1 = [e for e in tl.events if e.stage == 1 and e.kind == "forward"]
+    # stage 0: F0 [0, 1], F1 [1, 1 + 1.5] (slowed: stage 1 computes); stage 1: F0 starts at 1,
+    # does 1 unit of work by 2.5 at rate 2/3, then runs alone: ends at 2.5 + 2 = 4.5.
+    assert f1[0].start_s == pytest.approx(1.0)
+    assert f1[0].end_s == pytest.approx(4.5)
+    assert simulate([1.0, 3.0], [0.0, 0.0], [0.0, 0.0], 2).makespan_s == pytest.approx(7.0)
+    assert tl.makespan_s == pytest.approx(7.5)
+
+
+def test_contention_is_free_without_overlap() -> None:
+    assert simulate([1.0, 2.0], [2.0, 3.0], [0.1, 0.0], 1, contention=0.7).makespan_s == (
+        pytest.approx(simulate([1.0, 2.0], [2.0, 3.0], [0.1, 0.0], 1).makespan_s)
+    )
+    assert simulate([1.0], [2.0], [0.0], 8, contention=0.7).makespan_s == pytest.approx(24.0)
+
+
 def test_uniform_stages_bubble_formula() -> None:
     p, m = 4, 8
     tl = simulate([1.0] * p, [2.0] * p, [0.0] * p, m)

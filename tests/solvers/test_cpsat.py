@@ -66,7 +66,9 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         optimizer=draw(st.sampled_from(["sgd", "momentum", "adam"])),
     )
     overhead = draw(st.sampled_from([0.0, 1e-3]))
-    return prof, Cluster.homogeneous(p, memory, link, op_overhead_s=overhead), options
+    kappa = draw(st.sampled_from([0.0, 0.0, 0.4]))
+    clus = Cluster.homogeneous(p, memory, link, op_overhead_s=overhead, contention=kappa)
+    return prof, clus, options
 
 
 @settings(max_examples=50, deadline=None, derandomize=True)
@@ -133,7 +135,10 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     hi = draw(st.one_of(st.none(), st.integers(max(lo, -(-n // p)), n)))
     options = PlanOptions(pinned=pinned, min_units=lo, max_units=hi)
     overhead = draw(st.sampled_from([0.0, 1e-3]))
-    return prof, Cluster(devices=devices, link=Link(bandwidth_Bps=1e9), op_overhead_s=overhead), options
+    kappa = draw(st.sampled_from([0.0, 0.4]))
+    clus = Cluster(devices=devices, link=Link(bandwidth_Bps=1e9), op_overhead_s=overhead,
+                   contention=kappa)  # fmt: skip
+    return prof, clus, options
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)

@@ -51,6 +51,7 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         devices=tuple(Device(name=f"d{j}", memory_bytes=c) for j, c in enumerate(caps)),
         link=link,
         op_overhead_s=draw(st.sampled_from([0.0, 0.0, 2e-4])),
+        contention=draw(st.sampled_from([0.0, 0.0, 0.3, 1.5])),
     )
     options = PlanOptions(
         checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
