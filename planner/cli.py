@@ -444,6 +444,14 @@ def calibrate(
     launches: Annotated[
         int, typer.Option(help="Separate torchrun jobs; the cluster takes their medians.")
     ] = 3,
+    widths: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--width",
+            help="Width of the calibration stages' layers, repeatable (default 256 and 1024); "
+            "two or more fit the contention, one takes it as 0.",
+        ),
+    ] = None,
     memory: Annotated[
         str | None, typer.Option(help="Memory per device; default: the GPU's, or RAM / nproc.")
     ] = None,
@@ -451,7 +459,9 @@ def calibrate(
         int | None, typer.Option(help="CPU threads per rank; default as pipeplan run.")
     ] = None,
 ) -> None:
-    """Measure the link and the pipeline engine's cost per operation; write a cluster file."""
+    """Measure the link, the pipeline engine's cost per operation and the contention between
+    stages that compute at once; write a cluster file."""
+    from runtime.calibrate import WIDTHS
     from runtime.calibrate import calibrate as run_calibration
 
     _check_output(output)
@@ -463,6 +473,7 @@ def calibrate(
         max_bytes=parse_bytes(max_size, "--max-size"),
         repeats=repeats,
         launches=launches,
+        widths=tuple(widths) if widths else WIDTHS,
         memory_bytes=parse_bytes(memory) if memory else None,
         threads=threads,
     )
@@ -479,7 +490,8 @@ def calibrate(
     console.print(
         f"latency {link.latency_s * 1e6:.1f} us, bandwidth {(link.bandwidth_Bps or 0) / 1e9:.2f} "
         f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, engine cost "
-        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward, "
+        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward, contention "
+        f"{cluster.contention:.2f}, "
         f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"
     )
 

@@ -16,20 +16,22 @@ is sometimes woken milliseconds late; that cost shows up in real steps and is le
 engine's cost below, measured on real steps.)
 
 Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` whose stages
-compute (two 512-wide linear layers on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
-interleaved over rounds.  Each extra micro-batch adds one slowest-stage time F + B + 2 o + C,
-so the engine's fixed cost per operation is
+compute (two linear layers of width w on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
+interleaved over rounds, for each width w in ``widths`` (256 and 1024 by default, so that one
+stage's forward + backward ranges from about 0.4 to 7 ms here).  In the steady state both
+stages compute at once, and each extra micro-batch adds one steady-state stage time
 
-    o = (slope of T against m - (F + B) - C) / 2,
+    slope = (1 + k) (F + B + 2 o) + C                  (the cost model's s_j)
 
-with the slope a Theil-Sen fit over the rounds' medians, F + B the stage's forward and backward
-timed alone on rank 0 (as the profiler would), and C the link's round trip of the stage's
-activations.  The stages must compute: with ranks on every core, the transport's threads wait
-for a core while the ranks compute, and that delay, which an idle pipeline does not show, is
-part of what a real step pays per operation.  On 2 ranks sharing 2 vCPUs that delay grows
-with the length of the operations (``benchmarks/accuracy/engine_sweep.py``: about
-0.66 ms + 0.15 (F + B) per operation), so o is exact for operations near the calibration
-stage's ~1 ms and low for longer ones; ``--width`` of the worker changes the stage.
+with F + B the stage's forward and backward timed alone on rank 0 (as the profiler would), C
+the link's round trip of the stage's activations (from the fit above), o the engine's fixed
+cost per operation and k the contention (:mod:`planner.costmodel`).  The slope is a Theil-Sen
+fit over the rounds' medians; a least-squares line of slope - C against F + B over the widths
+gives 1 + k (its slope) and 2 (1 + k) o (its intercept).  With one width k is taken as 0.
+The stages must compute: with ranks on every core, the transport's threads wait for a core
+while the ranks compute, and that delay, which an idle pipeline does not show, grows with the
+length of the operations (``benchmarks/accuracy/engine_sweep.py``).  On CUDA devices that
+share nothing k comes out near 0.
 
 Every launch measures both; :func:`calibrate` runs ``launches`` of them and keeps the medians.
 The result is a :class:`~planner.types.Cluster` with one device per rank (memory: the GPU's,
@@ -54,7 +56,15 @@ import numpy as np
 from planner.errors import InvalidRequestError, StageFailedError
 from planner.types import Cluster, Cut, CutTensor, Device, Link
 
-__all__ = ["calibrate", "engine_overhead", "fit_link", "message_sizes", "slope_per_microbatch"]
+__all__ = [
+    "WIDTHS",
+    "calibrate",
+    "engine_overhead",
+    "fit_engine",
+    "fit_link",
+    "message_sizes",
+    "slope_per_microbatch",
+]
 
 
 def message_sizes(max_bytes: int) -> list[int]:
@@ -142,6 +152,8 @@ def _pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int, fl
 ENGINE_MS = (2, 4, 8, 16)
 #: The calibration stage: width, layers per stage, micro-batch size.
 WIDTH, LAYERS, MICRO = 512, 2, 32
+#: Widths of the calibration stages whose engine cost ``calibrate`` fits (o, k) to.
+WIDTHS = (256, 1024)
 
 
 def _stage_module(width: int = WIDTH) -> Any:
@@ -250,13 +262,36 @@ def slope_per_microbatch(step_times: dict[int, list[float]]) -> float:
 def engine_overhead(
     step_times: dict[int, list[float]], round_trip_s: float, compute_s: float = 0.0
 ) -> float:
-    """o from the calibration pipeline's step times (see the module docstring).
+    """o from one width's step times when contention is taken as 0: (slope - F - B - C) / 2.
 
     >>> round(engine_overhead({2: [0.010], 16: [0.066]}, 0.0002, 0.002) * 1e3, 3)
     0.9
     """
     slope = slope_per_microbatch(step_times)
     return max((slope - compute_s - round_trip_s) / 2, 0.0)
+
+
+def fit_engine(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(o, k) from (F + B, slope - C) points of the calibration stages at several widths.
+
+    The least-squares line y = a + b x gives k = b - 1 and o = a / (2 (1 + k)), each clamped
+    at 0; with one distinct F + B, k = 0 and o = (y - x) / 2.
+
+    >>> o, k = fit_engine([(0.001, 1.5 * (0.001 + 2e-4)), (0.007, 1.5 * (0.007 + 2e-4))])
+    >>> round(o * 1e3, 6), round(k, 6)
+    (0.1, 0.5)
+    """
+    if not points:
+        raise InvalidRequestError("the engine fit needs at least one width")
+    x = np.array([p[0] for p in points], dtype=np.float64)
+    y = np.array([p[1] for p in points], dtype=np.float64)
+    if np.ptp(x) <= 0:
+        return max(float(np.median(y - x)) / 2, 0.0), 0.0
+    b, a = np.polyfit(x, y, 1)
+    kappa = max(float(b) - 1.0, 0.0)
+    if kappa == 0.0:
+        return max(float(np.mean(y - x)) / 2, 0.0), 0.0
+    return max(float(a) / (2 * (1 + kappa)), 0.0), kappa
 
 
 def _worker(argv: list[str] | None = None) -> None:
@@ -269,7 +304,7 @@ def _worker(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--width", type=int, default=WIDTH, help="calibration layers' width")
+    ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
     args = ap.parse_args(argv)
     from runtime.worker import default_threads
 
@@ -288,9 +323,12 @@ def _worker(argv: list[str] | None = None) -> None:
         if rank < 2:  # ranks beyond the pair wait at the barrier
             samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
         dist.barrier()
-        compute = _stage_compute_s(args.repeats, args.width) if rank == 0 else 0.0
-        dist.barrier()
-        steps = _engine_step_times(torch.device(device), args.repeats, width=args.width)
+        engine = []
+        for width in args.widths:
+            compute = _stage_compute_s(args.repeats, width) if rank == 0 else 0.0
+            dist.barrier()
+            steps = _engine_step_times(torch.device(device), args.repeats, width=width)
+            engine.append({"width": width, "compute": compute, "steps": steps})
         if rank == 0:
             if args.device == "cuda":
                 memory = torch.cuda.get_device_properties(local).total_memory
@@ -298,9 +336,7 @@ def _worker(argv: list[str] | None = None) -> None:
                 memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                 memory //= dist.get_world_size()
             with open(args.out, "w") as fh:
-                json.dump(
-                    {"samples": samples, "memory": memory, "steps": steps, "compute": compute}, fh
-                )
+                json.dump({"samples": samples, "memory": memory, "engine": engine}, fh)
     finally:
         dist.destroy_process_group()
 
@@ -312,7 +348,7 @@ def _launch(
     repeats: int,
     threads: int | None,
     timeout_s: float,
-    width: int = WIDTH,
+    widths: Sequence[int] = WIDTHS,
 ) -> dict[str, Any]:
     """One torchrun job of ``nproc`` calibration ranks; rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="pipeplan-calibrate-") as tmp:
@@ -321,7 +357,7 @@ def _launch(
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "-m", "runtime.calibrate",
             "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
-            "--device", device, "--width", str(width),
+            "--device", device, "--widths", *map(str, widths),
             *(["--threads", str(threads)] if threads else []),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -346,6 +382,7 @@ def calibrate(
     max_bytes: int = 16 * 2**20,
     repeats: int = 20,
     launches: int = 3,
+    widths: Sequence[int] = WIDTHS,
     memory_bytes: int | None = None,
     threads: int | None = None,
     timeout_s: float = 300.0,
@@ -354,7 +391,8 @@ def calibrate(
     and the link samples.
 
     Every launch measures the link and the engine; the cluster takes, per message size, the
-    median of the launches' one-way times, and the median of their engine costs.  On a shared
+    median of the launches' one-way times, and per width the median of the launches' slopes
+    and stage times, to which :func:`fit_engine` fits the engine cost o and the contention k.  On a shared
     host one launch can land in a slow or a fast phase (engine costs of 0.49 and 0.90-0.99 ms
     per operation were measured by single launches minutes apart), so one launch is not enough.
     """
@@ -366,27 +404,32 @@ def calibrate(
         raise InvalidRequestError(f"--repeats {repeats} must be at least 1")
     if launches < 1:
         raise InvalidRequestError(f"--launches {launches} must be at least 1")
+    if not widths or min(widths) < 1:
+        raise InvalidRequestError(f"--widths {list(widths)}: give one or more positive widths")
     results = [
-        _launch(nproc, device, max_bytes, repeats, threads, timeout_s) for _ in range(launches)
+        _launch(nproc, device, max_bytes, repeats, threads, timeout_s, widths)
+        for _ in range(launches)
     ]
     samples = [
         (int(per_size[0][0]), *(float(np.median([s[k] for s in per_size])) for k in (1, 2)))
         for per_size in zip(*(r["samples"] for r in results))
     ]
     link = fit_link(samples)  # type: ignore[arg-type]
-    round_trip = 2 * link.transfer_s(4 * WIDTH * MICRO)  # the calibration stages' activations
-    overheads = [
-        engine_overhead(
-            {int(k): [float(x) for x in v] for k, v in r["steps"].items()},
-            round_trip,
-            float(r["compute"]),
+    points = []
+    for k, width in enumerate(widths):
+        runs = [r["engine"][k] for r in results]
+        slope = statistics.median(
+            slope_per_microbatch({int(m): [float(x) for x in v] for m, v in e["steps"].items()})
+            for e in runs
         )
-        for r in results
-    ]
+        compute = statistics.median(float(e["compute"]) for e in runs)
+        round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
+        points.append((compute, slope - round_trip))
+    overhead, kappa = fit_engine(points)
     memory = memory_bytes if memory_bytes is not None else int(results[0]["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
-    cluster = Cluster(devices=devices, link=link, op_overhead_s=float(np.median(overheads)))
+    cluster = Cluster(devices=devices, link=link, op_overhead_s=overhead, contention=kappa)
     return cluster, samples  # type: ignore[return-value]
 
 

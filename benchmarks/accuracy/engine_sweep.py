@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 
-from runtime.calibrate import MICRO, _launch, fit_link, slope_per_microbatch
+from runtime.calibrate import MICRO, _launch, fit_engine, fit_link, slope_per_microbatch
 
 
 def main() -> None:
@@ -28,13 +28,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     rows = []
-    for _ in range(args.launches):
-        for width in args.widths:  # interleaved, so a slow phase spreads over the widths
-            r = _launch(2, "cpu", 65536, args.repeats, None, 600.0, width=width)
-            link = fit_link([tuple(s) for s in r["samples"]])  # type: ignore[misc]
-            trip = 2 * link.transfer_s(4 * width * MICRO)
-            slope = slope_per_microbatch({int(m): ts for m, ts in r["steps"].items()})
-            rows.append((width, r["compute"], slope, slope - r["compute"] - trip))
+    for _ in range(args.launches):  # every launch measures every width, interleaved
+        r = _launch(2, "cpu", 65536, args.repeats, None, 600.0, args.widths)
+        link = fit_link([tuple(s) for s in r["samples"]])  # type: ignore[misc]
+        for e in r["engine"]:
+            trip = 2 * link.transfer_s(4 * e["width"] * MICRO)
+            slope = slope_per_microbatch({int(m): ts for m, ts in e["steps"].items()})
+            rows.append((e["width"], e["compute"], slope, slope - e["compute"] - trip))
     print("| width | F + B (ms) | slope per micro-batch (ms) | excess (ms) | excess / (F + B) |")
     print("|---:|---:|---:|---:|---:|")
     for width in args.widths:
@@ -46,9 +46,11 @@ def main() -> None:
     excess_all = np.array([x[3] for x in rows])
     kappa, two_o = np.polyfit(fb_all, excess_all, 1)
     print(
-        f"\nfit over {len(rows)} launches: excess = 2 x {two_o / 2 * 1e3:.2f} ms "
+        f"\nfit over {len(rows)} points: excess = 2 x {two_o / 2 * 1e3:.2f} ms "
         f"+ {kappa:.2f} x (F + B)"
     )
+    o, k = fit_engine([(x[1], x[1] + x[3]) for x in rows])  # (F + B, slope - C)
+    print(f"calibrate's model, slope - C = (1 + k)(F + B + 2 o): o = {o * 1e3:.2f} ms, k = {k:.2f}")
 
 
 if __name__ == "__main__":

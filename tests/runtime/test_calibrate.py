@@ -11,7 +11,7 @@ import runtime.calibrate as calibrate_module
 from planner.cli import main
 from planner.errors import InvalidRequestError
 from planner.io import load_cluster
-from runtime.calibrate import engine_overhead, fit_link, slope_per_microbatch
+from runtime.calibrate import engine_overhead, fit_engine, fit_link, slope_per_microbatch
 
 
 def test_fit_recovers_a_linear_link() -> None:
@@ -43,7 +43,8 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
     try:
         main(["calibrate", "--nproc", "2", "--repeats", "3", "--launches", "2",
-              "--max-size", "256KiB", "--memory", "8GiB", "-o", str(out)])  # fmt: skip
+              "--max-size", "256KiB", "--memory", "8GiB", "--width", "64", "--width", "256",
+              "-o", str(out)])  # fmt: skip
     except SystemExit as exc:
         assert not exc.code
     cluster = load_cluster(out)
@@ -52,8 +53,10 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert link.bandwidth_Bps and link.bandwidth_Bps > 1e6
     assert 0 < link.latency_s < 0.05
     assert [s for s, _ in link.samples] == [4 * 4**k for k in range(9)]
-    # The engine's fixed cost per operation, measured through the real PipelineRunner.
+    # The engine's fixed cost per operation, measured through the real PipelineRunner, and the
+    # contention fitted over the two widths.
     assert 0 < cluster.op_overhead_s < 0.05
+    assert 0 <= cluster.contention < 5
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
@@ -64,7 +67,7 @@ def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "c.json").exists()
 
 
-@pytest.mark.parametrize("flag", [["--launches", "0"], ["--repeats", "0"]])
+@pytest.mark.parametrize("flag", [["--launches", "0"], ["--repeats", "0"], ["--width", "0"]])
 def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["calibrate", *flag, "-o", str(tmp_path / "c.json")])
@@ -76,21 +79,52 @@ def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
 def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three launches: one in a fast phase, two in a slow one.  Per message size the cluster
     # keeps the median one-way time, and the median engine cost, not the mean or the first.
+    # Per width, the slope is the median of the launches' slopes.
     def result(scale: float, slope: float) -> dict:
         sizes = [4, 64, 1024, 65536, 1048576]
         return {
             "samples": [(n, scale * (5e-5 + n / 4e9), scale * (6e-5 + n / 4e9)) for n in sizes],
             "memory": 2**30,
-            "steps": {str(m): [m * slope] * 3 for m in (2, 4, 8, 16)},
-            "compute": 0.0,
+            "engine": [
+                {"width": 256, "compute": 0.0, "steps": {str(m): [m * slope] * 3 for m in (2, 16)}}
+            ],
         }
 
     launches = iter([result(1.0, 1e-3), result(2.0, 3e-3), result(3.0, 2e-3)])
     monkeypatch.setattr(calibrate_module, "_launch", lambda *a, **k: next(launches))
-    cluster, samples = calibrate_module.calibrate(2, launches=3)
+    cluster, samples = calibrate_module.calibrate(2, launches=3, widths=(256,))
     assert samples[0] == (4, pytest.approx(2.0 * (5e-5 + 1e-9)), pytest.approx(2.0 * 6e-5 + 2e-9))
-    trip = 2 * cluster.link.transfer_s(4 * calibrate_module.WIDTH * calibrate_module.MICRO)
+    trip = 2 * cluster.link.transfer_s(4 * 256 * calibrate_module.MICRO)
     assert cluster.op_overhead_s == pytest.approx((2e-3 - trip) / 2)
+    assert cluster.contention == 0.0
+
+
+def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two widths whose steady-state slopes follow (1 + k)(F + B + 2 o) + C exactly.
+    o, kappa = 3e-4, 0.4
+    link = {"samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)]}
+    trip = {w: 2 * fit_link(link["samples"]).transfer_s(4 * w * 32) for w in (256, 1024)}
+    compute = {256: 4e-4, 1024: 7e-3}
+    slope = {w: (1 + kappa) * (compute[w] + 2 * o) + trip[w] for w in compute}
+    engine = [
+        {"width": w, "compute": compute[w],
+         "steps": {str(m): [0.01 + m * slope[w]] * 3 for m in (2, 4, 8, 16)}}
+        for w in (256, 1024)
+    ]  # fmt: skip
+    monkeypatch.setattr(
+        calibrate_module, "_launch", lambda *a, **k: {**link, "memory": 2**30, "engine": engine}
+    )
+    cluster, _ = calibrate_module.calibrate(2, launches=2, widths=(256, 1024))
+    assert cluster.op_overhead_s == pytest.approx(o, rel=1e-6)
+    assert cluster.contention == pytest.approx(kappa, rel=1e-6)
+
+
+def test_fit_engine_clamps_and_falls_back() -> None:
+    # Slopes that do not grow with the operations: no contention, o from the mean excess.
+    assert fit_engine([(1e-3, 2e-3), (5e-3, 5.8e-3)]) == (pytest.approx(4.5e-4), 0.0)
+    assert fit_engine([(1e-3, 2e-3)]) == (pytest.approx(5e-4), 0.0)
+    with pytest.raises(InvalidRequestError):
+        fit_engine([])
 
 
 def test_engine_overhead_from_step_times() -> None:
