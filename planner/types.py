@@ -422,11 +422,13 @@ class Plan(_Frozen):
     cluster: Cluster
     stages: tuple[Stage, ...]
     step_time_s: float
-    """Closed-form GPipe step time: sum_j t_j + (m - 1) max_j t_j (the solvers' objective)."""
+    """Closed-form step time T(m) of :mod:`planner.costmodel` (the solvers' objective)."""
     simulated_step_time_s: float | None = None
-    """The schedule simulator's makespan for these stage times: equal to ``step_time_s`` when
-    every stage's backward/forward ratio is the same, larger otherwise (e.g. when the stage
-    that recomputes is the backward bottleneck and another the forward one)."""
+    """The schedule simulator's makespan for these stage times: without contention equal to
+    ``step_time_s`` when every stage's backward/forward ratio is the same, larger otherwise
+    (e.g. when the stage that recomputes is the backward bottleneck and another the forward
+    one); with contention equal for identical stages, and smaller where a light stage
+    overlaps the bottleneck only part of the time."""
     bubble_fraction: float
     """1 - (average busy time per device) / step time."""
     throughput: float
