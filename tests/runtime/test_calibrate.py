@@ -55,8 +55,10 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert [s for s, _ in link.samples] == [4 * 4**k for k in range(9)]
     # The engine's fixed cost per operation, measured through the real PipelineRunner, and the
     # contention fitted over the two widths.
-    assert 0 < cluster.op_overhead_s < 0.05
+    # A line through two noisy points may put all of it in one of the two, never in neither.
+    assert 0 <= cluster.op_overhead_s < 0.05
     assert 0 <= cluster.contention < 5
+    assert cluster.op_overhead_s > 0 or cluster.contention > 0
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
