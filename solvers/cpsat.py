@@ -218,7 +218,8 @@ class _Model:
         A = [int(v) for v in costs.Pa]
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
-        offsets = _ticks(_offsets(costs, cluster, options), scale)
+        offsets_s = _offsets(costs, cluster, options)
+        offsets = _ticks(offsets_s, scale)
         kappa = contention(cluster, m)
         horizon = 0
         self.t: list[cp_model.IntVar] = []
@@ -235,7 +236,7 @@ class _Model:
             self.t.append(t)
             if kappa:  # the steady-state time, from tables of the slowed compute
                 Qs = _ticks(compute * (1 + kappa), scale)
-                o_s = _ticks([_offsets(costs, cluster, options)[j] * (1 + kappa)], scale)[0]
+                o_s = _ticks([offsets_s[j] * (1 + kappa)], scale)[0]
                 top = Qs[-1] + max(comm) + o_s
                 s_j = md.new_int_var(0, top, f"s{j}")
                 md.add(s_j == at(j + 1, Qs, "se") - at(j, Qs, "ss") + o_s + cut)
