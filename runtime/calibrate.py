@@ -17,8 +17,8 @@ engine's cost below, measured on real steps.)
 
 Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` whose stages
 compute (two linear layers of width w on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
-interleaved over rounds, for each width w in ``widths`` (256 and 1024 by default, so that one
-stage's forward + backward ranges from about 0.4 to 7 ms here).  In the steady state both
+interleaved over rounds, for each width w in ``widths`` (256, 512 and 1024 by default, so that
+one stage's forward + backward ranges from about 0.5 to 7 ms here).  In the steady state both
 stages compute at once, and each extra micro-batch adds one steady-state stage time
 
     slope = (1 + k) (F + B + 2 o) + C                  (the cost model's s_j)
@@ -62,6 +62,7 @@ __all__ = [
     "engine_overhead",
     "fit_engine",
     "fit_link",
+    "measure",
     "message_sizes",
     "slope_per_microbatch",
 ]
@@ -153,7 +154,7 @@ ENGINE_MS = (2, 4, 8, 16)
 #: The calibration stage: width, layers per stage, micro-batch size.
 WIDTH, LAYERS, MICRO = 512, 2, 32
 #: Widths of the calibration stages whose engine cost ``calibrate`` fits (o, k) to.
-WIDTHS = (256, 1024)
+WIDTHS = (256, 512, 1024)
 
 
 def _stage_module(width: int = WIDTH) -> Any:
@@ -341,7 +342,7 @@ def _worker(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def _launch(
+def measure(
     nproc: int,
     device: str,
     max_bytes: int,
@@ -350,7 +351,12 @@ def _launch(
     timeout_s: float,
     widths: Sequence[int] = WIDTHS,
 ) -> dict[str, Any]:
-    """One torchrun job of ``nproc`` calibration ranks; rank 0's measurements."""
+    """One torchrun job of ``nproc`` calibration ranks; rank 0's raw measurements.
+
+    Returns ``{"samples": [[bytes, raw_s, p2p_s], ...], "memory": bytes, "engine": [{"width":
+    w, "compute": F + B seconds, "steps": {m: [round median step seconds, ...]}}, ...]}``, one
+    engine entry per width in order; :func:`calibrate` combines several of these.
+    """
     with tempfile.TemporaryDirectory(prefix="pipeplan-calibrate-") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [
@@ -407,7 +413,7 @@ def calibrate(
     if not widths or min(widths) < 1:
         raise InvalidRequestError(f"--widths {list(widths)}: give one or more positive widths")
     results = [
-        _launch(nproc, device, max_bytes, repeats, threads, timeout_s, widths)
+        measure(nproc, device, max_bytes, repeats, threads, timeout_s, widths)
         for _ in range(launches)
     ]
     samples = [

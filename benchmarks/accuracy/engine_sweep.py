@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 
-from runtime.calibrate import MICRO, _launch, fit_engine, fit_link, slope_per_microbatch
+from runtime.calibrate import MICRO, fit_engine, fit_link, measure, slope_per_microbatch
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for _ in range(args.launches):  # every launch measures every width, interleaved
-        r = _launch(2, "cpu", 65536, args.repeats, None, 600.0, args.widths)
+        r = measure(2, "cpu", 65536, args.repeats, None, 600.0, args.widths)
         link = fit_link([tuple(s) for s in r["samples"]])  # type: ignore[misc]
         for e in r["engine"]:
             trip = 2 * link.transfer_s(4 * e["width"] * MICRO)

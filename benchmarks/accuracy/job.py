@@ -42,7 +42,9 @@ def main() -> None:
     for plan in plans:
         torch.manual_seed(0)
         spec = load_model(plan.model, dict(plan.model_kwargs))
-        runners.append(PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer="sgd", lr=1e-4))
+        runners.append(
+            PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer="sgd", lr=1e-4)
+        )
         torch.manual_seed(1)
         batches.append(spec.batch(plan.batch_size))
     results: list[list[dict]] = [[] for _ in plans]

@@ -4,8 +4,8 @@
 
 For each model: profile it with one thread (as each of 2 ranks on 2 cores runs), calibrate the
 link and the engine once, plan with the DP at every micro-batch count m in {1, 2, 4, 8} and
-every checkpoint policy, for 1 and 2 stages, then run all plans of a (model, stages) pair in one
-torchrun job, interleaved over rounds (see ``job.py``).  The measured step time of a plan is the
+every checkpoint policy, for 1 and 2 stages, then run all plans of a (model, stages) pair
+interleaved, one torchrun job per round (see ``job.py``).  The measured step time of a plan is the
 median over rounds of each round's median step; per-stage forward and backward times are
 medians over rounds, micro-batches and steps.
 
@@ -13,11 +13,13 @@ Two predictions are compared with it:
 
 * ``predicted``: the plan's own simulated makespan, from the profile it was planned with (the
   closed form, the solvers' objective, is listed beside it);
-* ``bracketed``: the same plan re-evaluated with a profile taken just before its job and one
-  taken just after, averaged.  This host's speed drifts by 10-17 % over minutes (two profiles
-  of one model a minute apart, or a profile and a plain training loop), so the planning
-  profile can be minutes stale when a job runs; bracketing separates the cost model's error
-  from that drift, and ``drift`` (after / before - 1) records how much the host moved.
+* ``bracketed``: the same plan re-evaluated with the profiles taken just before and just after
+  each round, averaged.  Every round is its own torchrun job, followed by a fresh profile, so a
+  round's bracket is seconds old, not minutes.  This host's speed drifts by 10-50 % over
+  minutes, more than the accuracy goal; bracketing separates the cost model's error from that
+  drift.  ``bracketed_error`` is the median over rounds of each round's measured / bracketed,
+  and ``drift`` the median over rounds of after / before - 1: how much the host moved within
+  one round.
 
 Writes ``results.csv`` and prints a markdown table with the summary the README quotes.
 """
@@ -36,7 +38,7 @@ import pandas as pd
 
 from planner.compare import to_markdown
 from planner.costmodel import evaluate
-from planner.io import load_cluster, load_plan, write_json
+from planner.io import load_cluster, write_json
 from planner.types import CheckpointPolicy, Cluster, Plan, PlanOptions, Profile
 from profiler import profile_model
 from runtime.calibrate import calibrate
@@ -89,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out/accuracy")
     ap.add_argument("--quick", action="store_true", help="one model, fewer steps")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     out = Path(args.out)
@@ -108,13 +110,14 @@ def main() -> None:
         flush=True,
     )
 
-    rows = []
+    rows, raw = [], []
     for name, model, kwargs, batch in models:
         prof = _profile(model, batch, kwargs)
         write_json(out / f"{name}.profile.json", prof)
-        before = prof
+        latest = prof
         for p in (1, 2):
             cluster = cluster2.model_copy(update={"devices": cluster2.devices[:p]})
+            plans: list[Plan] = []
             plan_files = []
             for m in MS:
                 if batch % m:
@@ -123,27 +126,44 @@ def main() -> None:
                     plan = solve_dp(prof, cluster, PlanOptions(microbatches=m, checkpoint=policy))
                     path = out / f"{name}.p{p}.m{m}.{policy}.plan.json"
                     write_json(path, plan)
+                    plans.append(plan)
                     plan_files.append(path)
-            result = run_job(
-                plan_files, p, out / f"{name}.p{p}.results.json", args.rounds, args.steps
-            )
-            after = _profile(model, batch, kwargs)
-            write_json(out / f"{name}.p{p}.after.profile.json", after)
-            for path, reports in zip(result["plans"], result["reports"]):
-                plan = load_plan(path)
-                measured = statistics.median(r["step_time_s"] for r in reports)
+            # rounds[r][i]: plan i's RunReports of round r; sims[r][i]: its simulated makespan
+            # with the profile taken just before round r (sims[r + 1] just after it)
+            rounds: list[list[list[dict]]] = []
+            sims = [[_simulated(plan, latest, cluster) for plan in plans]]
+            for r in range(args.rounds):
+                result = run_job(
+                    plan_files, p, out / f"{name}.p{p}.r{r}.results.json", 1, args.steps
+                )
+                rounds.append(result["reports"])
+                latest = _profile(model, batch, kwargs)
+                write_json(out / f"{name}.p{p}.r{r}.after.profile.json", latest)
+                sims.append([_simulated(plan, latest, cluster) for plan in plans])
+            for i, plan in enumerate(plans):
+                per_round = []
+                for r in range(args.rounds):
+                    measured_r = statistics.median(x["step_time_s"] for x in rounds[r][i])
+                    pre, post = sims[r][i], sims[r + 1][i]
+                    per_round.append((measured_r, (pre + post) / 2, post / pre - 1))
+                    raw.append({"model": name, "stages": p, "m": plan.microbatches,
+                                "checkpoint": plan.checkpoint, "round": r,
+                                "measured_ms": measured_r * 1e3, "before_ms": pre * 1e3,
+                                "after_ms": post * 1e3})  # fmt: skip
+                measured = statistics.median(x[0] for x in per_round)
                 predicted = plan.simulated_step_time_s or plan.step_time_s
-                pre, post = (_simulated(plan, x, cluster) for x in (before, after))
-                bracketed = (pre + post) / 2
                 row = {
                     "model": name, "stages": p, "m": plan.microbatches,
                     "checkpoint": plan.checkpoint,
                     "closed_form_ms": plan.step_time_s * 1e3,
-                    "predicted_ms": predicted * 1e3, "bracketed_ms": bracketed * 1e3,
+                    "predicted_ms": predicted * 1e3,
+                    "bracketed_ms": statistics.median(x[1] for x in per_round) * 1e3,
                     "measured_ms": measured * 1e3,
                     "error": measured / predicted - 1,
-                    "bracketed_error": measured / bracketed - 1, "drift": post / pre - 1,
+                    "bracketed_error": statistics.median(x[0] / x[1] for x in per_round) - 1,
+                    "drift": statistics.median(x[2] for x in per_round),
                 }  # fmt: skip
+                reports = [x for r in range(args.rounds) for x in rounds[r][i]]
                 for j, st in enumerate(plan.stages):
                     f = statistics.median(x for r in reports for x in r["stages"][j]["forward_s"])
                     b = statistics.median(x for r in reports for x in r["stages"][j]["backward_s"])
@@ -157,7 +177,7 @@ def main() -> None:
                     f"drift {row['drift']:+.1%})",
                     flush=True,
                 )
-            before = after
+    pd.DataFrame(raw).to_csv(out / "rounds.csv", index=False)
     df = pd.DataFrame(rows)
     df.to_csv(out / "results.csv", index=False)
     stage_cols = [c for c in df.columns if c.endswith("_error") and c.startswith("s")]

@@ -78,7 +78,7 @@ def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
     assert not (tmp_path / "c.json").exists()
 
 
-def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibrate_takes_the_median_ofmeasurees(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three launches: one in a fast phase, two in a slow one.  Per message size the cluster
     # keeps the median one-way time, and the median engine cost, not the mean or the first.
     # Per width, the slope is the median of the launches' slopes.
@@ -93,7 +93,7 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
         }
 
     launches = iter([result(1.0, 1e-3), result(2.0, 3e-3), result(3.0, 2e-3)])
-    monkeypatch.setattr(calibrate_module, "_launch", lambda *a, **k: next(launches))
+    monkeypatch.setattr(calibrate_module, "measure", lambda *a, **k: next(launches))
     cluster, samples = calibrate_module.calibrate(2, launches=3, widths=(256,))
     assert samples[0] == (4, pytest.approx(2.0 * (5e-5 + 1e-9)), pytest.approx(2.0 * 6e-5 + 2e-9))
     trip = 2 * cluster.link.transfer_s(4 * 256 * calibrate_module.MICRO)
@@ -114,7 +114,7 @@ def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPat
         for w in (256, 1024)
     ]  # fmt: skip
     monkeypatch.setattr(
-        calibrate_module, "_launch", lambda *a, **k: {**link, "memory": 2**30, "engine": engine}
+        calibrate_module, "measure", lambda *a, **k: {**link, "memory": 2**30, "engine": engine}
     )
     cluster, _ = calibrate_module.calibrate(2, launches=2, widths=(256, 1024))
     assert cluster.op_overhead_s == pytest.approx(o, rel=1e-6)
