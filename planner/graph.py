@@ -1,20 +1,15 @@
-"""Trace a model into one graph, group its nodes into units, and find what crosses each cut.
+"""Group a traced model's nodes into units, and find what crosses each cut.
 
 Used by both the profiler (measure each unit) and the runtime (build each stage), so that the
-two agree on the units.  Three steps:
+two agree on the units.  The graph comes from :func:`planner.trace.trace_model`.
 
-1. :func:`trace_model` turns an ``nn.Module`` into a ``torch.fx.GraphModule``, by
-   ``torch.fx.symbolic_trace`` or, when that fails (data-dependent Python, Hugging Face models),
-   by ``torch.export.export(strict=False)`` with a dynamic batch dimension.  The graph is then
-   normalised: every ``get_attr`` node (a parameter or buffer) is copied next to each of its
-   users, so a parameter never crosses a cut, and export's input-guard call is dropped.
-2. :func:`group_units` groups the compute nodes into units, contiguous in graph order (so in
+1. :func:`group_units` groups the compute nodes into units, contiguous in graph order (so in
    topological order).  ``auto`` makes every item of the "deepest repeated container" a unit
    (``blocks.3``); the nodes before, between and after the blocks ("glue") become units of their
    own when they use parameters (``embed``, ``head``) and join a neighbour otherwise.
    ``top`` and ``depth:N`` key each node by its module N levels deep (nodes of shallower
    modules are glue); ``node`` makes every node a unit (a ``get_attr`` joins its user).
-3. :func:`cut_tensors` lists, for each cut, the nodes produced before it and used after it:
+2. :func:`cut_tensors` lists, for each cut, the nodes produced before it and used after it:
    the activations, residuals and skip connections a pipeline stage must send.
 
 :func:`subgraph_module` builds the callable of a run of nodes (a unit or a stage).
@@ -22,32 +17,26 @@ two agree on the units.  Three steps:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from planner.errors import InvalidRequestError, TraceError
+from planner.errors import InvalidRequestError
+from planner.trace import TracedModel, get_attr
 
 __all__ = [
     "GRANULARITIES",
-    "TracedModel",
     "UnitSpec",
     "compute_nodes",
     "cut_tensors",
     "group_units",
     "subgraph_module",
-    "trace_model",
 ]
-
-TracerName = Literal["fx", "export"]
 
 #: The values ``group_units`` accepts (``N`` is a positive integer).
 GRANULARITIES = ("auto", "top", "depth:N", "node")
@@ -56,185 +45,11 @@ _COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 
 
 @dataclass(frozen=True)
-class TracedModel:
-    """A traced model: ``gm(*inputs) == module(*inputs)``."""
-
-    gm: GraphModule
-    """For ``fx`` its submodules and parameters are the original module's objects."""
-    tracer: TracerName
-    fingerprint: str
-    """Hash of the graph's structure (node names, ops, targets, parameter shapes); it does not
-    depend on the batch size, the dtype, the device or the process."""
-
-
-@dataclass(frozen=True)
 class UnitSpec:
     """One partition atom: a readable unique name and its nodes in graph order."""
 
     name: str
     nodes: tuple[str, ...]
-
-
-# --------------------------------------------------------------------------------------------
-# Tracing
-# --------------------------------------------------------------------------------------------
-
-
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _trace_fx(module: nn.Module) -> GraphModule:
-    return torch.fx.symbolic_trace(module)
-
-
-def _trace_export(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> GraphModule:
-    from torch.export import Dim
-
-    dim = getattr(Dim, "DYNAMIC", None) or getattr(Dim, "AUTO", None)
-    try:
-        if dim is None:
-            raise RuntimeError("torch.export.Dim has no DYNAMIC")
-        dynamic = tuple({0: dim} for _ in example_inputs)
-        ep = torch.export.export(module, example_inputs, strict=False, dynamic_shapes=dynamic)
-    except Exception:  # noqa: BLE001 - a model that pins its batch size: export it static
-        ep = torch.export.export(module, example_inputs, strict=False)
-    return ep.module()  # type: ignore[return-value]
-
-
-def _normalise(gm: GraphModule) -> None:
-    """Drop export's input guard and copy each ``get_attr`` node before each of its users."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
-            graph.erase_node(node)
-    for node in list(graph.nodes):
-        if node.op != "get_attr":
-            continue
-        users = sorted(node.users, key=_position(graph).__getitem__)
-        if not users:
-            graph.erase_node(node)
-            continue
-        users[0].prepend(node)
-        for user in users[1:]:
-            with graph.inserting_before(user):
-                copy = graph.get_attr(str(node.target))
-            copy.meta = dict(node.meta)
-            user.replace_input_with(node, copy)
-    graph.lint()
-    gm.recompile()
-
-
-def _position(graph: Graph) -> dict[Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def _describe(value: Any, index: dict[Node, int]) -> Any:
-    """A JSON-able, process-independent description of a node argument."""
-    if isinstance(value, Node):
-        return f"%{index[value]}"
-    if isinstance(value, (tuple, list)):
-        return [_describe(v, index) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _describe(v, index) for k, v in sorted(value.items(), key=str)}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, slice):
-        return ["slice", *(_describe(v, index) for v in (value.start, value.stop, value.step))]
-    if isinstance(value, torch.device):
-        return "<device>"
-    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-        return "<dtype>" if isinstance(value, torch.dtype) else str(value)
-    return f"<{type(value).__name__}>"
-
-
-def _target_name(node: Node) -> str:
-    if node.op == "call_function":
-        if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-            return str(node.target)
-        return torch.fx.node._get_qualified_name(node.target)  # type: ignore[arg-type]
-    return str(node.target)
-
-
-def _shape(node: Node) -> Any:
-    val = node.meta.get("val")
-    if isinstance(val, Tensor):
-        return [d if isinstance(d, int) else "?" for d in val.shape]
-    return None
-
-
-def _fingerprint(gm: GraphModule) -> str:
-    index = _position(gm.graph)
-    rows: list[Any] = []
-    for node in gm.graph.nodes:
-        row: list[Any] = [node.name, node.op, _target_name(node)]
-        row.append(_describe(node.args, index))
-        row.append(_describe(node.kwargs, index))
-        if node.op == "get_attr":
-            attr = _get_attr(gm, str(node.target))
-            row.append(list(attr.shape) if isinstance(attr, Tensor) else type(attr).__name__)
-        elif node.op == "call_module":
-            sub = gm.get_submodule(str(node.target))
-            row.append(type(sub).__qualname__)
-            row.append([[k, list(p.shape)] for k, p in sub.named_parameters()])
-        else:
-            row.append(_shape(node))
-        rows.append(row)
-    text = json.dumps(rows, separators=(",", ":"), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _get_attr(gm: GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def trace_model(
-    module: nn.Module,
-    example_inputs: tuple[Tensor, ...],
-    tracer: Literal["auto", "fx", "export"] = "auto",
-) -> TracedModel:
-    """Trace ``module`` into a GraphModule: fx first, then export (``tracer="auto"``).
-
-    >>> traced = trace_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
-    >>> traced.tracer, [n.op for n in traced.gm.graph.nodes]
-    ('fx', ['placeholder', 'call_module', 'call_module', 'output'])
-    """
-    if tracer not in ("auto", "fx", "export"):
-        raise InvalidRequestError(f"tracer {tracer!r} is not one of 'auto', 'fx', 'export'")
-    name = type(module).__name__
-    errors: list[str] = []
-    gm: GraphModule | None = None
-    used: TracerName = "fx"
-    if tracer in ("auto", "fx"):
-        try:
-            gm = _trace_fx(module)
-        except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
-            errors.append(f"torch.fx failed ({_one_line(exc)})")
-    if gm is None and tracer in ("auto", "export"):
-        try:
-            gm, used = _trace_export(module, tuple(example_inputs)), "export"
-        except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
-            errors.append(f"torch.export failed ({_one_line(exc)})")
-    if gm is None:
-        hint = (
-            "make forward() free of data-dependent Python control flow, or try --tracer export"
-            if tracer == "fx"
-            else "make forward() free of data-dependent control flow and Python side effects "
-            "(for Hugging Face models pass use_cache=False)"
-        )
-        raise TraceError(f"cannot trace {name}: {'; '.join(errors)}; {hint}")
-    _normalise(gm)
-    return TracedModel(gm=gm, tracer=used, fingerprint=_fingerprint(gm))
-
-
-# --------------------------------------------------------------------------------------------
-# Grouping
-# --------------------------------------------------------------------------------------------
 
 
 def compute_nodes(gm: GraphModule) -> list[Node]:
@@ -313,7 +128,7 @@ def _owner_names(
     """Name a glue run after the modules whose parameters it uses (their common prefix)."""
     owners: list[tuple[str, ...]] = []
     for n in nodes:
-        if n.op == "get_attr" and isinstance(_get_attr(gm, str(n.target)), nn.Parameter):
+        if n.op == "get_attr" and isinstance(get_attr(gm, str(n.target)), nn.Parameter):
             owner = _clean_path(str(n.target))[strip:-1]
         elif n.op == "call_module" and any(
             True for _ in gm.get_submodule(str(n.target)).parameters()
@@ -351,6 +166,8 @@ def _key_function(granularity: str) -> Any:
 def group_units(traced: TracedModel, granularity: str = "auto") -> list[UnitSpec]:
     """Group the compute nodes into units contiguous in graph order (see the module docstring).
 
+    >>> import torch
+    >>> from planner.trace import trace_model
     >>> traced = trace_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [u.name for u in group_units(traced, "node")]
     ['_0', '_1']

@@ -19,8 +19,9 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from planner.errors import InvalidRequestError
-from planner.graph import cut_tensors, group_units, trace_model
+from planner.graph import cut_tensors, group_units
 from planner.model import load_model
+from planner.trace import trace_model
 from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
 from profiler.device import Clock, device_info, resolve_device
 from profiler.measure import measure_unit, storage_keys, value_bytes

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 from torch.fx import GraphModule
 
-from planner.graph import TracedModel, UnitSpec, subgraph_module
+from planner.graph import UnitSpec, subgraph_module
+from planner.trace import TracedModel
 
 __all__: list[str] = []
 

@@ -169,8 +169,9 @@ def _calibration_plan(world: int, m: int, width: int = WIDTH) -> tuple[Any, Any]
     from torch import nn
 
     from planner.costmodel import evaluate
-    from planner.graph import group_units, trace_model
+    from planner.graph import group_units
     from planner.model import ModelSpec
+    from planner.trace import trace_model
     from planner.types import Cluster, DeviceInfo, PlanOptions, Profile, Timing, Unit
 
     torch.manual_seed(0)

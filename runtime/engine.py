@@ -30,8 +30,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.checkpoint import checkpoint
 
 from planner.errors import InvalidRequestError
-from planner.graph import TracedModel, group_units, trace_model
+from planner.graph import group_units
 from planner.model import ModelSpec
+from planner.trace import TracedModel, trace_model
 from planner.types import Plan
 from runtime.report import RankRecord
 from runtime.stages import (

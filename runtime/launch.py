@@ -42,8 +42,9 @@ def preflight(
     """Everything that can be checked before launching; raises a PipeplanError naming the fix."""
     import torch
 
-    from planner.graph import group_units, trace_model
+    from planner.graph import group_units
     from planner.model import load_model, parse_model_args
+    from planner.trace import trace_model
     from runtime.engine import cast_batch, check_schedule
     from runtime.stages import check_plan
 

@@ -35,7 +35,8 @@ from torch.fx import Graph, GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 
 from planner.errors import FingerprintMismatchError, InvalidRequestError
-from planner.graph import TracedModel, UnitSpec, cut_tensors, subgraph_module
+from planner.graph import UnitSpec, cut_tensors, subgraph_module
+from planner.trace import TracedModel
 from planner.types import Plan
 
 __all__ = [

@@ -184,9 +184,10 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    from planner.graph import group_units, trace_model
+    from planner.graph import group_units
     from planner.io import load_plan
     from planner.model import load_model
+    from planner.trace import trace_model
     from runtime.engine import PipelineRunner
     from runtime.stages import build_stages
 

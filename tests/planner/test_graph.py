@@ -10,16 +10,9 @@ import torch
 from torch import nn
 
 from planner.errors import InvalidRequestError, TraceError
-from planner.graph import (
-    TracedModel,
-    UnitSpec,
-    compute_nodes,
-    cut_tensors,
-    group_units,
-    subgraph_module,
-    trace_model,
-)
+from planner.graph import UnitSpec, compute_nodes, cut_tensors, group_units, subgraph_module
 from planner.model import load_model
+from planner.trace import TracedModel, trace_model
 
 SMALL = {
     "models.gpt:gpt": {"vocab": 128, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8},
@@ -123,7 +116,7 @@ def test_fingerprint_ignores_batch_and_dtype_and_process() -> None:
     spec = load_model(name, kwargs)
     c = trace_model(spec.module.double(), spec.batch(2)[0])
     code = (
-        "from planner.model import load_model; from planner.graph import trace_model; "
+        "from planner.model import load_model; from planner.trace import trace_model; "
         f"s = load_model({name!r}, {kwargs!r}); print(trace_model(s.module, s.batch(4)[0]).fingerprint)"
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

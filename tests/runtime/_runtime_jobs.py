@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from planner.costmodel import recomputes
-from planner.graph import TracedModel, group_units, trace_model
+from planner.graph import group_units
 from planner.model import ModelSpec, load_model
+from planner.trace import TracedModel, trace_model
 from planner.types import Cluster, MemoryBreakdown, Plan, Stage
 
 POLICIES = ("always", "except_last", "never")

@@ -16,9 +16,9 @@ import torch
 from _runtime_jobs import make_plan
 
 from planner.cli import main
-from planner.graph import trace_model
 from planner.io import load_plan, load_report, write_json
 from planner.model import load_model
+from planner.trace import trace_model
 from runtime import worker
 
 GPT = ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8})

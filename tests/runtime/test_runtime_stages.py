@@ -12,8 +12,9 @@ from _runtime_jobs import make_plan
 from torch import Tensor, nn
 
 from planner.errors import FingerprintMismatchError
-from planner.graph import cut_tensors, group_units, trace_model
+from planner.graph import cut_tensors, group_units
 from planner.model import load_model
+from planner.trace import trace_model
 from runtime.engine import Recompute
 from runtime.launch import failure
 from runtime.report import RankRecord, build_report, chrome_trace, measured_bubble
