@@ -320,7 +320,10 @@ def run(
     ] = None,
     steps: Annotated[int, typer.Option(min=1, help="Measured steps.")] = 10,
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured steps first.")] = 2,
-    optimizer: Annotated[str, typer.Option(help="sgd, momentum or adam.")] = "sgd",
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="sgd, momentum or adam; default: the plan's, whose update it timed."),
+    ] = None,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-3,
     threads: Annotated[int | None, typer.Option(help="CPU threads per rank.")] = None,
     report: Annotated[Path | None, typer.Option(help="Run report JSON to write.")] = None,
@@ -333,7 +336,7 @@ def run(
     from planner.errors import StageFailedError
     from runtime.launch import launch, preflight
 
-    if optimizer not in ("sgd", "momentum", "adam"):
+    if optimizer is not None and optimizer not in ("sgd", "momentum", "adam"):
         _fail(f"--optimizer {optimizer!r} is not one of sgd, momentum, adam")
     p = preflight(
         plan_file,
@@ -356,6 +359,14 @@ def run(
                 highlight=False,
                 soft_wrap=True,
             )
+    if optimizer is not None and optimizer != p.optimizer:
+        err_console.print(
+            f"[yellow]warning:[/] the plan was made for {p.optimizer} (its memory and update "
+            f"time) but the run uses {optimizer}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    optimizer = optimizer or p.optimizer
     args = [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
     args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]
     args += [f"--model={model}"] if model else []

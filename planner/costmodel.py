@@ -10,7 +10,8 @@ j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     t_j = F_j + B_j + C_j
     s_j = t_j + k (F_j + B_j)        (steady-state stage time; k = Cluster.contention)
-    T(m) = sum_j t_j + (m - 1) * max_j s_j + k * sum_{0<j<p-1} (F_j + B_j)  (step time)
+    U_j = u * w_j / s_j                (the optimizer's update of the stage's parameters)
+    T(m) = sum_j t_j + (m - 1) * max_j s_j + k * sum_{0<j<p-1} (F_j + B_j) + U_0  (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
                                                    (w_j includes copies of shared parameters)
@@ -19,7 +20,8 @@ j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
         (+ q_j * the loss's saved bytes on the last stage)
 
-where q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
+where u is the profiled update time per parameter byte of the plan's optimizer
+(``Profile.update_s``), and q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
 ``transfer`` is :meth:`planner.types.Link.one_way_s` and o is the pipeline engine's
 fixed cost per forward or backward operation (``Cluster.op_overhead_s``, from calibration).  A stage recomputes under the
 policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
@@ -32,6 +34,12 @@ does, in its fill and drain the first and last stages' first and last operations
 For p identical stages that gives exactly the T(m) above: the fill/drain path of p + m - 1
 slots, 2 of them alone and p + m - 3 contended.  k is 0, and T(m) the plain GPipe form, when
 m = 1 or p = 1 (nothing overlaps), and on devices that share nothing.
+
+Updates.  Each stage updates its parameters once per step, after its last backward.  Stage 0
+runs the step's last backward, so its update U_0 ends the step; another stage's update overlaps
+the backward drain through the stages before it, and the simulator charges it only where it
+outlasts that drain (``max_j`` of its end).  T(m) charges U_0 alone, which the prefix DP can
+carry as a term of stage 0.
 
 T(m) equals the schedule simulator's makespan when the stages are identical, or, with k = 0,
 when every stage's backward/forward ratio is the same; it is a lower bound of it when k = 0
@@ -73,6 +81,7 @@ __all__ = [
     "stage_time",
     "step_time",
     "unit_costs",
+    "update_rate",
 ]
 
 
@@ -238,6 +247,17 @@ def stage_memory(
     )
 
 
+def update_rate(profile: Profile, optimizer: str) -> float:
+    """u: seconds per parameter byte of one ``optimizer`` step (0 when the profile has none).
+
+    ``Profile.update_s`` times the step over all the model's parameters; a stage pays the
+    share of its bytes, shared copies included (each holder updates its copy).
+    """
+    total = sum(u.param_bytes for u in profile.units)
+    seconds = profile.update_s.get(optimizer)  # type: ignore[call-overload]
+    return float(seconds) / total if seconds and total > 0 else 0.0
+
+
 def contention(cluster: Cluster, m: int) -> float:
     """k in effect: ``cluster.contention`` when stages overlap (p >= 2 and m >= 2), else 0."""
     return cluster.contention if cluster.n_stages > 1 and m > 1 else 0.0
@@ -307,6 +327,7 @@ def build_stages(
             f"boundaries {list(boundaries)} do not split {n} units into {p} non-empty stages"
         )
     costs = unit_costs(profile, m)
+    rate = update_rate(profile, options.optimizer)
     stages = []
     for j, l in enumerate(starts):
         r = (starts[j + 1] if j + 1 < p else n) - 1
@@ -325,6 +346,7 @@ def build_stages(
                 backward_s=B,
                 comm_s=C,
                 time_s=F + B + C,
+                update_s=rate * mem.params / dev.speed,
                 memory=mem,
                 memory_limit=dev.memory_bytes,
                 feasible=mem.total <= dev.memory_bytes,
@@ -361,6 +383,7 @@ def _simulated(stages: Sequence[Stage], m: int, schedule: str, kappa: float) -> 
         m,
         schedule=schedule,
         contention=kappa,
+        update_s=[s.update_s for s in stages],
     ).makespan_s
 
 
@@ -381,7 +404,7 @@ def evaluate(
     times = [s.time_s for s in stages]
     busy = [s.forward_s + s.backward_s for s in stages]
     kappa = contention(cluster, m)
-    T = step_time(times, m, busy, kappa)
+    T = step_time(times, m, busy, kappa) + stages[0].update_s
     feasible = all(s.feasible for s in stages)
     if status is None:
         status = "heuristic"

@@ -17,6 +17,10 @@ With contention k (``Cluster.contention``), compute runs at rate 1 / (1 + k) whi
 computes too, and the makespan of p identical stages without transfers becomes
 (F + B) (2 + (m + p - 3)(1 + k)) for m >= 2: the closed form with k.
 
+Each stage then updates its parameters (``update_s[j]``, once per step, after its last
+operation); the makespan is the latest update's end.  Updates are not slowed by contention and do
+not slow others.
+
 The operation order of stage j, drawn for p = 3, m = 4 (F = forward, B = backward)::
 
     gpipe  j=0: F0 F1 F2 F3 B0 B1 B2 B3          1f1b  j=0: F0 F1 F2 B0 F3 B1 B2 B3
@@ -34,7 +38,7 @@ from planner.types import Plan
 
 __all__ = ["Event", "Timeline", "operation_order", "simulate", "simulate_plan"]
 
-Kind = Literal["forward", "send", "recv", "recompute", "backward"]
+Kind = Literal["forward", "send", "recv", "recompute", "backward", "optimizer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ def simulate(
     schedule: str = "gpipe",
     recompute_s: Sequence[float] | None = None,
     contention: float = 0.0,
+    update_s: Sequence[float] = (),
 ) -> Timeline:
     """Simulate one training step.
 
@@ -112,7 +117,8 @@ def simulate(
     used only to label the timeline.  ``comm_s[j]`` is the round trip C_j across the cut after
     stage j.  ``contention`` k slows compute (forward, recompute, backward; not transfers) by
     the factor 1 + k while at least one other stage computes: the stages' progress is
-    integrated between events, so partial overlaps cost in proportion.
+    integrated between events, so partial overlaps cost in proportion.  ``update_s[j]`` (U_j;
+    none by default) follows stage j's last operation.
     """
     p = len(forward_s)
     kappa = contention if p > 1 and m > 1 else 0.0
@@ -183,6 +189,10 @@ def simulate(
                 left[j] = 0.0
     if any(pos[j] < len(orders[j]) for j in range(p)):  # pragma: no cover
         raise RuntimeError("schedule deadlocked")
+    for j, u in enumerate(update_s):
+        if u > 0:
+            end = max((e.end_s for e in events if e.stage == j), default=0.0)
+            events.append(Event(j, -1, "optimizer", end, end + u))
     makespan = max(e.end_s for e in events) if events else 0.0
     return Timeline(tuple(events), makespan, p, m)
 
@@ -202,4 +212,5 @@ def simulate_plan(plan: Plan) -> Timeline:
         schedule=plan.schedule,
         recompute_s=[s.forward_s if s.recompute else 0.0 for s in plan.stages],
         contention=plan.cluster.contention,
+        update_s=[s.update_s for s in plan.stages],
     )

@@ -185,6 +185,10 @@ class Profile(_Frozen):
     loss: dict[int, Timing] = {}
     """The loss on the model's output, by micro-batch size: the last stage pays it per
     micro-batch, and keeps its saved tensors for every micro-batch in flight."""
+    update_s: dict[OptimizerName, float] = {}
+    """Seconds of one optimizer step over all the model's parameters (each once), by optimizer
+    (:func:`planner.optim.make_optimizer`); a stage pays the share of its parameter bytes, once
+    per training step.  Empty in profiles made before it was measured: updates are then free."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -394,6 +398,9 @@ class Stage(_Frozen):
     """C_j: send the cut's activations forward and receive their gradient back."""
     time_s: float
     """t_j = F_j + B_j + C_j."""
+    update_s: float = 0.0
+    """U_j: the optimizer's update of the stage's parameters, once per step after its last
+    backward."""
     memory: MemoryBreakdown
     memory_limit: int
     feasible: bool

@@ -22,7 +22,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from planner.types import Timing
+from planner.optim import OPTIMIZERS, make_optimizer
+from planner.types import OptimizerName, Timing
 from profiler.device import Clock
 
 __all__: list[str] = []
@@ -176,3 +177,32 @@ def measure_unit(
     )
     detached = tuple(t.detach() if isinstance(t, Tensor) else t for t in outputs)
     return timing, detached
+
+
+def measure_updates(
+    params: Sequence[Tensor], *, clock: Clock, warmup: int, repeats: int, seed: int = 0
+) -> dict[OptimizerName, float]:
+    """Median seconds of one step of every optimizer in :data:`planner.optim.OPTIMIZERS` over
+    ``params``, with seeded gradients; the parameters are restored afterwards.
+
+    The first steps allocate the optimizer's state, so at least one warm-up step always runs.
+    """
+    params = [t for t in params if t.requires_grad]
+    if not params:
+        return {}
+    saved = [t.detach().clone() for t in params]
+    g = torch.Generator().manual_seed(seed)
+    for t in params:
+        t.grad = torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
+    out: dict[OptimizerName, float] = {}
+    try:
+        for name in OPTIMIZERS:
+            opt = make_optimizer(name, params, lr=1e-6)
+            times = [clock.time(opt.step)[1] for _ in range(max(warmup, 1) + repeats)]
+            out[name] = _median_iqr(times[max(warmup, 1) :])[0]
+    finally:
+        with torch.no_grad():
+            for t, v in zip(params, saved):
+                t.copy_(v)
+                t.grad = None
+    return out

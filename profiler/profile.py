@@ -4,7 +4,8 @@ For each micro-batch size b the model runs unit by unit on a seeded batch of siz
 is measured alone (:mod:`profiler.measure`) and its outputs feed the next units.  The cut table
 comes from the largest size's run: every tensor live across a cut (:func:`planner.graph.cut_tensors`)
 with its bytes divided by b.  Sizes are measured largest first, so the warm-up of the largest
-(slowest) runs also warms the allocator for the rest.
+(slowest) runs also warms the allocator for the rest.  Last, every optimizer's step is timed
+once over all the parameters (``Profile.update_s``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from planner.model import load_model
 from planner.trace import trace_model
 from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
 from profiler.device import Clock, device_info, resolve_device
-from profiler.measure import measure_unit, storage_keys, value_bytes
+from profiler.measure import measure_unit, measure_updates, storage_keys, value_bytes
 from profiler.split import split_units
 
 __all__ = ["DTYPES", "default_microbatch_sizes", "profile_model"]
@@ -216,6 +217,9 @@ def _profile(
             if b == max(sizes):
                 biggest = values
 
+    update_s = measure_updates(
+        list(traced.gm.parameters()), clock=clock, warmup=warmup, repeats=repeats * rounds
+    )
     timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
     loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
     b_max = max(sizes)
@@ -256,6 +260,7 @@ def _profile(
         cuts=tuple(cuts),
         shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
         loss=loss_timings,
+        update_s=update_s,
     )
 
 

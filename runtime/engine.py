@@ -20,7 +20,7 @@ steps, so the copies receive the same update and stay equal.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from planner.errors import InvalidRequestError
 from planner.graph import group_units
 from planner.model import ModelSpec
+from planner.optim import make_optimizer
 from planner.trace import TracedModel, trace_model
 from planner.types import Plan
 from runtime.report import RankRecord
@@ -45,16 +46,11 @@ from runtime.stages import (
 from runtime.timing import Span, StepTimer
 
 __all__ = [
-    "OPTIMIZERS",
     "PipelineRunner",
     "Recompute",
     "cast_batch",
     "check_schedule",
-    "make_optimizer",
 ]
-
-#: ``--optimizer`` choices (``momentum`` is SGD with momentum 0.9).
-OPTIMIZERS = ("sgd", "momentum", "adam")
 
 FaultHook = Callable[[int, int], None]
 """Called with (step, micro-batch) before each forward; tests use it to make a stage fail."""
@@ -94,16 +90,6 @@ class _MeasuredStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with self.timer.span("backward", bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-
-
-def make_optimizer(name: str, params: Sequence[Tensor], lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    raise InvalidRequestError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
 def cast_batch(

@@ -18,16 +18,18 @@ prefix sums, read from constant tables with element constraints on the boundarie
           h_j >= [stage j holds user u] = [b_j <= u] - [b_{j+1} <= u] for every user u
     M_j <= cap_j
     s_j = (1 + k) (Q_j[b_{j+1}] - Q_j[b_j] + o_j) + C[b_{j+1}]   (steady state, contention k)
-    minimise  t_0 + sum_{0<j<p-1} s_j + t_{p-1} + (m - 1) T,   T >= s_j for all j
-    (for p = 1 the sum is t_0 alone; with k = 0, or m = 1, s_j = t_j).
+    U_0 = u / s_0 (W[b_1] + H_0)                                 (stage 0's optimizer update)
+    minimise  t_0 + U_0 + sum_{0<j<p-1} s_j + t_{p-1} + (m - 1) T,   T >= s_j for all j
+    (for p = 1 the sum is t_0 + U_0 alone; with k = 0, or m = 1, s_j = t_j).
 
 Bytes are integers already, so memory is exact.  Times are scaled to integer *ticks*: with
 ``S = 2**30 / R`` ticks per second, R the largest sum of stage times over the candidate m
 (slowest device, all recompute, every cut paid), each table entry and o_j is rounded to the
-nearest tick.  A stage time then errs by at most 2 ticks (two prefix entries, one cut, o_j), so
-the scaled objective of any partition is within ``E = 2 (p + m - 1)`` ticks of S times its
-step time, and the plan CP-SAT proves optimal is within ``2 E / S = 4 (p + m - 1) R / 2**30``
-seconds of the true optimum (about ``4e-9 (p + m - 1)`` of R).  o_j, C and the stage's F and B
+nearest tick.  A stage time then errs by at most 2 ticks (two prefix entries, one cut, o_j), and
+U_0 by 1 + h / 2 (one prefix entry, one rounded constant per shared parameter, h of them), so
+the scaled objective of any partition is within ``E = 2 (p + m - 1) + 1 + h / 2`` ticks of S
+times its step time, and the plan CP-SAT proves optimal is within ``2 E / S`` seconds of the
+true optimum (about ``4e-9 (p + m - 1)`` of R).  o_j, C and the stage's F and B
 are read from :func:`planner.costmodel.stage_time`, so the model follows the cost model.  The returned plan is always
 re-evaluated exactly by :func:`planner.costmodel.evaluate`.
 
@@ -77,6 +79,7 @@ from planner.costmodel import (
     recomputes,
     stage_time,
     unit_costs,
+    update_rate,
 )
 from planner.errors import InfeasiblePlanError
 from planner.io import format_bytes
@@ -108,10 +111,19 @@ class CpsatResult:
     per_m_status: dict[int, str] = field(default_factory=dict)
 
 
-def _reference_time(profile: Profile, cluster: Cluster, options: PlanOptions, ms: list[int]) -> float:
+def _err_ticks(p: int, m: int, n_shared: int) -> float:
+    """E: how far the scaled objective of any partition can be from S times its step time."""
+    return _ERR * (p + m - 1) + 1 + n_shared / 2
+
+
+def _reference_time(
+    profile: Profile, cluster: Cluster, options: PlanOptions, ms: list[int]
+) -> float:
     """R: the largest sum of stage times any partition can have, over the candidate m."""
     s_min = min(d.speed for d in cluster.devices)
-    worst = 0.0
+    rate = update_rate(profile, options.optimizer)
+    shared = sum(sp.bytes * len(sp.units) for sp in profile.shared_params)
+    worst = rate * (sum(u.param_bytes for u in profile.units) + shared) / s_min
     for m in ms:
         c = unit_costs(profile, m)
         comm = sum(_cut_times(c, cluster, options))
@@ -128,7 +140,11 @@ def _cut_times(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list
     n = costs.n
     if cluster.n_stages < 2:
         return [0.0] * (n + 1)
-    return [0.0, *(stage_time(costs, cluster, options, k - 1, k - 1, 0)[2] for k in range(1, n)), 0.0]
+    return [
+        0.0,
+        *(stage_time(costs, cluster, options, k - 1, k - 1, 0)[2] for k in range(1, n)),
+        0.0,
+    ]
 
 
 def _compute(costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int) -> np.ndarray:
@@ -151,7 +167,7 @@ def error_bound_s(profile: Profile, cluster: Cluster, options: PlanOptions) -> f
     """Seconds by which a plan CP-SAT proves optimal may exceed the true optimum."""
     ms = microbatch_choices(profile, options)
     R = _reference_time(profile, cluster, options, ms)
-    return 2 * _ERR * (cluster.n_stages + max(ms) - 1) * R / TICKS
+    return 2 * _err_ticks(cluster.n_stages, max(ms), len(profile.shared_params)) * R / TICKS
 
 
 def _ticks(values: np.ndarray | list[float], scale: float) -> list[int]:
@@ -171,6 +187,7 @@ class _Model:
         window: tuple[list[int], list[int]] | None = None,
         hint: tuple[int, ...] | None = None,
         t_floor: int = 0,
+        rate: float = 0.0,
     ) -> None:
         n, p, m = costs.n, cluster.n_stages, costs.m
         self.n, self.p, self.m = n, p, m
@@ -222,6 +239,7 @@ class _Model:
         offsets = _ticks(offsets_s, scale)
         kappa = contention(cluster, m)
         horizon = 0
+        upd: cp_model.LinearExpr | int = 0
         self.t: list[cp_model.IntVar] = []
         self.s: list[cp_model.IntVar] = []
         for j in range(p):
@@ -245,7 +263,15 @@ class _Model:
                 self.s.append(t)
             horizon = max(horizon, top)
             q = in_flight(options.schedule, j, p, m)
-            mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + self._copies(costs, j))
+            copies = self._copies(costs, j)
+            held = sum((int(nbytes) * e for nbytes, e in copies), start=0)
+            mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + held)
+            if j == 0 and rate:  # U_0: stage 0's update, which ends the step
+                per_byte = rate / cluster.devices[0].speed * scale
+                U = _ticks(costs.Pw * per_byte, scale=1.0)
+                upd = at(1, U, "u") + sum(
+                    (_ticks([nbytes * per_byte], 1.0)[0] * e for nbytes, e in copies), start=0
+                )
             acts = at(j + 1, A, "ae") - at(j, A, "as")
             if rc:
                 mem = mem + q * at(j, X, "x") + acts
@@ -258,6 +284,8 @@ class _Model:
         md.add_max_equality(self.tmax, self.s)
         stage_sum = [self.t[j] if j in (0, p - 1) else self.s[j] for j in range(p)]
         self.objective = sum(stage_sum) + (m - 1) * self.tmax
+        if rate:
+            self.objective = self.objective + upd
         md.minimize(self.objective)
         if hint is not None:
             for var, value in zip(self.b, (*hint, n)):
@@ -275,20 +303,21 @@ class _Model:
             self._le[key] = lit
         return self._le[key]
 
-    def _copies(self, costs: UnitCosts, j: int) -> cp_model.LinearExpr | int:
-        """Bytes of shared parameters stage j holds but does not own (cf. shared_bytes).
+    def _copies(self, costs: UnitCosts, j: int) -> list[tuple[int, cp_model.LinearExpr]]:
+        """(bytes, [stage j holds a copy]) of every shared parameter (cf. shared_bytes): a copy
+        is held where stage j holds a user but not the owner.
 
         Stage j holds unit u iff [b_j <= u] - [b_{j+1} <= u] = 1; h >= that for every user u,
         and the owner's membership is subtracted exactly.
         """
-        total: cp_model.LinearExpr | int = 0
+        out = []
         for k, (nbytes, users) in enumerate(costs.shared):
             holds = [self._before(j, int(u)) - self._before(j + 1, int(u)) for u in users]
             h = self.model.new_bool_var(f"h{j}_{k}")
             for expr in holds:
                 self.model.add(h >= expr)
-            total = total + int(nbytes) * (h - holds[0])
-        return total
+            out.append((int(nbytes), h - holds[0]))
+        return out
 
     def solve(
         self, time_limit: float | None, cutoff: int | None
@@ -306,14 +335,37 @@ class _Model:
         return tuple(int(solver.value(b)) for b in self.b[:-1])
 
 
+def _greedy(
+    tables: list[np.ndarray], offsets: list[float], n: int, T: float
+) -> tuple[int, ...] | None:
+    """Stage starts when stage j (cost table ``tables[j]`` plus ``offsets[j]``) takes the most
+    units whose compute time is <= T, leaving one unit for every later stage."""
+    p = len(tables)
+    starts = [0]
+    for j in range(p - 1):
+        Q = tables[j]
+        reach = int(np.searchsorted(Q, Q[starts[-1]] + T - offsets[j], side="right")) - 1
+        nxt = min(reach, n - (p - 1 - j))
+        if nxt <= starts[-1]:
+            return None
+        starts.append(nxt)
+    Q = tables[p - 1]
+    return tuple(starts) if Q[n] - Q[starts[-1]] + offsets[p - 1] <= T else None
+
+
 class _Bounds:
     """Compute-only bounds of one m: the min-max partition, S_lb and the boundary windows.
 
     ``Qc[j]`` is the prefix table of stage j's compute time on device j (recompute included,
-    communication left out), so a stage's compute time is a lower bound of its t_j.  Greedily
-    taking the longest stage that fits a threshold is exact for the min-max of such monotone
-    interval costs, so bisection on the threshold gives ``T_lb``, a lower bound of max_j t_j
-    over all partitions, and a good partition to hint.
+    communication left out), so a stage's compute time is a lower bound of its t_j.  When every
+    stage has the same cost function, greedily taking the longest stage that fits a threshold
+    is exact for the min-max of such monotone interval costs.  The stages' functions differ
+    (device speeds; the last stage may not recompute), and then the greedy can fail at a
+    threshold some partition meets: a long early stage can push a unit that is cheap only on a
+    later stage onto a middle one.  So ``T_lb`` comes from the greedy on the cheapest function,
+    each unit at its lowest cost over the stages and the smallest offset (a relaxation: a lower
+    bound of max_j t_j over all partitions), and the greedy on the real functions, bisected,
+    only gives a partition to hint.
     """
 
     def __init__(self, costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> None:
@@ -324,37 +376,32 @@ class _Bounds:
         per_unit = np.array([np.diff(Q) for Q in self.Qc])
         self.s_lb = float(per_unit.min(axis=0).sum()) + sum(self.off)
         """A lower bound of sum_j t_j: every unit runs where it is cheapest, no communication."""
-        hi = max(float(Q[-1]) + o for Q, o in zip(self.Qc, self.off))
-        lo = 0.0
-        if self.greedy(0.0) is None:
-            for _ in range(100):
-                mid = (lo + hi) / 2
-                if mid in (lo, hi):
-                    break
-                if self.greedy(mid) is None:
-                    lo = mid
-                else:
-                    hi = mid
-        else:
-            hi = 0.0
-        self.t_lb = lo
+        cheapest = np.concatenate([[0.0], np.cumsum(per_unit.min(axis=0))])
+        self.t_lb = self._bisect([cheapest] * p, [min(self.off)] * p)[0]
+        hi = self._bisect(self.Qc, self.off)[1]
         starts = self.greedy(hi)
         assert starts is not None
         self.hint = starts
 
+    def _bisect(self, tables: list[np.ndarray], offsets: list[float]) -> tuple[float, float]:
+        """(lo, hi): the greedy fails at lo (or lo = 0) and succeeds at hi, hi - lo tiny."""
+        hi = max(float(Q[-1]) + o for Q, o in zip(tables, offsets))
+        lo = 0.0
+        if _greedy(tables, offsets, self.n, 0.0) is not None:
+            return 0.0, 0.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if mid in (lo, hi):
+                break
+            if _greedy(tables, offsets, self.n, mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        return lo, hi
+
     def greedy(self, T: float) -> tuple[int, ...] | None:
         """Stage starts when each stage takes the most units whose compute time is <= T."""
-        n, p = self.n, self.p
-        starts = [0]
-        for j in range(p - 1):
-            Q = self.Qc[j]
-            reach = int(np.searchsorted(Q, Q[starts[-1]] + T - self.off[j], side="right")) - 1
-            nxt = min(reach, n - (p - 1 - j))
-            if nxt <= starts[-1]:
-                return None
-            starts.append(nxt)
-        Q = self.Qc[p - 1]
-        return tuple(starts) if Q[n] - Q[starts[-1]] + self.off[p - 1] <= T else None
+        return _greedy(self.Qc, self.off, self.n, T)
 
     def window(self, T: float) -> tuple[list[int], list[int]]:
         """Bounds on every b_j for partitions whose stages all compute within T."""
@@ -363,10 +410,14 @@ class _Bounds:
         upper, lower = [0] * (p + 1), [n] * (p + 1)
         for j in range(p):
             Q, room = self.Qc[j], T - self.off[j]
-            upper[j + 1] = max(upper[j], int(np.searchsorted(Q, Q[upper[j]] + room, side="right")) - 1)
+            upper[j + 1] = max(
+                upper[j], int(np.searchsorted(Q, Q[upper[j]] + room, side="right")) - 1
+            )
         for j in range(p - 1, -1, -1):
             Q, room = self.Qc[j], T - self.off[j]
-            lower[j] = min(lower[j + 1], int(np.searchsorted(Q, Q[lower[j + 1]] - room, side="left")))
+            lower[j] = min(
+                lower[j + 1], int(np.searchsorted(Q, Q[lower[j + 1]] - room, side="left"))
+            )
         lower[0], upper[p] = 0, n
         return lower, upper
 
@@ -406,7 +457,8 @@ def partition_cpsat(
     proven = True
     for bd, c in order:
         m = bd.m
-        lb_ticks = bd.lower_bound() * scale - _ERR * (p + m - 1)
+        err = _err_ticks(p, m, len(profile.shared_params))
+        lb_ticks = bd.lower_bound() * scale - err
         if best is not None and bd.lower_bound() >= best[0]:
             status_of[m] = "pruned"
             continue
@@ -420,7 +472,8 @@ def partition_cpsat(
         incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
         window = bd.window(bd.t_max(incumbent)) if math.isfinite(incumbent) else None
         t_floor = math.floor(bd.t_lb * scale - _ERR)
-        model = _Model(c, cluster, options, scale, caps, window, bd.hint, t_floor)
+        rate = update_rate(profile, options.optimizer)
+        model = _Model(c, cluster, options, scale, caps, window, bd.hint, t_floor, rate)
         status, solver = model.solve(left, None if best is None else best[1] - 1)
         status_of[m] = solver.status_name(status).lower()
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -429,10 +482,12 @@ def partition_cpsat(
             if best is None or obj < best[1]:
                 exact = evaluate(profile, cluster, options, starts[1:], m, solver="cpsat")
                 best = (exact.step_time_s, obj, starts, m)
-        elif status == cp_model.UNKNOWN and hint_s is not None and hint_s < (best or (math.inf,))[0]:
+        elif (
+            status == cp_model.UNKNOWN and hint_s is not None and hint_s < (best or (math.inf,))[0]
+        ):
             # Out of time before CP-SAT's first solution: keep the greedy one, with its ticks
             # rounded up by the scaling error so that the cutoff excludes nothing better.
-            best = (hint_s, math.ceil(hint_s * scale + _ERR * (p + m - 1)), bd.hint, m)
+            best = (hint_s, math.ceil(hint_s * scale + err), bd.hint, m)
         if status in (cp_model.FEASIBLE, cp_model.UNKNOWN):
             proven = False
             bounds.append(max(lb_ticks, solver.best_objective_bound))
@@ -460,7 +515,11 @@ def _satisfies(
     if sizes.min() < options.min_units or sizes.max() > (options.max_units or profile.n_units):
         return None
     for unit, stage in options.pinned.items():
-        if not starts[stage] <= unit < (starts[stage + 1] if stage + 1 < len(starts) else profile.n_units):
+        if (
+            not starts[stage]
+            <= unit
+            < (starts[stage + 1] if stage + 1 < len(starts) else profile.n_units)
+        ):
             return None
     plan = evaluate(profile, cluster, options, starts[1:], m, solver="cpsat")
     return plan.step_time_s if plan.feasible else None

@@ -3,10 +3,10 @@
 Problem.  Split units 0..n-1 into p contiguous non-empty stages and choose m (micro-batches) to
 minimise the GPipe step time of :mod:`planner.costmodel`,
 
-    T(m, P) = S(P) + (m - 1) M(P),   S = sum_j t_j + k sum_{0<j<p-1} c_j,  M = max_j s_j,
+    T(m, P) = S(P) + (m - 1) M(P),   S = sum_j t_j + k sum_{0<j<p-1} c_j + U_0,  M = max_j s_j,
 
 with s_j = t_j + k c_j the steady-state stage time under contention k (c_j = F_j + B_j; k = 0
-when m = 1 or p = 1, and then s_j = t_j),
+when m = 1 or p = 1, and then s_j = t_j) and U_0 the optimizer update of stage 0's parameters,
 
 subject to M_j <= cap_j on every stage.  The objective mixes a sum and a maximum, so a plain
 prefix DP is not exact.  For a fixed m we use the bottleneck-threshold method (as in Alpa's
@@ -16,7 +16,7 @@ inter-operator pass): for a threshold M let
 
 computed by a prefix DP over (stage, last unit); then min_P T = min_M S*(M) + (m - 1) M over
 the distinct steady-state stage times M.  S is a sum of per-stage terms (stage 0 and the last
-add t_j, the stages between s_j), so the prefix DP stays exact.  S* is a non-increasing step function, so only the left ends of its
+add t_j, stage 0 also U_0, the stages between s_j), so the prefix DP stays exact.  S* is a non-increasing step function, so only the left ends of its
 plateaus matter; they are found by bisection over the sorted candidate thresholds between
 
     M_min = the min-max stage time (a min-max prefix DP), and
@@ -55,6 +55,7 @@ from planner.costmodel import (
     recomputes,
     step_time,
     unit_costs,
+    update_rate,
 )
 from planner.errors import InfeasiblePlanError, UnsupportedConstraintError
 from planner.io import format_bytes
@@ -79,7 +80,14 @@ class _Instance:
     p - 1 stages over units 0..L-1.
     """
 
-    def __init__(self, costs: UnitCosts, cluster: Cluster, options: PlanOptions, caps: np.ndarray):
+    def __init__(
+        self,
+        costs: UnitCosts,
+        cluster: Cluster,
+        options: PlanOptions,
+        caps: np.ndarray,
+        rate: float = 0.0,
+    ):
         self.c = costs
         self.n = n = costs.n
         self.p = cluster.n_stages
@@ -99,12 +107,15 @@ class _Instance:
         self.op = 2.0 * cluster.op_overhead_s  # engine cost of one forward and one backward
         self.kappa = contention(cluster, self.m)
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
+        self.u = rate / speed  # update seconds per parameter byte
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
         L = np.arange(n + 1)
         j = self.p - 1
         w = costs.Pw[n] - costs.Pw[L] + costs.shared_bytes(L, n - 1)
         a = costs.Pa[n] - costs.Pa[L]
+        # With one stage the last stage is stage 0, whose update U_0 ends the step.
+        self.u_last = self.u * w if self.p == 1 else np.zeros(n + 1)
         if rc_last:
             mem = w * self.wk + self.q[j] * x + a
         else:
@@ -136,8 +147,9 @@ class _Instance:
 
     def band(
         self, W: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
-        """(l, t, s) of every mid stage l = r - d .. r, d < W, as (n, W) arrays; memory masks."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
+        """(l, t, s, U) of every mid stage l = r - d .. r, d < W, as (n, W) arrays; memory
+        masks."""
         n, c = self.n, self.c
         r = np.arange(n)[:, None]
         l = r - np.arange(W)[None, :]
@@ -146,7 +158,9 @@ class _Instance:
         busy = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.op, _INF)
         t = busy + np.where(valid, self.comm[r + 1], 0.0)
         s = t + self.kappa * busy if self.kappa else t
-        w = (c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)) * self.wk
+        w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
+        upd = self.u * w
+        w = w * self.wk
         a = c.Pa[r + 1] - c.Pa[lc]
         rc = recomputes(self.policy, 0, 2)
         masks: dict[tuple[int, float], np.ndarray] = {}
@@ -155,7 +169,7 @@ class _Instance:
             if key not in masks:
                 mem = w + self.q[j] * c.x[lc] + a if rc else w + self.q[j] * a
                 masks[key] = valid & (mem <= self.caps[j])
-        return np.where(valid, l, n + 1), t, s, masks
+        return np.where(valid, l, n + 1), t, s, upd, masks
 
     def run_mid(self, threshold: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
         """V[L] = min-sum (or min-max) over the first p - 1 stages covering 0..L-1, t <= threshold.
@@ -169,11 +183,11 @@ class _Instance:
         choice = np.zeros((max(p - 1, 0), n), dtype=np.int64)
         if p == 1:
             return dp[: n + 1], choice
-        lidx, t, s, masks = self.band(self.width(threshold))
+        lidx, t, s, upd, masks = self.band(self.width(threshold))
         ok = s <= threshold
-        # Stage 0 adds t_j to S, the stages between s_j (their fill and drain contend too); the
-        # bottleneck M is over s_j.
-        first = {key: np.where(mask & ok, t, _INF) for key, mask in masks.items()}
+        # Stage 0 adds t_j + U_j to S (its update ends the step), the stages between s_j (their
+        # fill and drain contend too); the bottleneck M is over s_j.
+        first = {key: np.where(mask & ok, t + upd, _INF) for key, mask in masks.items()}
         later = {key: np.where(mask & ok, s, _INF) for key, mask in masks.items()}
         rows = np.arange(n)
         for j in range(p - 1):
@@ -188,7 +202,7 @@ class _Instance:
 
     def candidates(self, lo: float, hi: float) -> np.ndarray:
         """Sorted distinct mid-stage steady-state times s in [lo, hi]."""
-        _, _, s, _ = self.band(self.width(hi))
+        _, _, s, _, _ = self.band(self.width(hi))
         vals = s[(s >= lo) & (s <= hi)]
         return np.unique(vals)
 
@@ -205,13 +219,15 @@ class _Instance:
         times = [c + float(self.comm[e]) for c, e in zip(busy, ends)]
         busy.append(float(self.t_last[starts[-1]]))
         times.append(busy[-1])
-        return step_time(times, self.m, busy, self.kappa)
+        end0 = starts[1] if self.p > 1 else self.n
+        w0 = self.c.Pw[end0] - self.c.Pw[0] + self.c.shared_bytes(0, end0 - 1)
+        return step_time(times, self.m, busy, self.kappa) + self.u * float(w0)
 
 
 def _solve_m(inst: _Instance) -> _Result | None:
     """Exact min over partitions of S + (m - 1) M for one micro-batch count (see module doc)."""
     m, n, p = inst.m, inst.n, inst.p
-    tl, sl = inst.t_last, inst.s_last
+    tl, sl = inst.t_last + inst.u_last, inst.s_last
     best: _Result | None = None
 
     def consider(V: np.ndarray, choice: np.ndarray, M: float) -> None:
@@ -243,7 +259,7 @@ def _solve_m(inst: _Instance) -> _Result | None:
         G = G * 2 if G < total else _INF
     mm, mm_choice = inst.run_mid(G, "max")
     mm_lb = np.where(mm <= G, mm, G)  # a lower bound on the mid bottleneck for every L
-    if not inst.comm.any() and (p == 2 or not inst.kappa):
+    if not inst.comm.any() and (p == 2 or not inst.kappa) and not inst.u:
         # Free links: S = Qmid[L] + t_last(L) for every partition, so the min-max DP decides.
         # mm[L] is exact where <= G and a lower bound (G) elsewhere: grow G until the minimiser
         # is exact.
@@ -318,7 +334,10 @@ def partition_dp(
     caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
     best: tuple[tuple[int, ...], int, float] | None = None
     for m in microbatch_choices(profile, options):
-        res = _solve_m(_Instance(unit_costs(profile, m), cluster, options, caps))
+        costs = unit_costs(profile, m)
+        res = _solve_m(
+            _Instance(costs, cluster, options, caps, update_rate(profile, options.optimizer))
+        )
         if res is not None and (best is None or res.objective < best[2]):
             best = (res.starts, m, res.objective)
     return best
@@ -376,5 +395,12 @@ def solve_dp(profile: Profile, cluster: Cluster, options: PlanOptions | None = N
         )
     starts, m, _ = found
     return evaluate(
-        profile, cluster, options, starts[1:], m, solver="dp", status="optimal", solve_time_s=elapsed
+        profile,
+        cluster,
+        options,
+        starts[1:],
+        m,
+        solver="dp",
+        status="optimal",
+        solve_time_s=elapsed,
     )

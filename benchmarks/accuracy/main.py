@@ -81,7 +81,7 @@ def _simulated(plan: Plan, profile: Profile, cluster: Cluster) -> float:
     """The plan's partition and m, re-evaluated with another profile: its simulated makespan."""
     options = PlanOptions.model_validate(
         {"microbatches": plan.microbatches, "checkpoint": plan.checkpoint,
-         "schedule": plan.schedule}
+         "schedule": plan.schedule, "optimizer": plan.optimizer}
     )  # fmt: skip
     again = evaluate(profile, cluster, options, plan.boundaries, plan.microbatches, solver="dp")
     return again.simulated_step_time_s or again.step_time_s
@@ -123,7 +123,8 @@ def main() -> None:
                 if batch % m:
                     continue
                 for policy in POLICIES[p]:
-                    plan = solve_dp(prof, cluster, PlanOptions(microbatches=m, checkpoint=policy))
+                    options = PlanOptions(microbatches=m, checkpoint=policy, optimizer="sgd")
+                    plan = solve_dp(prof, cluster, options)
                     path = out / f"{name}.p{p}.m{m}.{policy}.plan.json"
                     write_json(path, plan)
                     plans.append(plan)

@@ -15,8 +15,8 @@
    backward per micro-batch measured vs predicted.  ``results.json`` (next to this file) keeps
    the numbers; profiles, plans and reports stay in ``--out``.
 
-Plans use the CLI's defaults (checkpoint ``except_last``, GPipe, memory model for Adam); the
-runs use SGD, as ``pipeplan run`` does by default.
+Plans use the CLI's defaults (checkpoint ``except_last``, GPipe, Adam) and the runs train with the
+plan's optimizer, as ``pipeplan run`` does by default; the plans charge its update time.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def worker(args: argparse.Namespace) -> None:
         plan = load_plan(path)
         torch.manual_seed(0)
         spec = load_model(plan.model, dict(plan.model_kwargs))
-        runner = PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer="sgd")
+        runner = PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer=plan.optimizer)
         torch.manual_seed(1)
         runs.append((Path(path), plan, runner, spec.batch(plan.batch_size)))
     for rnd in range(args.rounds):

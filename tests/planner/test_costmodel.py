@@ -212,3 +212,48 @@ def test_recompute_falls_back_to_forward_plus_backward() -> None:
     f0 = sum(x.timings[2].forward_s for x in bare.units[:2])
     g0 = sum(x.timings[2].backward_s for x in bare.units[:2])
     assert plan.stages[0].backward_s == pytest.approx(f0 + g0)
+
+
+def test_update_charged_by_parameter_bytes_and_ends_the_step() -> None:
+    prof = synthetic_profile(6, batch_size=8, seed=2, tied=True, update_s_per_byte=2e-9)
+    cl = Cluster.homogeneous(3, 2**40)
+    base = prof.model_copy(update={"update_s": {}})
+    for opt in ("sgd", "momentum", "adam"):
+        options = PlanOptions(optimizer=opt)
+        plan = evaluate(prof, cl, options, [2, 4], 4, solver="t")
+        plain = evaluate(base, cl, options, [2, 4], 4, solver="t")
+        rate = prof.update_s[opt] / sum(u.param_bytes for u in prof.units)
+        # U_j = u w_j, the head's copy of the tied weight included; stage 0's ends the step.
+        assert [s.update_s for s in plan.stages] == pytest.approx(
+            [rate * s.memory.params for s in plan.stages], rel=1e-12
+        )
+        assert plan.stages[2].update_s > rate * sum(u.param_bytes for u in prof.units[4:])
+        assert plan.step_time_s == pytest.approx(plain.step_time_s + plan.stages[0].update_s)
+        assert plan.simulated_step_time_s is not None and plain.simulated_step_time_s is not None
+        assert plan.simulated_step_time_s >= plain.simulated_step_time_s + plan.stages[0].update_s
+    one = evaluate(prof, Cluster.homogeneous(1, 2**40), PlanOptions(), [], 2, solver="t")
+    assert one.stages[0].update_s == pytest.approx(prof.update_s["adam"], rel=1e-12)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(floats, floats, st.integers(1, 5), st.integers(1, 8), st.floats(0.0, 1.0),
+       st.floats(0.0, 5.0), st.sampled_from(["gpipe", "1f1b"]))
+def test_closed_form_equals_simulator_with_updates(
+    f: float, b: float, p: int, m: int, kappa: float, u: float, schedule: str
+) -> None:
+    # Identical stages: stage 0's update starts last, every other stage's ends before it.
+    tl = simulate([f] * p, [b] * p, [0.0] * p, m, contention=kappa, schedule=schedule,
+                  update_s=[u] * p)  # fmt: skip
+    closed = step_time([f + b] * p, m, [f + b] * p, kappa) + u
+    assert tl.makespan_s == pytest.approx(closed, rel=1e-9)
+    if u > 0:
+        assert [e.stage for e in tl.events if e.kind == "optimizer"] == list(range(p))
+
+
+def test_a_late_stage_update_longer_than_the_drain_sets_the_makespan() -> None:
+    # p = 2, m = 1, F = B = 1: stage 1 ends its backward at 3, stage 0 at 4.  Stage 1's update
+    # of 5 outlasts stage 0's backward and update (1): the step ends at 3 + 5 = 8, where the
+    # closed form charges U_0 alone (4 + 1).
+    tl = simulate([1.0, 1.0], [1.0, 1.0], [0.0, 0.0], 1, update_s=[1.0, 5.0])
+    assert tl.makespan_s == pytest.approx(8.0)
+    assert step_time([2.0, 2.0], 1) + 1.0 == pytest.approx(5.0)

@@ -12,6 +12,8 @@ from planner.io import load_profile, write_json
 from planner.model import load_model
 from planner.types import Profile
 from profiler import default_microbatch_sizes, profile_model
+from profiler.device import Clock
+from profiler.measure import measure_updates
 
 FAST = {"warmup": 1, "repeats": 2, "progress": False}
 GPT = {"vocab": 512, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}
@@ -34,6 +36,22 @@ def test_every_field_is_filled(gpt_profile: Profile) -> None:
     assert [u.name for u in p.units] == ["embed", "blocks.0", "blocks.1", "head"]
     assert p.input_bytes_per_sample == 16 * 8  # seq_len int64 tokens
     assert len(p.cuts) == 3 and all(c.bytes_per_sample == 16 * 32 * 4 for c in p.cuts)
+
+
+def test_optimizer_updates_are_timed() -> None:
+    p = profile_model("models.mlp:mlp", batch_size=4, model_kwargs=MLP, **FAST)
+    assert set(p.update_s) == {"sgd", "momentum", "adam"}
+    assert all(t > 0 for t in p.update_s.values())
+
+
+def test_timing_the_updates_leaves_the_parameters_alone() -> None:
+    module = load_model("models.mlp:mlp", MLP).module
+    params = list(module.parameters())
+    before = [t.detach().clone() for t in params]
+    times = measure_updates(params, clock=Clock(torch.device("cpu")), warmup=1, repeats=3)
+    assert set(times) == {"sgd", "momentum", "adam"}
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert all(t.grad is None for t in params)
 
 
 def test_times_positive_and_saved_bytes_grow_with_microbatch(gpt_profile: Profile) -> None:

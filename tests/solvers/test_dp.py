@@ -39,6 +39,7 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         heavy_ends=draw(st.booleans()),
         tied=draw(st.booleans()),
         loss=draw(st.booleans()),
+        update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 1e-9, 3e-9])),
     )
     link = Link(
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e9, 1e11])),
