@@ -1,6 +1,6 @@
 """Measured plan quality: the DP's 2-stage plan against the baselines', run through the runtime.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.quality.main [--rounds 5] [--steps 15]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.quality.main [--rounds 7] [--steps 15]
 
 1. ``pipeplan calibrate --nproc 2 --threads 1`` once (link + engine cost per operation).
 2. Per model (see ``MODELS``): profile with one thread per rank, plan 2 stages with ``dp``
@@ -10,8 +10,11 @@
    :class:`runtime.engine.PipelineRunner` (the engine ``pipeplan run`` uses), then the plans
    run round-robin, ``--rounds`` rounds of ``--warmup`` + ``--steps`` steps each, and every
    (plan, round) becomes a :class:`planner.types.RunReport` (``runtime.report.build_report``).
-4. Per plan: predicted step time, measured step time (median over rounds of each round's
-   median), measured / predicted, measured / the DP plan's measured, and per-stage forward and
+4. Per plan: predicted step time (the simulated makespan of the plan's stage times; the
+   closed form T(m), the solvers' objective, beside it), measured step time (median over rounds
+   of each round's median), measured / predicted, measured / the DP plan's measured, the
+   paired ratio (median over rounds of the plan's round median / the DP plan's in the same
+   round, which cancels the host's slow phases), and per-stage forward and
    backward per micro-batch measured vs predicted.  ``results.json`` (next to this file) keeps
    the numbers; profiles, plans and reports stay in ``--out``.
 
@@ -104,7 +107,10 @@ def summarize(name: str, plans: dict[str, Path], out: Path) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for solver, plan in loaded.items():
         runner = next(s for s in loaded if keys[s] == keys[solver])  # first with this partition
-        reports = sorted(out.glob(f"{plans[runner].stem}.round*.report.json"))
+        reports = sorted(
+            out.glob(f"{plans[runner].stem}.round*.report.json"),
+            key=lambda f: int(f.name.split(".round")[1].split(".")[0]),
+        )
         reps = [load_report(r) for r in reports]
         medians = [r.step_time_s for r in reps]
         measured = statistics.median(medians)
@@ -123,7 +129,7 @@ def summarize(name: str, plans: dict[str, Path], out: Path) -> dict[str, Any]:
         m = plan.microbatches
         sim_profile = simulate_plan(plan).makespan_s
         as_measured = tuple(
-            st.model_copy(update={"forward_s": fb[0], "backward_s": fb[1]})
+            st.model_copy(update={"forward_s": fb[0], "backward_s": fb[1], "update_s": 0.0})
             for st, fb in zip(plan.stages, measured_fb, strict=True)
         )
         sim_measured = simulate_plan(plan.model_copy(update={"stages": as_measured})).makespan_s
@@ -141,7 +147,8 @@ def summarize(name: str, plans: dict[str, Path], out: Path) -> dict[str, Any]:
             "partition": " | ".join(f"{s.first_unit}-{s.last_unit}" for s in plan.stages),
             "m": m,
             "same_as": runner if runner != solver else None,
-            "predicted_ms": plan.step_time_s * 1e3,
+            "predicted_ms": sim_profile * 1e3,
+            "closed_form_ms": plan.step_time_s * 1e3,
             "work_pred_ms": m * sum(s.forward_s + s.backward_s for s in plan.stages) * 1e3,
             "measured_ms": measured * 1e3,
             "round_medians_ms": [t * 1e3 for t in medians],
@@ -151,16 +158,19 @@ def summarize(name: str, plans: dict[str, Path], out: Path) -> dict[str, Any]:
     for row in rows.values():
         row["meas_over_pred"] = row["measured_ms"] / row["predicted_ms"]
         row["meas_over_dp"] = row["measured_ms"] / dp
+        # The plans run interleaved, so a round's slow phase hits all of them: pair them.
+        pairs = zip(row["round_medians_ms"], rows["dp"]["round_medians_ms"], strict=True)
+        row["paired_over_dp"] = statistics.median(a / b for a, b in pairs)
     return {"model": name, "spec": MODELS[name], "plans": rows}
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         (
-            "| model | plan | partition (m) | predicted ms | measured ms | measured / predicted "
-            "| measured / DP | work ms | rounds (ms) |"
+            "| model | plan | partition (m) | T(m) ms | predicted ms | measured ms "
+            "| measured / predicted | measured / DP | paired / DP | work ms | rounds (ms) |"
         ),
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for res in results:
         for solver, r in res["plans"].items():
@@ -169,8 +179,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
             cut = r["partition"].replace("|", "\\|")  # a literal | inside a Markdown cell
             lines.append(
                 f"| {res['model']} | {solver}{same} | {cut} ({r['m']}) "
-                f"| {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['meas_over_pred']:.2f} "
-                f"| {r['meas_over_dp']:.3f} | {r['work_pred_ms']:.1f} | {rounds} |"
+                f"| {r['closed_form_ms']:.1f} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} "
+                f"| {r['meas_over_pred']:.2f} | {r['meas_over_dp']:.3f} "
+                f"| {r['paired_over_dp']:.3f} | {r['work_pred_ms']:.1f} | {rounds} |"
             )
     lines += [
         "",
@@ -192,7 +203,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
             if r["same_as"]:
                 continue
             lines.append(
-                f"| {res['model']} | {solver} | {r['predicted_ms']:.1f} | {r['sim_profile_ms']:.1f} "
+                f"| {res['model']} | {solver} | {r['closed_form_ms']:.1f} "
+                f"| {r['sim_profile_ms']:.1f} "
                 f"| {r['sim_measured_ms']:.1f} | {r['tail_ms']:.1f} "
                 f"| {r['sim_measured_ms'] + r['tail_ms']:.1f} | {r['measured_ms']:.1f} "
                 f"| {r['loss_fwd_ms']:.2f} |"
@@ -308,7 +320,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=15, help="measured steps per plan per round")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per plan per round")
     ap.add_argument("--profile-repeats", type=int, default=9)
