@@ -47,13 +47,15 @@ def storage_keys(tensors: Sequence[Tensor]) -> set[int]:
     return {key[0] for t in tensors if (key := _storage(t)) is not None}
 
 
-def _leaves(inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """Detached copies of the inputs; floating-point tensors become leaves that require grad."""
+def _leaves(inputs: Sequence[Any], frozen: frozenset[int] = frozenset()) -> tuple[Any, ...]:
+    """Detached copies of the inputs; floating-point tensors become leaves that require grad,
+    except the positions in ``frozen`` (the model's own inputs: no stage computes their
+    gradient, so timing one would overcharge the backward)."""
     out = []
-    for x in inputs:
+    for i, x in enumerate(inputs):
         if isinstance(x, Tensor):
             x = x.detach()
-            if x.is_floating_point() or x.is_complex():
+            if (x.is_floating_point() or x.is_complex()) and i not in frozen:
                 x.requires_grad_(True)
         out.append(x)
     return tuple(out)
@@ -64,7 +66,10 @@ def _differentiable(outputs: Any) -> list[Tensor]:
 
 
 def saved_bytes(
-    module: torch.nn.Module, inputs: Sequence[Any], exclude: set[int]
+    module: torch.nn.Module,
+    inputs: Sequence[Any],
+    exclude: set[int],
+    frozen: frozenset[int] = frozenset(),
 ) -> tuple[int, Any]:
     """Bytes of the distinct storages autograd saves in one forward (except ``exclude``'s),
     and that forward's output."""
@@ -77,15 +82,19 @@ def saved_bytes(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(*_leaves(inputs))
+        out = module(*_leaves(inputs, frozen))
     return sum(seen.values()), out
 
 
 def _step(
-    module: torch.nn.Module, inputs: Sequence[Any], grads: list[Tensor], clock: Clock
+    module: torch.nn.Module,
+    inputs: Sequence[Any],
+    grads: list[Tensor],
+    clock: Clock,
+    frozen: frozenset[int] = frozenset(),
 ) -> tuple[float, float]:
     """One timed forward and backward: (forward seconds, backward seconds)."""
-    out, f = clock.time(lambda: module(*_leaves(inputs)))
+    out, f = clock.time(lambda: module(*_leaves(inputs, frozen)))
     diff = _differentiable(out)
     if not diff:
         return f, 0.0
@@ -106,11 +115,15 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
 
 
 def _recompute_step(
-    module: torch.nn.Module, inputs: Sequence[Any], grads: list[Tensor], clock: Clock
+    module: torch.nn.Module,
+    inputs: Sequence[Any],
+    grads: list[Tensor],
+    clock: Clock,
+    frozen: frozenset[int] = frozenset(),
 ) -> float:
     """Backward seconds of the unit under non-reentrant checkpointing, as a recomputing stage
     runs it: the forward again, the checkpoint's hooks, then the backward."""
-    out = checkpoint(module, *_leaves(inputs), use_reentrant=False)
+    out = checkpoint(module, *_leaves(inputs, frozen), use_reentrant=False)
     diff = _differentiable(out)
     if not diff:
         return 0.0
@@ -134,9 +147,13 @@ def measure_unit(
     repeats: int,
     exclude: set[int],
     seed: int = 0,
+    frozen: frozenset[int] = frozenset(),
 ) -> tuple[Timing, tuple[Any, ...]]:
-    """Time ``module(*inputs)`` forward and backward; return the Timing and detached outputs."""
-    saved, out = saved_bytes(module, inputs, exclude)
+    """Time ``module(*inputs)`` forward and backward; return the Timing and detached outputs.
+
+    ``frozen`` lists the positions of inputs that get no gradient (the model's own inputs).
+    """
+    saved, out = saved_bytes(module, inputs, exclude, frozen)
     outputs = out if isinstance(out, tuple) else (out,)
     g = torch.Generator().manual_seed(seed)
     grads = [
@@ -153,9 +170,9 @@ def measure_unit(
     peak: int | None = None
     for i in range(warmup + repeats):
         base = clock.reset_peak()
-        f, b = _step(module, inputs, grads, clock)
+        f, b = _step(module, inputs, grads, clock, frozen)
         with _buffers_restored(module):
-            r = _recompute_step(module, inputs, grads, clock)
+            r = _recompute_step(module, inputs, grads, clock, frozen)
         if i >= warmup:
             fwd.append(f)
             bwd.append(b)

@@ -169,6 +169,7 @@ def _profile(
     units = group_units(traced, granularity)
     pieces = split_units(traced, units)
     placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    model_inputs = set(placeholders)  # no stage computes their gradient
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
     clock = Clock(dev)
 
@@ -198,6 +199,7 @@ def _profile(
                     repeats=repeats,
                     exclude=exclude,
                     seed=k,
+                    frozen=frozenset(i for i, n in enumerate(piece.inputs) if n in model_inputs),
                 )
                 runs[k][b].append(timing)
                 values.update(zip(piece.outputs, outs))
