@@ -40,9 +40,10 @@ gets the incumbent as a cutoff (``objective <= best - 1``), so a hopeless m is r
 an m whose closed-form lower bound (:func:`planner.costmodel.lower_bound` per m) cannot beat the
 incumbent is skipped outright.
 
-Bounds and hints.  Stage compute times (no communication) are monotone interval costs, so the
-greedy "longest stage within T" plus bisection gives the compute-only min-max T_lb (a lower
-bound of max_j t_j, and a floor on T) and a partition to hint.  With an incumbent of step time
+Bounds and hints (:mod:`solvers.bounds`).  Stage compute times (no communication) are monotone
+interval costs.  The greedy "longest stage within T" on the cheapest per-unit cost, plus
+bisection, gives the compute-only min-max T_lb (a lower bound of max_j t_j, and a floor on T);
+the same greedy on the stages' own costs gives a partition to hint.  With an incumbent of step time
 U, any better partition has max_j t_j <= (U - S_lb) / (m - 1), S_lb = sum_u min_j (unit u's
 compute on device j); greedy reach forward and backward under that threshold bounds every b_j
 (the *window*), which shrinks the element tables from O(n) values to a few.
@@ -84,6 +85,7 @@ from planner.costmodel import (
 from planner.errors import InfeasiblePlanError
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
+from solvers.bounds import Bounds, stage_compute, stage_offsets
 
 __all__ = ["TICKS", "CpsatResult", "error_bound_s", "partition_cpsat", "solve_cpsat"]
 
@@ -127,7 +129,7 @@ def _reference_time(
     for m in ms:
         c = unit_costs(profile, m)
         comm = sum(_cut_times(c, cluster, options))
-        extra = sum(_offsets(c, cluster, options))
+        extra = sum(stage_offsets(c, cluster, options))
         worst = max(worst, float(2 * c.f.sum() + c.g.sum()) / s_min + comm + extra)
     return worst if worst > 0 else 1.0
 
@@ -145,22 +147,6 @@ def _cut_times(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list
         *(stage_time(costs, cluster, options, k - 1, k - 1, 0)[2] for k in range(1, n)),
         0.0,
     ]
-
-
-def _compute(costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int) -> np.ndarray:
-    """Q_j: prefix sums of stage j's per-unit compute time (recompute included) on device j."""
-    rc = recomputes(options.checkpoint, j, cluster.n_stages)
-    return (costs.Pf + (costs.Pr if rc else costs.Pg)) / cluster.devices[j].speed
-
-
-def _offsets(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[float]:
-    """o_j: stage j's time beyond its units' compute and its cut (a one-unit stage's excess)."""
-    p = cluster.n_stages
-    out = []
-    for j in range(p):
-        F, B, _ = stage_time(costs, cluster, options, 0, 0, j)
-        out.append(max(0.0, F + B - float(_compute(costs, cluster, options, j)[1])))
-    return out
 
 
 def error_bound_s(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
@@ -196,7 +182,7 @@ class _Model:
         self._le: dict[tuple[int, int], cp_model.IntVar] = {}
         lo_u, hi_u = options.min_units, options.max_units or n
         # Boundary b_j: stage j starts at unit b_j.  Domains from the unit counts, the pins and
-        # the window an incumbent leaves (see _window).
+        # the window an incumbent leaves (see Bounds.window).
         lower = [max(j * lo_u, n - (p - j) * hi_u) for j in range(p + 1)]
         upper = [min(n - (p - j) * lo_u, j * hi_u) for j in range(p + 1)]
         if window is not None:
@@ -235,7 +221,7 @@ class _Model:
         A = [int(v) for v in costs.Pa]
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
-        offsets_s = _offsets(costs, cluster, options)
+        offsets_s = stage_offsets(costs, cluster, options)
         offsets = _ticks(offsets_s, scale)
         kappa = contention(cluster, m)
         horizon = 0
@@ -244,7 +230,7 @@ class _Model:
         self.s: list[cp_model.IntVar] = []
         for j in range(p):
             rc = recomputes(options.checkpoint, j, p)
-            compute = _compute(costs, cluster, options, j)
+            compute = stage_compute(costs, cluster, options, j)
             Q = _ticks(compute, scale)
             expr = at(j + 1, Q, "qe") - at(j, Q, "qs") + offsets[j]
             cut = at(j + 1, comm, "c") if j < p - 1 else 0
@@ -335,101 +321,6 @@ class _Model:
         return tuple(int(solver.value(b)) for b in self.b[:-1])
 
 
-def _greedy(
-    tables: list[np.ndarray], offsets: list[float], n: int, T: float
-) -> tuple[int, ...] | None:
-    """Stage starts when stage j (cost table ``tables[j]`` plus ``offsets[j]``) takes the most
-    units whose compute time is <= T, leaving one unit for every later stage."""
-    p = len(tables)
-    starts = [0]
-    for j in range(p - 1):
-        Q = tables[j]
-        reach = int(np.searchsorted(Q, Q[starts[-1]] + T - offsets[j], side="right")) - 1
-        nxt = min(reach, n - (p - 1 - j))
-        if nxt <= starts[-1]:
-            return None
-        starts.append(nxt)
-    Q = tables[p - 1]
-    return tuple(starts) if Q[n] - Q[starts[-1]] + offsets[p - 1] <= T else None
-
-
-class _Bounds:
-    """Compute-only bounds of one m: the min-max partition, S_lb and the boundary windows.
-
-    ``Qc[j]`` is the prefix table of stage j's compute time on device j (recompute included,
-    communication left out), so a stage's compute time is a lower bound of its t_j.  When every
-    stage has the same cost function, greedily taking the longest stage that fits a threshold
-    is exact for the min-max of such monotone interval costs.  The stages' functions differ
-    (device speeds; the last stage may not recompute), and then the greedy can fail at a
-    threshold some partition meets: a long early stage can push a unit that is cheap only on a
-    later stage onto a middle one.  So ``T_lb`` comes from the greedy on the cheapest function,
-    each unit at its lowest cost over the stages and the smallest offset (a relaxation: a lower
-    bound of max_j t_j over all partitions), and the greedy on the real functions, bisected,
-    only gives a partition to hint.
-    """
-
-    def __init__(self, costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> None:
-        p = cluster.n_stages
-        self.n, self.p, self.m = costs.n, p, costs.m
-        self.Qc = [_compute(costs, cluster, options, j) for j in range(p)]
-        self.off = _offsets(costs, cluster, options)
-        per_unit = np.array([np.diff(Q) for Q in self.Qc])
-        self.s_lb = float(per_unit.min(axis=0).sum()) + sum(self.off)
-        """A lower bound of sum_j t_j: every unit runs where it is cheapest, no communication."""
-        cheapest = np.concatenate([[0.0], np.cumsum(per_unit.min(axis=0))])
-        self.t_lb = self._bisect([cheapest] * p, [min(self.off)] * p)[0]
-        hi = self._bisect(self.Qc, self.off)[1]
-        starts = self.greedy(hi)
-        assert starts is not None
-        self.hint = starts
-
-    def _bisect(self, tables: list[np.ndarray], offsets: list[float]) -> tuple[float, float]:
-        """(lo, hi): the greedy fails at lo (or lo = 0) and succeeds at hi, hi - lo tiny."""
-        hi = max(float(Q[-1]) + o for Q, o in zip(tables, offsets))
-        lo = 0.0
-        if _greedy(tables, offsets, self.n, 0.0) is not None:
-            return 0.0, 0.0
-        for _ in range(100):
-            mid = (lo + hi) / 2
-            if mid in (lo, hi):
-                break
-            if _greedy(tables, offsets, self.n, mid) is None:
-                lo = mid
-            else:
-                hi = mid
-        return lo, hi
-
-    def greedy(self, T: float) -> tuple[int, ...] | None:
-        """Stage starts when each stage takes the most units whose compute time is <= T."""
-        return _greedy(self.Qc, self.off, self.n, T)
-
-    def window(self, T: float) -> tuple[list[int], list[int]]:
-        """Bounds on every b_j for partitions whose stages all compute within T."""
-        n, p = self.n, self.p
-        T = T * (1 + 1e-9) + 1e-15
-        upper, lower = [0] * (p + 1), [n] * (p + 1)
-        for j in range(p):
-            Q, room = self.Qc[j], T - self.off[j]
-            upper[j + 1] = max(
-                upper[j], int(np.searchsorted(Q, Q[upper[j]] + room, side="right")) - 1
-            )
-        for j in range(p - 1, -1, -1):
-            Q, room = self.Qc[j], T - self.off[j]
-            lower[j] = min(
-                lower[j + 1], int(np.searchsorted(Q, Q[lower[j + 1]] - room, side="left"))
-            )
-        lower[0], upper[p] = 0, n
-        return lower, upper
-
-    def lower_bound(self) -> float:
-        """S_lb + (m - 1) T_lb, a lower bound of the step time of any partition with this m."""
-        return self.s_lb + (self.m - 1) * self.t_lb
-
-    def t_max(self, objective: float) -> float:
-        """The largest max_j t_j a partition whose step time is <= ``objective`` can have."""
-        return objective if self.m == 1 else (objective - self.s_lb) / (self.m - 1)
-
-
 def partition_cpsat(
     profile: Profile, cluster: Cluster, options: PlanOptions, *, ignore_memory: bool = False
 ) -> CpsatResult | None:
@@ -449,7 +340,7 @@ def partition_cpsat(
     order = []
     for m in ms:
         c = unit_costs(profile, m)
-        order.append((_Bounds(c, cluster, options), c))
+        order.append((Bounds(c, cluster, options), c))
     order.sort(key=lambda item: (item[0].lower_bound(), item[0].m))
     best: tuple[float, int, tuple[int, ...], int] | None = None  # (step s, ticks, starts, m)
     bounds: list[float] = []
