@@ -90,7 +90,7 @@ class Bounds:
             return 0.0, 0.0
         for _ in range(100):
             mid = (lo + hi) / 2
-            if mid in (lo, hi):
+            if mid in (lo, hi) or hi - lo <= 1e-9 * hi:
                 break
             if _greedy(tables, offsets, self.n, mid) is None:
                 lo = mid

@@ -358,6 +358,10 @@ def partition_cpsat(
             status_of[m] = "not started"
             bounds.append(lb_ticks)
             proven = False
+            # Out of time before this m: with no plan yet, keep its greedy partition if it fits.
+            hint_s = _satisfies(profile, cluster, options, bd.hint, m) if best is None else None
+            if hint_s is not None:
+                best = (hint_s, math.ceil(hint_s * scale + err), bd.hint, m)
             continue
         hint_s = _satisfies(profile, cluster, options, bd.hint, m)
         incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
