@@ -1,16 +1,16 @@
 """The closed-form cost model of a checkpointed GPipe pipeline.
 
 Units u = 0..n-1 in order, p contiguous stages, batch B, m micro-batches of size b = B/m.  Stage
-j covers units l..r (inclusive) and runs on device j (speed s_j, memory cap_j):
+j covers units l..r (inclusive) and runs on device j (speed v_j, memory cap_j):
 
-    F_j = sum_{u=l..r} f_u(b) / s_j + o      (+ the loss's forward on the last stage)
-    B_j = sum_{u=l..r} g_u(b) / s_j + o      (r_u(b) instead of g_u(b) when the stage recomputes:
+    F_j = sum_{u=l..r} f_u(b) / v_j + o      (+ the loss's forward on the last stage)
+    B_j = sum_{u=l..r} g_u(b) / v_j + o      (r_u(b) instead of g_u(b) when the stage recomputes:
                                              the measured checkpointed backward, else f_u + g_u)
                                              (+ the loss's backward on the last stage)
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     t_j = F_j + B_j + C_j
     s_j = t_j + k (F_j + B_j)        (steady-state stage time; k = Cluster.contention)
-    U_j = u * w_j / s_j                (the optimizer's update of the stage's parameters)
+    U_j = u * w_j / v_j                (the optimizer's update of the stage's parameters)
     T(m) = sum_j t_j + (m - 1) * max_j s_j + k * sum_{0<j<p-1} (F_j + B_j) + U_0  (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
