@@ -54,11 +54,12 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert 0 < link.latency_s < 0.05
     assert [s for s, _ in link.samples] == [4 * 4**k for k in range(9)]
     # The engine's fixed cost per operation, measured through the real PipelineRunner, and the
-    # contention fitted over the two widths.
-    # A line through two noisy points may put all of it in one of the two, never in neither.
+    # contention fitted over the two widths.  Their sizes depend on the host's load: with the
+    # other test worker's ranks on the same 2 cores, the stage timed alone can come out slower
+    # than the pipeline's slope, and both clamp to 0 (it happened in CI).  The fit itself is
+    # checked exactly on synthetic launches below.
     assert 0 <= cluster.op_overhead_s < 0.05
     assert 0 <= cluster.contention < 5
-    assert cluster.op_overhead_s > 0 or cluster.contention > 0
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
@@ -78,7 +79,7 @@ def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
     assert not (tmp_path / "c.json").exists()
 
 
-def test_calibrate_takes_the_median_ofmeasurees(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three launches: one in a fast phase, two in a slow one.  Per message size the cluster
     # keeps the median one-way time, and the median engine cost, not the mean or the first.
     # Per width, the slope is the median of the launches' slopes.
