@@ -43,7 +43,7 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
     try:
         main(["calibrate", "--nproc", "2", "--repeats", "3", "--launches", "2",
-              "--max-size", "256KiB", "--memory", "8GiB", "--width", "64", "--width", "256",
+              "--max-size", "256KiB", "--memory", "8GiB", "--width", "256",
               "-o", str(out)])  # fmt: skip
     except SystemExit as exc:
         assert not exc.code
@@ -53,13 +53,13 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert link.bandwidth_Bps and link.bandwidth_Bps > 1e6
     assert 0 < link.latency_s < 0.05
     assert [s for s, _ in link.samples] == [4 * 4**k for k in range(9)]
-    # The engine's fixed cost per operation, measured through the real PipelineRunner, and the
-    # contention fitted over the two widths.  Their sizes depend on the host's load: with the
-    # other test worker's ranks on the same 2 cores, the stage timed alone can come out slower
-    # than the pipeline's slope, and both clamp to 0 (it happened in CI).  The fit itself is
-    # checked exactly on synthetic launches below.
+    # The engine's fixed cost per operation, measured through the real PipelineRunner.  One
+    # width: the contention is taken as 0.  (Two widths of sub-millisecond stages fit a line
+    # through two noisy points; with the other test worker's ranks on the same 2 cores CI got
+    # o = k = 0 once and k = 5.7 another time.  The two-width fit is checked exactly on
+    # synthetic launches below.)
     assert 0 <= cluster.op_overhead_s < 0.05
-    assert 0 <= cluster.contention < 5
+    assert cluster.contention == 0
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
