@@ -30,7 +30,7 @@ from planner.io import (
     parse_rate,
     write_json,
 )
-from planner.types import Cluster, Link, Plan, PlanOptions, Profile
+from planner.types import OPTIMIZERS, Cluster, Link, Plan, PlanOptions, Profile
 
 __all__ = ["app", "main"]
 
@@ -208,7 +208,7 @@ def plan(
     choices = {
         "--checkpoint": (checkpoint, ("always", "except_last", "never")),
         "--schedule": (schedule, ("gpipe", "1f1b")),
-        "--optimizer": (optimizer, ("sgd", "momentum", "adam")),
+        "--optimizer": (optimizer, OPTIMIZERS),
     }
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
@@ -336,8 +336,8 @@ def run(
     from planner.errors import StageFailedError
     from runtime.launch import launch, preflight
 
-    if optimizer is not None and optimizer not in ("sgd", "momentum", "adam"):
-        _fail(f"--optimizer {optimizer!r} is not one of sgd, momentum, adam")
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        _fail(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     p = preflight(
         plan_file,
         model=model,

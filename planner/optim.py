@@ -13,12 +13,9 @@ import torch
 from torch import Tensor
 
 from planner.errors import InvalidRequestError
-from planner.types import OptimizerName
+from planner.types import OPTIMIZERS
 
 __all__ = ["OPTIMIZERS", "make_optimizer"]
-
-#: ``--optimizer`` choices.
-OPTIMIZERS: tuple[OptimizerName, ...] = ("sgd", "momentum", "adam")
 
 
 def make_optimizer(name: str, params: Sequence[Tensor], lr: float) -> torch.optim.Optimizer:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLUSTER_SCHEMA",
+    "OPTIMIZERS",
     "OPTIMIZER_STATES",
     "PLAN_SCHEMA",
     "PROFILE_SCHEMA",
@@ -61,6 +62,8 @@ REPORT_SCHEMA: Final = "pipeplan.run-report/1"
 CheckpointPolicy = Literal["always", "except_last", "never"]
 ScheduleName = Literal["gpipe", "1f1b"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
+#: ``--optimizer`` choices (``momentum`` is SGD with momentum 0.9).
+OPTIMIZERS: tuple[OptimizerName, ...] = ("sgd", "momentum", "adam")
 
 #: Optimizer state tensors kept per parameter (k in the memory model).
 OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from planner.types import OPTIMIZERS
+
 __all__ = ["default_threads", "main", "parse_args"]
 
 #: The step this rank is running (for the error message), ``None`` before the first.
@@ -60,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-arg", action="append", default=[], help="KEY=VALUE for the model")
     ap.add_argument("--steps", type=int, default=10, help="measured steps")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
+    ap.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

@@ -337,6 +337,7 @@ def partition_cpsat(
     if ignore_memory:
         cluster = _unlimited(cluster)
     caps = [d.memory_bytes for d in cluster.devices]
+    rate = update_rate(profile, options.optimizer)
     order = []
     for m in ms:
         c = unit_costs(profile, m)
@@ -367,7 +368,6 @@ def partition_cpsat(
         incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
         window = bd.window(bd.t_max(incumbent)) if math.isfinite(incumbent) else None
         t_floor = math.floor(bd.t_lb * scale - _ERR)
-        rate = update_rate(profile, options.optimizer)
         model = _Model(c, cluster, options, scale, caps, window, bd.hint, t_floor, rate)
         status, solver = model.solve(left, None if best is None else best[1] - 1)
         status_of[m] = solver.status_name(status).lower()

@@ -333,10 +333,11 @@ def partition_dp(
     check_request(profile, cluster, options)
     caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
     best: tuple[tuple[int, ...], int, float] | None = None
+    rate = update_rate(profile, options.optimizer)
     for m in microbatch_choices(profile, options):
         costs = unit_costs(profile, m)
         res = _solve_m(
-            _Instance(costs, cluster, options, caps, update_rate(profile, options.optimizer))
+            _Instance(costs, cluster, options, caps, rate)
         )
         if res is not None and (best is None or res.objective < best[2]):
             best = (res.starts, m, res.objective)
