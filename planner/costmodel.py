@@ -4,9 +4,15 @@ Units u = 0..n-1 in order, p contiguous stages, batch B, m micro-batches of size
 j covers units l..r (inclusive) and runs on device j (speed v_j, memory cap_j):
 
     F_j = sum_{u=l..r} f_u(b) / v_j + o      (+ the loss's forward on the last stage)
-    B_j = sum_{u=l..r} g_u(b) / v_j + o      (r_u(b) instead of g_u(b) when the stage recomputes:
-                                             the measured checkpointed backward, else f_u + g_u)
-                                             (+ the loss's backward on the last stage)
+    B_j = sum_{u=l..r} g_u(b) / v_j + o      (+ the loss's backward on the last stage)
+
+When the stage recomputes, f_u and g_u give way to the unit's measured checkpointed forward
+and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
+``Profile.checkpoint_call_s``, and the stage pays that once (it makes one call):
+
+    F_j = sum_u (fc_u(b) - c_F) / v_j + c_F / v_j + o,   B_j = sum_u (r_u(b) - c_B) / v_j + c_B / v_j + o
+
+(fc_u defaults to f_u and r_u to f_u + g_u in profiles that lack them).  Then
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     t_j = F_j + B_j + C_j
     s_j = t_j + k (F_j + B_j)        (steady-state stage time; k = Cluster.contention)
@@ -107,7 +113,14 @@ class UnitCosts:
     Pa: np.ndarray
     Pw: np.ndarray
     Pr: np.ndarray
-    """Prefix sums of r_u: the backward under checkpointing (recompute included)."""
+    """Prefix sums of r_u - c_B: the backward under checkpointing (recompute included), less
+    the checkpoint call's own cost."""
+    Pfc: np.ndarray
+    """Prefix sums of fc_u - c_F: the forward under checkpointing, less the call's own cost."""
+    call_f: float = 0.0
+    call_b: float = 0.0
+    """c_F, c_B: one checkpoint call's own forward and backward seconds (once per recomputing
+    stage)."""
     shared: tuple[tuple[int, np.ndarray], ...] = ()
     """(bytes, ascending user units) of every parameter used by several units."""
     loss_f: float = 0.0
@@ -151,13 +164,13 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
         )
     f = np.array([u.timings[b].forward_s for u in profile.units], dtype=np.float64)
     g = np.array([u.timings[b].backward_s for u in profile.units], dtype=np.float64)
-    r = np.array(
-        [
-            t.recompute_backward_s if t.recompute_backward_s is not None else t.forward_s + t.backward_s
-            for t in (u.timings[b] for u in profile.units)
-        ],
-        dtype=np.float64,
-    )
+    timings = [u.timings[b] for u in profile.units]
+    call_f, call_b = profile.checkpoint_call_s
+    rb = [t.forward_s + t.backward_s if t.recompute_backward_s is None else t.recompute_backward_s
+          for t in timings]  # fmt: skip
+    rf = [t.forward_s if t.recompute_forward_s is None else t.recompute_forward_s for t in timings]
+    r = np.maximum(np.array(rb, dtype=np.float64) - call_b, 0.0)
+    fc = np.maximum(np.array(rf, dtype=np.float64) - call_f, 0.0)
     a = np.array([u.timings[b].saved_bytes for u in profile.units], dtype=np.float64)
     w = np.array([u.param_bytes for u in profile.units], dtype=np.float64)
     x = np.zeros(len(f) + 1)
@@ -176,7 +189,8 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
     )
     loss = profile.loss.get(b)
     return UnitCosts(
-        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), prefix(r), shared,
+        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), prefix(r),
+        prefix(fc), call_f, call_b, shared,
         loss_f=loss.forward_s if loss else 0.0,
         loss_g=loss.backward_s if loss else 0.0,
         loss_a=float(loss.saved_bytes) if loss else 0.0,
@@ -214,9 +228,12 @@ def stage_time(
     """(F_j, B_j, C_j) of stage j covering units l..r."""
     p = cluster.n_stages
     speed = cluster.devices[j].speed
-    F = float(costs.Pf[r + 1] - costs.Pf[l]) / speed
-    back = costs.Pr if recomputes(options.checkpoint, j, p) else costs.Pg
-    B = float(back[r + 1] - back[l]) / speed
+    if recomputes(options.checkpoint, j, p):
+        F = (float(costs.Pfc[r + 1] - costs.Pfc[l]) + costs.call_f) / speed
+        B = (float(costs.Pr[r + 1] - costs.Pr[l]) + costs.call_b) / speed
+    else:
+        F = float(costs.Pf[r + 1] - costs.Pf[l]) / speed
+        B = float(costs.Pg[r + 1] - costs.Pg[l]) / speed
     F += cluster.op_overhead_s
     B += cluster.op_overhead_s
     if j == p - 1:  # the loss runs on the last stage, outside its recomputed region
@@ -358,18 +375,20 @@ def build_stages(
 def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
     """A bound no partition beats: min over m of S_lb + (m - 1) max(S_lb / p, max_u t_u).
 
-    t_u = (f_u + g_u) / s_max, with g_u replaced by r_u (the checkpointed backward) under the
-    policy ``always`` and by min(g_u, r_u) under ``except_last``; S_lb = sum_u t_u.
-    Communication and the engine's cost are taken as free.
+    t_u = (f_u + g_u) / s_max, replaced by the checkpointed (fc_u - c_F + r_u - c_B) / s_max
+    under the policy ``always`` and by the smaller of the two under ``except_last``;
+    S_lb = sum_u t_u.  Communication, the engine's and the checkpoint calls' own costs are
+    taken as free.
     """
     p = cluster.n_stages
     s_max = max(d.speed for d in cluster.devices)
     best = np.inf
     for m in microbatch_choices(profile, options):
         c = unit_costs(profile, m)
-        r = np.diff(c.Pr)
-        back = {"always": r, "except_last": np.minimum(c.g, r), "never": c.g}[options.checkpoint]
-        per_unit = (c.f + back) / s_max
+        plain, rc = c.f + c.g, np.diff(c.Pfc) + np.diff(c.Pr)
+        per_unit = {"always": rc, "except_last": np.minimum(plain, rc), "never": plain}[
+            options.checkpoint
+        ] / s_max
         total = float(per_unit.sum())
         best = min(best, total + (m - 1) * max(total / p, float(per_unit.max())))
     return float(best)

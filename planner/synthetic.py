@@ -31,11 +31,14 @@ def synthetic_profile(
     tied: bool = False,
     loss: bool = False,
     update_s_per_byte: float = 0.0,
+    checkpoint_call_s: tuple[float, float] = (0.0, 0.0),
 ) -> Profile:
     """A random but plausible :class:`Profile` of ``n_units`` units.
 
     ``update_s_per_byte`` is an Adam step's seconds per parameter byte (SGD's is an eighth of
-    it, momentum's a third); 0 leaves the profile without update times.
+    it, momentum's a third); 0 leaves the profile without update times.  The checkpointed
+    forward costs 1.0-1.3x the forward, plus ``checkpoint_call_s`` (the call's own (forward,
+    backward) seconds, also added to the checkpointed backward).
 
     >>> p = synthetic_profile(4, batch_size=8, microbatch_sizes=[1, 8])
     >>> (p.n_units, len(p.cuts), sorted(p.units[0].timings))
@@ -51,6 +54,9 @@ def synthetic_profile(
         scale[-1] *= 8.0
     ratio = rng.uniform(1.5, 2.5, n_units)
     recompute_factor = rng.uniform(1.0, 1.3, n_units)  # checkpointing costs more than f + g
+    # Drawn from a second stream so the first one (and every older profile) stays as it was.
+    hook_factor = np.random.default_rng([seed, 1]).uniform(1.0, 1.3, n_units)
+    call_f, call_b = checkpoint_call_s
     depth = np.linspace(0.0, 1.0, n_units)
     act_per_sample = (rng.lognormal(0.0, spread, n_units) * (2.0 - depth) * 2**16).astype(int)
     params = (rng.lognormal(0.0, spread, n_units) * (0.5 + depth) * 2**20).astype(int)
@@ -63,7 +69,8 @@ def synthetic_profile(
             timings[b] = Timing(
                 forward_s=fwd,
                 backward_s=float(fwd * ratio[u]),
-                recompute_backward_s=float(fwd * (ratio[u] + 1) * recompute_factor[u]),
+                recompute_backward_s=float(fwd * (ratio[u] + 1) * recompute_factor[u] + call_b),
+                recompute_forward_s=float(fwd * hook_factor[u] + call_f),
                 saved_bytes=int(act_per_sample[u] * b * 2),
                 output_bytes=int(act_per_sample[u] * b),
             )
@@ -107,6 +114,7 @@ def synthetic_profile(
     return Profile(
         loss=loss_timings,
         update_s=update,  # type: ignore[arg-type]
+        checkpoint_call_s=checkpoint_call_s,
         shared_params=shared,
         model=f"synthetic:n{n_units}-seed{seed}",
         tracer="fx",

@@ -104,6 +104,11 @@ class Timing(_Frozen):
     """Median backward seconds when the unit runs under non-reentrant activation checkpointing
     (the recomputed forward, the checkpoint's hooks and the backward); when absent the cost
     model uses forward_s + backward_s."""
+    recompute_forward_s: float | None = Field(default=None, ge=0)
+    """Median forward seconds under non-reentrant activation checkpointing: the forward a
+    recomputing stage runs first, its saved tensors packed away by the checkpoint's hooks.  It
+    costs more than forward_s (one hook call per saved tensor).  When absent the cost model uses
+    forward_s."""
 
 
 class Unit(_Frozen):
@@ -192,6 +197,11 @@ class Profile(_Frozen):
     """Seconds of one optimizer step over all the model's parameters (each once), by optimizer
     (:func:`planner.optim.make_optimizer`); a stage pays the share of its parameter bytes, once
     per training step.  Empty in profiles made before it was measured: updates are then free."""
+    checkpoint_call_s: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds that one ``torch.utils.checkpoint`` call adds by itself,
+    measured on a trivial function.  Every unit's recompute times include it once; a
+    recomputing stage makes one call, so the cost model takes it out of each unit and charges
+    it once per stage.  (0, 0) in profiles made before it was measured."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 

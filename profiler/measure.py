@@ -6,13 +6,17 @@ gradients (drawn once, outside the timed region).  Bytes saved for backward are 
 ``torch.autograd.graph.saved_tensors_hooks`` during one extra forward: each storage once,
 parameters and buffers excluded, the unit's own saved inputs included.  Each repeat also times the
 backward of the unit under non-reentrant ``torch.utils.checkpoint`` (the forward recomputed, as
-a checkpointed stage runs it).  Times are medians over
+a checkpointed stage runs it).  A loop of forwards only times the unit's checkpointed forward
+(the hooks pack the saved tensors away) against its plain one; the difference, added to the
+plain forward, is the checkpointed forward.  :func:`measure_checkpoint_call` times what one
+checkpoint call adds by itself.  Times are medians over
 ``repeats`` runs after ``warmup`` runs (the counting forward is the first); the spread is their interquartile range.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -131,6 +135,47 @@ def _recompute_step(
     return b
 
 
+def _forwards(
+    module: torch.nn.Module, inputs: Sequence[Any], clock: Clock, frozen: frozenset[int]
+) -> tuple[float, float]:
+    """Seconds of the unit's plain forward and of its forward under non-reentrant
+    checkpointing, back to back (outputs dropped)."""
+    leaves = _leaves(inputs, frozen)
+    plain = clock.time(lambda: module(*leaves))[1]
+    leaves = _leaves(inputs, frozen)
+    return plain, clock.time(lambda: checkpoint(module, *leaves, use_reentrant=False))[1]
+
+
+def _double(x: Tensor) -> Tensor:
+    return x * 2.0
+
+
+def measure_checkpoint_call(
+    device: torch.device, *, clock: Clock, warmup: int, repeats: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds one non-reentrant ``checkpoint`` call adds by itself.
+
+    Medians of a checkpointed and a plain run of ``x * 2`` (which saves no tensor) on a
+    one-element leaf, forward and backward separately; differences clamped at 0.
+    """
+    x = torch.ones(1, device=device, requires_grad=True)
+    grad = torch.ones(1, device=device)
+    plain: list[tuple[float, float]] = []
+    ckpt: list[tuple[float, float]] = []
+    for i in range(max(warmup, 1) + repeats):
+        out, f = clock.time(lambda: _double(x))
+        _, b = clock.time(functools.partial(torch.autograd.backward, out, grad))
+        out, cf = clock.time(lambda: checkpoint(_double, x, use_reentrant=False))
+        _, cb = clock.time(functools.partial(torch.autograd.backward, out, grad))
+        if i >= max(warmup, 1):
+            plain.append((f, b))
+            ckpt.append((cf, cb))
+    x.grad = None
+    fwd = _median_iqr([c[0] for c in ckpt])[0] - _median_iqr([p[0] for p in plain])[0]
+    bwd = _median_iqr([c[1] for c in ckpt])[0] - _median_iqr([p[1] for p in plain])[0]
+    return max(fwd, 0.0), max(bwd, 0.0)
+
+
 def _median_iqr(samples: list[float]) -> tuple[float, float]:
     if not samples:
         return 0.0, 0.0
@@ -167,6 +212,7 @@ def measure_unit(
     fwd: list[float] = []
     bwd: list[float] = []
     rec: list[float] = []
+    rec_f: list[float] = []
     peak: int | None = None
     for i in range(warmup + repeats):
         base = clock.reset_peak()
@@ -180,10 +226,22 @@ def measure_unit(
             used = clock.peak_since(base)
             if used is not None:
                 peak = max(peak or 0, used)
+    # The checkpointed forward's excess over the plain one, measured in a loop of forwards
+    # only: how slow a forward is depends on what ran before it (20-40 % slower right after a
+    # backward on a CPU), so both are timed in the same context and only their difference is
+    # added to the plain forward measured above.
+    plain_f: list[float] = []
+    with _buffers_restored(module):
+        for i in range(warmup + repeats):
+            pf, rf = _forwards(module, inputs, clock, frozen)
+            if i >= warmup:
+                plain_f.append(pf)
+                rec_f.append(rf)
     f_med, f_iqr = _median_iqr(fwd)
     b_med, b_iqr = _median_iqr(bwd)
     timing = Timing(
         recompute_backward_s=_median_iqr(rec)[0],
+        recompute_forward_s=max(0.0, f_med + _median_iqr(rec_f)[0] - _median_iqr(plain_f)[0]),
         forward_s=f_med,
         backward_s=b_med,
         forward_spread_s=f_iqr,

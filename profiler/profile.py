@@ -5,7 +5,8 @@ is measured alone (:mod:`profiler.measure`) and its outputs feed the next units.
 comes from the largest size's run: every tensor live across a cut (:func:`planner.graph.cut_tensors`)
 with its bytes divided by b.  Sizes are measured largest first, so the warm-up of the largest
 (slowest) runs also warms the allocator for the rest.  Last, every optimizer's step is timed
-once over all the parameters (``Profile.update_s``).
+once over all the parameters (``Profile.update_s``), and what one checkpoint call adds by itself
+(``Profile.checkpoint_call_s``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from planner.model import load_model
 from planner.trace import trace_model
 from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
 from profiler.device import Clock, device_info, resolve_device
-from profiler.measure import measure_unit, measure_updates, storage_keys, value_bytes
+from profiler.measure import (
+    measure_checkpoint_call,
+    measure_unit,
+    measure_updates,
+    storage_keys,
+    value_bytes,
+)
 from profiler.split import split_units
 
 __all__ = ["DTYPES", "default_microbatch_sizes", "profile_model"]
@@ -222,6 +229,7 @@ def _profile(
     update_s = measure_updates(
         list(traced.gm.parameters()), clock=clock, warmup=warmup, repeats=repeats * rounds
     )
+    call_s = measure_checkpoint_call(dev, clock=clock, warmup=warmup, repeats=20 * repeats * rounds)
     timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
     loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
     b_max = max(sizes)
@@ -263,6 +271,7 @@ def _profile(
         shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
         loss=loss_timings,
         update_s=update_s,
+        checkpoint_call_s=call_s,
     )
 
 
@@ -295,9 +304,11 @@ def _merge(rounds: list[Timing]) -> Timing:
         return float(q3 - q1)
 
     rec = [t.recompute_backward_s for t in rounds if t.recompute_backward_s is not None]
+    rec_f = [t.recompute_forward_s for t in rounds if t.recompute_forward_s is not None]
     return rounds[0].model_copy(
         update={
             "recompute_backward_s": float(np.median(rec)) if rec else None,
+            "recompute_forward_s": float(np.median(rec_f)) if rec_f else None,
             "forward_s": float(np.median(fwd)),
             "backward_s": float(np.median(bwd)),
             "forward_spread_s": iqr(fwd),

@@ -102,9 +102,13 @@ class _Instance:
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
         # Stage time of units l..r: (Q[r + 1] - Q[l]) + comm[r + 1] (mid) or Qlast diff (last).
-        self.Qmid = (costs.Pf + (costs.Pr if rc_mid else costs.Pg)) / speed
-        self.Qlast = (costs.Pf + (costs.Pr if rc_last else costs.Pg)) / speed
-        self.op = 2.0 * cluster.op_overhead_s  # engine cost of one forward and one backward
+        self.Qmid = (costs.Pfc + costs.Pr if rc_mid else costs.Pf + costs.Pg) / speed
+        self.Qlast = (costs.Pfc + costs.Pr if rc_last else costs.Pf + costs.Pg) / speed
+        # A stage's constant: the engine's cost of one forward and one backward, plus one
+        # checkpoint call's own cost when it recomputes.
+        call = (costs.call_f + costs.call_b) / speed
+        self.op = 2.0 * cluster.op_overhead_s + (call if rc_mid else 0.0)
+        op_last = 2.0 * cluster.op_overhead_s + (call if rc_last else 0.0)
         self.kappa = contention(cluster, self.m)
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
         self.u = rate / speed  # update seconds per parameter byte
@@ -123,7 +127,7 @@ class _Instance:
         mem = mem + self.q[j] * int(costs.loss_a)
         ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
-        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + self.op + loss, _INF)
+        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + op_last + loss, _INF)
         self.s_last = self.t_last * (1.0 + self.kappa)  # the last stage has no cut: c = t
         # Memory bounds a mid stage's length too: its parameters, gradients, optimizer state
         # and activations only grow with it (stash and shared copies only add), so no stage

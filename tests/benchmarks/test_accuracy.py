@@ -25,9 +25,10 @@ def test_reevaluating_with_a_slower_profile_scales_the_prediction() -> None:
             "units": tuple(
                 u.model_copy(update={"timings": {
                     b: t.model_copy(update={
-                        "forward_s": 2 * t.forward_s, "backward_s": 2 * t.backward_s,
-                        "recompute_backward_s": 2 * t.recompute_backward_s
-                        if t.recompute_backward_s is not None else None,
+                        k: 2 * getattr(t, k)
+                        for k in ("forward_s", "backward_s", "recompute_backward_s",
+                                  "recompute_forward_s")
+                        if getattr(t, k) is not None
                     })
                     for b, t in u.timings.items()
                 }})

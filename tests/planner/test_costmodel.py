@@ -122,21 +122,32 @@ def test_policies_and_in_flight() -> None:
 
 
 def test_stage_terms_by_hand() -> None:
-    prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2, 8], seed=1)
+    call_f, call_b = 3e-5, 5e-5
+    prof = synthetic_profile(
+        4, batch_size=8, microbatch_sizes=[2, 8], seed=1, checkpoint_call_s=(call_f, call_b)
+    )
     cl = Cluster.homogeneous(2, 2**40, Link(bandwidth_Bps=1e9, latency_s=1e-5))
     opts = PlanOptions(checkpoint="except_last", optimizer="adam")
     plan = evaluate(prof, cl, opts, [2], 4, solver="t")
     b = 2
     u = prof.units
     s0, s1 = plan.stages
-    f0 = u[0].timings[b].forward_s + u[1].timings[b].forward_s
-    g0 = u[0].timings[b].backward_s + u[1].timings[b].backward_s
+    t = [unit.timings[b] for unit in u]
+    f0 = t[0].forward_s + t[1].forward_s
+    g0 = t[0].backward_s + t[1].backward_s
     cut = prof.cuts[1]
     comm = 2 * (len(cut.tensors) * 1e-5 + cut.bytes_per_sample * b / 1e9)
-    assert s0.forward_s == pytest.approx(f0)
-    r0 = u[0].timings[b].recompute_backward_s + u[1].timings[b].recompute_backward_s
+    # Stage 0 recomputes: the checkpointed forward and backward, with one call's own cost
+    # charged once for the stage, not once per unit.
+    fc0 = t[0].recompute_forward_s + t[1].recompute_forward_s
+    assert fc0 > f0 + 2 * call_f * 0.999
+    assert s0.forward_s == pytest.approx(fc0 - call_f)
+    r0 = t[0].recompute_backward_s + t[1].recompute_backward_s
     assert r0 > g0 + f0 * 0.999  # checkpointing costs at least the recomputed forward
-    assert s0.backward_s == pytest.approx(r0)  # recomputes: the measured checkpointed backward
+    assert s0.backward_s == pytest.approx(r0 - call_b)
+    # Stage 1 does not: the plain forward and backward.
+    assert s1.forward_s == pytest.approx(t[2].forward_s + t[3].forward_s)
+    assert s1.backward_s == pytest.approx(t[2].backward_s + t[3].backward_s)
     assert s0.comm_s == pytest.approx(comm)
     assert s1.comm_s == 0.0 and not s1.recompute
     w0 = u[0].param_bytes + u[1].param_bytes

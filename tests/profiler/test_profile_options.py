@@ -63,3 +63,10 @@ def test_checkpointed_backward_is_measured() -> None:
         assert t.recompute_backward_s is not None
         # It recomputes the forward, so it is not much cheaper than forward + backward.
         assert t.recompute_backward_s > 0.5 * (t.forward_s + t.backward_s)
+        # The checkpointed forward runs too; it includes at least one checkpoint call's cost.
+        assert t.recompute_forward_s is not None
+        assert t.recompute_forward_s > prof.checkpoint_call_s[0]
+    # One checkpoint call costs something of its own (tens of microseconds on a CPU), forward
+    # and backward, but far less than a unit.
+    call_f, call_b = prof.checkpoint_call_s
+    assert 0 < call_f < 1e-3 and 0 < call_b < 1e-3

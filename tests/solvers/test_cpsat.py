@@ -55,6 +55,7 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         tied=draw(st.booleans()),
         loss=draw(st.booleans()),
         update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 2e-9])),
+        checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
     )
     link = Link(
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e10])),
@@ -123,6 +124,7 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         spread=1.0,
         tied=draw(st.booleans()),
         update_s_per_byte=draw(st.sampled_from([0.0, 3e-9])),
+        checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
     )
     devices = tuple(
         Device(

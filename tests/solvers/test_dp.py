@@ -40,6 +40,7 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         tied=draw(st.booleans()),
         loss=draw(st.booleans()),
         update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 1e-9, 3e-9])),
+        checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
     )
     link = Link(
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e9, 1e11])),
