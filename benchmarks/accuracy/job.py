@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from planner.io import load_plan
 from planner.model import load_model
+from runtime.allocator import keep_heap
 from runtime.engine import PipelineRunner
 from runtime.report import RankRecord, gather_report
 from runtime.worker import default_threads
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    keep_heap()  # as pipeplan run's ranks do
     threads = args.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo")

@@ -290,9 +290,11 @@ def worker(args: argparse.Namespace) -> None:
 
     from planner.io import load_plan, write_json
     from planner.model import load_model
+    from runtime.allocator import keep_heap
     from runtime.engine import PipelineRunner
     from runtime.report import RankRecord, gather_report
 
+    keep_heap()  # as pipeplan run's ranks do
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
