@@ -133,6 +133,11 @@ class UnitCosts:
     def n(self) -> int:
         return len(self.f)
 
+    def compute_prefix(self, recompute: bool) -> np.ndarray:
+        """Prefix sums of a unit's forward + backward on a stage that does or does not
+        recompute (the checkpoint call's own cost left out)."""
+        return self.Pfc + self.Pr if recompute else self.Pf + self.Pg
+
     def shared_bytes(self, l: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
         """Bytes of shared parameters a stage l..r holds but does not own (broadcasts).
 

@@ -21,8 +21,7 @@ __all__ = ["Bounds", "stage_compute", "stage_offsets"]
 def stage_compute(costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int) -> np.ndarray:
     """Q_j: prefix sums of stage j's per-unit compute time (recompute included) on device j."""
     rc = recomputes(options.checkpoint, j, cluster.n_stages)
-    Q = costs.Pfc + costs.Pr if rc else costs.Pf + costs.Pg
-    return Q / cluster.devices[j].speed
+    return costs.compute_prefix(rc) / cluster.devices[j].speed
 
 
 def stage_offsets(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[float]:

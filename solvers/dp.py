@@ -102,8 +102,8 @@ class _Instance:
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
         # Stage time of units l..r: (Q[r + 1] - Q[l]) + comm[r + 1] (mid) or Qlast diff (last).
-        self.Qmid = (costs.Pfc + costs.Pr if rc_mid else costs.Pf + costs.Pg) / speed
-        self.Qlast = (costs.Pfc + costs.Pr if rc_last else costs.Pf + costs.Pg) / speed
+        self.Qmid = costs.compute_prefix(rc_mid) / speed
+        self.Qlast = costs.compute_prefix(rc_last) / speed
         # A stage's constant: the engine's cost of one forward and one backward, plus one
         # checkpoint call's own cost when it recomputes.
         call = (costs.call_f + costs.call_b) / speed
@@ -147,7 +147,7 @@ class _Instance:
         r = np.arange(self.n - 1)
         need = self.Qmid[r + 1] + self.comm[r + 1] + self.op - threshold  # fits iff Q[l] >= need
         lo = np.searchsorted(self.Qmid, need - 1e-12 * max(1.0, abs(threshold)), side="left")
-        return int(min(self.n, self.w_mem, np.max(r - np.minimum(lo, r) + 1)))
+        return int(min(self.n, self.w_mem, int(np.max(r - np.minimum(lo, r) + 1))))
 
     def band(
         self, W: int
