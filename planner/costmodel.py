@@ -14,10 +14,12 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
 
 (fc_u defaults to f_u and r_u to f_u + g_u in profiles that lack them).  Then
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
-    t_j = F_j + B_j + C_j
-    s_j = t_j + k (F_j + B_j)        (steady-state stage time; k = Cluster.contention)
-    U_j = u * w_j / v_j                (the optimizer's update of the stage's parameters)
-    T(m) = sum_j t_j + (m - 1) * max_j s_j + k * sum_{0<j<p-1} (F_j + B_j) + U_0  (step time)
+    c_j = F_j + B_j                  (the stage's compute)
+    t_j = c_j + C_j
+    U_j = u * w_j / v_j              (the optimizer's update of the stage's parameters)
+    D_j = sum_{i<j} B_i + C_{j-1} / 2  (the drain between stage j's last backward and the step's)
+    R = max_j (U_j - D_j)            (the updates' tail; R >= U_0, D_0 = 0)
+    T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R     (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
                                                    (w_j includes copies of shared parameters)
@@ -34,22 +36,30 @@ policy ``always``; under ``except_last`` (torchgpipe's default) every stage but 
 ``never`` none.
 
 Contention.  On hosts where ranks share cores (two ranks on two vCPUs here), a stage computes
-more slowly while another stage computes too.  The simulator slows every forward and backward
-by the factor 1 + k while any other stage computes; in a pipeline's steady state every stage
-does, in its fill and drain the first and last stages' first and last operations run alone.
-For p identical stages that gives exactly the T(m) above: the fill/drain path of p + m - 1
-slots, 2 of them alone and p + m - 3 contended.  k is 0, and T(m) the plain GPipe form, when
-m = 1 or p = 1 (nothing overlaps), and on devices that share nothing.
+more slowly while other stages compute too.  The simulator slows every forward and backward by
+the factor 1 + k a, a the number of *other* stages computing at that moment.  In a steady-state
+slot the bottleneck stage b does c_b of work while every other stage j does its c_j beside it;
+integrating the rates, the slot lasts c_b + k sum_{j != b} c_j of wall time.  Adding the
+transfers, the slot is max_j (t_j - k c_j) + k sum_j c_j: a bottleneck over stages plus a sum,
+so the DP stays exact.  For p identical stages GPipe's fill and drain have slots with 1, 2, ..,
+p stages busy, (p - 1)(m - 1) "other stage" overlaps in all, and T(m) is the simulator's
+makespan exactly; for p = 2 it is exact whenever one stage is the bottleneck of both the forward
+and the backward slots.  A light stage contends only for its own work, not for the whole slot
+(the flat factor before it charged k c_b whatever the light stage's size, which made the solvers
+shun unbalanced plans that run faster).  k is 0, and T(m) the plain GPipe form, when m = 1 or
+p = 1 (nothing overlaps), and on devices that share nothing.
 
 Updates.  Each stage updates its parameters once per step, after its last backward.  Stage 0
-runs the step's last backward, so its update U_0 ends the step; another stage's update overlaps
-the backward drain through the stages before it, and the simulator charges it only where it
-outlasts that drain (``max_j`` of its end).  T(m) charges U_0 alone, which the prefix DP can
-carry as a term of stage 0.
+runs the step's last backward, so its update U_0 ends the step; stage j's update starts D_j
+earlier (the last micro-batch's gradient travels back through the stages before it) and
+outlasts the step's end by U_j - D_j.  R is exact when those stages wait for the gradient (they
+do in the drain unless an earlier stage is the backward bottleneck, when R errs high).  A plan
+that puts most parameters on a late stage pays for it: the DP's earlier form charged U_0 alone.
 
-T(m) equals the schedule simulator's makespan when the stages are identical, or, with k = 0,
-when every stage's backward/forward ratio is the same; it is a lower bound of it when k = 0
-and the ratios differ (see :mod:`planner.simulate`).
+T(m) equals the schedule simulator's makespan for identical stages, and for two stages whose
+bottleneck is the same stage forward and backward; GPipe's makespan uses separate forward and
+backward maxima, so T(m) is below it when the stages' backward/forward ratios differ enough to
+move the bottleneck (see :mod:`planner.simulate`).
 """
 
 from __future__ import annotations
@@ -88,6 +98,7 @@ __all__ = [
     "step_time",
     "unit_costs",
     "update_rate",
+    "update_tail",
 ]
 
 
@@ -288,21 +299,34 @@ def contention(cluster: Cluster, m: int) -> float:
 def step_time(
     times: Sequence[float], m: int, busy: Sequence[float] = (), kappa: float = 0.0
 ) -> float:
-    """T(m) = sum_j t_j + (m - 1) max_j s_j + k sum_{0<j<p-1} c_j,  s_j = t_j + k c_j.
+    """sum_j t_j + (m - 1) (max_j (t_j - k c_j) + k sum_j c_j): T(m) before the updates' tail.
 
     ``busy`` holds c_j = F_j + B_j (the stage's time off the link); with ``kappa`` = 0 (the
-    default) it is unused and T(m) = sum_j t_j + (m - 1) max_j t_j.
+    default) it is unused and the form is sum_j t_j + (m - 1) max_j t_j.
     """
     if not kappa or m <= 1 or len(times) < 2:
         return float(sum(times) + (m - 1) * max(times))
-    steady = max(t + kappa * c for t, c in zip(times, busy, strict=True))
-    return float(sum(times) + (m - 1) * steady + kappa * sum(busy[1:-1]))
+    slot = max(t - kappa * c for t, c in zip(times, busy, strict=True)) + kappa * sum(busy)
+    return float(sum(times) + (m - 1) * slot)
+
+
+def update_tail(
+    updates: Sequence[float], backward: Sequence[float], comm: Sequence[float]
+) -> float:
+    """R = max_j (U_j - D_j), D_j = sum_{i<j} B_i + C_{j-1} / 2: how long the updates outlast
+    stage 0's last backward (U_0 at least)."""
+    tail, drain = 0.0, 0.0
+    for j, u in enumerate(updates):
+        tail = max(tail, u - drain - (comm[j - 1] / 2 if j else 0.0))
+        drain += backward[j]
+    return tail
 
 
 def bubble_fraction(
     times: Sequence[float], m: int, busy: Sequence[float] = (), kappa: float = 0.0
 ) -> float:
-    """1 - (m * mean_j t_j) / T(m); (p - 1)/(m + p - 1) when all t_j are equal and k = 0."""
+    """1 - (m * mean_j t_j) / T(m) (updates left out); (p - 1)/(m + p - 1) when all t_j are
+    equal and k = 0."""
     total = step_time(times, m, busy, kappa)
     if total <= 0:
         return 0.0
@@ -428,7 +452,9 @@ def evaluate(
     times = [s.time_s for s in stages]
     busy = [s.forward_s + s.backward_s for s in stages]
     kappa = contention(cluster, m)
-    T = step_time(times, m, busy, kappa) + stages[0].update_s
+    T = step_time(times, m, busy, kappa) + update_tail(
+        [s.update_s for s in stages], [s.backward_s for s in stages], [s.comm_s for s in stages]
+    )
     feasible = all(s.feasible for s in stages)
     if status is None:
         status = "heuristic"

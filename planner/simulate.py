@@ -13,9 +13,10 @@ f_j = F_j + C_j/2 and b_j = B_j + C_j/2, so the closed form of :mod:`planner.cos
 sum_j t_j + (m - 1) max_j t_j, is exact when b_j / f_j is the same for every stage and a lower
 bound otherwise.
 
-With contention k (``Cluster.contention``), compute runs at rate 1 / (1 + k) while another stage
-computes too, and the makespan of p identical stages without transfers becomes
-(F + B) (2 + (m + p - 3)(1 + k)) for m >= 2: the closed form with k.
+With contention k (``Cluster.contention``), compute runs at rate 1 / (1 + k a) while a other
+stages compute too (ranks sharing cores: each one more competing for them slows the rest), and
+the GPipe makespan of p identical stages without transfers becomes
+(F + B) (p + m - 1 + k (p - 1)(m - 1)): the closed form with k.
 
 Each stage then updates its parameters (``update_s[j]``, once per step, after its last
 operation); the makespan is the latest update's end.  Updates are not slowed by contention and do
@@ -116,7 +117,7 @@ def simulate(
     ``backward_s[j]`` includes recomputation; ``recompute_s[j]`` (its part that is recompute) is
     used only to label the timeline.  ``comm_s[j]`` is the round trip C_j across the cut after
     stage j.  ``contention`` k slows compute (forward, recompute, backward; not transfers) by
-    the factor 1 + k while at least one other stage computes: the stages' progress is
+    the factor 1 + k a while a other stages compute: the stages' progress is
     integrated between events, so partial overlaps cost in proportion.  ``update_s[j]`` (U_j;
     none by default) follows stage j's last operation.
     """
@@ -178,9 +179,8 @@ def simulate(
             break
         computing = [j for j in active if _phase(running[j])[2]]
         rate = {j: 1.0 for j in active}
-        for j in computing:
-            if len(computing) > 1:
-                rate[j] = 1.0 / (1.0 + kappa)
+        for j in computing:  # a stage is slowed by k for each other stage computing with it
+            rate[j] = 1.0 / (1.0 + kappa * (len(computing) - 1))
         dt, first = min((left[j] / rate[j], j) for j in active)
         now += dt
         for j in active:

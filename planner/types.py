@@ -444,11 +444,11 @@ class Plan(_Frozen):
     step_time_s: float
     """Closed-form step time T(m) of :mod:`planner.costmodel` (the solvers' objective)."""
     simulated_step_time_s: float | None = None
-    """The schedule simulator's makespan for these stage times: without contention equal to
-    ``step_time_s`` when every stage's backward/forward ratio is the same, larger otherwise
-    (e.g. when the stage that recomputes is the backward bottleneck and another the forward
-    one); with contention equal for identical stages, and smaller where a light stage
-    overlaps the bottleneck only part of the time."""
+    """The schedule simulator's makespan for these stage times: equal to ``step_time_s`` for
+    identical stages and for two stages when one is the bottleneck both forward and backward;
+    larger when the forward and backward bottlenecks are different stages (GPipe pays both
+    maxima), smaller when an early stage is the backward bottleneck (a later stage's update
+    then overlaps more of the drain than D_j)."""
     bubble_fraction: float
     """1 - (average busy time per device) / step time."""
     throughput: float

@@ -15,13 +15,24 @@ import numpy as np
 from planner.costmodel import UnitCosts, recomputes, stage_time
 from planner.types import Cluster, PlanOptions
 
-__all__ = ["Bounds", "stage_compute", "stage_offsets"]
+__all__ = ["Bounds", "stage_backward", "stage_compute", "stage_offsets"]
 
 
 def stage_compute(costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int) -> np.ndarray:
     """Q_j: prefix sums of stage j's per-unit compute time (recompute included) on device j."""
     rc = recomputes(options.checkpoint, j, cluster.n_stages)
     return costs.compute_prefix(rc) / cluster.devices[j].speed
+
+
+def stage_backward(
+    costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int
+) -> tuple[np.ndarray, float]:
+    """(prefix table, constant) of stage j's backward B_j alone on device j (recompute
+    included): what the stages after it wait for in the drain."""
+    rc = recomputes(options.checkpoint, j, cluster.n_stages)
+    table = (costs.Pr if rc else costs.Pg) / cluster.devices[j].speed
+    _, B, _ = stage_time(costs, cluster, options, 0, 0, j)
+    return table, B - float(table[1])
 
 
 def stage_offsets(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[float]:

@@ -17,21 +17,24 @@ prefix sums, read from constant tables with element constraints on the boundarie
     H_j = sum over shared parameters of bytes * (h_j - [stage j holds the owner]),
           h_j >= [stage j holds user u] = [b_j <= u] - [b_{j+1} <= u] for every user u
     M_j <= cap_j
-    s_j = (1 + k) (Q_j[b_{j+1}] - Q_j[b_j] + o_j) + C[b_{j+1}]   (steady state, contention k)
-    U_0 = u / s_0 (W[b_1] + H_0)                                 (stage 0's optimizer update)
-    minimise  t_0 + U_0 + sum_{0<j<p-1} s_j + t_{p-1} + (m - 1) T,   T >= s_j for all j
-    (for p = 1 the sum is t_0 + U_0 alone; with k = 0, or m = 1, s_j = t_j).
+    c_j = Q_j[b_{j+1}] - Q_j[b_j] + o_j                   (the stage's compute)
+    a_j = t_j + (m - 1) k c_j,   s_j = t_j - k c_j          (contention k; see costmodel)
+    U_j = u / s_j (W[b_{j+1}] - W[b_j] + H_j)               (stage j's optimizer update)
+    D_j = sum_{i<j} (B_i[b_{i+1}] - B_i[b_i] + ob_i) + C[b_j] / 2   (B_i: backward prefix table)
+    minimise  sum_j a_j + (m - 1) T + R,   T >= s_j,  R >= U_j - D_j  for all j
+    (with k = 0, or m = 1, a_j = s_j = t_j; R = U_0 when p = 1).
 
 Bytes are integers already, so memory is exact.  Times are scaled to integer *ticks*: with
 ``S = 2**30 / R`` ticks per second, R the largest sum of stage times over the candidate m
 (slowest device, all recompute, every cut paid), each table entry and o_j is rounded to the
-nearest tick.  A stage time then errs by at most 2 ticks (two prefix entries, one cut, o_j), and
-U_0 by 1 + h / 2 (one prefix entry, one rounded constant per shared parameter, h of them), so
-the scaled objective of any partition is within ``E = 2 (p + m - 1) + 1 + h / 2`` ticks of S
-times its step time, and the plan CP-SAT proves optimal is within ``2 E / S`` seconds of the
-true optimum (about ``4e-9 (p + m - 1)`` of R).  o_j, C and the stage's F and B
-are read from :func:`planner.costmodel.stage_time`, so the model follows the cost model.  The returned plan is always
-re-evaluated exactly by :func:`planner.costmodel.evaluate`.
+nearest tick.  A stage's a_j or s_j then errs by at most 2 ticks (two prefix entries, one cut,
+o_j), U_j by 1 + h / 2 (two prefix entries, one rounded constant per shared parameter, h of
+them) and D_j by 1.5 p + 0.5, so the scaled objective of any partition is within
+``E = 2 (p + m - 1) + 2 p + 2 + h / 2`` ticks of S times its step time, and the plan CP-SAT
+proves optimal is within ``2 E / S`` seconds of the true optimum (about ``8e-9 (p + m)`` of R).
+o_j, C and the stage's F and B are read from :func:`planner.costmodel.stage_time`, so the model
+follows the cost model.  The returned plan is always re-evaluated exactly by
+:func:`planner.costmodel.evaluate`.
 
 One model per m rather than one model with m as a choice: every unit's costs change with the
 micro-batch size, so a joint model would hold |m| copies of every table plus the product
@@ -85,7 +88,7 @@ from planner.costmodel import (
 from planner.errors import InfeasiblePlanError
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
-from solvers.bounds import Bounds, stage_compute, stage_offsets
+from solvers.bounds import Bounds, stage_backward, stage_compute, stage_offsets
 
 __all__ = ["TICKS", "CpsatResult", "error_bound_s", "partition_cpsat", "solve_cpsat"]
 
@@ -115,7 +118,7 @@ class CpsatResult:
 
 def _err_ticks(p: int, m: int, n_shared: int) -> float:
     """E: how far the scaled objective of any partition can be from S times its step time."""
-    return _ERR * (p + m - 1) + 1 + n_shared / 2
+    return _ERR * (p + m - 1) + 2 * p + 2 + n_shared / 2
 
 
 def _reference_time(
@@ -222,42 +225,47 @@ class _Model:
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
         offsets_s = stage_offsets(costs, cluster, options)
-        offsets = _ticks(offsets_s, scale)
         kappa = contention(cluster, m)
-        horizon = 0
-        upd: cp_model.LinearExpr | int = 0
-        self.t: list[cp_model.IntVar] = []
+        ka = (m - 1) * kappa
+        horizon, floor = 0, 0
+        self.a: list[cp_model.IntVar] = []
         self.s: list[cp_model.IntVar] = []
+        tails: list[tuple[cp_model.LinearExpr | int, cp_model.LinearExpr | int]] = []  # U_j, D_j
+        drain: cp_model.LinearExpr | int = 0  # sum_{i<j} B_i
+        half = _ticks(np.asarray(_cut_times(costs, cluster, options)) / 2, scale)
         for j in range(p):
             rc = recomputes(options.checkpoint, j, p)
             compute = stage_compute(costs, cluster, options, j)
-            Q = _ticks(compute, scale)
-            expr = at(j + 1, Q, "qe") - at(j, Q, "qs") + offsets[j]
             cut = at(j + 1, comm, "c") if j < p - 1 else 0
-            top = Q[-1] + max(comm) + offsets[j]
-            t = md.new_int_var(0, top, f"t{j}")
-            md.add(t == expr + cut)
-            self.t.append(t)
-            if kappa:  # the steady-state time, from tables of the slowed compute
-                Qs = _ticks(compute * (1 + kappa), scale)
-                o_s = _ticks([offsets_s[j] * (1 + kappa)], scale)[0]
-                top = Qs[-1] + max(comm) + o_s
-                s_j = md.new_int_var(0, top, f"s{j}")
-                md.add(s_j == at(j + 1, Qs, "se") - at(j, Qs, "ss") + o_s + cut)
-                self.s.append(s_j)
-            else:
-                self.s.append(t)
-            horizon = max(horizon, top)
+            # a_j (its term of the sum) and s_j (its steady-state slot term), from tables of
+            # the compute scaled by 1 + (m - 1) k and by 1 - k.
+            terms = []
+            for name, factor in (("a", 1.0 + ka), ("s", 1.0 - kappa)):
+                Q = _ticks(compute * factor, scale)
+                o = _ticks([offsets_s[j] * factor], scale)[0]
+                lo = min(0, min(Q) - max(Q) + o)
+                hi = max(Q) - min(Q) + max(0, o) + max(comm)
+                var = md.new_int_var(lo, hi, f"{name}{j}")
+                md.add(var == at(j + 1, Q, name + "e") - at(j, Q, name + "s") + o + cut)
+                terms.append(var)
+                if name == "s":
+                    horizon, floor = max(horizon, hi), min(floor, lo)
+            self.a.append(terms[0])
+            self.s.append(terms[1])
             q = in_flight(options.schedule, j, p, m)
             copies = self._copies(costs, j)
             held = sum((int(nbytes) * e for nbytes, e in copies), start=0)
             mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + held)
-            if j == 0 and rate:  # U_0: stage 0's update, which ends the step
-                per_byte = rate / cluster.devices[0].speed * scale
+            if rate:  # U_j and the drain D_j before it
+                per_byte = rate / cluster.devices[j].speed * scale
                 U = _ticks(costs.Pw * per_byte, scale=1.0)
-                upd = at(1, U, "u") + sum(
+                upd = at(j + 1, U, "ue") - at(j, U, "us") + sum(
                     (_ticks([nbytes * per_byte], 1.0)[0] * e for nbytes, e in copies), start=0
                 )
+                tails.append((upd, drain + (at(j, half, "h") if j else 0)))
+                back, ob = stage_backward(costs, cluster, options, j)
+                QB = _ticks(back, scale)
+                drain = drain + at(j + 1, QB, "be") - at(j, QB, "bs") + _ticks([ob], scale)[0]
             acts = at(j + 1, A, "ae") - at(j, A, "as")
             if rc:
                 mem = mem + q * at(j, X, "x") + acts
@@ -266,12 +274,21 @@ class _Model:
             if j == p - 1:  # the loss's saved tensors, per micro-batch in flight
                 mem = mem + q * int(costs.loss_a)
             md.add(mem <= caps[j])
-        self.tmax = md.new_int_var(max(0, min(t_floor, horizon)), horizon, "T")
+        # max_j t_j >= t_floor, and s_j >= (1 - k) t_j when k <= 1 (c_j <= t_j).
+        lo_t = floor
+        if kappa <= 1:
+            lo_t = max(floor, min(math.floor(t_floor * (1 - kappa)) - 1, horizon))
+        self.tmax = md.new_int_var(lo_t, horizon, "T")
         md.add_max_equality(self.tmax, self.s)
-        stage_sum = [self.t[j] if j in (0, p - 1) else self.s[j] for j in range(p)]
-        self.objective = sum(stage_sum) + (m - 1) * self.tmax
-        if rate:
-            self.objective = self.objective + upd
+        self.objective = sum(self.a) + (m - 1) * self.tmax
+        if tails:  # R >= U_j - D_j for every stage (R >= U_0 >= 0)
+            all_bytes = float(costs.Pw[-1]) + sum(float(nb) for nb, _ in costs.shared)
+            slowest = min(dev.speed for dev in cluster.devices)
+            top = _ticks([all_bytes * rate / slowest * scale], 1.0)[0] + len(costs.shared) + 2
+            self.tail = md.new_int_var(0, top, "R")
+            for update, before in tails:
+                md.add(self.tail >= update - before)
+            self.objective = self.objective + self.tail
         md.minimize(self.objective)
         if hint is not None:
             for var, value in zip(self.b, (*hint, n)):

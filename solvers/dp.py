@@ -3,31 +3,41 @@
 Problem.  Split units 0..n-1 into p contiguous non-empty stages and choose m (micro-batches) to
 minimise the GPipe step time of :mod:`planner.costmodel`,
 
-    T(m, P) = S(P) + (m - 1) M(P),   S = sum_j t_j + k sum_{0<j<p-1} c_j + U_0,  M = max_j s_j,
+    T(m, P) = S(P) + (m - 1) M(P) + R(P),
+    S = sum_j a_j,  a_j = t_j + (m - 1) k c_j,  M = max_j s_j,  s_j = t_j - k c_j,
+    R = max(U_0, max_{j>0} h_j),  h_j = U_j - D_j,
 
-with s_j = t_j + k c_j the steady-state stage time under contention k (c_j = F_j + B_j; k = 0
-when m = 1 or p = 1, and then s_j = t_j) and U_0 the optimizer update of stage 0's parameters,
+with c_j = F_j + B_j, k the contention (0 when m = 1 or p = 1), U_j stage j's optimizer update
+and D_j = sum_{i<j} B_i + C_{j-1} / 2 the drain before it, subject to M_j <= cap_j on every
+stage.  The objective mixes a sum and two maxima, so a plain prefix DP is not exact.
 
-subject to M_j <= cap_j on every stage.  The objective mixes a sum and a maximum, so a plain
-prefix DP is not exact.  For a fixed m we use the bottleneck-threshold method (as in Alpa's
+The tail.  For a bound theta >= 0 let every stage j > 0 keep h_j <= theta and let stage 0 pay
+max(U_0 - theta, 0) in S; adding theta gives S + max(U_0, theta) + (m - 1) M >= T, with
+equality at theta = max(0, max_{j>0} h_j).  So the optimum is the best over theta in {0} and the
+positive h values a stage can take (few: most stages drain far longer than they update), and
+theta stops rising once theta plus a lower bound of S + (m - 1) M reaches the incumbent.
+h_j depends on the stage's own units and its index alone (D_j = QB[l] + j o_B + C[l] / 2 for
+stages of one speed), so the bound is a per-stage mask.
+
+The bottleneck.  For a fixed m and theta we use the bottleneck-threshold method (as in Alpa's
 inter-operator pass): for a threshold M let
 
-    S*(M) = min { S(P) : every stage of P has s_j <= M and fits in memory },
+    S*(M) = min { S(P) : every stage of P has s_j <= M, h_j <= theta and fits in memory },
 
 computed by a prefix DP over (stage, last unit); then min_P T = min_M S*(M) + (m - 1) M over
-the distinct steady-state stage times M.  S is a sum of per-stage terms (stage 0 and the last
-add t_j, stage 0 also U_0, the stages between s_j), so the prefix DP stays exact.  S* is a non-increasing step function, so only the left ends of its
-plateaus matter; they are found by bisection over the sorted candidate thresholds between
+the distinct steady-state terms M.  S is a sum of per-stage terms, so the prefix DP stays exact.
+S* is a non-increasing step function, so only the left ends of its plateaus matter; they are
+found by bisection over the sorted candidate thresholds between
 
-    M_min = the min-max stage time (a min-max prefix DP), and
+    M_min = the min-max stage term (a min-max prefix DP), and
     M_hi  = (T_best - S*(M_hi0)) / (m - 1),
 
 beyond which no threshold can beat the best plan found (T >= S_lb + (m - 1) M).  With m = 1 the
-objective is S alone and one DP with no threshold suffices.
+objective is S + R alone and one DP per theta with no threshold suffices.
 
-Every DP is *banded*: stage costs are monotone in the stage's length, so under threshold M a
-stage ending at unit r can start no earlier than lo_M(r), and the DP looks only at the
-W = max_r (r - lo_M(r) + 1) last start positions.  Memory bounds W too: parameters, gradients,
+Every DP is *banded*: s_j = (1 - k) c_j + C_j grows with the stage's length when k < 1, so
+under threshold M a stage ending at unit r can start no earlier than lo_M(r) (k >= 1 drops this
+band), and the DP looks only at the W = max_r (r - lo_M(r) + 1) last start positions.  Memory bounds W too: parameters, gradients,
 optimizer state and activations only grow with a stage, so no stage longer than that monotone
 part allows under the largest memory cap can fit.  One DP costs O(p n W) in vectorised numpy;
 the number of DPs is O(k log n) for k plateaus, small in practice since S varies only through
@@ -56,6 +66,7 @@ from planner.costmodel import (
     step_time,
     unit_costs,
     update_rate,
+    update_tail,
 )
 from planner.errors import InfeasiblePlanError, UnsupportedConstraintError
 from planner.io import format_bytes
@@ -101,7 +112,7 @@ class _Instance:
         self.policy = options.checkpoint
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
-        # Stage time of units l..r: (Q[r + 1] - Q[l]) + comm[r + 1] (mid) or Qlast diff (last).
+        # Stage compute of units l..r: (Q[r + 1] - Q[l]) + the stage's constant.
         self.Qmid = costs.compute_prefix(rc_mid) / speed
         self.Qlast = costs.compute_prefix(rc_last) / speed
         # A stage's constant: the engine's cost of one forward and one backward, plus one
@@ -109,7 +120,11 @@ class _Instance:
         call = (costs.call_f + costs.call_b) / speed
         self.op = 2.0 * cluster.op_overhead_s + (call if rc_mid else 0.0)
         op_last = 2.0 * cluster.op_overhead_s + (call if rc_last else 0.0)
+        # The backward alone of mid stages, for the drain D_j = QB[l] + j * ob + comm[l] / 2.
+        self.QB = (costs.Pr if rc_mid else costs.Pg) / speed
+        self.ob = cluster.op_overhead_s + (costs.call_b / speed if rc_mid else 0.0)
         self.kappa = contention(cluster, self.m)
+        self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
         self.u = rate / speed  # update seconds per parameter byte
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
@@ -118,8 +133,9 @@ class _Instance:
         j = self.p - 1
         w = costs.Pw[n] - costs.Pw[L] + costs.shared_bytes(L, n - 1)
         a = costs.Pa[n] - costs.Pa[L]
-        # With one stage the last stage is stage 0, whose update U_0 ends the step.
-        self.u_last = self.u * w if self.p == 1 else np.zeros(n + 1)
+        self.U_last = self.u * w
+        # h of the last stage: how long its update outlasts the step's last backward.
+        self.h_last = self.U_last - self.drain(j, L)
         if rc_last:
             mem = w * self.wk + self.q[j] * x + a
         else:
@@ -128,7 +144,11 @@ class _Instance:
         ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
         self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + op_last + loss, _INF)
-        self.s_last = self.t_last * (1.0 + self.kappa)  # the last stage has no cut: c = t
+        # The last stage has no cut (c = t): its term of S, and of the bottleneck.
+        self.a_last = self.t_last * (1.0 + self.ka)
+        if self.p == 1:  # a single stage: its update U_0 ends the step
+            self.a_last = self.a_last + self.U_last
+        self.s_last = self.t_last * (1.0 - self.kappa)
         # Memory bounds a mid stage's length too: its parameters, gradients, optimizer state
         # and activations only grow with it (stash and shared copies only add), so no stage
         # longer than w_mem fits the largest cap.
@@ -140,63 +160,79 @@ class _Instance:
         lo = np.searchsorted(grow, grow[r + 1] - cap - 1e-9 * max(cap, 1.0), side="left")
         self.w_mem = int(max(1, np.max(r - np.minimum(lo, r) + 1)))
 
+    def drain(self, j: int, l: np.ndarray | int) -> np.ndarray:
+        """D_j of a stage j > 0 starting at unit l: the backward of the j mid stages before it
+        and the gradient's trip across its first cut (0 for j = 0)."""
+        l_arr = np.asarray(l)
+        if j == 0:
+            return np.zeros(l_arr.shape)
+        return self.QB[l_arr] + j * self.ob + self.comm[l_arr] / 2
+
     def width(self, threshold: float) -> int:
-        """Longest mid stage (in units) whose time can be <= threshold and that can fit."""
-        if not np.isfinite(threshold) or self.n < 2:
+        """Longest mid stage (in units) whose s can be <= threshold and that can fit."""
+        if not np.isfinite(threshold) or self.n < 2 or self.kappa >= 1.0:
+            # s = (1 - k) c + C does not grow with the stage when k >= 1: no band.
             return min(max(self.n, 1), self.w_mem)
         r = np.arange(self.n - 1)
-        need = self.Qmid[r + 1] + self.comm[r + 1] + self.op - threshold  # fits iff Q[l] >= need
+        room = (threshold - self.comm[r + 1]) / (1.0 - self.kappa)
+        need = self.Qmid[r + 1] + self.op - room  # fits iff Q[l] >= need
         lo = np.searchsorted(self.Qmid, need - 1e-12 * max(1.0, abs(threshold)), side="left")
         return int(min(self.n, self.w_mem, int(np.max(r - np.minimum(lo, r) + 1))))
 
     def band(
         self, W: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
-        """(l, t, s, U) of every mid stage l = r - d .. r, d < W, as (n, W) arrays; memory
-        masks."""
+        """(l, a, s, U) of every mid stage l = r - d .. r, d < W, as (n, W) arrays (a: its term
+        of S, s: its steady-state slot term, U: its update); memory masks."""
         n, c = self.n, self.c
         r = np.arange(n)[:, None]
         l = r - np.arange(W)[None, :]
         valid = (l >= 0) & (r < n - 1)
         lc = np.where(valid, l, 0)
-        busy = np.where(valid, self.Qmid[r + 1] - self.Qmid[lc] + self.op, _INF)
-        t = busy + np.where(valid, self.comm[r + 1], 0.0)
-        s = t + self.kappa * busy if self.kappa else t
+        busy = self.Qmid[r + 1] - self.Qmid[lc] + self.op
+        t = busy + self.comm[np.minimum(r + 1, n)]
+        a = np.where(valid, t + self.ka * busy, _INF)
+        s = np.where(valid, t - self.kappa * busy, _INF)
         w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
         upd = self.u * w
         w = w * self.wk
-        a = c.Pa[r + 1] - c.Pa[lc]
+        acts = c.Pa[r + 1] - c.Pa[lc]
         rc = recomputes(self.policy, 0, 2)
         masks: dict[tuple[int, float], np.ndarray] = {}
         for j in range(self.p - 1):
             key = (self.q[j], float(self.caps[j]))
             if key not in masks:
-                mem = w + self.q[j] * c.x[lc] + a if rc else w + self.q[j] * a
+                mem = w + self.q[j] * c.x[lc] + acts if rc else w + self.q[j] * acts
                 masks[key] = valid & (mem <= self.caps[j])
-        return np.where(valid, l, n + 1), t, s, upd, masks
+        return np.where(valid, l, n + 1), a, s, upd, masks
 
-    def run_mid(self, threshold: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
-        """V[L] = min-sum (or min-max) over the first p - 1 stages covering 0..L-1, t <= threshold.
+    def run_mid(
+        self, threshold: float, mode: str, theta: float = 0.0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """V[L] = min-sum (or min-max) over the first p - 1 stages covering 0..L-1, s <= threshold,
+        every stage j > 0 with U_j - D_j <= theta.
 
         Returns V (length n + 1) and the back-pointers ``choice[j, r]`` = length - 1 of stage j
         when it ends at unit r.
         """
         n, p = self.n, self.p
         dp = np.full(n + 2, _INF)  # dp[k]: units 0..k-1 covered; slot n + 1 stays inf
-        dp[0] = 0.0
+        dp[0] = 0.0 if mode == "sum" else -_INF  # s_j < 0 when k > 1
         choice = np.zeros((max(p - 1, 0), n), dtype=np.int64)
         if p == 1:
             return dp[: n + 1], choice
-        lidx, t, s, upd, masks = self.band(self.width(threshold))
+        lidx, a, s, upd, masks = self.band(self.width(threshold))
         ok = s <= threshold
-        # Stage 0 adds t_j + U_j to S (its update ends the step), the stages between s_j (their
-        # fill and drain contend too); the bottleneck M is over s_j.
-        first = {key: np.where(mask & ok, t + upd, _INF) for key, mask in masks.items()}
-        later = {key: np.where(mask & ok, s, _INF) for key, mask in masks.items()}
+        lc = np.minimum(lidx, n)
         rows = np.arange(n)
         for j in range(p - 1):
-            key = (self.q[j], float(self.caps[j]))
-            cost = (first if j == 0 and mode == "sum" else later)[key]
+            mask = masks[(self.q[j], float(self.caps[j]))] & ok
+            if j == 0:  # stage 0's update ends the step: what exceeds theta is paid in S
+                cost = a + np.maximum(upd - theta, 0.0) if mode == "sum" else s
+            else:
+                mask = mask & (upd - self.drain(j, lc) <= theta) if self.u else mask
+                cost = a if mode == "sum" else s
+            cost = np.where(mask, cost, _INF)
             cand = dp[lidx] + cost if mode == "sum" else np.maximum(dp[lidx], cost)
             choice[j] = np.argmin(cand, axis=1)
             new = np.full(n + 2, _INF)
@@ -204,8 +240,28 @@ class _Instance:
             dp = new
         return dp[: n + 1], choice
 
+    def last(self, theta: float) -> np.ndarray:
+        """The last stage's term of the objective under theta, over its first unit L: a_last
+        plus theta itself (R <= max(U_0, theta)), inf where its update outlasts theta."""
+        if self.p == 1 or not self.u:
+            return self.a_last
+        return np.where(self.h_last <= theta, self.a_last + theta, _INF)
+
+    def thetas(self) -> np.ndarray:
+        """Every positive U_j - D_j a stage j > 0 can have, ascending (the tails worth trying)."""
+        if self.p == 1 or not self.u:
+            return np.zeros(0)
+        lidx, _, _, upd, _ = self.band(self.w_mem)
+        lc = np.minimum(lidx, self.n)
+        vals = [self.h_last[np.isfinite(self.t_last)]]
+        for j in range(1, self.p - 1):
+            h = upd - self.drain(j, lc)
+            vals.append(h[lidx <= self.n])
+        out = np.concatenate(vals)
+        return np.unique(out[out > 0])
+
     def candidates(self, lo: float, hi: float) -> np.ndarray:
-        """Sorted distinct mid-stage steady-state times s in [lo, hi]."""
+        """Sorted distinct mid-stage steady-state terms s in [lo, hi]."""
         _, _, s, _, _ = self.band(self.width(hi))
         vals = s[(s >= lo) & (s <= hi)]
         return np.unique(vals)
@@ -218,21 +274,61 @@ class _Instance:
         return tuple(reversed(out))
 
     def step_time(self, starts: tuple[int, ...]) -> float:
+        """The exact T(m) of a partition (as :func:`planner.costmodel.evaluate` computes it)."""
         ends = [*starts[1:], self.n]
+        c = self.c
         busy = [float(self.Qmid[e] - self.Qmid[l] + self.op) for l, e in zip(starts[:-1], ends)]
-        times = [c + float(self.comm[e]) for c, e in zip(busy, ends)]
+        times = [b + float(self.comm[e]) for b, e in zip(busy, ends)]
+        back = [float(self.QB[e] - self.QB[l] + self.ob) for l, e in zip(starts[:-1], ends)]
+        upd = [
+            self.u * float(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1))
+            for l, e in zip(starts[:-1], ends)
+        ]
         busy.append(float(self.t_last[starts[-1]]))
         times.append(busy[-1])
-        end0 = starts[1] if self.p > 1 else self.n
-        w0 = self.c.Pw[end0] - self.c.Pw[0] + self.c.shared_bytes(0, end0 - 1)
-        return step_time(times, self.m, busy, self.kappa) + self.u * float(w0)
+        back.append(0.0)  # the last stage's backward is no stage's drain
+        upd.append(float(self.U_last[starts[-1]]))
+        comm = [float(self.comm[e]) for e in ends]
+        return step_time(times, self.m, busy, self.kappa) + update_tail(upd, back, comm)
 
 
-def _solve_m(inst: _Instance) -> _Result | None:
-    """Exact min over partitions of S + (m - 1) M for one micro-batch count (see module doc)."""
+def _solve(inst: _Instance) -> _Result | None:
+    """Exact min over partitions of T(m) for one micro-batch count.
+
+    R = max(U_0, max_{j>0} h_j), h_j = U_j - D_j, is a second bottleneck.  For a tail bound theta
+    every stage j > 0 must have h_j <= theta and stage 0 pays max(U_0 - theta, 0) + theta in S;
+    that is T(m) exactly at theta = max(0, max_{j>0} h_j) and more elsewhere, so the best over
+    theta = 0 and the positive h values is the optimum.  theta rises until theta plus a lower
+    bound of the rest cannot beat the incumbent; most stages drain far longer than they update,
+    so the positive h values are few.
+    """
+    best = _solve_m(inst, 0.0, None)
+    thetas = inst.thetas()
+    if not len(thetas):
+        return best
+    floor = _floor(inst)
+    for theta in thetas:
+        if best is not None and theta + floor >= best.objective:
+            break
+        best = _solve_m(inst, float(theta), best)
+    return best
+
+
+def _floor(inst: _Instance) -> float:
+    """A lower bound of T(m) less R over all partitions: S_lb + (m - 1) max(min-max M, s_last)."""
+    m, p = inst.m, inst.p
+    mm, _ = inst.run_mid(_INF, "max", _INF)
+    s_lb = (inst.Qmid + (p - 1) * inst.op) * (1.0 + inst.ka) + inst.a_last
+    if m == 1:
+        return float(np.min(s_lb))
+    return float(np.min(s_lb + (m - 1) * np.maximum(mm, inst.s_last)))
+
+
+def _solve_m(inst: _Instance, theta: float, best: _Result | None) -> _Result | None:
+    """Exact min over partitions of S + (m - 1) M under the tail bound theta (see module doc);
+    ``best`` is the incumbent over earlier thetas."""
     m, n, p = inst.m, inst.n, inst.p
-    tl, sl = inst.t_last + inst.u_last, inst.s_last
-    best: _Result | None = None
+    tl, sl = inst.last(theta), inst.s_last
 
     def consider(V: np.ndarray, choice: np.ndarray, M: float) -> None:
         """Best last-stage start under threshold M; keep it if its true step time is better."""
@@ -247,47 +343,52 @@ def _solve_m(inst: _Instance) -> _Result | None:
             best = _Result(obj, starts)
 
     if p == 1 or m == 1:  # no bottleneck term, or a single stage: one DP with no threshold
-        V, choice = inst.run_mid(_INF, "sum")
+        V, choice = inst.run_mid(_INF, "sum", theta)
         consider(V, choice, 0.0)  # no mid stages when p == 1; the M term is unused when m == 1
         return best
     # 1. A threshold G at which some plan exists; the min-max DP is exact wherever <= G.
     total = float(inst.Qmid[n] + inst.comm.sum() + p * inst.op) * (1.0 + inst.kappa)
     G = max(total / p, 1e-300)
     while True:
-        V, choice = inst.run_mid(G, "sum")
+        V, choice = inst.run_mid(G, "sum", theta)
         consider(V, choice, G)
-        if best is not None:
+        if best is not None and np.isfinite(V + tl).any():
             break
         if not np.isfinite(G):
-            return None
+            return best
         G = G * 2 if G < total else _INF
-    mm, mm_choice = inst.run_mid(G, "max")
+    mm, mm_choice = inst.run_mid(G, "max", theta)
     mm_lb = np.where(mm <= G, mm, G)  # a lower bound on the mid bottleneck for every L
-    if not inst.comm.any() and (p == 2 or not inst.kappa) and not inst.u:
-        # Free links: S = Qmid[L] + t_last(L) for every partition, so the min-max DP decides.
-        # mm[L] is exact where <= G and a lower bound (G) elsewhere: grow G until the minimiser
-        # is exact.
+    assert best is not None
+    if not inst.comm.any() and not inst.u:
+        # Free links, no updates: S = (1 + (m - 1) k) (Qmid[L] + (p - 1) o) + a_last(L) for
+        # every partition, so the min-max DP decides.  mm[L] is exact where <= G and a lower
+        # bound (G) elsewhere: grow G until the minimiser is exact.
+        base = (inst.Qmid + (p - 1) * inst.op) * (1.0 + inst.ka) + tl
         while True:
-            val = inst.Qmid + tl + (m - 1) * np.maximum(mm_lb, sl)
+            val = base + (m - 1) * np.maximum(mm_lb, sl)
             L = int(np.argmin(val))
             if mm[L] <= G or not np.isfinite(val[L]):
                 break
             G = max(G * 1.5, float(mm_lb[L]) * 1.5) if G < total else _INF
-            mm, mm_choice = inst.run_mid(G, "max")
+            mm, mm_choice = inst.run_mid(G, "max", theta)
             mm_lb = np.where(mm <= G, mm, G)
         if np.isfinite(val[L]):
             starts = inst.starts(mm_choice, L)
             obj = inst.step_time(starts)
             return _Result(obj, starts) if obj < best.objective else best
         return best
-    # 2. Thresholds above M_top cannot win: S >= Qmid[L] + t_last(L) (communication >= 0).
-    s_lb = inst.Qmid + (p - 1) * inst.op + tl
+    # 2. Thresholds above M_top cannot win: S >= (1 + (m - 1) k)(Qmid[L] + (p - 1) o) + tl(L)
+    # (communication and stage 0's update >= 0).
+    s_lb = (inst.Qmid + (p - 1) * inst.op) * (1.0 + inst.ka) + tl
     finite = np.isfinite(s_lb)
+    if not finite.any():
+        return best
     m_top = (best.objective - float(np.min(s_lb[finite]))) / (m - 1)
     top = G
     if m_top > G:
         top = m_top
-        V, choice = inst.run_mid(top, "sum")
+        V, choice = inst.run_mid(top, "sum", theta)
         consider(V, choice, top)
     v_lb = V  # S*_mid at the top threshold bounds every lower threshold's from below
     relevant_floor = v_lb + tl + (m - 1) * np.maximum(mm_lb, sl)
@@ -302,7 +403,7 @@ def _solve_m(inst: _Instance) -> _Result | None:
 
     def values(i: int) -> np.ndarray:
         if i not in cache:
-            Vi, ch = inst.run_mid(float(cands[i]), "sum")
+            Vi, ch = inst.run_mid(float(cands[i]), "sum", theta)
             consider(Vi, ch, float(cands[i]))
             cache[i] = Vi
         return cache[i]
@@ -340,9 +441,7 @@ def partition_dp(
     rate = update_rate(profile, options.optimizer)
     for m in microbatch_choices(profile, options):
         costs = unit_costs(profile, m)
-        res = _solve_m(
-            _Instance(costs, cluster, options, caps, rate)
-        )
+        res = _solve(_Instance(costs, cluster, options, caps, rate))
         if res is not None and (best is None or res.objective < best[2]):
             best = (res.starts, m, res.objective)
     return best

@@ -41,7 +41,7 @@ def test_frame_rows_and_ratios(plans: list[Plan]) -> None:
         assert row.stage_ms.count("/") == plan.n_stages - 1
         assert [int(v) for v in row.stage_mem.split("/")] == [s.memory.total for s in plan.stages]
         assert (row.m, row.stages, row.bubble) == (plan.microbatches, plan.n_stages, plan.bubble_fraction)
-    assert df["ratio"][0] == 1.0 and (df["ratio"] >= 1 - 1e-12).all()
+    assert df["ratio"][0] == pytest.approx(1.0, abs=1e-12) and (df["ratio"] >= 1 - 1e-12).all()
 
 
 def test_ratio_ignores_infeasible_plans(plans: list[Plan]) -> None:

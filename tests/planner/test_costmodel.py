@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import evaluate, in_flight, recomputes, step_time
+from planner.costmodel import evaluate, in_flight, recomputes, step_time, update_tail
 from planner.simulate import operation_order, simulate, simulate_plan
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Link, PlanOptions
@@ -61,13 +61,15 @@ def test_closed_form_bounds_simulator(stages: list[tuple[float, float, float]], 
 def test_closed_form_equals_simulator_with_contention(
     f: float, b: float, p: int, m: int, kappa: float, schedule: str
 ) -> None:
-    # Identical stages, no transfers: 2 slots of the fill/drain path run alone, m + p - 3 with
-    # every neighbour computing (GPipe; 1F1B has the same critical path).
+    # Identical stages, no transfers: p + m - 1 slots on the fill/drain path, and each of the
+    # (p - 1)(m - 1) times a stage computes beside another costs k of its work (GPipe; 1F1B has
+    # the same critical path).
     tl = simulate([f] * p, [b] * p, [0.0] * p, m, contention=kappa, schedule=schedule)
     closed = step_time([f + b] * p, m, [f + b] * p, kappa)
     assert tl.makespan_s == pytest.approx(closed, rel=1e-9)
     if p > 1 and m > 1:
-        assert closed == pytest.approx((f + b) * (2 + (m + p - 3) * (1 + kappa)), rel=1e-12)
+        expected = (f + b) * (p + m - 1 + kappa * (p - 1) * (m - 1))
+        assert closed == pytest.approx(expected, rel=1e-12)
     else:
         assert closed == pytest.approx((f + b) * (p + m - 1), rel=1e-12)
 
@@ -263,8 +265,32 @@ def test_closed_form_equals_simulator_with_updates(
 
 def test_a_late_stage_update_longer_than_the_drain_sets_the_makespan() -> None:
     # p = 2, m = 1, F = B = 1: stage 1 ends its backward at 3, stage 0 at 4.  Stage 1's update
-    # of 5 outlasts stage 0's backward and update (1): the step ends at 3 + 5 = 8, where the
-    # closed form charges U_0 alone (4 + 1).
+    # of 5 outlasts stage 0's backward and update (1): the step ends at 3 + 5 = 8, and the
+    # closed form's tail R = max(U_0, U_1 - B_0) = 4 says so.
     tl = simulate([1.0, 1.0], [1.0, 1.0], [0.0, 0.0], 1, update_s=[1.0, 5.0])
     assert tl.makespan_s == pytest.approx(8.0)
-    assert step_time([2.0, 2.0], 1) + 1.0 == pytest.approx(5.0)
+    assert update_tail([1.0, 5.0], [1.0, 1.0], [0.0, 0.0]) == pytest.approx(4.0)
+    assert step_time([2.0, 2.0], 1) + 4.0 == pytest.approx(8.0)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(floats, min_size=4, max_size=4), st.integers(1, 12), st.floats(0.0, 1.0),
+       st.lists(st.floats(0.0, 20.0), min_size=2, max_size=2))
+def test_two_stage_closed_form_equals_simulator(
+    fb: list[float], m: int, kappa: float, upd: list[float]
+) -> None:
+    # Two stages, stage 1 the bottleneck forward and backward: T(m) is the simulator's
+    # makespan, with contention (a light stage slows the heavy one only for its own work) and
+    # with any updates (stage 1's starts B_0 before stage 0's).
+    f0, f1 = sorted(fb[:2])
+    b0, b1 = sorted(fb[2:])
+    tl = simulate([f0, f1], [b0, b1], [0.0, 0.0], m, contention=kappa, update_s=upd)
+    closed = step_time([f0 + b0, f1 + b1], m, [f0 + b0, f1 + b1], kappa) + update_tail(
+        upd, [b0, b1], [0.0, 0.0]
+    )
+    assert tl.makespan_s == pytest.approx(closed, rel=1e-9)
+    # Stage 0 the bottleneck instead: the pipeline part is still exact, the tail errs high.
+    tl = simulate([f1, f0], [b1, b0], [0.0, 0.0], m, contention=kappa, update_s=upd)
+    closed = step_time([f1 + b1, f0 + b0], m, [f1 + b1, f0 + b0], kappa)
+    assert closed + update_tail(upd, [b1, b0], [0.0, 0.0]) >= tl.makespan_s * (1 - 1e-9)
+    assert closed <= tl.makespan_s * (1 + 1e-9)

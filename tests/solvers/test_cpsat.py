@@ -54,7 +54,7 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         heavy_ends=draw(st.booleans()),
         tied=draw(st.booleans()),
         loss=draw(st.booleans()),
-        update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 2e-9])),
+        update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 2e-9, 2e-8])),
         checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
     )
     link = Link(
@@ -68,7 +68,7 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         optimizer=draw(st.sampled_from(["sgd", "momentum", "adam"])),
     )
     overhead = draw(st.sampled_from([0.0, 1e-3]))
-    kappa = draw(st.sampled_from([0.0, 0.0, 0.4]))
+    kappa = draw(st.sampled_from([0.0, 0.0, 0.4, 1.5]))
     clus = Cluster.homogeneous(p, memory, link, op_overhead_s=overhead, contention=kappa)
     return prof, clus, options
 
@@ -123,7 +123,7 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         seed=draw(st.integers(0, 10**6)),
         spread=1.0,
         tied=draw(st.booleans()),
-        update_s_per_byte=draw(st.sampled_from([0.0, 3e-9])),
+        update_s_per_byte=draw(st.sampled_from([0.0, 3e-9, 3e-8])),
         checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
     )
     devices = tuple(
@@ -139,7 +139,7 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     hi = draw(st.one_of(st.none(), st.integers(max(lo, -(-n // p)), n)))
     options = PlanOptions(pinned=pinned, min_units=lo, max_units=hi)
     overhead = draw(st.sampled_from([0.0, 1e-3]))
-    kappa = draw(st.sampled_from([0.0, 0.4]))
+    kappa = draw(st.sampled_from([0.0, 0.4, 1.5]))
     clus = Cluster(devices=devices, link=Link(bandwidth_Bps=1e9), op_overhead_s=overhead,
                    contention=kappa)  # fmt: skip
     return prof, clus, options

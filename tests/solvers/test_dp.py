@@ -39,7 +39,7 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         heavy_ends=draw(st.booleans()),
         tied=draw(st.booleans()),
         loss=draw(st.booleans()),
-        update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 1e-9, 3e-9])),
+        update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 1e-9, 3e-9, 3e-8])),
         checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
     )
     link = Link(
