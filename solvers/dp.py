@@ -81,6 +81,12 @@ _INF = np.inf
 class _Result:
     objective: float
     starts: tuple[int, ...]
+    bound: float = -np.inf
+    """A lower bound of this m's optimum: the objective itself once the search is complete."""
+
+
+_TAIL_RUNS = 12
+"""Most tail bounds theta solved in full per m; past it the plan keeps a proven gap."""
 
 
 class _Instance:
@@ -223,16 +229,24 @@ class _Instance:
             return dp[: n + 1], choice
         lidx, a, s, upd, masks = self.band(self.width(threshold))
         ok = s <= threshold
+        # Per memory mask: stage 0's costs (its update beyond theta is paid in S, as it ends
+        # the step) and the later stages'.
+        first: dict[tuple[int, float], np.ndarray] = {}
+        later: dict[tuple[int, float], np.ndarray] = {}
+        for key, mask in masks.items():
+            later[key] = np.where(mask & ok, a if mode == "sum" else s, _INF)
+            first[key] = later[key]
+            if mode == "sum" and self.u:
+                first[key] = later[key] + np.maximum(upd - theta, 0.0)
+        # h_j = U_j - D_j <= theta for j > 0, computed as thetas() does (theta is one of them).
         lc = np.minimum(lidx, n)
+        bounded = bool(self.u) and np.isfinite(theta)
         rows = np.arange(n)
         for j in range(p - 1):
-            mask = masks[(self.q[j], float(self.caps[j]))] & ok
-            if j == 0:  # stage 0's update ends the step: what exceeds theta is paid in S
-                cost = a + np.maximum(upd - theta, 0.0) if mode == "sum" else s
-            else:
-                mask = mask & (upd - self.drain(j, lc) <= theta) if self.u else mask
-                cost = a if mode == "sum" else s
-            cost = np.where(mask, cost, _INF)
+            key = (self.q[j], float(self.caps[j]))
+            cost = first[key] if j == 0 else later[key]
+            if j > 0 and bounded:
+                cost = np.where(upd - self.drain(j, lc) <= theta, cost, _INF)
             cand = dp[lidx] + cost if mode == "sum" else np.maximum(dp[lidx], cost)
             choice[j] = np.argmin(cand, axis=1)
             new = np.full(n + 2, _INF)
@@ -300,18 +314,24 @@ def _solve(inst: _Instance) -> _Result | None:
     that is T(m) exactly at theta = max(0, max_{j>0} h_j) and more elsewhere, so the best over
     theta = 0 and the positive h values is the optimum.  theta rises until theta plus a lower
     bound of the rest cannot beat the incumbent; most stages drain far longer than they update,
-    so the positive h values are few.
+    so the positive h values are usually few.  Where they are many (hundreds of units and a
+    long update), at most ``_TAIL_RUNS`` of them are solved and the result carries the bound
+    theta_next + floor instead of being proven optimal.
     """
     best = _solve_m(inst, 0.0, None)
     thetas = inst.thetas()
     if not len(thetas):
-        return best
+        return None if best is None else _Result(best.objective, best.starts, best.objective)
     floor = _floor(inst)
-    for theta in thetas:
+    for k, theta in enumerate(thetas):
         if best is not None and theta + floor >= best.objective:
             break
+        if k == _TAIL_RUNS:
+            if best is None:  # pragma: no cover - every theta so far admitted no partition
+                continue
+            return _Result(best.objective, best.starts, min(best.objective, theta + floor))
         best = _solve_m(inst, float(theta), best)
-    return best
+    return None if best is None else _Result(best.objective, best.starts, best.objective)
 
 
 def _floor(inst: _Instance) -> float:
@@ -434,17 +454,29 @@ def partition_dp(
     profile: Profile, cluster: Cluster, options: PlanOptions
 ) -> tuple[tuple[int, ...], int, float] | None:
     """Optimal (stage starts, m, step time), or ``None`` when no partition fits in memory."""
+    found = _partition(profile, cluster, options)
+    return None if found is None else found[:3]
+
+
+def _partition(
+    profile: Profile, cluster: Cluster, options: PlanOptions
+) -> tuple[tuple[int, ...], int, float, float] | None:
+    """(stage starts, m, step time, a lower bound of the optimum) or ``None``."""
     _check_supported(cluster, options)
     check_request(profile, cluster, options)
     caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
     best: tuple[tuple[int, ...], int, float] | None = None
+    bound = float(np.inf)
     rate = update_rate(profile, options.optimizer)
     for m in microbatch_choices(profile, options):
         costs = unit_costs(profile, m)
         res = _solve(_Instance(costs, cluster, options, caps, rate))
-        if res is not None and (best is None or res.objective < best[2]):
+        if res is None:
+            continue
+        bound = min(bound, res.bound)
+        if best is None or res.objective < best[2]:
             best = (res.starts, m, res.objective)
-    return best
+    return None if best is None else (*best, min(bound, best[2]))
 
 
 def _check_supported(cluster: Cluster, options: PlanOptions) -> None:
@@ -475,7 +507,7 @@ def solve_dp(profile: Profile, cluster: Cluster, options: PlanOptions | None = N
     """
     options = options or PlanOptions()
     t0 = time.perf_counter()
-    found = partition_dp(profile, cluster, options)
+    found = _partition(profile, cluster, options)
     elapsed = time.perf_counter() - t0
     if found is None:
         unlimited = cluster.model_copy(
@@ -497,7 +529,8 @@ def solve_dp(profile: Profile, cluster: Cluster, options: PlanOptions | None = N
             f"(--memory {need}), or add stages, checkpoint more, or use fewer micro-batches",
             min_memory_bytes=need,
         )
-    starts, m, _ = found
+    starts, m, objective, bound = found
+    proven = bound >= objective * (1 - 1e-12)
     return evaluate(
         profile,
         cluster,
@@ -505,6 +538,7 @@ def solve_dp(profile: Profile, cluster: Cluster, options: PlanOptions | None = N
         starts[1:],
         m,
         solver="dp",
-        status="optimal",
+        status="optimal" if proven else "feasible",
+        gap=None if proven else (objective - bound) / objective,
         solve_time_s=elapsed,
     )
