@@ -157,3 +157,18 @@ def test_large_instance_agrees_with_threshold_free_reference() -> None:
                 other = evaluate(prof, cl, PlanOptions(), cuts, m, solver="x")
                 if other.feasible:
                     assert other.step_time_s >= plan.step_time_s * (1 - 1e-12)
+
+
+def test_a_capped_tail_search_keeps_a_proven_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stage 1 holding most of the parameters behind a short stage 0: the updates' tail bound
+    # theta has candidates to search.  With none allowed the plan is only "feasible", and its
+    # gap bounds how far it can be from the optimum that the full search finds.
+    prof = synthetic_profile(6, batch_size=8, seed=4, heavy_ends=True, update_s_per_byte=3e-8)
+    cluster = Cluster.homogeneous(2, 2**40)
+    full = solve_dp(prof, cluster)
+    assert full.status == "optimal"
+    monkeypatch.setattr("solvers.dp._TAIL_RUNS", 0)
+    capped = solve_dp(prof, cluster)
+    assert capped.status == "feasible" and capped.gap is not None and capped.gap > 0
+    assert capped.step_time_s >= full.step_time_s
+    assert capped.step_time_s * (1 - capped.gap) <= full.step_time_s * (1 + 1e-12)
