@@ -219,7 +219,8 @@ class _Model:
             return cache[key]
 
         # Tables: times in ticks, bytes exact.
-        comm = _ticks(_cut_times(costs, cluster, options), scale)
+        cuts = np.asarray(_cut_times(costs, cluster, options))
+        comm = _ticks(cuts, scale)
         W = [int(v) for v in costs.Pw]
         A = [int(v) for v in costs.Pa]
         X = [int(v) for v in costs.x]
@@ -232,7 +233,7 @@ class _Model:
         self.s: list[cp_model.IntVar] = []
         tails: list[tuple[cp_model.LinearExpr | int, cp_model.LinearExpr | int]] = []  # U_j, D_j
         drain: cp_model.LinearExpr | int = 0  # sum_{i<j} B_i
-        half = _ticks(np.asarray(_cut_times(costs, cluster, options)) / 2, scale)
+        half = _ticks(cuts / 2, scale)  # the gradient's trip, for the drain D_j
         for j in range(p):
             rc = recomputes(options.checkpoint, j, p)
             compute = stage_compute(costs, cluster, options, j)
