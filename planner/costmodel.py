@@ -18,7 +18,7 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
     t_j = c_j + C_j
     U_j = u * w_j / v_j              (the optimizer's update of the stage's parameters)
     D_j = sum_{i<j} B_i + C_{j-1} / 2  (the drain between stage j's last backward and the step's)
-    R = max_j (U_j - D_j)            (the updates' tail; R >= U_0, D_0 = 0)
+    R = max_j (U_j - D_j)            (the updates' tail; R >= U_0, D_0 = 0; see Tied gradients)
     T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R     (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
@@ -56,6 +56,18 @@ outlasts the step's end by U_j - D_j.  R is exact when those stages wait for the
 do in the drain unless an earlier stage is the backward bottleneck, when R errs high).  A plan
 that puts most parameters on a late stage pays for it: the DP's earlier form charged U_0 alone.
 
+Tied gradients.  A parameter used on several stages (a tied embedding and LM head) has a copy
+on each; after their last backward those stages sum its gradient with one all-reduce
+(``Cluster.allreduce_s`` of its bytes, A) and only then update.  The all-reduce starts when
+the last of them arrives: the earliest stage s, which finishes D_s before stage 0 does.  So a
+holder j ends A - D_s + U_j after stage 0's last backward instead of U_j - D_j:
+
+    R = max_j (ready_j + U_j),  ready_j = -D_j, then for each all-reduce (stage sets ascending,
+        as the runtime runs them) ready_i = max_{i' in set} ready_i' + A for its stages i.
+
+With one shared parameter this is  max(max_{j not holding} (U_j - D_j), A - D_s + max_{j
+holding} U_j); the runtime's per-step "tied" span is this wait plus A.
+
 T(m) equals the schedule simulator's makespan for identical stages, and for two stages whose
 bottleneck is the same stage forward and backward; GPipe's makespan uses separate forward and
 backward maxima, so T(m) is below it when the stages' backward/forward ratios differ enough to
@@ -64,6 +76,7 @@ move the bottleneck (see :mod:`planner.simulate`).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -80,6 +93,7 @@ from planner.types import (
     PlanOptions,
     Profile,
     Stage,
+    TiedSync,
 )
 
 __all__ = [
@@ -96,6 +110,7 @@ __all__ = [
     "stage_memory",
     "stage_time",
     "step_time",
+    "tied_syncs",
     "unit_costs",
     "update_rate",
     "update_tail",
@@ -310,16 +325,37 @@ def step_time(
     return float(sum(times) + (m - 1) * slot)
 
 
+def tied_syncs(costs: UnitCosts, cluster: Cluster, starts: Sequence[int]) -> list[TiedSync]:
+    """The all-reduces the partition with stages starting at ``starts`` needs: one per distinct
+    set of two or more stages holding users of the same shared parameters, ascending."""
+    groups: dict[tuple[int, ...], int] = {}
+    for nbytes, users in costs.shared:
+        stages = tuple(sorted({bisect_right(starts, int(u)) - 1 for u in users}))
+        if len(stages) > 1:
+            groups[stages] = groups.get(stages, 0) + int(nbytes)
+    return [
+        TiedSync(stages=k, bytes=v, seconds=cluster.allreduce_s(v)) for k, v in sorted(groups.items())
+    ]
+
+
 def update_tail(
-    updates: Sequence[float], backward: Sequence[float], comm: Sequence[float]
+    updates: Sequence[float],
+    backward: Sequence[float],
+    comm: Sequence[float],
+    syncs: Sequence[TiedSync] = (),
 ) -> float:
-    """R = max_j (U_j - D_j), D_j = sum_{i<j} B_i + C_{j-1} / 2: how long the updates outlast
-    stage 0's last backward (U_0 at least)."""
-    tail, drain = 0.0, 0.0
-    for j, u in enumerate(updates):
-        tail = max(tail, u - drain - (comm[j - 1] / 2 if j else 0.0))
+    """R = max(0, max_j (ready_j + U_j)): how long the updates (and tied-gradient all-reduces)
+    outlast stage 0's last backward.  ready_j = -D_j, D_j = sum_{i<j} B_i + C_{j-1} / 2, moved
+    by each all-reduce in turn to the latest arrival among its stages plus its seconds."""
+    ready, drain = [], 0.0
+    for j in range(len(updates)):
+        ready.append(-(drain + (comm[j - 1] / 2 if j else 0.0)))
         drain += backward[j]
-    return tail
+    for sync in syncs:
+        end = max(ready[i] for i in sync.stages) + sync.seconds
+        for i in sync.stages:
+            ready[i] = end
+    return max(0.0, *(r + u for r, u in zip(ready, updates, strict=True)))
 
 
 def bubble_fraction(
@@ -423,7 +459,9 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
     return float(best)
 
 
-def _simulated(stages: Sequence[Stage], m: int, schedule: str, kappa: float) -> float:
+def _simulated(
+    stages: Sequence[Stage], m: int, schedule: str, kappa: float, syncs: Sequence[TiedSync]
+) -> float:
     return simulate(
         [s.forward_s for s in stages],
         [s.backward_s for s in stages],
@@ -432,6 +470,7 @@ def _simulated(stages: Sequence[Stage], m: int, schedule: str, kappa: float) -> 
         schedule=schedule,
         contention=kappa,
         update_s=[s.update_s for s in stages],
+        syncs=[(s.stages, s.seconds) for s in syncs],
     ).makespan_s
 
 
@@ -452,8 +491,12 @@ def evaluate(
     times = [s.time_s for s in stages]
     busy = [s.forward_s + s.backward_s for s in stages]
     kappa = contention(cluster, m)
+    syncs = tied_syncs(unit_costs(profile, m), cluster, [s.first_unit for s in stages])
     T = step_time(times, m, busy, kappa) + update_tail(
-        [s.update_s for s in stages], [s.backward_s for s in stages], [s.comm_s for s in stages]
+        [s.update_s for s in stages],
+        [s.backward_s for s in stages],
+        [s.comm_s for s in stages],
+        syncs,
     )
     feasible = all(s.feasible for s in stages)
     if status is None:
@@ -477,8 +520,9 @@ def evaluate(
         optimizer=options.optimizer,
         cluster=cluster,
         stages=tuple(stages),
+        tied_syncs=tuple(syncs),
         step_time_s=T,
-        simulated_step_time_s=_simulated(stages, m, options.schedule, kappa),
+        simulated_step_time_s=_simulated(stages, m, options.schedule, kappa, syncs),
         bubble_fraction=bubble_fraction(times, m, busy, kappa),
         throughput=profile.batch_size / T if T > 0 else 0.0,
         feasible=feasible,

@@ -52,6 +52,7 @@ KIND_STYLE: dict[str, tuple[str, str]] = {
     "send": ("#C8C8C8", "..."),
     "recv": ("#C8C8C8", "..."),
     "loss": ("#C44E52", ""),
+    "tied": ("#937860", "xx"),
     "optimizer": ("#CCB974", ""),
 }
 _LABELLED = {"forward", "backward", "loss"}

@@ -19,7 +19,9 @@ the GPipe makespan of p identical stages without transfers becomes
 (F + B) (p + m - 1 + k (p - 1)(m - 1)): the closed form with k.
 
 Each stage then updates its parameters (``update_s[j]``, once per step, after its last
-operation); the makespan is the latest update's end.  Updates are not slowed by contention and do
+operation); the makespan is the latest update's end.  Before that, stages that hold copies of a
+tied parameter sum its gradient (``syncs``: (stages, seconds) all-reduces, run in order): each
+starts when the last of its stages arrives, and those stages update only after it ends.  Updates are not slowed by contention and do
 not slow others.
 
 The operation order of stage j, drawn for p = 3, m = 4 (F = forward, B = backward)::
@@ -39,7 +41,7 @@ from planner.types import Plan
 
 __all__ = ["Event", "Timeline", "operation_order", "simulate", "simulate_plan"]
 
-Kind = Literal["forward", "send", "recv", "recompute", "backward", "optimizer"]
+Kind = Literal["forward", "send", "recv", "recompute", "backward", "tied", "optimizer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,7 @@ def simulate(
     recompute_s: Sequence[float] | None = None,
     contention: float = 0.0,
     update_s: Sequence[float] = (),
+    syncs: Sequence[tuple[Sequence[int], float]] = (),
 ) -> Timeline:
     """Simulate one training step.
 
@@ -119,7 +122,9 @@ def simulate(
     stage j.  ``contention`` k slows compute (forward, recompute, backward; not transfers) by
     the factor 1 + k a while a other stages compute: the stages' progress is
     integrated between events, so partial overlaps cost in proportion.  ``update_s[j]`` (U_j;
-    none by default) follows stage j's last operation.
+    none by default) follows stage j's last operation and the all-reduces in ``syncs`` that
+    stage j takes part in ((stages, seconds) each, run in order; an event spans a stage's wait
+    for the others plus the all-reduce, as the runtime's "tied" span does).
     """
     p = len(forward_s)
     kappa = contention if p > 1 and m > 1 else 0.0
@@ -189,10 +194,15 @@ def simulate(
                 left[j] = 0.0
     if any(pos[j] < len(orders[j]) for j in range(p)):  # pragma: no cover
         raise RuntimeError("schedule deadlocked")
+    arrive = [max((e.end_s for e in events if e.stage == j), default=0.0) for j in range(p)]
+    for members, seconds in syncs:
+        end = max(arrive[i] for i in members) + seconds
+        for i in members:
+            events.append(Event(i, -1, "tied", arrive[i], end))
+            arrive[i] = end
     for j, u in enumerate(update_s):
         if u > 0:
-            end = max((e.end_s for e in events if e.stage == j), default=0.0)
-            events.append(Event(j, -1, "optimizer", end, end + u))
+            events.append(Event(j, -1, "optimizer", arrive[j], arrive[j] + u))
     makespan = max(e.end_s for e in events) if events else 0.0
     return Timeline(tuple(events), makespan, p, m)
 
@@ -213,4 +223,5 @@ def simulate_plan(plan: Plan) -> Timeline:
         recompute_s=[s.forward_s if s.recompute else 0.0 for s in plan.stages],
         contention=plan.cluster.contention,
         update_s=[s.update_s for s in plan.stages],
+        syncs=[(s.stages, s.seconds) for s in plan.tied_syncs],
     )

@@ -29,6 +29,7 @@ def synthetic_profile(
     base_time_s: float = 1e-3,
     overhead: float = 2.0,
     tied: bool = False,
+    shared: Sequence[Sequence[int]] = (),
     loss: bool = False,
     update_s_per_byte: float = 0.0,
     checkpoint_call_s: tuple[float, float] = (0.0, 0.0),
@@ -38,7 +39,9 @@ def synthetic_profile(
     ``update_s_per_byte`` is an Adam step's seconds per parameter byte (SGD's is an eighth of
     it, momentum's a third); 0 leaves the profile without update times.  The checkpointed
     forward costs 1.0-1.3x the forward, plus ``checkpoint_call_s`` (the call's own (forward,
-    backward) seconds, also added to the checkpointed backward).
+    backward) seconds, also added to the checkpointed backward).  ``tied`` shares a weight
+between the first and last units; ``shared`` adds one shared parameter per sequence of user
+units (owned by the first, as large as its parameters; units past the last are dropped).
 
     >>> p = synthetic_profile(4, batch_size=8, microbatch_sizes=[1, 8])
     >>> (p.n_units, len(p.cuts), sorted(p.units[0].timings))
@@ -93,9 +96,15 @@ def synthetic_profile(
         cuts.append(
             Cut(after=k, tensors=tuple(tensors), bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
         )
-    shared: tuple[SharedParam, ...] = ()
+    sharing: list[SharedParam] = []
     if tied and n_units >= 2:  # the first and last units share a weight, as embedding and head
-        shared = (SharedParam(name="p0", bytes=units[0].param_bytes, units=(0, n_units - 1)),)
+        sharing.append(SharedParam(name="p0", bytes=units[0].param_bytes, units=(0, n_units - 1)))
+    for k, users in enumerate(shared):
+        kept = sorted({int(u) for u in users if 0 <= int(u) < n_units})
+        if len(kept) >= 2:
+            sharing.append(
+                SharedParam(name=f"s{k}", bytes=units[kept[0]].param_bytes, units=tuple(kept))
+            )
     loss_timings: dict[int, Timing] = {}
     if loss:  # a loss as heavy as the last unit's forward, saving its output
         last = units[-1].timings
@@ -115,7 +124,7 @@ def synthetic_profile(
         loss=loss_timings,
         update_s=update,  # type: ignore[arg-type]
         checkpoint_call_s=checkpoint_call_s,
-        shared_params=shared,
+        shared_params=tuple(sharing),
         model=f"synthetic:n{n_units}-seed{seed}",
         tracer="fx",
         graph_fingerprint=f"synthetic-{n_units}-{seed}",

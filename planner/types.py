@@ -50,6 +50,7 @@ __all__ = [
     "SharedParam",
     "Stage",
     "StageMeasurement",
+    "TiedSync",
     "Timing",
     "Unit",
 ]
@@ -328,6 +329,11 @@ class Cluster(_Frozen):
     """Fixed seconds the pipeline engine spends per stage on every micro-batch's forward and on
     every backward (scheduling, Python, autograd set-up), beyond the profiled compute; measured
     by ``pipeplan calibrate``."""
+    allreduce: Link | None = None
+    """The all-reduce that sums a tied parameter's gradient over the stages holding it, as a
+    link whose one-way time of s bytes is the whole all-reduce (flatten, sum, copy back),
+    measured by ``pipeplan calibrate`` on the runtime's own path.  ``None``: two one-way trips
+    of ``link`` (each rank sends its gradient and receives the sum)."""
     contention: float = Field(default=0.0, ge=0)
     """kappa: the fractional slowdown of a stage's forward and backward while another stage
     computes at the same time, as in a pipeline's steady state (ranks sharing cores, memory
@@ -359,6 +365,14 @@ class Cluster(_Frozen):
     @property
     def uniform_speed(self) -> bool:
         return len({d.speed for d in self.devices}) == 1
+
+    def allreduce_s(self, nbytes: float) -> float:
+        """Seconds to sum ``nbytes`` of gradient over the stages that hold a tied parameter."""
+        if nbytes <= 0:
+            return 0.0
+        if self.allreduce is not None:
+            return self.allreduce.transfer_s(nbytes)
+        return 2.0 * self.link.transfer_s(nbytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,6 +433,16 @@ class Stage(_Frozen):
     feasible: bool
 
 
+class TiedSync(_Frozen):
+    """One all-reduce of tied gradients: the stages that hold copies of the same parameters
+    sum their gradients after their last backward, before their updates (one per distinct set
+    of stages, in ascending order of the sets, as the runtime does)."""
+
+    stages: tuple[int, ...] = Field(min_length=2)
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
 class Plan(_Frozen):
     """A partition of a profile's units into stages plus the micro-batch count, evaluated."""
 
@@ -441,6 +465,9 @@ class Plan(_Frozen):
     optimizer: OptimizerName
     cluster: Cluster
     stages: tuple[Stage, ...]
+    tied_syncs: tuple[TiedSync, ...] = ()
+    """The all-reduces of tied gradients this partition needs (none when no shared parameter
+    spans two stages)."""
     step_time_s: float
     """Closed-form step time T(m) of :mod:`planner.costmodel` (the solvers' objective)."""
     simulated_step_time_s: float | None = None

@@ -15,6 +15,10 @@ protocol with the message size and no single line fits all sizes.  Times are the
 is sometimes woken milliseconds late; that cost shows up in real steps and is left to the
 engine's cost below, measured on real steps.)
 
+All ranks then time the all-reduce the runtime runs for tied gradients (flatten, ``all_reduce``
+over the ranks, copy back; ``runtime.engine``), after a barrier, at the same sizes; the
+cluster's ``allreduce`` link is fitted to those times as the link is to the ping-pong's.
+
 Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` whose stages
 compute (two linear layers of width w on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
 interleaved over rounds, for each width w in ``widths`` (256, 512 and 1024 by default, so that
@@ -146,6 +150,32 @@ def _pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int, fl
                 if i >= 2:  # warm-up
                     times[name].append((time.perf_counter() - t0) / 2)
         out.append((size, _low(times["raw"]), _low(times["p2p"])))
+    return out
+
+
+def _allreduce(sizes: list[int], repeats: int, device: str) -> list[tuple[int, float]]:
+    """(bytes, seconds) of the runtime's tied-gradient sum on every rank, from a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    out: list[tuple[int, float]] = []
+    for size in sizes:
+        param = torch.zeros(max(size // 4, 1), dtype=torch.float32, device=device)
+        grad = torch.ones_like(param)
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            flat = torch.cat([grad.reshape(-1)])  # as runtime.engine's _sync_tied
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            param.grad = flat[: param.numel()].view_as(param).clone()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out.append((size, _low(times)))
     return out
 
 
@@ -327,6 +357,7 @@ def _worker(argv: list[str] | None = None) -> None:
         if rank < 2:  # ranks beyond the pair wait at the barrier
             samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
         dist.barrier()
+        allreduce = _allreduce(message_sizes(args.max_bytes), args.repeats, device)
         engine = []
         for width in args.widths:
             compute = _stage_compute_s(args.repeats, width) if rank == 0 else 0.0
@@ -340,7 +371,11 @@ def _worker(argv: list[str] | None = None) -> None:
                 memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                 memory //= dist.get_world_size()
             with open(args.out, "w") as fh:
-                json.dump({"samples": samples, "memory": memory, "engine": engine}, fh)
+                json.dump(
+                    {"samples": samples, "allreduce": allreduce, "memory": memory,
+                     "engine": engine},
+                    fh,
+                )  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -356,7 +391,8 @@ def measure(
 ) -> dict[str, Any]:
     """One torchrun job of ``nproc`` calibration ranks; rank 0's raw measurements.
 
-    Returns ``{"samples": [[bytes, raw_s, p2p_s], ...], "memory": bytes, "engine": [{"width":
+    Returns ``{"samples": [[bytes, raw_s, p2p_s], ...], "allreduce": [[bytes, s], ...],
+    "memory": bytes, "engine": [{"width":
     w, "compute": F + B seconds, "steps": {m: [round median step seconds, ...]}}, ...]}``, one
     engine entry per width in order; :func:`calibrate` combines several of these.
     """
@@ -424,6 +460,11 @@ def calibrate(
         for per_size in zip(*(r["samples"] for r in results))
     ]
     link = fit_link(samples)  # type: ignore[arg-type]
+    allreduce = fit_link([
+        (int(per_size[0][0]), t, t)
+        for per_size in zip(*(r["allreduce"] for r in results))
+        for t in [float(np.median([s[1] for s in per_size]))]
+    ])  # fmt: skip
     points = []
     for k, width in enumerate(widths):
         runs = [r["engine"][k] for r in results]
@@ -438,7 +479,9 @@ def calibrate(
     memory = memory_bytes if memory_bytes is not None else int(results[0]["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
-    cluster = Cluster(devices=devices, link=link, op_overhead_s=overhead, contention=kappa)
+    cluster = Cluster(
+        devices=devices, link=link, allreduce=allreduce, op_overhead_s=overhead, contention=kappa
+    )
     return cluster, samples  # type: ignore[return-value]
 
 

@@ -5,7 +5,7 @@ minimise the GPipe step time of :mod:`planner.costmodel`,
 
     T(m, P) = S(P) + (m - 1) M(P) + R(P),
     S = sum_j a_j,  a_j = t_j + (m - 1) k c_j,  M = max_j s_j,  s_j = t_j - k c_j,
-    R = max(U_0, max_{j>0} h_j),  h_j = U_j - D_j,
+    R = max(U_0, max_{j>0} h_j),  h_j = U_j - D_j  (U_j + A - D_s for tied holders, below),
 
 with c_j = F_j + B_j, k the contention (0 when m = 1 or p = 1), U_j stage j's optimizer update
 and D_j = sum_{i<j} B_i + C_{j-1} / 2 the drain before it, subject to M_j <= cap_j on every
@@ -43,6 +43,15 @@ part allows under the largest memory cap can fit.  One DP costs O(p n W) in vect
 the number of DPs is O(k log n) for k plateaus, small in practice since S varies only through
 communication and the last stage's recomputation.
 
+Tied gradients.  A stage holding a copy of a shared parameter that spans stages waits for its
+all-reduce (A seconds), which starts when its first holder s finishes: h_j = U_j + A - D_s.
+D_s = 0 when the parameter's owner is unit 0 or stage 0 (j = 1), and D_s = D_j on the owner's
+own stage, so with one shared parameter owned by unit 0 (a tied embedding and LM head), or on
+two stages, h_j stays per-stage and the DP exact.  Otherwise D_j stands in for the unknown
+D_s <= D_j, and several shared parameters count the largest A alone: the DP then minimises a
+lower bound of T(m), re-evaluates its plans exactly, and reports the least relaxed value as the
+bound (status ``feasible`` with a gap when it falls short).
+
 Restrictions: the devices must share one speed (their memories may differ); pinned units and
 per-stage unit counts are CP-SAT features (:mod:`solvers.cpsat`).
 """
@@ -64,6 +73,7 @@ from planner.costmodel import (
     microbatch_choices,
     recomputes,
     step_time,
+    tied_syncs,
     unit_costs,
     update_rate,
     update_tail,
@@ -86,7 +96,9 @@ class _Result:
 
 
 _TAIL_RUNS = 12
-"""Most tail bounds theta solved in full per m; past it the plan keeps a proven gap."""
+_TAIL_WORK = 4096
+"""Most tail bounds theta solved in full per m: max(_TAIL_RUNS, _TAIL_WORK / (n p)), so small
+instances always finish; past it the plan keeps a proven gap."""
 
 
 class _Instance:
@@ -133,6 +145,21 @@ class _Instance:
         self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
         self.u = rate / speed  # update seconds per parameter byte
+        # Tied gradients: per shared parameter (first user, last user, sorted users, all-reduce
+        # seconds).  A stage holding a user of one that spans stages waits for its all-reduce.
+        self.syncs = [
+            (int(users[0]), int(users[-1]), users, cluster.allreduce_s(float(nbytes)))
+            for nbytes, users in costs.shared
+        ]
+        self.syncs = [g for g in self.syncs if g[3] > 0]
+        self.cluster = cluster
+        # Exact when the all-reduce's first holder is known to drain last-but-none (D = 0):
+        # one shared parameter owned by unit 0 or on 2 stages; else a lower bound (see tail).
+        self.exact = len(self.syncs) == 0 or (
+            len(self.syncs) == 1 and (self.syncs[0][0] == 0 or self.p <= 2)
+        )
+        self.tail_on = bool(self.u) or bool(self.syncs)
+        self.relaxed_min = _INF
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
         L = np.arange(n + 1)
@@ -141,7 +168,7 @@ class _Instance:
         a = costs.Pa[n] - costs.Pa[L]
         self.U_last = self.u * w
         # h of the last stage: how long its update outlasts the step's last backward.
-        self.h_last = self.U_last - self.drain(j, L)
+        self.h_last = self.tail(j, L, np.full(L.shape, n - 1), self.U_last)
         if rc_last:
             mem = w * self.wk + self.q[j] * x + a
         else:
@@ -173,6 +200,44 @@ class _Instance:
         if j == 0:
             return np.zeros(l_arr.shape)
         return self.QB[l_arr] + j * self.ob + self.comm[l_arr] / 2
+
+    def tail(self, j: int, l: np.ndarray, r: np.ndarray, upd: np.ndarray) -> np.ndarray:
+        """h_j of stage j over units l..r with update ``upd``: U_j - D_j, or for a stage that
+        holds a spanning tied parameter, U_j + A - D_s with s its first holder.
+
+        D_s = 0 when the owner (first user) is unit 0 or sits on stage 0 (j = 1); D_s = D_j
+        when stage j owns it.  Otherwise D_s <= D_j is unknown here and D_j is used, a lower
+        bound (``self.exact`` is then False and the result carries the bound).
+        """
+        l_arr, r_arr = np.asarray(l), np.asarray(r)
+        own = self.drain(j, l_arr)
+        h = upd - own
+        for first, last, users, seconds in self.syncs:
+            k = np.searchsorted(users, l_arr, side="left")
+            has = (k < len(users)) & (users[np.minimum(k, len(users) - 1)] <= r_arr)
+            copy = has & (first < l_arr)  # holds a user, the owner is on an earlier stage
+            owns = (l_arr <= first) & (first <= r_arr) & (last > r_arr)
+            anchored = first == 0 or j <= 1
+            d = np.where(copy & anchored, 0.0, own)
+            h = np.where(copy | owns, np.maximum(h, upd + seconds - d), h)
+        return h
+
+    def relaxed(self, starts: tuple[int, ...]) -> float:
+        """The objective the DP minimises for a partition: T(m) with the tail of :meth:`tail`
+        (a lower bound of the true T(m) where ``self.exact`` is False)."""
+        ends = [*starts[1:], self.n]
+        c = self.c
+        busy = [float(self.Qmid[e] - self.Qmid[l] + self.op) for l, e in zip(starts[:-1], ends)]
+        times = [b + float(self.comm[e]) for b, e in zip(busy, ends)]
+        h = [
+            float(self.tail(j, np.array(l), np.array(e - 1),
+                            self.u * (c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1))))
+            for j, (l, e) in enumerate(zip(starts[:-1], ends))
+        ]
+        busy.append(float(self.t_last[starts[-1]]))
+        times.append(busy[-1])
+        h.append(float(self.h_last[starts[-1]]))
+        return step_time(times, self.m, busy, self.kappa) + max(0.0, *h)
 
     def width(self, threshold: float) -> int:
         """Longest mid stage (in units) whose s can be <= threshold and that can fit."""
@@ -236,17 +301,19 @@ class _Instance:
         for key, mask in masks.items():
             later[key] = np.where(mask & ok, a if mode == "sum" else s, _INF)
             first[key] = later[key]
-            if mode == "sum" and self.u:
-                first[key] = later[key] + np.maximum(upd - theta, 0.0)
-        # h_j = U_j - D_j <= theta for j > 0, computed as thetas() does (theta is one of them).
         lc = np.minimum(lidx, n)
-        bounded = bool(self.u) and np.isfinite(theta)
         rows = np.arange(n)
+        if mode == "sum" and self.tail_on:
+            h0 = self.tail(0, lc, rows[:, None], upd)
+            for key in masks:
+                first[key] = later[key] + np.maximum(h0 - theta, 0.0)
+        # h_j <= theta for j > 0, computed as thetas() does (theta is one of them).
+        bounded = self.tail_on and np.isfinite(theta)
         for j in range(p - 1):
             key = (self.q[j], float(self.caps[j]))
             cost = first[key] if j == 0 else later[key]
             if j > 0 and bounded:
-                cost = np.where(upd - self.drain(j, lc) <= theta, cost, _INF)
+                cost = np.where(self.tail(j, lc, rows[:, None], upd) <= theta, cost, _INF)
             cand = dp[lidx] + cost if mode == "sum" else np.maximum(dp[lidx], cost)
             choice[j] = np.argmin(cand, axis=1)
             new = np.full(n + 2, _INF)
@@ -257,19 +324,20 @@ class _Instance:
     def last(self, theta: float) -> np.ndarray:
         """The last stage's term of the objective under theta, over its first unit L: a_last
         plus theta itself (R <= max(U_0, theta)), inf where its update outlasts theta."""
-        if self.p == 1 or not self.u:
+        if self.p == 1 or not self.tail_on:
             return self.a_last
         return np.where(self.h_last <= theta, self.a_last + theta, _INF)
 
     def thetas(self) -> np.ndarray:
         """Every positive U_j - D_j a stage j > 0 can have, ascending (the tails worth trying)."""
-        if self.p == 1 or not self.u:
+        if self.p == 1 or not self.tail_on:
             return np.zeros(0)
         lidx, _, _, upd, _ = self.band(self.w_mem)
         lc = np.minimum(lidx, self.n)
+        rows = np.arange(self.n)[:, None]
         vals = [self.h_last[np.isfinite(self.t_last)]]
         for j in range(1, self.p - 1):
-            h = upd - self.drain(j, lc)
+            h = self.tail(j, lc, rows, upd)
             vals.append(h[lidx <= self.n])
         out = np.concatenate(vals)
         return np.unique(out[out > 0])
@@ -303,7 +371,8 @@ class _Instance:
         back.append(0.0)  # the last stage's backward is no stage's drain
         upd.append(float(self.U_last[starts[-1]]))
         comm = [float(self.comm[e]) for e in ends]
-        return step_time(times, self.m, busy, self.kappa) + update_tail(upd, back, comm)
+        syncs = tied_syncs(c, self.cluster, starts)
+        return step_time(times, self.m, busy, self.kappa) + update_tail(upd, back, comm, syncs)
 
 
 def _solve(inst: _Instance) -> _Result | None:
@@ -315,23 +384,32 @@ def _solve(inst: _Instance) -> _Result | None:
     theta = 0 and the positive h values is the optimum.  theta rises until theta plus a lower
     bound of the rest cannot beat the incumbent; most stages drain far longer than they update,
     so the positive h values are usually few.  Where they are many (hundreds of units and a
-    long update), at most ``_TAIL_RUNS`` of them are solved and the result carries the bound
-    theta_next + floor instead of being proven optimal.
+    long update, or a tied parameter's all-reduce on the last stage), at most ``limit`` of them are solved and the result carries the bound
+    theta_next + floor instead of being proven optimal.  Where the tied-gradient tail is only
+    bounded from below (``inst.exact`` False), the bound is the least relaxed objective seen.
     """
+
+    def done(best: _Result | None, bound: float = _INF) -> _Result | None:
+        if best is None:
+            return None
+        bound = min(bound, best.objective, _INF if inst.exact else inst.relaxed_min)
+        return _Result(best.objective, best.starts, bound)
+
     best = _solve_m(inst, 0.0, None)
     thetas = inst.thetas()
     if not len(thetas):
-        return None if best is None else _Result(best.objective, best.starts, best.objective)
+        return done(best)
     floor = _floor(inst)
+    limit = max(_TAIL_RUNS, _TAIL_WORK // (inst.n * inst.p))
     for k, theta in enumerate(thetas):
         if best is not None and theta + floor >= best.objective:
             break
-        if k == _TAIL_RUNS:
+        if k == limit:
             if best is None:  # pragma: no cover - every theta so far admitted no partition
                 continue
-            return _Result(best.objective, best.starts, min(best.objective, theta + floor))
+            return done(best, theta + floor)
         best = _solve_m(inst, float(theta), best)
-    return None if best is None else _Result(best.objective, best.starts, best.objective)
+    return done(best)
 
 
 def _floor(inst: _Instance) -> float:
@@ -359,6 +437,8 @@ def _solve_m(inst: _Instance, theta: float, best: _Result | None) -> _Result | N
             return
         starts = inst.starts(choice, L)
         obj = inst.step_time(starts)
+        if not inst.exact:
+            inst.relaxed_min = min(inst.relaxed_min, inst.relaxed(starts))
         if best is None or obj < best.objective:
             best = _Result(obj, starts)
 
@@ -380,7 +460,7 @@ def _solve_m(inst: _Instance, theta: float, best: _Result | None) -> _Result | N
     mm, mm_choice = inst.run_mid(G, "max", theta)
     mm_lb = np.where(mm <= G, mm, G)  # a lower bound on the mid bottleneck for every L
     assert best is not None
-    if not inst.comm.any() and not inst.u:
+    if not inst.comm.any() and not inst.tail_on:
         # Free links, no updates: S = (1 + (m - 1) k) (Qmid[L] + (p - 1) o) + a_last(L) for
         # every partition, so the min-max DP decides.  mm[L] is exact where <= G and a lower
         # bound (G) elsewhere: grow G until the minimiser is exact.

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from planner.costmodel import evaluate, in_flight, recomputes, step_time, update_tail
 from planner.simulate import operation_order, simulate, simulate_plan
 from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Link, PlanOptions
+from planner.types import Cluster, Link, PlanOptions, TiedSync
 
 floats = st.floats(1e-4, 1.0, allow_nan=False)
 
@@ -241,9 +241,14 @@ def test_update_charged_by_parameter_bytes_and_ends_the_step() -> None:
             [rate * s.memory.params for s in plan.stages], rel=1e-12
         )
         assert plan.stages[2].update_s > rate * sum(u.param_bytes for u in prof.units[4:])
-        assert plan.step_time_s == pytest.approx(plain.step_time_s + plan.stages[0].update_s)
+        # The tied weight's holders (stages 0 and 2) sum its gradient (free on this link) once
+        # stage 0 is done, so stage 2 updates after stage 0's last backward, not D_2 before it.
+        assert [(s.stages, s.seconds) for s in plan.tied_syncs] == [((0, 2), 0.0)]
+        s0, s1, s2 = plan.stages
+        tail = max(s0.update_s, s2.update_s, s1.update_s - s0.backward_s - s0.comm_s / 2)
+        assert plan.step_time_s == pytest.approx(plain.step_time_s + tail)
         assert plan.simulated_step_time_s is not None and plain.simulated_step_time_s is not None
-        assert plan.simulated_step_time_s >= plain.simulated_step_time_s + plan.stages[0].update_s
+        assert plan.simulated_step_time_s >= plain.simulated_step_time_s + tail
     one = evaluate(prof, Cluster.homogeneous(1, 2**40), PlanOptions(), [], 2, solver="t")
     assert one.stages[0].update_s == pytest.approx(prof.update_s["adam"], rel=1e-12)
 
@@ -275,22 +280,30 @@ def test_a_late_stage_update_longer_than_the_drain_sets_the_makespan() -> None:
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.lists(floats, min_size=4, max_size=4), st.integers(1, 12), st.floats(0.0, 1.0),
-       st.lists(st.floats(0.0, 20.0), min_size=2, max_size=2))
+       st.lists(st.floats(0.0, 20.0), min_size=2, max_size=2),
+       st.sampled_from([0.0, 0.0, 0.5, 7.0]))
 def test_two_stage_closed_form_equals_simulator(
-    fb: list[float], m: int, kappa: float, upd: list[float]
+    fb: list[float], m: int, kappa: float, upd: list[float], tied: float
 ) -> None:
     # Two stages, stage 1 the bottleneck forward and backward: T(m) is the simulator's
-    # makespan, with contention (a light stage slows the heavy one only for its own work) and
-    # with any updates (stage 1's starts B_0 before stage 0's).
+    # makespan, with contention (a light stage slows the heavy one only for its own work),
+    # with any updates (stage 1's starts B_0 before stage 0's) and with a tied parameter's
+    # all-reduce (both wait for stage 0, then sum for ``tied`` seconds, then update).
     f0, f1 = sorted(fb[:2])
     b0, b1 = sorted(fb[2:])
-    tl = simulate([f0, f1], [b0, b1], [0.0, 0.0], m, contention=kappa, update_s=upd)
+    syncs = [TiedSync(stages=(0, 1), bytes=1, seconds=tied)] if tied else []
+    pairs = [((0, 1), tied)] if tied else []
+    tl = simulate([f0, f1], [b0, b1], [0.0, 0.0], m, contention=kappa, update_s=upd, syncs=pairs)
     closed = step_time([f0 + b0, f1 + b1], m, [f0 + b0, f1 + b1], kappa) + update_tail(
-        upd, [b0, b1], [0.0, 0.0]
+        upd, [b0, b1], [0.0, 0.0], syncs
     )
     assert tl.makespan_s == pytest.approx(closed, rel=1e-9)
+    if tied:
+        assert closed == pytest.approx(
+            step_time([f0 + b0, f1 + b1], m, [f0 + b0, f1 + b1], kappa) + tied + max(upd)
+        )
     # Stage 0 the bottleneck instead: the pipeline part is still exact, the tail errs high.
-    tl = simulate([f1, f0], [b1, b0], [0.0, 0.0], m, contention=kappa, update_s=upd)
+    tl = simulate([f1, f0], [b1, b0], [0.0, 0.0], m, contention=kappa, update_s=upd, syncs=pairs)
     closed = step_time([f1 + b1, f0 + b0], m, [f1 + b1, f0 + b0], kappa)
-    assert closed + update_tail(upd, [b1, b0], [0.0, 0.0]) >= tl.makespan_s * (1 - 1e-9)
+    assert closed + update_tail(upd, [b1, b0], [0.0, 0.0], syncs) >= tl.makespan_s * (1 - 1e-9)
     assert closed <= tl.makespan_s * (1 + 1e-9)

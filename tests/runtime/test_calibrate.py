@@ -60,6 +60,10 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     # synthetic launches below.)
     assert 0 <= cluster.op_overhead_s < 0.05
     assert cluster.contention == 0
+    # The runtime's all-reduce of tied gradients, timed at the same sizes.
+    assert cluster.allreduce is not None
+    assert [s for s, _ in cluster.allreduce.samples] == [4 * 4**k for k in range(9)]
+    assert 0 < cluster.allreduce_s(2**18) < 0.5
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
@@ -87,6 +91,7 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
         sizes = [4, 64, 1024, 65536, 1048576]
         return {
             "samples": [(n, scale * (5e-5 + n / 4e9), scale * (6e-5 + n / 4e9)) for n in sizes],
+            "allreduce": [(n, scale * (1e-4 + n / 1e9)) for n in sizes],
             "memory": 2**30,
             "engine": [
                 {"width": 256, "compute": 0.0, "steps": {str(m): [m * slope] * 3 for m in (2, 16)}}
@@ -97,6 +102,9 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(calibrate_module, "measure", lambda *a, **k: next(launches))
     cluster, samples = calibrate_module.calibrate(2, launches=3, widths=(256,))
     assert samples[0] == (4, pytest.approx(2.0 * (5e-5 + 1e-9)), pytest.approx(2.0 * 6e-5 + 2e-9))
+    # The tied-gradient all-reduce: the median launch's times, interpolated.
+    assert cluster.allreduce is not None
+    assert cluster.allreduce_s(65536) == pytest.approx(2.0 * (1e-4 + 65536 / 1e9))
     trip = 2 * cluster.link.transfer_s(4 * 256 * calibrate_module.MICRO)
     assert cluster.op_overhead_s == pytest.approx((2e-3 - trip) / 2)
     assert cluster.contention == 0.0
@@ -105,7 +113,8 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
 def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two widths whose steady-state slopes follow (1 + k)(F + B + 2 o) + C exactly.
     o, kappa = 3e-4, 0.4
-    link = {"samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)]}
+    link = {"samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)],
+            "allreduce": [(n, 1e-4 + n / 1e9) for n in (4, 1024, 65536, 2**20)]}
     trip = {w: 2 * fit_link(link["samples"]).transfer_s(4 * w * 32) for w in (256, 1024)}
     compute = {256: 4e-4, 1024: 7e-3}
     slope = {w: (1 + kappa) * (compute[w] + 2 * o) + trip[w] for w in compute}

@@ -70,6 +70,8 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     overhead = draw(st.sampled_from([0.0, 1e-3]))
     kappa = draw(st.sampled_from([0.0, 0.0, 0.4, 1.5]))
     clus = Cluster.homogeneous(p, memory, link, op_overhead_s=overhead, contention=kappa)
+    if draw(st.booleans()):  # a slow all-reduce for the tied weight
+        clus = clus.model_copy(update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3)})
     return prof, clus, options
 
 
@@ -123,6 +125,9 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         seed=draw(st.integers(0, 10**6)),
         spread=1.0,
         tied=draw(st.booleans()),
+        # A shared parameter owned by a later unit; or two, whose all-reduces CP-SAT charges
+        # one at a time (a lower bound: the plan is then only "feasible" unless it is exact).
+        shared=draw(st.sampled_from([(), ((1, n - 1),), ((1, 2), (0, n - 1))])),
         update_s_per_byte=draw(st.sampled_from([0.0, 3e-9, 3e-8])),
         checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
     )
@@ -140,8 +145,9 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     options = PlanOptions(pinned=pinned, min_units=lo, max_units=hi)
     overhead = draw(st.sampled_from([0.0, 1e-3]))
     kappa = draw(st.sampled_from([0.0, 0.4, 1.5]))
+    allreduce = draw(st.sampled_from([None, Link(bandwidth_Bps=1e8, latency_s=1e-3)]))
     clus = Cluster(devices=devices, link=Link(bandwidth_Bps=1e9), op_overhead_s=overhead,
-                   contention=kappa)  # fmt: skip
+                   contention=kappa, allreduce=allreduce)  # fmt: skip
     return prof, clus, options
 
 
@@ -157,8 +163,13 @@ def test_cpsat_matches_brute_force_with_constraints(
             solve_cpsat(prof, clus, options)
         return
     got = solve_cpsat(prof, clus, options)
-    assert got.status == "optimal" and got.feasible
-    _assert_close(got.step_time_s, want, error_bound_s(prof, clus, options))
+    assert got.feasible
+    if got.status == "optimal":
+        _assert_close(got.step_time_s, want, error_bound_s(prof, clus, options))
+    else:  # several shared parameters: the gap bounds the distance to the optimum
+        assert got.status == "feasible" and len(prof.shared_params) > 1 and got.gap is not None
+        assert got.step_time_s >= want * (1 - 1e-9)
+        assert got.step_time_s * (1 - got.gap) <= want + error_bound_s(prof, clus, options)
     for unit, stage in options.pinned.items():
         assert got.stages[stage].first_unit <= unit <= got.stages[stage].last_unit
     sizes = [s.last_unit - s.first_unit + 1 for s in got.stages]
