@@ -470,8 +470,9 @@ def calibrate(
         int | None, typer.Option(help="CPU threads per rank; default as pipeplan run.")
     ] = None,
 ) -> None:
-    """Measure the link, the pipeline engine's cost per operation and the contention between
-    stages that compute at once; write a cluster file."""
+    """Measure the link, the tied-gradient all-reduce, the pipeline engine's cost per operation
+    (on the ranks, and on one rank alone for 1-stage plans) and the contention between stages
+    that compute at once; write a cluster file."""
     from runtime.calibrate import WIDTHS
     from runtime.calibrate import calibrate as run_calibration
 
@@ -490,6 +491,10 @@ def calibrate(
     )
     write_json(output, cluster)
     link = cluster.link
+    solo = (
+        "not measured" if cluster.solo_op_overhead_s is None
+        else f"{cluster.solo_op_overhead_s * 1e6:.0f} us"
+    )  # fmt: skip
     table = Table(title=f"{nproc} ranks, {device}: one-way time per message")
     for col in ("bytes", "send/recv", "batch_isend_irecv", "model"):
         table.add_column(col, justify="right")
@@ -501,7 +506,7 @@ def calibrate(
     console.print(
         f"latency {link.latency_s * 1e6:.1f} us, bandwidth {(link.bandwidth_Bps or 0) / 1e9:.2f} "
         f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, engine cost "
-        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward, contention "
+        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward ({solo} alone), contention "
         f"{cluster.contention:.2f}, tied-gradient all-reduce "
         f"{cluster.allreduce_s(2**20) * 1e3:.2f} ms per MiB, "
         f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"

@@ -31,7 +31,8 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
 where u is the profiled update time per parameter byte of the plan's optimizer
 (``Profile.update_s``), and q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
 ``transfer`` is :meth:`planner.types.Link.one_way_s` and o is the pipeline engine's
-fixed cost per forward or backward operation (``Cluster.op_overhead_s``, from calibration).  A stage recomputes under the
+fixed cost per forward or backward operation (``Cluster.engine_overhead_s``, from calibration;
+a 1-stage plan has its own).  A stage recomputes under the
 policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
 ``never`` none.
 
@@ -265,8 +266,8 @@ def stage_time(
     else:
         F = float(costs.Pf[r + 1] - costs.Pf[l]) / speed
         B = float(costs.Pg[r + 1] - costs.Pg[l]) / speed
-    F += cluster.op_overhead_s
-    B += cluster.op_overhead_s
+    F += cluster.engine_overhead_s
+    B += cluster.engine_overhead_s
     if j == p - 1:  # the loss runs on the last stage, outside its recomputed region
         F += costs.loss_f / speed
         B += costs.loss_g / speed

@@ -328,7 +328,11 @@ class Cluster(_Frozen):
     op_overhead_s: float = Field(default=0.0, ge=0)
     """Fixed seconds the pipeline engine spends per stage on every micro-batch's forward and on
     every backward (scheduling, Python, autograd set-up), beyond the profiled compute; measured
-    by ``pipeplan calibrate``."""
+    by ``pipeplan calibrate`` on a pipeline of the cluster's ranks."""
+    solo_op_overhead_s: float | None = Field(default=None, ge=0)
+    """o for a 1-stage plan: the same engine with no peer, no transfers and no transport threads
+    competing for the cores (``pipeplan calibrate`` runs a 1-rank pipeline for it).  ``None``:
+    ``op_overhead_s``."""
     allreduce: Link | None = None
     """The all-reduce that sums a tied parameter's gradient over the stages holding it, as a
     link whose one-way time of s bytes is the whole all-reduce (flatten, sum, copy back),
@@ -365,6 +369,14 @@ class Cluster(_Frozen):
     @property
     def uniform_speed(self) -> bool:
         return len({d.speed for d in self.devices}) == 1
+
+    @property
+    def engine_overhead_s(self) -> float:
+        """o in effect: ``solo_op_overhead_s`` for a 1-stage cluster when measured, else
+        ``op_overhead_s``."""
+        if self.n_stages == 1 and self.solo_op_overhead_s is not None:
+            return self.solo_op_overhead_s
+        return self.op_overhead_s
 
     def allreduce_s(self, nbytes: float) -> float:
         """Seconds to sum ``nbytes`` of gradient over the stages that hold a tied parameter."""

@@ -38,6 +38,9 @@ length of the operations (``benchmarks/accuracy/engine_sweep.py``).  On CUDA dev
 share nothing k comes out near 0.
 
 Every launch measures both; :func:`calibrate` runs ``launches`` of them and keeps the medians.
+A 1-stage plan runs the same engine with no peer: no transfers, and no transport threads
+competing with the compute for the cores.  Its o (``Cluster.solo_op_overhead_s``) comes from
+1-rank launches of the same pipeline, slope = F + B + 2 o (:func:`solo_overhead`).
 The result is a :class:`~planner.types.Cluster` with one device per rank (memory: the GPU's,
 or this machine's RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
 """
@@ -69,6 +72,7 @@ __all__ = [
     "measure",
     "message_sizes",
     "slope_per_microbatch",
+    "solo_overhead",
 ]
 
 
@@ -326,6 +330,24 @@ def fit_engine(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(float(a) / (2 * (1 + kappa)), 0.0), kappa
 
 
+def solo_overhead(launches: Sequence[Sequence[dict[str, Any]]]) -> float:
+    """o of a 1-rank pipeline: per width, the median over launches of (slope - F - B) / 2 (no
+    transfers, nothing beside it to contend with), then the median over widths.
+
+    >>> e = {"width": 256, "compute": 0.002, "steps": {"2": [0.0050], "16": [0.0386]}}
+    >>> round(solo_overhead([[e], [e]]) * 1e6)
+    200
+    """
+    per_width = []
+    for runs in zip(*launches):
+        per_width.append(statistics.median(
+            engine_overhead({int(m): [float(x) for x in v] for m, v in e["steps"].items()},
+                            0.0, float(e["compute"]))
+            for e in runs
+        ))  # fmt: skip
+    return float(statistics.median(per_width))
+
+
 def _worker(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
@@ -352,12 +374,14 @@ def _worker(argv: list[str] | None = None) -> None:
         device = f"cuda:{local}"
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
-        rank = dist.get_rank()
-        samples = []
-        if rank < 2:  # ranks beyond the pair wait at the barrier
-            samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
-        dist.barrier()
-        allreduce = _allreduce(message_sizes(args.max_bytes), args.repeats, device)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        samples: list[tuple[int, float, float]] = []
+        allreduce: list[tuple[int, float]] = []
+        if world > 1:  # a 1-rank launch measures the engine alone
+            if rank < 2:  # ranks beyond the pair wait at the barrier
+                samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
+            dist.barrier()
+            allreduce = _allreduce(message_sizes(args.max_bytes), args.repeats, device)
         engine = []
         for width in args.widths:
             compute = _stage_compute_s(args.repeats, width) if rank == 0 else 0.0
@@ -427,6 +451,7 @@ def calibrate(
     max_bytes: int = 16 * 2**20,
     repeats: int = 20,
     launches: int = 3,
+    solo_launches: int | None = None,
     widths: Sequence[int] = WIDTHS,
     memory_bytes: int | None = None,
     threads: int | None = None,
@@ -440,7 +465,11 @@ def calibrate(
     and stage times, to which :func:`fit_engine` fits the engine cost o and the contention k.  On a shared
     host one launch can land in a slow or a fast phase (engine costs of 0.49 and 0.90-0.99 ms
     per operation were measured by single launches minutes apart), so one launch is not enough.
+    ``solo_launches`` (default ``launches``) 1-rank launches then measure the engine alone for
+    1-stage plans (:func:`solo_overhead`); 0 skips them.
     """
+    if solo_launches is None:
+        solo_launches = launches
     if nproc < 2:
         raise InvalidRequestError(f"--nproc {nproc}: calibration needs at least 2 ranks")
     if device not in ("cpu", "cuda"):
@@ -476,12 +505,20 @@ def calibrate(
         round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
         points.append((compute, slope - round_trip))
     overhead, kappa = fit_engine(points)
+    solo = None
+    if solo_launches:
+        alone = [
+            measure(1, device, max_bytes, repeats, threads, timeout_s, widths)
+            for _ in range(solo_launches)
+        ]
+        solo = solo_overhead([r["engine"] for r in alone])
     memory = memory_bytes if memory_bytes is not None else int(results[0]["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
     cluster = Cluster(
-        devices=devices, link=link, allreduce=allreduce, op_overhead_s=overhead, contention=kappa
-    )
+        devices=devices, link=link, allreduce=allreduce, op_overhead_s=overhead,
+        solo_op_overhead_s=solo, contention=kappa,
+    )  # fmt: skip
     return cluster, samples  # type: ignore[return-value]
 
 

@@ -136,11 +136,12 @@ class _Instance:
         # A stage's constant: the engine's cost of one forward and one backward, plus one
         # checkpoint call's own cost when it recomputes.
         call = (costs.call_f + costs.call_b) / speed
-        self.op = 2.0 * cluster.op_overhead_s + (call if rc_mid else 0.0)
-        op_last = 2.0 * cluster.op_overhead_s + (call if rc_last else 0.0)
+        o = cluster.engine_overhead_s
+        self.op = 2.0 * o + (call if rc_mid else 0.0)
+        op_last = 2.0 * o + (call if rc_last else 0.0)
         # The backward alone of mid stages, for the drain D_j = QB[l] + j * ob + comm[l] / 2.
         self.QB = (costs.Pr if rc_mid else costs.Pg) / speed
-        self.ob = cluster.op_overhead_s + (costs.call_b / speed if rc_mid else 0.0)
+        self.ob = o + (costs.call_b / speed if rc_mid else 0.0)
         self.kappa = contention(cluster, self.m)
         self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]

@@ -307,3 +307,18 @@ def test_two_stage_closed_form_equals_simulator(
     closed = step_time([f1 + b1, f0 + b0], m, [f1 + b1, f0 + b0], kappa)
     assert closed + update_tail(upd, [b1, b0], [0.0, 0.0], syncs) >= tl.makespan_s * (1 - 1e-9)
     assert closed <= tl.makespan_s * (1 + 1e-9)
+
+
+def test_a_one_stage_plan_pays_the_solo_engine_cost() -> None:
+    # calibrate measures the engine alone on one rank; a 1-stage plan pays that o, a pipeline
+    # of several ranks the one measured with transfers and peers.
+    prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3)
+    base = Cluster.homogeneous(2, 2**40, op_overhead_s=5e-4)
+    solo = base.model_copy(update={"solo_op_overhead_s": 1e-4})
+    options = PlanOptions(checkpoint="never")
+    one = [c.model_copy(update={"devices": c.devices[:1]}) for c in (base, solo)]
+    plain, alone = (evaluate(prof, c, options, [], 4, solver="t") for c in one)
+    assert plain.stages[0].forward_s - alone.stages[0].forward_s == pytest.approx(4e-4)
+    assert plain.step_time_s - alone.step_time_s == pytest.approx(2 * 4 * 4e-4)
+    two = [evaluate(prof, c, options, [2], 4, solver="t").step_time_s for c in (base, solo)]
+    assert two[0] == two[1]

@@ -60,6 +60,8 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     # synthetic launches below.)
     assert 0 <= cluster.op_overhead_s < 0.05
     assert cluster.contention == 0
+    # The engine alone, on one rank, for 1-stage plans.
+    assert cluster.solo_op_overhead_s is not None and 0 <= cluster.solo_op_overhead_s < 0.05
     # The runtime's all-reduce of tied gradients, timed at the same sizes.
     assert cluster.allreduce is not None
     assert [s for s, _ in cluster.allreduce.samples] == [4 * 4**k for k in range(9)]
@@ -99,8 +101,17 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
         }
 
     launches = iter([result(1.0, 1e-3), result(2.0, 3e-3), result(3.0, 2e-3)])
-    monkeypatch.setattr(calibrate_module, "measure", lambda *a, **k: next(launches))
+    alone = iter([result(1.0, 4e-4), result(1.0, 6e-4), result(1.0, 5e-4)])
+    monkeypatch.setattr(
+        calibrate_module, "measure", lambda n, *a, **k: next(launches if n == 2 else alone)
+    )
     cluster, samples = calibrate_module.calibrate(2, launches=3, widths=(256,))
+    # A 1-stage plan's engine cost: the median 1-rank slope (5e-4 s, no transfers) over two.
+    assert cluster.solo_op_overhead_s == pytest.approx(2.5e-4)
+    assert cluster.model_copy(update={"devices": cluster.devices[:1]}).engine_overhead_s == (
+        cluster.solo_op_overhead_s
+    )
+    assert cluster.engine_overhead_s == cluster.op_overhead_s
     assert samples[0] == (4, pytest.approx(2.0 * (5e-5 + 1e-9)), pytest.approx(2.0 * 6e-5 + 2e-9))
     # The tied-gradient all-reduce: the median launch's times, interpolated.
     assert cluster.allreduce is not None
@@ -126,7 +137,8 @@ def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(
         calibrate_module, "measure", lambda *a, **k: {**link, "memory": 2**30, "engine": engine}
     )
-    cluster, _ = calibrate_module.calibrate(2, launches=2, widths=(256, 1024))
+    cluster, _ = calibrate_module.calibrate(2, launches=2, solo_launches=0, widths=(256, 1024))
+    assert cluster.solo_op_overhead_s is None
     assert cluster.op_overhead_s == pytest.approx(o, rel=1e-6)
     assert cluster.contention == pytest.approx(kappa, rel=1e-6)
 
