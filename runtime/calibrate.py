@@ -238,12 +238,16 @@ def _calibration_plan(world: int, m: int, width: int = WIDTH) -> tuple[Any, Any]
     return plan, spec
 
 
-def _stage_compute_s(repeats: int, width: int = WIDTH) -> float:
-    """Forward + backward seconds of one calibration stage alone (median)."""
+def _stage_compute_s(repeats: int, width: int = WIDTH, input_grad: bool = True) -> float:
+    """Forward + backward seconds of one calibration stage alone (median).
+
+    ``input_grad``: the backward also computes the gradient of the stage's input, as every
+    stage but the first does (the pipeline's bottleneck when stages are alike); a 1-rank
+    pipeline's only stage does not, and its backward is a third shorter."""
     import torch
 
     stage = _stage_module(width)
-    x = torch.randn(MICRO, width, requires_grad=True)
+    x = torch.randn(MICRO, width, requires_grad=input_grad)
     grad = torch.randn(MICRO, width)
     times = []
     for i in range(repeats + 3):
@@ -384,7 +388,9 @@ def _worker(argv: list[str] | None = None) -> None:
             allreduce = _allreduce(message_sizes(args.max_bytes), args.repeats, device)
         engine = []
         for width in args.widths:
-            compute = _stage_compute_s(args.repeats, width) if rank == 0 else 0.0
+            compute = (
+                _stage_compute_s(args.repeats, width, input_grad=world > 1) if rank == 0 else 0.0
+            )
             dist.barrier()
             steps = _engine_step_times(torch.device(device), args.repeats, width=width)
             engine.append({"width": width, "compute": compute, "steps": steps})
