@@ -506,7 +506,8 @@ def calibrate(
     console.print(
         f"latency {link.latency_s * 1e6:.1f} us, bandwidth {(link.bandwidth_Bps or 0) / 1e9:.2f} "
         f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, engine cost "
-        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward ({solo} alone), contention "
+        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward ({solo} alone) and "
+        f"{cluster.step_overhead_s * 1e6:.0f} us per step, contention "
         f"{cluster.contention:.2f}, tied-gradient all-reduce "
         f"{cluster.allreduce_s(2**20) * 1e3:.2f} ms per MiB, "
         f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"

@@ -19,7 +19,7 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
     U_j = u * w_j / v_j              (the optimizer's update of the stage's parameters)
     D_j = sum_{i<j} B_i + C_{j-1} / 2  (the drain between stage j's last backward and the step's)
     R = max_j (U_j - D_j)            (the updates' tail; R >= U_0, D_0 = 0; see Tied gradients)
-    T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R     (step time)
+    T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R + c   (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
                                                    (w_j includes copies of shared parameters)
@@ -30,7 +30,9 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
 
 where u is the profiled update time per parameter byte of the plan's optimizer
 (``Profile.update_s``), and q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
-``transfer`` is :meth:`planner.types.Link.one_way_s` and o is the pipeline engine's
+``transfer`` is :meth:`planner.types.Link.one_way_s`, c the engine's fixed cost per step
+(``Cluster.step_overhead_s``: zeroing gradients, splitting the batch, collecting the loss; every
+rank pays it at once, so the step pays it once) and o is the pipeline engine's
 fixed cost per forward or backward operation (``Cluster.engine_overhead_s``, from calibration;
 a 1-stage plan has its own).  A stage recomputes under the
 policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
@@ -444,7 +446,7 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
     t_u = (f_u + g_u) / s_max, replaced by the checkpointed (fc_u - c_F + r_u - c_B) / s_max
     under the policy ``always`` and by the smaller of the two under ``except_last``;
     S_lb = sum_u t_u.  Communication, the engine's and the checkpoint calls' own costs are
-    taken as free.
+    taken as free, but for the engine's fixed cost per step c, which every plan pays.
     """
     p = cluster.n_stages
     s_max = max(d.speed for d in cluster.devices)
@@ -457,11 +459,16 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
         ] / s_max
         total = float(per_unit.sum())
         best = min(best, total + (m - 1) * max(total / p, float(per_unit.max())))
-    return float(best)
+    return float(best) + cluster.step_overhead_s
 
 
 def _simulated(
-    stages: Sequence[Stage], m: int, schedule: str, kappa: float, syncs: Sequence[TiedSync]
+    stages: Sequence[Stage],
+    m: int,
+    schedule: str,
+    kappa: float,
+    syncs: Sequence[TiedSync],
+    step_overhead_s: float,
 ) -> float:
     return simulate(
         [s.forward_s for s in stages],
@@ -472,6 +479,7 @@ def _simulated(
         contention=kappa,
         update_s=[s.update_s for s in stages],
         syncs=[(s.stages, s.seconds) for s in syncs],
+        step_overhead_s=step_overhead_s,
     ).makespan_s
 
 
@@ -498,7 +506,7 @@ def evaluate(
         [s.backward_s for s in stages],
         [s.comm_s for s in stages],
         syncs,
-    )
+    ) + cluster.step_overhead_s
     feasible = all(s.feasible for s in stages)
     if status is None:
         status = "heuristic"
@@ -523,7 +531,9 @@ def evaluate(
         stages=tuple(stages),
         tied_syncs=tuple(syncs),
         step_time_s=T,
-        simulated_step_time_s=_simulated(stages, m, options.schedule, kappa, syncs),
+        simulated_step_time_s=_simulated(
+            stages, m, options.schedule, kappa, syncs, cluster.step_overhead_s
+        ),
         bubble_fraction=bubble_fraction(times, m, busy, kappa),
         throughput=profile.batch_size / T if T > 0 else 0.0,
         feasible=feasible,

@@ -114,6 +114,7 @@ def simulate(
     contention: float = 0.0,
     update_s: Sequence[float] = (),
     syncs: Sequence[tuple[Sequence[int], float]] = (),
+    step_overhead_s: float = 0.0,
 ) -> Timeline:
     """Simulate one training step.
 
@@ -125,6 +126,7 @@ def simulate(
     none by default) follows stage j's last operation and the all-reduces in ``syncs`` that
     stage j takes part in ((stages, seconds) each, run in order; an event spans a stage's wait
     for the others plus the all-reduce, as the runtime's "tied" span does).
+    ``step_overhead_s`` (the engine's fixed cost per step, c) delays the first operation.
     """
     p = len(forward_s)
     kappa = contention if p > 1 and m > 1 else 0.0
@@ -139,7 +141,7 @@ def simulate(
     f_done: dict[tuple[int, int], float] = {}
     b_done: dict[tuple[int, int], float] = {}
     events: list[Event] = []
-    now = 0.0
+    now = float(step_overhead_s)
 
     def ready(j: int) -> bool:
         op, i = orders[j][pos[j]]
@@ -224,4 +226,5 @@ def simulate_plan(plan: Plan) -> Timeline:
         contention=plan.cluster.contention,
         update_s=[s.update_s for s in plan.stages],
         syncs=[(s.stages, s.seconds) for s in plan.tied_syncs],
+        step_overhead_s=plan.cluster.step_overhead_s,
     )

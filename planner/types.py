@@ -333,6 +333,11 @@ class Cluster(_Frozen):
     """o for a 1-stage plan: the same engine with no peer, no transfers and no transport threads
     competing for the cores (``pipeplan calibrate`` runs a 1-rank pipeline for it).  ``None``:
     ``op_overhead_s``."""
+    step_overhead_s: float = Field(default=0.0, ge=0)
+    """c: the engine's fixed seconds per training step outside every operation and update
+    (zeroing gradients, splitting the batch, setting up the schedule, collecting the loss).
+    Every rank pays it at the same time, so a step pays it once; ``pipeplan calibrate``
+    measures it on one rank."""
     allreduce: Link | None = None
     """The all-reduce that sums a tied parameter's gradient over the stages holding it, as a
     link whose one-way time of s bytes is the whole all-reduce (flatten, sum, copy back),

@@ -40,7 +40,9 @@ share nothing k comes out near 0.
 Every launch measures both; :func:`calibrate` runs ``launches`` of them and keeps the medians.
 A 1-stage plan runs the same engine with no peer: no transfers, and no transport threads
 competing with the compute for the cores.  Its o (``Cluster.solo_op_overhead_s``) comes from
-1-rank launches of the same pipeline, slope = F + B + 2 o (:func:`solo_overhead`).
+1-rank launches of the same pipeline, step = c + m (F + B + 2 o) with the update's span taken
+out, and so does the engine's fixed cost per step c (``Cluster.step_overhead_s``, charged to
+every plan: every rank pays it at once).
 The result is a :class:`~planner.types.Cluster` with one device per rank (memory: the GPU's,
 or this machine's RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
 """
@@ -261,7 +263,8 @@ def _stage_compute_s(repeats: int, width: int = WIDTH, input_grad: bool = True) 
 def _engine_step_times(
     device: Any, repeats: int, rounds: int = 3, width: int = WIDTH
 ) -> dict[int, list[float]]:
-    """Per round, the median step time of the calibration pipeline at each m in ENGINE_MS."""
+    """Per round, the median step time of the calibration pipeline at each m in ENGINE_MS, less
+    the step's optimizer update (its own span: the cost model charges updates separately)."""
     import torch.distributed as dist
 
     from runtime.engine import PipelineRunner
@@ -276,9 +279,9 @@ def _engine_step_times(
             walls = []
             for step in range(repeats + 2):
                 inputs, target = batch
-                wall, _, _ = runner.timed_step(inputs, target, step)
+                wall, spans, _ = runner.timed_step(inputs, target, step)
                 if step >= 2:
-                    walls.append(wall)
+                    walls.append(wall - sum(s.duration_s for s in spans if s.kind == "optimizer"))
             out[m].append(statistics.median(walls))
             dist.barrier()
     return out
@@ -334,22 +337,29 @@ def fit_engine(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(float(a) / (2 * (1 + kappa)), 0.0), kappa
 
 
-def solo_overhead(launches: Sequence[Sequence[dict[str, Any]]]) -> float:
-    """o of a 1-rank pipeline: per width, the median over launches of (slope - F - B) / 2 (no
-    transfers, nothing beside it to contend with), then the median over widths.
+def solo_overhead(launches: Sequence[Sequence[dict[str, Any]]]) -> tuple[float, float]:
+    """(o, c) of a 1-rank pipeline, whose step is c + m (F + B + 2 o) (no transfers, nothing
+    beside it to contend with, the update left out): per width, the median over launches of
+    (slope - F - B) / 2 and of the intercept (the median of t - slope m over the points); then
+    the medians over widths.  c is the engine's fixed cost per step: zeroing gradients,
+    splitting the batch, setting up the schedule, collecting the loss.
 
-    >>> e = {"width": 256, "compute": 0.002, "steps": {"2": [0.0050], "16": [0.0386]}}
-    >>> round(solo_overhead([[e], [e]]) * 1e6)
-    200
+    >>> e = {"width": 256, "compute": 0.002, "steps": {"2": [0.0060], "16": [0.0396]}}
+    >>> o, c = solo_overhead([[e], [e]])
+    >>> round(o * 1e6), round(c * 1e6)
+    (200, 1200)
     """
-    per_width = []
+    per_o, per_c = [], []
     for runs in zip(*launches):
-        per_width.append(statistics.median(
-            engine_overhead({int(m): [float(x) for x in v] for m, v in e["steps"].items()},
-                            0.0, float(e["compute"]))
-            for e in runs
-        ))  # fmt: skip
-    return float(statistics.median(per_width))
+        os_, cs = [], []
+        for e in runs:
+            steps = {int(m): [float(x) for x in v] for m, v in e["steps"].items()}
+            slope = slope_per_microbatch(steps)
+            os_.append(max((slope - float(e["compute"])) / 2, 0.0))
+            cs.append(statistics.median(t - slope * m for m, ts in steps.items() for t in ts))
+        per_o.append(statistics.median(os_))
+        per_c.append(max(statistics.median(cs), 0.0))
+    return float(statistics.median(per_o)), float(statistics.median(per_c))
 
 
 def _worker(argv: list[str] | None = None) -> None:
@@ -511,19 +521,19 @@ def calibrate(
         round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
         points.append((compute, slope - round_trip))
     overhead, kappa = fit_engine(points)
-    solo = None
+    solo = step_cost = None
     if solo_launches:
         alone = [
             measure(1, device, max_bytes, repeats, threads, timeout_s, widths)
             for _ in range(solo_launches)
         ]
-        solo = solo_overhead([r["engine"] for r in alone])
+        solo, step_cost = solo_overhead([r["engine"] for r in alone])
     memory = memory_bytes if memory_bytes is not None else int(results[0]["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
     cluster = Cluster(
         devices=devices, link=link, allreduce=allreduce, op_overhead_s=overhead,
-        solo_op_overhead_s=solo, contention=kappa,
+        solo_op_overhead_s=solo, step_overhead_s=step_cost or 0.0, contention=kappa,
     )  # fmt: skip
     return cluster, samples  # type: ignore[return-value]
 

@@ -32,9 +32,9 @@ Bytes are integers already, so memory is exact.  Times are scaled to integer *ti
 (slowest device, all recompute, every cut paid), each table entry and o_j is rounded to the
 nearest tick.  A stage's a_j or s_j then errs by at most 2 ticks (two prefix entries, one cut,
 o_j), U_j by 1 + h / 2 (two prefix entries, one rounded constant per shared parameter, h of
-them), each all-reduce A by 1/2 and D_j by 1.5 p + 0.5, so the scaled objective of any
-partition is within ``E = 2 (p + m - 1) + 2 p + 2 + h`` ticks of S times its step time, and the plan CP-SAT
-proves optimal is within ``2 E / S`` seconds of the true optimum (about ``8e-9 (p + m)`` of R).
+them), each all-reduce A and the engine's fixed cost per step by 1/2 and D_j by 1.5 p + 0.5,
+so the scaled objective of any partition is within ``E = 2 (p + m - 1) + 2 p + 3 + h`` ticks of
+S times its step time, and the plan CP-SAT proves optimal is within ``2 E / S`` seconds of the true optimum (about ``8e-9 (p + m)`` of R).
 o_j, C and the stage's F and B are read from :func:`planner.costmodel.stage_time`, so the model
 follows the cost model.  The returned plan is always re-evaluated exactly by
 :func:`planner.costmodel.evaluate`.
@@ -121,7 +121,7 @@ class CpsatResult:
 
 def _err_ticks(p: int, m: int, n_shared: int) -> float:
     """E: how far the scaled objective of any partition can be from S times its step time."""
-    return _ERR * (p + m - 1) + 2 * p + 2 + n_shared
+    return _ERR * (p + m - 1) + 2 * p + 3 + n_shared
 
 
 def _reference_time(
@@ -133,6 +133,7 @@ def _reference_time(
     shared = sum(sp.bytes * len(sp.units) for sp in profile.shared_params)
     worst = rate * (sum(u.param_bytes for u in profile.units) + shared) / s_min
     worst += sum(cluster.allreduce_s(sp.bytes) for sp in profile.shared_params)
+    worst += cluster.step_overhead_s
     for m in ms:
         c = unit_costs(profile, m)
         comm = sum(_cut_times(c, cluster, options))
@@ -295,7 +296,9 @@ class _Model:
             lo_t = max(floor, min(math.floor(t_floor * (1 - kappa)) - 1, horizon))
         self.tmax = md.new_int_var(lo_t, horizon, "T")
         md.add_max_equality(self.tmax, self.s)
-        self.objective = sum(self.a) + (m - 1) * self.tmax
+        # The engine's fixed cost per step: a constant, kept so that ticks track step times.
+        step_cost = _ticks([cluster.step_overhead_s], scale)[0]
+        self.objective = sum(self.a) + (m - 1) * self.tmax + step_cost
         if tails:  # R >= U_j - D_j for every stage (R >= U_0 >= 0)
             all_bytes = float(costs.Pw[-1]) + sum(float(nb) for nb, _ in costs.shared)
             slowest = min(dev.speed for dev in cluster.devices)

@@ -179,7 +179,9 @@ class _Instance:
         loss = (costs.loss_f + costs.loss_g) / speed
         self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + op_last + loss, _INF)
         # The last stage has no cut (c = t): its term of S, and of the bottleneck.
-        self.a_last = self.t_last * (1.0 + self.ka)
+        # ... plus the engine's fixed cost per step, the same for every partition.
+        self.a_last = self.t_last * (1.0 + self.ka) + cluster.step_overhead_s
+        self.step_cost = cluster.step_overhead_s
         if self.p == 1:  # a single stage: its update U_0 ends the step
             self.a_last = self.a_last + self.U_last
         self.s_last = self.t_last * (1.0 - self.kappa)
@@ -238,7 +240,7 @@ class _Instance:
         busy.append(float(self.t_last[starts[-1]]))
         times.append(busy[-1])
         h.append(float(self.h_last[starts[-1]]))
-        return step_time(times, self.m, busy, self.kappa) + max(0.0, *h)
+        return step_time(times, self.m, busy, self.kappa) + max(0.0, *h) + self.step_cost
 
     def width(self, threshold: float) -> int:
         """Longest mid stage (in units) whose s can be <= threshold and that can fit."""
@@ -373,7 +375,8 @@ class _Instance:
         upd.append(float(self.U_last[starts[-1]]))
         comm = [float(self.comm[e]) for e in ends]
         syncs = tied_syncs(c, self.cluster, starts)
-        return step_time(times, self.m, busy, self.kappa) + update_tail(upd, back, comm, syncs)
+        tail = update_tail(upd, back, comm, syncs)
+        return step_time(times, self.m, busy, self.kappa) + tail + self.step_cost
 
 
 def _solve(inst: _Instance) -> _Result | None:

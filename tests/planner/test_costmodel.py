@@ -322,3 +322,16 @@ def test_a_one_stage_plan_pays_the_solo_engine_cost() -> None:
     assert plain.step_time_s - alone.step_time_s == pytest.approx(2 * 4 * 4e-4)
     two = [evaluate(prof, c, options, [2], 4, solver="t").step_time_s for c in (base, solo)]
     assert two[0] == two[1]
+
+
+def test_the_engine_fixed_cost_per_step_is_paid_once() -> None:
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[2], seed=5)
+    base = Cluster.homogeneous(3, 2**40, op_overhead_s=2e-4, contention=0.3)
+    fixed = base.model_copy(update={"step_overhead_s": 1.5e-3})
+    a, b = (evaluate(prof, c, PlanOptions(), [2, 4], 4, solver="t") for c in (base, fixed))
+    assert b.step_time_s == pytest.approx(a.step_time_s + 1.5e-3, rel=1e-12)
+    assert a.simulated_step_time_s is not None and b.simulated_step_time_s is not None
+    assert b.simulated_step_time_s == pytest.approx(a.simulated_step_time_s + 1.5e-3, rel=1e-9)
+    timeline = simulate_plan(b)  # the first operation waits for the step's set-up
+    assert min(e.start_s for e in timeline.events) == pytest.approx(1.5e-3)
+    assert timeline.makespan_s == pytest.approx(b.simulated_step_time_s)

@@ -70,8 +70,10 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     overhead = draw(st.sampled_from([0.0, 1e-3]))
     kappa = draw(st.sampled_from([0.0, 0.0, 0.4, 1.5]))
     clus = Cluster.homogeneous(p, memory, link, op_overhead_s=overhead, contention=kappa)
-    if draw(st.booleans()):  # a slow all-reduce for the tied weight
-        clus = clus.model_copy(update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3)})
+    if draw(st.booleans()):  # a slow all-reduce for the tied weight, a fixed cost per step
+        clus = clus.model_copy(
+            update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3), "step_overhead_s": 1e-3}
+        )
     return prof, clus, options
 
 

@@ -58,6 +58,7 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         op_overhead_s=draw(st.sampled_from([0.0, 0.0, 2e-4])),
         contention=draw(st.sampled_from([0.0, 0.0, 0.3, 1.5])),
         allreduce=draw(st.sampled_from([None, Link(bandwidth_Bps=1e8, latency_s=1e-3)])),
+        step_overhead_s=draw(st.sampled_from([0.0, 0.0, 1e-3])),
     )
     options = PlanOptions(
         checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
