@@ -379,18 +379,24 @@ class _Instance:
         return step_time(times, self.m, busy, self.kappa) + tail + self.step_cost
 
 
-def _solve(inst: _Instance) -> _Result | None:
+def _solve(inst: _Instance, incumbent: float = _INF) -> _Result | None:
     """Exact min over partitions of T(m) for one micro-batch count.
 
     R = max(U_0, max_{j>0} h_j), h_j = U_j - D_j, is a second bottleneck.  For a tail bound theta
     every stage j > 0 must have h_j <= theta and stage 0 pays max(U_0 - theta, 0) + theta in S;
     that is T(m) exactly at theta = max(0, max_{j>0} h_j) and more elsewhere, so the best over
-    theta = 0 and the positive h values is the optimum.  theta rises until theta plus a lower
-    bound of the rest cannot beat the incumbent; most stages drain far longer than they update,
-    so the positive h values are usually few.  Where they are many (hundreds of units and a
-    long update, or a tied parameter's all-reduce on the last stage), at most ``limit`` of them are solved and the result carries the bound
-    theta_next + floor instead of being proven optimal.  Where the tied-gradient tail is only
-    bounded from below (``inst.exact`` False), the bound is the least relaxed objective seen.
+    theta = 0 and the positive h values is the optimum.  Below the last stage's least h_last no
+    partition is admitted.  A theta is skipped when theta plus the least floor over the last
+    stage starts it admits (:func:`_floors`) cannot beat the incumbent: a large theta costs
+    itself, a small one forces a short last stage and a long bottleneck.  The thetas are tried
+    coarse to fine (:func:`_coarse_to_fine`), so that good plans come early and prune the rest.
+    Where many survive (hundreds of units with a long update, or a tied parameter's all-reduce
+    on both end stages), at most ``limit`` are solved and the result carries the least bound
+    of the rest instead of being proven optimal.  Two stages have one cut, which fixes every
+    term: they are enumerated instead (:func:`_two_stages`).  Where the tied-gradient tail is
+    only bounded from below (``inst.exact`` False), the bound is the least relaxed objective
+    seen.  ``incumbent`` (the best step time of the micro-batch counts solved before) prunes
+    too.
     """
 
     def done(best: _Result | None, bound: float = _INF) -> _Result | None:
@@ -399,31 +405,79 @@ def _solve(inst: _Instance) -> _Result | None:
         bound = min(bound, best.objective, _INF if inst.exact else inst.relaxed_min)
         return _Result(best.objective, best.starts, bound)
 
-    best = _solve_m(inst, 0.0, None)
+    if inst.p == 2 and inst.tail_on:
+        return _two_stages(inst)
     thetas = inst.thetas()
+    # The last stage must keep h_last <= theta: below its least h nothing is admitted (a tied
+    # LM head's all-reduce puts every h_last above 0).
+    lowest = float(np.min(inst.h_last[np.isfinite(inst.t_last)], initial=_INF))
+    bounded = inst.p > 1 and inst.tail_on  # else theta is unused (see _Instance.last)
+    best = _solve_m(inst, 0.0, None) if lowest <= 0 or not bounded else None
+    thetas = thetas[thetas >= lowest]
     if not len(thetas):
         return done(best)
-    floor = _floor(inst)
+    # Under theta the last stage starts where h_last <= theta, so T >= theta + the least floor
+    # over those starts: a small theta forces a short last stage and a long bottleneck.
+    floors = np.where(np.isfinite(inst.t_last), _floors(inst), _INF)
     limit = max(_TAIL_RUNS, _TAIL_WORK // (inst.n * inst.p))
-    for k, theta in enumerate(thetas):
-        if best is not None and theta + floor >= best.objective:
-            break
-        if k == limit:
-            if best is None:  # pragma: no cover - every theta so far admitted no partition
-                continue
-            return done(best, theta + floor)
-        best = _solve_m(inst, float(theta), best)
-    return done(best)
+    runs, left = 0, _INF
+    for i in _coarse_to_fine(len(thetas)):  # good plans early, so the floors prune the rest
+        theta = float(thetas[i])
+        lb = theta + float(np.min(floors[inst.h_last <= theta], initial=_INF))
+        if lb >= min(_INF if best is None else best.objective, incumbent):
+            continue  # nothing under this theta beats this m's or another m's best
+        if runs >= limit and best is not None:
+            left = min(left, lb)
+            continue
+        best = _solve_m(inst, theta, best)
+        runs += 1
+    return done(best, left)
 
 
-def _floor(inst: _Instance) -> float:
-    """A lower bound of T(m) less R over all partitions: S_lb + (m - 1) max(min-max M, s_last)."""
+def _two_stages(inst: _Instance) -> _Result | None:
+    """p = 2 with a tail: the single cut L decides both stages, so every L where both fit is
+    evaluated exactly (at most n - 1 closed forms; no tail bound to search)."""
+    V, _ = inst.run_mid(_INF, "sum", _INF)  # stage 0 over units 0..L-1: finite where it fits
+    best: _Result | None = None
+    for L in np.flatnonzero(np.isfinite(V + inst.t_last)):
+        obj = inst.step_time((0, int(L)))
+        if best is None or obj < best.objective:
+            best = _Result(obj, (0, int(L)), obj)
+    return best
+
+
+def _floors(inst: _Instance) -> np.ndarray:
+    """Per last-stage start L, a lower bound of T(m) less R over the partitions whose last
+    stage starts at L: S_lb(L) + (m - 1) max(min-max M(L), s_last(L))."""
     m, p = inst.m, inst.p
     mm, _ = inst.run_mid(_INF, "max", _INF)
     s_lb = (inst.Qmid + (p - 1) * inst.op) * (1.0 + inst.ka) + inst.a_last
     if m == 1:
-        return float(np.min(s_lb))
-    return float(np.min(s_lb + (m - 1) * np.maximum(mm, inst.s_last)))
+        return np.asarray(s_lb)
+    return np.asarray(s_lb + (m - 1) * np.maximum(mm, inst.s_last))
+
+
+def _floor(inst: _Instance) -> float:
+    """A lower bound of T(m) less R over all partitions (the least of :func:`_floors`)."""
+    return float(np.min(_floors(inst)))
+
+
+def _coarse_to_fine(k: int) -> list[int]:
+    """0..k-1 ordered by halving: 0, then the middle, then the quarters, ...
+
+    >>> _coarse_to_fine(6)
+    [0, 4, 2, 1, 3, 5]
+    """
+    out: list[int] = []
+    seen: set[int] = set()
+    step = 1 << max(k - 1, 1).bit_length()
+    while step >= 1:
+        for i in range(0, k, step):
+            if i not in seen:
+                seen.add(i)
+                out.append(i)
+        step //= 2
+    return out
 
 
 def _solve_m(inst: _Instance, theta: float, best: _Result | None) -> _Result | None:
@@ -552,13 +606,23 @@ def _partition(
     best: tuple[tuple[int, ...], int, float] | None = None
     bound = float(np.inf)
     rate = update_rate(profile, options.optimizer)
-    for m in microbatch_choices(profile, options):
-        costs = unit_costs(profile, m)
-        res = _solve(_Instance(costs, cluster, options, caps, rate))
+    insts = [
+        (m, _Instance(unit_costs(profile, m), cluster, options, caps, rate))
+        for m in microbatch_choices(profile, options)
+    ]
+    # Where a tail bound is searched (p > 2 with updates or tied gradients), the most promising
+    # m first: its step time then cuts the other m's searches short, or skips them.
+    floors = {m: _floor(inst) if inst.p > 2 and inst.tail_on else -_INF for m, inst in insts}
+    for m, inst in sorted(insts, key=lambda item: (floors[item[0]], item[0])):
+        incumbent = _INF if best is None else best[2]
+        if floors[m] > incumbent:
+            bound = min(bound, floors[m])
+            continue
+        res = _solve(inst, incumbent)
         if res is None:
             continue
         bound = min(bound, res.bound)
-        if best is None or res.objective < best[2]:
+        if best is None or (res.objective, m) < (best[2], best[1]):
             best = (res.starts, m, res.objective)
     return None if best is None else (*best, min(bound, best[2]))
 
