@@ -267,6 +267,12 @@ def _print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    for sync in p.tied_syncs:
+        stages = ", ".join(map(str, sync.stages))
+        console.print(
+            f"tied gradients: stages {stages} sum {format_bytes(sync.bytes)} after their last "
+            f"backward, {sync.seconds * 1e3:.3f} ms, before updating"
+        )
 
 
 def _print_profile(p: Profile) -> None:

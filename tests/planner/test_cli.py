@@ -12,6 +12,7 @@ import torch
 
 from planner.io import load_plan, write_json
 from planner.synthetic import synthetic_profile
+from planner.types import Cluster, Link
 
 
 @pytest.fixture
@@ -156,6 +157,25 @@ def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli
     assert code == 0, err
     code, _, err = cli(["profile", "userpkg.nets:missing", "-b", "4", "-o", str(tmp_path / "q.json")])
     assert code == 2 and "has no attribute 'missing'" in err
+
+
+def test_plan_reports_the_tied_gradient_all_reduce(tmp_path: Path, cli) -> None:
+    # A calibrated cluster's all-reduce: the plan charges and shows it, and records it.
+    prof = tmp_path / "tied.json"
+    write_json(prof, synthetic_profile(8, batch_size=8, tied=True, update_s_per_byte=3e-9))
+    clus = tmp_path / "cluster.json"
+    write_json(clus, Cluster.homogeneous(2, 2**40, Link(bandwidth_Bps=1e9)).model_copy(
+        update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3), "step_overhead_s": 4e-4}
+    ))  # fmt: skip
+    out_file = tmp_path / "plan.json"
+    code, out, err = cli(["plan", str(prof), "--cluster", str(clus), "-o", str(out_file)])
+    assert code == 0, err
+    assert "tied gradients: stages 0, 1" in out
+    plan = load_plan(out_file)
+    (sync,) = plan.tied_syncs
+    assert sync.stages == (0, 1) and sync.seconds == pytest.approx(1e-3 + sync.bytes / 1e8)
+    code, out, _ = cli(["show", str(out_file)])
+    assert code == 0 and "tied gradients: stages 0, 1" in out
 
 
 def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
