@@ -106,6 +106,7 @@ __all__ = [
     "check_request",
     "contention",
     "evaluate",
+    "holds_user",
     "in_flight",
     "lower_bound",
     "microbatch_choices",
@@ -176,11 +177,15 @@ class UnitCosts:
         l_arr, r_arr = np.asarray(l), np.asarray(r)
         out = np.zeros(np.broadcast(l_arr, r_arr).shape)
         for nbytes, users in self.shared:
-            first = np.searchsorted(users, l_arr, side="left")  # first user >= l
-            has_user = (first < len(users)) & (users[np.minimum(first, len(users) - 1)] <= r_arr)
             owns = (l_arr <= users[0]) & (users[0] <= r_arr)
-            out = out + nbytes * (has_user & ~owns)
+            out = out + nbytes * (holds_user(users, l_arr, r_arr) & ~owns)
         return out
+
+
+def holds_user(users: np.ndarray, l: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Whether stages l..r contain one of ``users`` (ascending unit indices), elementwise."""
+    first = np.searchsorted(users, l, side="left")  # first user >= l
+    return (first < len(users)) & (users[np.minimum(first, len(users) - 1)] <= r)
 
 
 def unit_costs(profile: Profile, m: int) -> UnitCosts:

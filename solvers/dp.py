@@ -69,6 +69,7 @@ from planner.costmodel import (
     check_request,
     contention,
     evaluate,
+    holds_user,
     in_flight,
     microbatch_choices,
     recomputes,
@@ -216,9 +217,7 @@ class _Instance:
         own = self.drain(j, l_arr)
         h = upd - own
         for first, last, users, seconds in self.syncs:
-            k = np.searchsorted(users, l_arr, side="left")
-            has = (k < len(users)) & (users[np.minimum(k, len(users) - 1)] <= r_arr)
-            copy = has & (first < l_arr)  # holds a user, the owner is on an earlier stage
+            copy = holds_user(users, l_arr, r_arr) & (first < l_arr)  # the owner is earlier
             owns = (l_arr <= first) & (first <= r_arr) & (last > r_arr)
             anchored = first == 0 or j <= 1
             d = np.where(copy & anchored, 0.0, own)
@@ -228,19 +227,30 @@ class _Instance:
     def relaxed(self, starts: tuple[int, ...]) -> float:
         """The objective the DP minimises for a partition: T(m) with the tail of :meth:`tail`
         (a lower bound of the true T(m) where ``self.exact`` is False)."""
+        busy, times, upd = self._stages(starts)
+        ends = [*starts[1:], self.n]
+        h = [
+            float(self.tail(j, np.array(l), np.array(e - 1), np.array(u)))
+            for j, (l, e, u) in enumerate(zip(starts[:-1], ends, upd))
+        ]
+        h.append(float(self.h_last[starts[-1]]))
+        return step_time(times, self.m, busy, self.kappa) + max(0.0, *h) + self.step_cost
+
+    def _stages(
+        self, starts: tuple[int, ...]
+    ) -> tuple[list[float], list[float], list[float]]:
+        """(c_j, t_j, U_j) of every stage of a partition (U_j of the mid stages only)."""
         ends = [*starts[1:], self.n]
         c = self.c
         busy = [float(self.Qmid[e] - self.Qmid[l] + self.op) for l, e in zip(starts[:-1], ends)]
         times = [b + float(self.comm[e]) for b, e in zip(busy, ends)]
-        h = [
-            float(self.tail(j, np.array(l), np.array(e - 1),
-                            self.u * (c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1))))
-            for j, (l, e) in enumerate(zip(starts[:-1], ends))
+        upd = [
+            self.u * float(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1))
+            for l, e in zip(starts[:-1], ends)
         ]
         busy.append(float(self.t_last[starts[-1]]))
         times.append(busy[-1])
-        h.append(float(self.h_last[starts[-1]]))
-        return step_time(times, self.m, busy, self.kappa) + max(0.0, *h) + self.step_cost
+        return busy, times, upd
 
     def width(self, threshold: float) -> int:
         """Longest mid stage (in units) whose s can be <= threshold and that can fit."""
@@ -360,21 +370,13 @@ class _Instance:
 
     def step_time(self, starts: tuple[int, ...]) -> float:
         """The exact T(m) of a partition (as :func:`planner.costmodel.evaluate` computes it)."""
+        busy, times, upd = self._stages(starts)
         ends = [*starts[1:], self.n]
-        c = self.c
-        busy = [float(self.Qmid[e] - self.Qmid[l] + self.op) for l, e in zip(starts[:-1], ends)]
-        times = [b + float(self.comm[e]) for b, e in zip(busy, ends)]
         back = [float(self.QB[e] - self.QB[l] + self.ob) for l, e in zip(starts[:-1], ends)]
-        upd = [
-            self.u * float(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1))
-            for l, e in zip(starts[:-1], ends)
-        ]
-        busy.append(float(self.t_last[starts[-1]]))
-        times.append(busy[-1])
         back.append(0.0)  # the last stage's backward is no stage's drain
         upd.append(float(self.U_last[starts[-1]]))
         comm = [float(self.comm[e]) for e in ends]
-        syncs = tied_syncs(c, self.cluster, starts)
+        syncs = tied_syncs(self.c, self.cluster, starts)
         tail = update_tail(upd, back, comm, syncs)
         return step_time(times, self.m, busy, self.kappa) + tail + self.step_cost
 
