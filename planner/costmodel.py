@@ -333,11 +333,14 @@ def step_time(
     return float(sum(times) + (m - 1) * slot)
 
 
-def tied_syncs(costs: UnitCosts, cluster: Cluster, starts: Sequence[int]) -> list[TiedSync]:
+def tied_syncs(
+    shared: Sequence[tuple[int, Sequence[int] | np.ndarray]], cluster: Cluster, starts: Sequence[int]
+) -> list[TiedSync]:
     """The all-reduces the partition with stages starting at ``starts`` needs: one per distinct
-    set of two or more stages holding users of the same shared parameters, ascending."""
+    set of two or more stages holding users of the same shared parameters, ascending.
+    ``shared``: (bytes, user units) per shared parameter (``UnitCosts.shared``)."""
     groups: dict[tuple[int, ...], int] = {}
-    for nbytes, users in costs.shared:
+    for nbytes, users in shared:
         stages = tuple(sorted({bisect_right(starts, int(u)) - 1 for u in users}))
         if len(stages) > 1:
             groups[stages] = groups.get(stages, 0) + int(nbytes)
@@ -505,7 +508,8 @@ def evaluate(
     times = [s.time_s for s in stages]
     busy = [s.forward_s + s.backward_s for s in stages]
     kappa = contention(cluster, m)
-    syncs = tied_syncs(unit_costs(profile, m), cluster, [s.first_unit for s in stages])
+    shared = [(sp.bytes, sp.units) for sp in profile.shared_params]
+    syncs = tied_syncs(shared, cluster, [s.first_unit for s in stages])
     T = step_time(times, m, busy, kappa) + update_tail(
         [s.update_s for s in stages],
         [s.backward_s for s in stages],

@@ -376,7 +376,7 @@ class _Instance:
         back.append(0.0)  # the last stage's backward is no stage's drain
         upd.append(float(self.U_last[starts[-1]]))
         comm = [float(self.comm[e]) for e in ends]
-        syncs = tied_syncs(self.c, self.cluster, starts)
+        syncs = tied_syncs(self.c.shared, self.cluster, starts)
         tail = update_tail(upd, back, comm, syncs)
         return step_time(times, self.m, busy, self.kappa) + tail + self.step_cost
 
