@@ -355,7 +355,7 @@ def solo_overhead(launches: Sequence[Sequence[dict[str, Any]]]) -> tuple[float, 
         for e in runs:
             steps = {int(m): [float(x) for x in v] for m, v in e["steps"].items()}
             slope = slope_per_microbatch(steps)
-            os_.append(max((slope - float(e["compute"])) / 2, 0.0))
+            os_.append(engine_overhead(steps, 0.0, float(e["compute"])))
             cs.append(statistics.median(t - slope * m for m, ts in steps.items() for t in ts))
         per_o.append(statistics.median(os_))
         per_c.append(max(statistics.median(cs), 0.0))
