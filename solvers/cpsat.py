@@ -230,11 +230,11 @@ class _Model:
         A = [int(v) for v in costs.Pa]
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
-        # (shared parameter index, all-reduce ticks) of every shared parameter that costs one.
+        # (shared parameter index, all-reduce ticks) of every shared parameter: its holders
+        # wait for the first holder before they update, even when the all-reduce is free.
         syncs = [
-            (k, a)
+            (k, _ticks([cluster.allreduce_s(float(nbytes))], scale)[0])
             for k, (nbytes, _) in enumerate(costs.shared)
-            if (a := _ticks([cluster.allreduce_s(float(nbytes))], scale)[0]) > 0
         ] if p > 1 else []
         self._holds: dict[tuple[int, int], cp_model.IntVar] = {}
         self._users: dict[int, np.ndarray] = {}

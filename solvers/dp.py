@@ -148,12 +148,12 @@ class _Instance:
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
         self.u = rate / speed  # update seconds per parameter byte
         # Tied gradients: per shared parameter (first user, last user, sorted users, all-reduce
-        # seconds).  A stage holding a user of one that spans stages waits for its all-reduce.
+        # seconds).  A stage holding a user of one that spans stages waits for its all-reduce,
+        # and for the first holder, even on a free link.
         self.syncs = [
             (int(users[0]), int(users[-1]), users, cluster.allreduce_s(float(nbytes)))
             for nbytes, users in costs.shared
         ]
-        self.syncs = [g for g in self.syncs if g[3] > 0]
         self.cluster = cluster
         # Exact when the all-reduce's first holder is known to drain last-but-none (D = 0):
         # one shared parameter owned by unit 0 or on 2 stages; else a lower bound (see tail).

@@ -271,3 +271,20 @@ def test_min_max_bound_holds_when_stage_costs_differ() -> None:
     assert want.boundaries == (1, 2)
     assert got.status == "optimal"
     _assert_close(got.step_time_s, want.step_time_s, error_bound_s(prof, clus, PlanOptions()))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("p", [2, 3])
+def test_tied_holders_wait_for_each_other_on_a_free_link(seed: int, p: int) -> None:
+    # A free all-reduce is still a barrier: the head's stage updates after stage 0's last
+    # backward, not during its drain.  Both solvers charge that wait (CP-SAT once dropped it
+    # when the all-reduce cost 0 ticks, and was up to 20 % off).
+    prof = synthetic_profile(7, batch_size=8, microbatch_sizes=[2, 8], seed=seed, tied=True,
+                             heavy_ends=True, update_s_per_byte=3e-8)  # fmt: skip
+    clus = Cluster.homogeneous(p, 2**40)
+    want = brute_force(prof, clus, PlanOptions())
+    assert want is not None
+    got = solve_cpsat(prof, clus)
+    assert got.status == "optimal"
+    _assert_close(got.step_time_s, want, error_bound_s(prof, clus, PlanOptions()))
+    assert solve_dp(prof, clus).step_time_s == pytest.approx(want, rel=1e-9)
