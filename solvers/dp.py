@@ -162,6 +162,7 @@ class _Instance:
         )
         self.tail_on = bool(self.u) or bool(self.syncs)
         self.relaxed_min = _INF
+        self.floor_vec: np.ndarray | None = None  # _floors' result, computed once
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
         L = np.arange(n + 1)
@@ -451,6 +452,12 @@ def _two_stages(inst: _Instance) -> _Result | None:
 def _floors(inst: _Instance) -> np.ndarray:
     """Per last-stage start L, a lower bound of T(m) less R over the partitions whose last
     stage starts at L: S_lb(L) + (m - 1) max(min-max M(L), s_last(L))."""
+    if inst.floor_vec is None:
+        inst.floor_vec = _floor_vector(inst)
+    return inst.floor_vec
+
+
+def _floor_vector(inst: _Instance) -> np.ndarray:
     m, p = inst.m, inst.p
     mm, _ = inst.run_mid(_INF, "max", _INF)
     s_lb = (inst.Qmid + (p - 1) * inst.op) * (1.0 + inst.ka) + inst.a_last
