@@ -1,39 +1,37 @@
 """Profile a model: trace it, group it into units, and measure every unit at every micro-batch size.
 
-For each micro-batch size b the model runs unit by unit on a seeded batch of size b: each unit
-is measured alone (:mod:`profiler.measure`) and its outputs feed the next units.  The cut table
-comes from the largest size's run: every tensor live across a cut (:func:`planner.graph.cut_tensors`)
-with its bytes divided by b.  Sizes are measured largest first, so the warm-up of the largest
-(slowest) runs also warms the allocator for the rest.  Last, every optimizer's step is timed
-once over all the parameters (``Profile.update_s``), and what one checkpoint call adds by itself
+For each micro-batch size b the model runs whole training passes on a seeded batch of size b,
+unit by unit, and every unit is timed inside them (:mod:`profiler.sweep`): forward in order,
+the loss, backward in reverse, and the same again with every unit recomputing.  The cut table
+comes from the largest size's run: every tensor live across a cut
+(:func:`planner.graph.cut_tensors`) with its bytes divided by b.  Sizes are measured largest
+first, so the warm-up of the largest (slowest) runs also warms the allocator for the rest.
+On a CPU the heap keeps freed memory mapped, as the runtime's ranks do
+(:mod:`planner.allocator`).  Last, every optimizer's step is timed once over all the
+parameters (``Profile.update_s``), and what one checkpoint call adds by itself
 (``Profile.checkpoint_call_s``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from planner.allocator import keep_heap
 from planner.errors import InvalidRequestError
 from planner.graph import cut_tensors, group_units
 from planner.model import load_model
 from planner.trace import trace_model
 from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
 from profiler.device import Clock, device_info, resolve_device
-from profiler.measure import (
-    measure_checkpoint_call,
-    measure_unit,
-    measure_updates,
-    storage_keys,
-    value_bytes,
-)
+from profiler.measure import measure_checkpoint_call, measure_updates, storage_keys, value_bytes
 from profiler.split import split_units
+from profiler.sweep import measure_sweep
 
 __all__ = ["DTYPES", "default_microbatch_sizes", "profile_model"]
 
@@ -124,8 +122,20 @@ def profile_model(
     if threads is not None and threads < 1:
         raise InvalidRequestError(f"threads {threads} must be at least 1")
     with _threads(threads):
-        return _profile(model, batch_size, model_kwargs, microbatch_sizes, device, granularity,
-                        tracer, dtype, warmup, repeats, progress, rounds)
+        return _profile(
+            model,
+            batch_size,
+            model_kwargs,
+            microbatch_sizes,
+            device,
+            granularity,
+            tracer,
+            dtype,
+            warmup,
+            repeats,
+            progress,
+            rounds,
+        )
 
 
 @contextlib.contextmanager
@@ -168,6 +178,8 @@ def _profile(
     kwargs = _check_kwargs(model_kwargs)
     dev = resolve_device(device)
     torch_dtype = DTYPES[dtype]
+    if dev.type == "cpu":
+        keep_heap()  # the heap the runtime's ranks run with (see planner.allocator)
 
     spec = load_model(model, model_kwargs)
     module = spec.module.to(dev, torch_dtype).train()
@@ -176,17 +188,22 @@ def _profile(
     units = group_units(traced, granularity)
     pieces = split_units(traced, units)
     placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    model_inputs = set(placeholders)  # no stage computes their gradient
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
     clock = Clock(dev)
 
     runs: list[dict[int, list[Timing]]] = [{b: [] for b in sizes} for _ in pieces]
     loss_runs: dict[int, list[Timing]] = {b: [] for b in sizes}
     (output_node,) = [n for n in traced.gm.graph.nodes if n.op == "output"]
+
+    def output(lookup: Callable[[str], Any]) -> Any:
+        flat = torch.fx.node.map_arg(output_node.args[0], lambda n: lookup(n.name))
+        return traced.gm.graph.process_outputs(flat)  # export graphs return it flattened
+
     biggest: dict[str, Any] = {}
     with _progress(progress) as bar:
-        task = bar.add_task(model, total=rounds * len(sizes) * len(pieces))
+        task = bar.add_task(model, total=rounds * len(sizes))
         for b in [b for _ in range(rounds) for b in sorted(sizes, reverse=True)]:
+            bar.update(task, description=f"{model} b={b}")
             batch_inputs, target = spec.batch(b)
             inputs = tuple(_to(x, dev, torch_dtype) for x in batch_inputs)
             if len(inputs) != len(placeholders):
@@ -194,37 +211,24 @@ def _profile(
                     f"model {model!r} takes {len(placeholders)} inputs but make_batch gave "
                     f"{len(inputs)}"
                 )
-            values: dict[str, Any] = dict(zip(placeholders, inputs))
-            for k, piece in enumerate(pieces):
-                bar.update(task, description=f"{model} b={b} {piece.spec.name}")
-                args = [values[name] for name in piece.inputs]
-                timing, outs = measure_unit(
-                    piece.module,
-                    args,
-                    clock=clock,
-                    warmup=warmup,
-                    repeats=repeats,
-                    exclude=exclude,
-                    seed=k,
-                    frozen=frozenset(i for i, n in enumerate(piece.inputs) if n in model_inputs),
-                )
-                runs[k][b].append(timing)
-                values.update(zip(piece.outputs, outs))
-                bar.advance(task)
-            flat = torch.fx.node.map_arg(output_node.args[0], functools.partial(_value, values))
-            output = traced.gm.graph.process_outputs(flat)  # export graphs return it flattened
-            timing, _ = measure_unit(
+            result = measure_sweep(
+                pieces,
+                dict(zip(placeholders, inputs)),
                 _Loss(spec.loss, _to(target, dev, torch_dtype)),
-                [output],
+                output,
                 clock=clock,
                 warmup=warmup,
                 repeats=repeats,
                 exclude=exclude,
-                seed=len(pieces),
             )
-            loss_runs[b].append(timing)
+            for k, timing in enumerate(result.units):
+                runs[k][b].append(timing)
+            loss_runs[b].append(result.loss)
             if b == max(sizes):
-                biggest = values
+                biggest = result.values
+            bar.advance(task)
+        for param in traced.gm.parameters():  # the passes' accumulated gradients
+            param.grad = None
 
     update_s = measure_updates(
         list(traced.gm.parameters()), clock=clock, warmup=warmup, repeats=repeats * rounds
@@ -275,10 +279,6 @@ def _profile(
     )
 
 
-def _value(values: dict[str, Any], node: torch.fx.Node) -> Any:
-    return values[node.name]
-
-
 class _Loss(torch.nn.Module):
     """The model's loss as a module of its output, the target fixed (it needs no gradient)."""
 
@@ -327,8 +327,11 @@ def _shared_params(gm: torch.nn.Module, used: Sequence[Sequence[str]]) -> tuple[
             if name in params:
                 users.setdefault(name, []).append(k)
     return tuple(
-        SharedParam(name=name, bytes=params[name].numel() * params[name].element_size(),
-                    units=tuple(sorted(set(ks))))
+        SharedParam(
+            name=name,
+            bytes=params[name].numel() * params[name].element_size(),
+            units=tuple(sorted(set(ks))),
+        )
         for name, ks in sorted(users.items())
         if len(set(ks)) > 1
     )

@@ -374,7 +374,7 @@ def _worker(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
     args = ap.parse_args(argv)
-    from runtime.allocator import keep_heap
+    from planner.allocator import keep_heap
     from runtime.worker import default_threads
 
     keep_heap()  # as the runtime's ranks run

@@ -137,10 +137,10 @@ def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from planner.allocator import keep_heap
     from planner.errors import InvalidRequestError
     from planner.io import load_plan, write_json, write_text
     from planner.model import load_model, parse_model_args
-    from runtime.allocator import keep_heap
     from runtime.engine import PipelineRunner
     from runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     cuda = args.device == "cuda"
-    keep_heap()  # before the model and the steps allocate anything (see runtime.allocator)
+    keep_heap()  # before the model and the steps allocate anything (see planner.allocator)
     threads = None
     if cuda:
         torch.cuda.set_device(local_rank)

@@ -17,9 +17,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from planner.allocator import keep_heap
 from planner.io import load_plan
 from planner.model import load_model
-from runtime.allocator import keep_heap
 from runtime.engine import PipelineRunner
 from runtime.report import RankRecord, gather_report
 from runtime.worker import default_threads

@@ -288,9 +288,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from planner.allocator import keep_heap
     from planner.io import load_plan, write_json
     from planner.model import load_model
-    from runtime.allocator import keep_heap
     from runtime.engine import PipelineRunner
     from runtime.report import RankRecord, gather_report
 

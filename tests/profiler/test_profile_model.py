@@ -133,27 +133,3 @@ def test_bad_arguments() -> None:
 def test_default_sizes() -> None:
     assert default_microbatch_sizes(32) == (1, 2, 4, 8, 16, 32)
     assert default_microbatch_sizes(12) == (1, 2, 4, 12)
-
-
-def test_the_models_inputs_get_no_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression: unit 0 was timed with a gradient for the model's input, which no stage
-    computes (the batch does not require grad); that doubled the first linear layer's
-    backward."""
-    import profiler.profile as profile_module
-    from profiler.measure import measure_unit
-
-    seen: list[tuple[bool, ...]] = []
-
-    def spy(module: torch.nn.Module, inputs: list[object], **kw: object) -> object:
-        frozen = kw.get("frozen", frozenset())  # the loss's call passes none
-        assert isinstance(frozen, frozenset)
-        seen.append(tuple(i in frozen for i in range(len(inputs))))
-        return measure_unit(module, inputs, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(profile_module, "measure_unit", spy)
-    prof = profile_model(
-        "models.mlp:mlp", batch_size=4, model_kwargs=MLP, microbatch_sizes=[4], **FAST
-    )
-    assert prof.n_units >= 3 and len(seen) == prof.n_units + 1  # the units, then the loss
-    assert seen[0] == (True,)  # the first unit's only input is the batch
-    assert all(s == (False,) for s in seen[1 : prof.n_units])  # activations keep theirs
