@@ -28,7 +28,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check planner profiler solvers runtime models benchmarks
+	$(VENV)/bin/ruff check planner profiler solvers runtime models benchmarks tests
 	$(VENV)/bin/mypy planner profiler solvers runtime models benchmarks
 
 clean:

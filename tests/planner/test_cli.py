@@ -129,13 +129,13 @@ def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
     """The installed entry point: real exit codes and stderr, no traceback."""
     exe = [sys.executable, "-m", "planner.cli"]
     ok = subprocess.run([*exe, "plan", str(profile_file), "--stages", "2", "--memory", "1GiB",
-                         "-o", str(tmp_path / "p.json")], capture_output=True, text=True)
+                         "-o", str(tmp_path / "p.json")], capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([*exe, "plan", str(profile_file), "--stages", "99", "--memory", "1GiB",
-                          "-o", str(tmp_path / "q.json")], capture_output=True, text=True)
+                          "-o", str(tmp_path / "q.json")], capture_output=True, text=True, check=False)
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
-    usage = subprocess.run([*exe, "plan", "--no-such-flag"], capture_output=True, text=True)
+    usage = subprocess.run([*exe, "plan", "--no-such-flag"], capture_output=True, text=True, check=False)
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
 
 

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from planner.errors import FileFormatError, InvalidRequestError
-from planner.io import dumps, load_any, load_plan, load_profile, parse_bytes, parse_rate
-from planner.io import write_json
+from planner.io import dumps, load_any, load_plan, load_profile, parse_bytes, parse_rate, write_json
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Plan, Profile
 from solvers.dp import solve_dp
@@ -66,7 +65,7 @@ def test_corrupt_and_missing(tmp_path: Path) -> None:
 
 def test_atomic_write_leaves_no_partial_file(tmp_path: Path, profile: Profile, monkeypatch) -> None:
     target = tmp_path / "p.json"
-    import planner.io as io
+    from planner import io
 
     def boom(*args, **kwargs):
         raise OSError("disk full")

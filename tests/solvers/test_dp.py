@@ -12,7 +12,7 @@ from planner.costmodel import evaluate, microbatch_choices
 from planner.errors import InfeasiblePlanError, InvalidRequestError, UnsupportedConstraintError
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Device, Link, PlanOptions, Profile
-from solvers.dp import _partition, partition_dp, solve_dp
+from solvers.dp import _partition, solve_dp
 
 
 def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions) -> float | None:
