@@ -29,6 +29,7 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check planner profiler solvers runtime models benchmarks tests
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy planner profiler solvers runtime models benchmarks
 
 clean:

@@ -78,7 +78,8 @@ def profile(
     warmup: Annotated[int, typer.Option(min=0)] = 2,
     repeats: Annotated[int, typer.Option(min=1)] = 5,
     model_arg: Annotated[
-        list[str] | None, typer.Option("--model-arg", help="KEY=VALUE passed to the model callable.")
+        list[str] | None,
+        typer.Option("--model-arg", help="KEY=VALUE passed to the model callable."),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     threads: Annotated[
@@ -300,7 +301,9 @@ def _print_profile(p: Profile) -> None:
 
 
 @app.command()
-def show(file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or run report.")]) -> None:
+def show(
+    file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or run report.")],
+) -> None:
     """Print a plan or profile as a table."""
     obj = load_any(file)
     if isinstance(obj, Plan):
@@ -436,7 +439,9 @@ def compare(
         table = Table(title=f"{len(plans)} plans")
         for col in df.columns:
             left = col in ("name", "stage_ms", "stage_mem")
-            width = max(len(str(v)) for v in df[col]) if col in ("name", "solver", "status") else None
+            width = (
+                max(len(str(v)) for v in df[col]) if col in ("name", "solver", "status") else None
+            )
             table.add_column(str(col), justify="left" if left else "right", min_width=width)
         for rec in df.to_dict(orient="records"):
             # Per-stage lists wrap at spaces: times to 0.1 ms, memory as 1.5 GiB.
@@ -506,8 +511,12 @@ def calibrate(
         table.add_column(col, justify="right")
     for size, raw, p2p in samples:
         model = link.transfer_s(size)
-        table.add_row(format_bytes(size), f"{raw * 1e6:.1f} us", f"{p2p * 1e6:.1f} us",
-                      f"{model * 1e6:.1f} us")
+        table.add_row(
+            format_bytes(size),
+            f"{raw * 1e6:.1f} us",
+            f"{p2p * 1e6:.1f} us",
+            f"{model * 1e6:.1f} us",
+        )
     console.print(table)
     console.print(
         f"latency {link.latency_s * 1e6:.1f} us, bandwidth {(link.bandwidth_Bps or 0) / 1e9:.2f} "

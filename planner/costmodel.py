@@ -223,13 +223,26 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
     def prefix(v: np.ndarray) -> np.ndarray:
         return np.concatenate([[0.0], np.cumsum(v)])
 
-    shared = tuple(
-        (sp.bytes, np.array(sp.units, dtype=np.int64)) for sp in profile.shared_params
-    )
+    shared = tuple((sp.bytes, np.array(sp.units, dtype=np.int64)) for sp in profile.shared_params)
     loss = profile.loss.get(b)
     return UnitCosts(
-        m, b, f, g, a, w, x, msgs, prefix(f), prefix(g), prefix(a), prefix(w), prefix(r),
-        prefix(fc), call_f, call_b, shared,
+        m,
+        b,
+        f,
+        g,
+        a,
+        w,
+        x,
+        msgs,
+        prefix(f),
+        prefix(g),
+        prefix(a),
+        prefix(w),
+        prefix(r),
+        prefix(fc),
+        call_f,
+        call_b,
+        shared,
         loss_f=loss.forward_s if loss else 0.0,
         loss_g=loss.backward_s if loss else 0.0,
         loss_a=float(loss.saved_bytes) if loss else 0.0,
@@ -334,7 +347,9 @@ def step_time(
 
 
 def tied_syncs(
-    shared: Sequence[tuple[int, Sequence[int] | np.ndarray]], cluster: Cluster, starts: Sequence[int]
+    shared: Sequence[tuple[int, Sequence[int] | np.ndarray]],
+    cluster: Cluster,
+    starts: Sequence[int],
 ) -> list[TiedSync]:
     """The all-reduces the partition with stages starting at ``starts`` needs: one per distinct
     set of two or more stages holding users of the same shared parameters, ascending.
@@ -345,7 +360,8 @@ def tied_syncs(
         if len(stages) > 1:
             groups[stages] = groups.get(stages, 0) + int(nbytes)
     return [
-        TiedSync(stages=k, bytes=v, seconds=cluster.allreduce_s(v)) for k, v in sorted(groups.items())
+        TiedSync(stages=k, bytes=v, seconds=cluster.allreduce_s(v))
+        for k, v in sorted(groups.items())
     ]
 
 
@@ -510,12 +526,16 @@ def evaluate(
     kappa = contention(cluster, m)
     shared = [(sp.bytes, sp.units) for sp in profile.shared_params]
     syncs = tied_syncs(shared, cluster, [s.first_unit for s in stages])
-    T = step_time(times, m, busy, kappa) + update_tail(
-        [s.update_s for s in stages],
-        [s.backward_s for s in stages],
-        [s.comm_s for s in stages],
-        syncs,
-    ) + cluster.step_overhead_s
+    T = (
+        step_time(times, m, busy, kappa)
+        + update_tail(
+            [s.update_s for s in stages],
+            [s.backward_s for s in stages],
+            [s.comm_s for s in stages],
+            syncs,
+        )
+        + cluster.step_overhead_s
+    )
     feasible = all(s.feasible for s in stages)
     if status is None:
         status = "heuristic"

@@ -120,7 +120,10 @@ def load_any(path: str | os.PathLike[str]) -> Profile | Plan | Cluster | RunRepo
     data = _read(path)
     schema = str(data.get("schema", ""))
     classes: tuple[type[Profile | Plan | Cluster | RunReport], ...] = (
-        Profile, Plan, Cluster, RunReport
+        Profile,
+        Plan,
+        Cluster,
+        RunReport,
     )
     for cls in classes:
         if schema == cls.model_fields["schema_"].default:

@@ -91,8 +91,7 @@ def load_model(name: str, kwargs: Mapping[str, Any] | None = None) -> ModelSpec:
     mod_name, sep, attr = name.partition(":")
     if not sep or not mod_name or not attr:
         raise ModelLoadError(
-            f"model {name!r} is not of the form package.module:callable; "
-            f"e.g. models.gpt:gpt"
+            f"model {name!r} is not of the form package.module:callable; e.g. models.gpt:gpt"
         )
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # like uvicorn: models in the working directory import
@@ -112,7 +111,9 @@ def load_model(name: str, kwargs: Mapping[str, Any] | None = None) -> ModelSpec:
     try:
         out = obj(**dict(kwargs or {}))
     except TypeError as exc:
-        raise ModelLoadError(f"model {name!r}: calling it failed ({exc}); check --model-arg") from None
+        raise ModelLoadError(
+            f"model {name!r}: calling it failed ({exc}); check --model-arg"
+        ) from None
     if isinstance(out, tuple) and len(out) == 3:
         out = ModelSpec(*out)
     if not isinstance(out, ModelSpec):

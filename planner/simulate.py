@@ -89,8 +89,12 @@ def operation_order(schedule: str, j: int, p: int, m: int) -> list[tuple[str, in
 
 
 def _phases(
-    op: str, j: int, forward_s: Sequence[float], backward_s: Sequence[float],
-    comm_s: Sequence[float], rec: Sequence[float],
+    op: str,
+    j: int,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    rec: Sequence[float],
 ) -> list[tuple[Kind, float, bool]]:
     """(kind, amount, compute?) phases of one operation; compute is slowed by contention."""
     half = comm_s[j] / 2

@@ -36,16 +36,16 @@ def synthetic_profile(
 ) -> Profile:
     """A random but plausible :class:`Profile` of ``n_units`` units.
 
-    ``update_s_per_byte`` is an Adam step's seconds per parameter byte (SGD's is an eighth of
-    it, momentum's a third); 0 leaves the profile without update times.  The checkpointed
-    forward costs 1.0-1.3x the forward, plus ``checkpoint_call_s`` (the call's own (forward,
-    backward) seconds, also added to the checkpointed backward).  ``tied`` shares a weight
-between the first and last units; ``shared`` adds one shared parameter per sequence of user
-units (owned by the first, as large as its parameters; units past the last are dropped).
+        ``update_s_per_byte`` is an Adam step's seconds per parameter byte (SGD's is an eighth of
+        it, momentum's a third); 0 leaves the profile without update times.  The checkpointed
+        forward costs 1.0-1.3x the forward, plus ``checkpoint_call_s`` (the call's own (forward,
+        backward) seconds, also added to the checkpointed backward).  ``tied`` shares a weight
+    between the first and last units; ``shared`` adds one shared parameter per sequence of user
+    units (owned by the first, as large as its parameters; units past the last are dropped).
 
-    >>> p = synthetic_profile(4, batch_size=8, microbatch_sizes=[1, 8])
-    >>> (p.n_units, len(p.cuts), sorted(p.units[0].timings))
-    (4, 3, [1, 8])
+        >>> p = synthetic_profile(4, batch_size=8, microbatch_sizes=[1, 8])
+        >>> (p.n_units, len(p.cuts), sorted(p.units[0].timings))
+        (4, 3, [1, 8])
     """
     rng = np.random.default_rng(seed)
     if microbatch_sizes is None:
@@ -94,7 +94,11 @@ units (owned by the first, as large as its parameters; units past the last are d
         if rng.random() < 0.3:
             tensors.append(CutTensor(node=f"skip{k}", bytes_per_sample=main // 2))
         cuts.append(
-            Cut(after=k, tensors=tuple(tensors), bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
+            Cut(
+                after=k,
+                tensors=tuple(tensors),
+                bytes_per_sample=sum(t.bytes_per_sample for t in tensors),
+            )
         )
     sharing: list[SharedParam] = []
     if tied and n_units >= 2:  # the first and last units share a weight, as embedding and head
@@ -109,8 +113,12 @@ units (owned by the first, as large as its parameters; units past the last are d
     if loss:  # a loss as heavy as the last unit's forward, saving its output
         last = units[-1].timings
         loss_timings = {
-            b: Timing(forward_s=t.forward_s, backward_s=t.forward_s, saved_bytes=t.output_bytes,
-                      output_bytes=4)
+            b: Timing(
+                forward_s=t.forward_s,
+                backward_s=t.forward_s,
+                saved_bytes=t.output_bytes,
+                output_bytes=4,
+            )
             for b, t in last.items()
         }
     total = sum(u.param_bytes for u in units)

@@ -100,7 +100,8 @@ class Timing(_Frozen):
     output_bytes: int = Field(ge=0)
     """Bytes of the unit's outputs."""
     peak_bytes: int | None = Field(default=None, ge=0)
-    """CUDA only: ``max_memory_allocated`` growth during the unit's forward and backward."""
+    """CUDA only: the larger ``max_memory_allocated`` growth of the unit's forward and of its
+    backward inside a pass, each from what was allocated when it started."""
     recompute_backward_s: float | None = Field(default=None, ge=0)
     """Median backward seconds when the unit runs under non-reentrant activation checkpointing
     (the recomputed forward, the checkpoint's hooks and the backward); when absent the cost
@@ -217,7 +218,9 @@ class Profile(_Frozen):
             raise ValueError(f"expected {n - 1} cuts numbered 0..{n - 2}")
         for sp in self.shared_params:
             if list(sp.units) != sorted(set(sp.units)) or not 0 <= sp.units[0] <= sp.units[-1] < n:
-                raise ValueError(f"shared parameter {sp.name}: units {sp.units} must be ascending in 0..{n - 1}")
+                raise ValueError(
+                    f"shared parameter {sp.name}: units {sp.units} must be ascending in 0..{n - 1}"
+                )
         for size in self.microbatch_sizes:
             if size <= 0 or self.batch_size % size:
                 raise ValueError(

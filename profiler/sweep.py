@@ -47,7 +47,7 @@ from profiler.device import Clock
 from profiler.measure import differentiable, median_iqr, storage, value_bytes
 from profiler.split import UnitModule
 
-__all__ = ["SweepResult", "measure_sweep"]
+__all__: list[str] = []
 
 #: The model's output from a lookup of values by node name (the graph's output node).
 OutputFn = Callable[[Callable[[str], Any]], Any]

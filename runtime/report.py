@@ -160,7 +160,8 @@ def chrome_trace(report: RunReport, plan: Plan | None = None) -> dict[str, Any]:
         for ev in simulate_plan(plan).events:
             events.append(
                 {
-                    "name": f"{ev.kind[0].upper()}{ev.microbatch}" if ev.microbatch >= 0
+                    "name": f"{ev.kind[0].upper()}{ev.microbatch}"
+                    if ev.microbatch >= 0
                     else ev.kind,
                     "cat": f"predicted {ev.kind}",
                     "ph": "X",

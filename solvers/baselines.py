@@ -182,8 +182,7 @@ def _baseline(
         options = options or PlanOptions()
         if options.pinned or options.min_units > 1 or options.max_units is not None:
             raise UnsupportedConstraintError(
-                f"the {name} baseline cannot pin units or bound units per stage; "
-                f"use --solver cpsat"
+                f"the {name} baseline cannot pin units or bound units per stage; use --solver cpsat"
             )
         check_request(profile, cluster, options)
         m = baseline_microbatches(profile, cluster, options)
@@ -195,7 +194,9 @@ def _baseline(
     return solve
 
 
-solve_uniform = _baseline("uniform", lambda prof, clus, m: uniform_partition(prof.n_units, clus.n_stages))
+solve_uniform = _baseline(
+    "uniform", lambda prof, clus, m: uniform_partition(prof.n_units, clus.n_stages)
+)
 solve_params = _baseline(
     "params",
     lambda prof, clus, m: minmax_partition([u.param_bytes for u in prof.units], clus.n_stages),

@@ -232,10 +232,14 @@ class _Model:
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
         # (shared parameter index, all-reduce ticks) of every shared parameter: its holders
         # wait for the first holder before they update, even when the all-reduce is free.
-        syncs = [
-            (k, _ticks([cluster.allreduce_s(float(nbytes))], scale)[0])
-            for k, (nbytes, _) in enumerate(costs.shared)
-        ] if p > 1 else []
+        syncs = (
+            [
+                (k, _ticks([cluster.allreduce_s(float(nbytes))], scale)[0])
+                for k, (nbytes, _) in enumerate(costs.shared)
+            ]
+            if p > 1
+            else []
+        )
         self._holds: dict[tuple[int, int], cp_model.IntVar] = {}
         self._users: dict[int, np.ndarray] = {}
         offsets_s = stage_offsets(costs, cluster, options)
@@ -275,8 +279,13 @@ class _Model:
                 if rate:
                     per_byte = rate / cluster.devices[j].speed * scale
                     U = _ticks(costs.Pw * per_byte, scale=1.0)
-                    upd = at(j + 1, U, "ue") - at(j, U, "us") + sum(
-                        (_ticks([nbytes * per_byte], 1.0)[0] * e for nbytes, e in copies), start=0
+                    upd = (
+                        at(j + 1, U, "ue")
+                        - at(j, U, "us")
+                        + sum(
+                            (_ticks([nbytes * per_byte], 1.0)[0] * e for nbytes, e in copies),
+                            start=0,
+                        )
                     )
                 tails.append((upd, drain + (at(j, half, "h") if j else 0)))
                 back, ob = stage_backward(costs, cluster, options, j)
@@ -357,7 +366,8 @@ class _Model:
                 for s_idx in range(j + 1):
                     drain = tails[s_idx][1]
                     md.add(
-                        self.tail >= ticks + update - drain - (big + ticks) * (2 - held - own[s_idx])
+                        self.tail
+                        >= ticks + update - drain - (big + ticks) * (2 - held - own[s_idx])
                     )
 
     def _copies(self, costs: UnitCosts, j: int) -> list[tuple[int, cp_model.LinearExpr]]:

@@ -45,7 +45,9 @@ def main() -> None:
         torch.manual_seed(0)
         spec = load_model(plan.model, dict(plan.model_kwargs))
         runners.append(
-            PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer=plan.optimizer, lr=1e-4)
+            PipelineRunner(
+                plan, spec, device=torch.device("cpu"), optimizer=plan.optimizer, lr=1e-4
+            )
         )
         torch.manual_seed(1)
         batches.append(spec.batch(plan.batch_size))

@@ -61,14 +61,18 @@ def machine() -> dict[str, str]:
     }
 
 
-def profile_for(n: int, options: int, *, seed: int = 0, heavy: bool = True, spread: float = 0.5) -> Profile:
+def profile_for(
+    n: int, options: int, *, seed: int = 0, heavy: bool = True, spread: float = 0.5
+) -> Profile:
     sizes = [1, 2, 4, 8, 16, 32, 64, 128] if options == 8 else [BATCH // 8]
     return synthetic_profile(
         n, batch_size=BATCH, microbatch_sizes=sizes, heavy_ends=heavy, spread=spread, seed=seed
     )
 
 
-def speed(sizes: list[int], stages: list[int], time_limit: float, skip_cpsat_above: int) -> list[dict[str, Any]]:
+def speed(
+    sizes: list[int], stages: list[int], time_limit: float, skip_cpsat_above: int
+) -> list[dict[str, Any]]:
     rows = []
     for n in sizes:
         for p in stages:
@@ -92,7 +96,9 @@ def speed(sizes: list[int], stages: list[int], time_limit: float, skip_cpsat_abo
                     assert res is not None
                     row["cpsat_status"] = "optimal" if res.optimal else "feasible"
                     row["cpsat_gap"] = res.gap
-                    exact = evaluate(prof, clus, PlanOptions(), res.starts[1:], res.m, solver="cpsat")
+                    exact = evaluate(
+                        prof, clus, PlanOptions(), res.starts[1:], res.m, solver="cpsat"
+                    )
                     row["cpsat_over_dp"] = exact.step_time_s / dp[2]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -140,7 +146,9 @@ def main() -> None:
     ap.add_argument("--stages", default="4,16,64")
     ap.add_argument("--quality-stages", default="2,4,8,16,32")
     ap.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per instance")
-    ap.add_argument("--skip-cpsat-above", type=int, default=10**9, help="skip CP-SAT when n*p exceeds this")
+    ap.add_argument(
+        "--skip-cpsat-above", type=int, default=10**9, help="skip CP-SAT when n*p exceeds this"
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results.json"))
     ap.add_argument("--only", choices=["speed", "quality"], default=None)
     args = ap.parse_args()
@@ -161,11 +169,45 @@ def main() -> None:
         sys.exit(f"error: {exc}")
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     if "speed" in out:
-        print(markdown(out["speed"], ["units", "stages", "m_options", "dp_s", "cpsat_s", "cpsat_status", "cpsat_gap", "cpsat_over_dp"],
-                       {"dp_s": ".2f", "cpsat_s": ".2f", "cpsat_gap": ".2%", "cpsat_over_dp": ".4f"}))
+        print(
+            markdown(
+                out["speed"],
+                [
+                    "units",
+                    "stages",
+                    "m_options",
+                    "dp_s",
+                    "cpsat_s",
+                    "cpsat_status",
+                    "cpsat_gap",
+                    "cpsat_over_dp",
+                ],
+                {"dp_s": ".2f", "cpsat_s": ".2f", "cpsat_gap": ".2%", "cpsat_over_dp": ".4f"},
+            )
+        )
     if "quality" in out:
-        print(markdown(out["quality"], ["profile", "stages", "m", "optimum_ms", "uniform", "params", "torchgpipe", "lower_bound"],
-                       {"optimum_ms": ".1f", "uniform": ".3f", "params": ".3f", "torchgpipe": ".3f", "lower_bound": ".3f"}))
+        print(
+            markdown(
+                out["quality"],
+                [
+                    "profile",
+                    "stages",
+                    "m",
+                    "optimum_ms",
+                    "uniform",
+                    "params",
+                    "torchgpipe",
+                    "lower_bound",
+                ],
+                {
+                    "optimum_ms": ".1f",
+                    "uniform": ".3f",
+                    "params": ".3f",
+                    "torchgpipe": ".3f",
+                    "lower_bound": ".3f",
+                },
+            )
+        )
 
 
 if __name__ == "__main__":

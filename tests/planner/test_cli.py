@@ -22,12 +22,24 @@ def profile_file(tmp_path: Path) -> Path:
     return path
 
 
-
-
 def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
     out_file = tmp_path / "plan.json"
-    code, out, _ = cli(["plan", str(profile_file), "--stages", "3", "--memory", "1GiB",
-                        "--bandwidth", "10GB/s", "--latency", "5us", "-o", str(out_file)])
+    code, out, _ = cli(
+        [
+            "plan",
+            str(profile_file),
+            "--stages",
+            "3",
+            "--memory",
+            "1GiB",
+            "--bandwidth",
+            "10GB/s",
+            "--latency",
+            "5us",
+            "-o",
+            str(out_file),
+        ]
+    )
     assert code == 0
     plan = load_plan(out_file)
     assert plan.n_stages == 3 and plan.solver == "dp" and plan.status == "optimal"
@@ -49,23 +61,55 @@ def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, cli) -> None
 
 def test_plan_options_recorded(tmp_path: Path, profile_file: Path, cli) -> None:
     out_file = tmp_path / "p.json"
-    code, _, _ = cli(["plan", str(profile_file), "--stages", "2", "--memory", "4GiB",
-                      "--microbatches", "4", "--checkpoint", "never", "--schedule", "1f1b",
-                      "--optimizer", "sgd", "--record-solve-time", "-o", str(out_file)])
+    code, _, _ = cli(
+        [
+            "plan",
+            str(profile_file),
+            "--stages",
+            "2",
+            "--memory",
+            "4GiB",
+            "--microbatches",
+            "4",
+            "--checkpoint",
+            "never",
+            "--schedule",
+            "1f1b",
+            "--optimizer",
+            "sgd",
+            "--record-solve-time",
+            "-o",
+            str(out_file),
+        ]
+    )
     assert code == 0
     plan = load_plan(out_file)
     assert (plan.microbatches, plan.checkpoint, plan.schedule, plan.optimizer) == (
-        4, "never", "1f1b", "sgd")
+        4,
+        "never",
+        "1f1b",
+        "sgd",
+    )
     assert plan.solve_time_s is not None and plan.solve_time_s >= 0
 
 
 def test_cluster_file(tmp_path: Path, profile_file: Path, cli) -> None:
-    cluster = {"schema": "pipeplan.cluster/1",
-               "devices": [{"name": "a", "memory_bytes": 2**30}, {"name": "b", "memory_bytes": 2**29}],
-               "link": {"bandwidth_Bps": 1e9, "latency_s": 1e-5, "overhead_s": 0.0}}
+    cluster = {
+        "schema": "pipeplan.cluster/1",
+        "devices": [{"name": "a", "memory_bytes": 2**30}, {"name": "b", "memory_bytes": 2**29}],
+        "link": {"bandwidth_Bps": 1e9, "latency_s": 1e-5, "overhead_s": 0.0},
+    }
     (tmp_path / "c.json").write_text(json.dumps(cluster))
-    code, _, err = cli(["plan", str(profile_file), "--cluster", str(tmp_path / "c.json"),
-                        "-o", str(tmp_path / "p.json")])
+    code, _, err = cli(
+        [
+            "plan",
+            str(profile_file),
+            "--cluster",
+            str(tmp_path / "c.json"),
+            "-o",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert code == 0, err
     plan = load_plan(tmp_path / "p.json")
     assert [s.memory_limit for s in plan.stages] == [2**30, 2**29]
@@ -111,8 +155,9 @@ def test_bad_plan_input(tmp_path: Path, profile_file: Path, cli, extra, message)
 def test_bad_profile_file(tmp_path: Path, cli, content: str, message: str) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    code, _, err = cli(["plan", str(bad), "--stages", "2", "--memory", "1GiB",
-                        "-o", str(tmp_path / "plan.json")])
+    code, _, err = cli(
+        ["plan", str(bad), "--stages", "2", "--memory", "1GiB", "-o", str(tmp_path / "plan.json")]
+    )
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "plan.json").exists()
 
@@ -120,22 +165,62 @@ def test_bad_profile_file(tmp_path: Path, cli, content: str, message: str) -> No
 def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, cli) -> None:
     code, _, err = cli(["show", str(tmp_path / "nope.json")])
     assert code == 2 and "no such file" in err
-    code, _, err = cli(["plan", str(profile_file), "--stages", "2", "--memory", "1GiB",
-                        "-o", str(tmp_path / "missing" / "plan.json")])
+    code, _, err = cli(
+        [
+            "plan",
+            str(profile_file),
+            "--stages",
+            "2",
+            "--memory",
+            "1GiB",
+            "-o",
+            str(tmp_path / "missing" / "plan.json"),
+        ]
+    )
     assert code == 2 and "does not exist" in err
 
 
 def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
     """The installed entry point: real exit codes and stderr, no traceback."""
     exe = [sys.executable, "-m", "planner.cli"]
-    ok = subprocess.run([*exe, "plan", str(profile_file), "--stages", "2", "--memory", "1GiB",
-                         "-o", str(tmp_path / "p.json")], capture_output=True, text=True, check=False)
+    ok = subprocess.run(
+        [
+            *exe,
+            "plan",
+            str(profile_file),
+            "--stages",
+            "2",
+            "--memory",
+            "1GiB",
+            "-o",
+            str(tmp_path / "p.json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run([*exe, "plan", str(profile_file), "--stages", "99", "--memory", "1GiB",
-                          "-o", str(tmp_path / "q.json")], capture_output=True, text=True, check=False)
+    bad = subprocess.run(
+        [
+            *exe,
+            "plan",
+            str(profile_file),
+            "--stages",
+            "99",
+            "--memory",
+            "1GiB",
+            "-o",
+            str(tmp_path / "q.json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
-    usage = subprocess.run([*exe, "plan", "--no-such-flag"], capture_output=True, text=True, check=False)
+    usage = subprocess.run(
+        [*exe, "plan", "--no-such-flag"], capture_output=True, text=True, check=False
+    )
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
 
 
@@ -152,10 +237,25 @@ def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli
         "                     torch.nn.functional.mse_loss)\n"
     )
     monkeypatch.chdir(tmp_path)
-    code, _, err = cli(["profile", "userpkg.nets:build", "-b", "4", "--repeats", "1",
-                        "--warmup", "0", "--no-progress", "-o", str(tmp_path / "p.json")])
+    code, _, err = cli(
+        [
+            "profile",
+            "userpkg.nets:build",
+            "-b",
+            "4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "-o",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert code == 0, err
-    code, _, err = cli(["profile", "userpkg.nets:missing", "-b", "4", "-o", str(tmp_path / "q.json")])
+    code, _, err = cli(
+        ["profile", "userpkg.nets:missing", "-b", "4", "-o", str(tmp_path / "q.json")]
+    )
     assert code == 2 and "has no attribute 'missing'" in err
 
 
@@ -180,14 +280,35 @@ def test_plan_reports_the_tied_gradient_all_reduce(tmp_path: Path, cli) -> None:
 
 def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
     prof = tmp_path / "mlp.json"
-    code, out, err = cli(["profile", "models.mlp:mlp", "-b", "8", "--model-arg", "width=32",
-                          "--model-arg", "in_features=32", "--model-arg", "depth=3",
-                          "--threads", "1", "--repeats", "1", "--warmup", "0", "--no-progress",
-                          "-o", str(prof)])
+    code, out, err = cli(
+        [
+            "profile",
+            "models.mlp:mlp",
+            "-b",
+            "8",
+            "--model-arg",
+            "width=32",
+            "--model-arg",
+            "in_features=32",
+            "--model-arg",
+            "depth=3",
+            "--threads",
+            "1",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "-o",
+            str(prof),
+        ]
+    )
     assert code == 0, err
     assert "5 units" in out or "units" in out
     plan_file = tmp_path / "plan.json"
-    code, _, err = cli(["plan", str(prof), "--stages", "2", "--memory", "1GiB", "-o", str(plan_file)])
+    code, _, err = cli(
+        ["plan", str(prof), "--stages", "2", "--memory", "1GiB", "-o", str(plan_file)]
+    )
     assert code == 0, err
     plan = load_plan(plan_file)
     assert plan.model == "models.mlp:mlp" and plan.model_kwargs["width"] == 32
@@ -203,8 +324,11 @@ BAD_PROFILE = [
     (["models.mlp:mlp", "-b", "0"], "--batch-size 0"),
     (["models.mlp:mlp", "-b", "8", "--microbatch-sizes", "a,b"], "--microbatch-sizes"),
     (["models.mlp:mlp", "-b", "8", "--granularity", "fine"], "granularity"),
-    pytest.param(["models.mlp:mlp", "-b", "8", "--device", "cuda"], "cuda",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+    pytest.param(
+        ["models.mlp:mlp", "-b", "8", "--device", "cuda"],
+        "cuda",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
+    ),
     (["models.mlp:mlp", "-b", "8", "--model-arg", "width"], "KEY=VALUE"),
     (["models.mlp:mlp", "-b", "8", "--model-arg", "colour=3"], "check --model-arg"),
     (["models.mlp:mlp", "-b", "8", "--dtype", "int3"], "int3"),

@@ -40,7 +40,11 @@ def test_frame_rows_and_ratios(plans: list[Plan]) -> None:
         assert row.slowest_ms == pytest.approx(max(s.time_s for s in plan.stages) * 1e3)
         assert row.stage_ms.count("/") == plan.n_stages - 1
         assert [int(v) for v in row.stage_mem.split("/")] == [s.memory.total for s in plan.stages]
-        assert (row.m, row.stages, row.bubble) == (plan.microbatches, plan.n_stages, plan.bubble_fraction)
+        assert (row.m, row.stages, row.bubble) == (
+            plan.microbatches,
+            plan.n_stages,
+            plan.bubble_fraction,
+        )
     assert df["ratio"][0] == pytest.approx(1.0, abs=1e-12) and (df["ratio"] >= 1 - 1e-12).all()
 
 
@@ -64,14 +68,18 @@ def test_every_format(plans: list[Plan]) -> None:
     df = compare_frame(plans)
     csv = render(df, "csv")
     back = pd.read_csv(io.StringIO(csv))
-    assert list(back.columns) == list(df.columns) and back["ratio"].tolist() == pytest.approx(df["ratio"].tolist())
+    assert list(back.columns) == list(df.columns) and back["ratio"].tolist() == pytest.approx(
+        df["ratio"].tolist()
+    )
     records = json.loads(render(df, "json"))
     assert [r["solver"] for r in records] == list(SOLVER_NAMES)
     assert records[0]["feasible"] is True and isinstance(records[0]["m"], int)
     md = render(df, "markdown")
     lines = md.splitlines()
     assert lines[0].startswith("| name | solver |") and set(lines[1]) <= set("|-:")
-    assert len(lines) == 2 + len(plans) and all(line.count("|") == len(df.columns) + 1 for line in lines)
+    assert len(lines) == 2 + len(plans) and all(
+        line.count("|") == len(df.columns) + 1 for line in lines
+    )
     table = render(df, "table").splitlines()
     assert len(table) == 1 + len(plans) and "ratio" in table[0]
     with pytest.raises(InvalidRequestError, match="format"):
@@ -87,8 +95,6 @@ def test_markdown_escapes_pipes() -> None:
 # ---- command line -------------------------------------------------------------------------
 
 
-
-
 @pytest.fixture(scope="module")
 def plan_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """`pipeplan plan --solver S` for every solver, run once for the module."""
@@ -99,8 +105,20 @@ def plan_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     for name in SOLVER_NAMES:
         out = root / f"{name}.json"
         try:
-            main(["plan", str(profile), "-p", "3", "--memory", "1GiB", "--solver", name,
-                  "-o", str(out)])
+            main(
+                [
+                    "plan",
+                    str(profile),
+                    "-p",
+                    "3",
+                    "--memory",
+                    "1GiB",
+                    "--solver",
+                    name,
+                    "-o",
+                    str(out),
+                ]
+            )
         except SystemExit as exc:  # pragma: no cover - a failure shows in the assert below
             assert not exc.code
         files.append(out)
@@ -118,8 +136,26 @@ def test_plan_with_every_solver(plan_files: list[Path]) -> None:
 def test_plan_cpsat_with_pins(plan_files: list[Path], tmp_path: Path, cli) -> None:
     profile = plan_files[0].parent / "profile.json"
     out = tmp_path / "pinned.json"
-    code, _, err = cli(["plan", str(profile), "-p", "3", "--memory", "1GiB", "--solver", "cpsat",
-                        "--pin", "5:0", "--max-units", "6", "--time-limit", "10", "-o", str(out)])
+    code, _, err = cli(
+        [
+            "plan",
+            str(profile),
+            "-p",
+            "3",
+            "--memory",
+            "1GiB",
+            "--solver",
+            "cpsat",
+            "--pin",
+            "5:0",
+            "--max-units",
+            "6",
+            "--time-limit",
+            "10",
+            "-o",
+            str(out),
+        ]
+    )
     assert code == 0, err
     plan = load_plan(out)
     assert plan.stages[0].last_unit >= 5 and max(len(s.unit_names) for s in plan.stages) <= 6
@@ -151,8 +187,21 @@ def test_compare_writes_a_file(plan_files: list[Path], tmp_path: Path, cli) -> N
         (["compare", "PROFILE"], "expected 'pipeplan.plan/1'"),
         (["compare", "PLAN", "-o", "/nonexistent-dir/x.csv"], "does not exist"),
         (["plan", "PROFILE", "-p", "3", "--memory", "1GiB", "--solver", "nope"], "--solver 'nope'"),
-        (["plan", "PROFILE", "-p", "3", "--memory", "1GiB", "--solver", "uniform",
-          "--pin", "0:0"], "cpsat"),
+        (
+            [
+                "plan",
+                "PROFILE",
+                "-p",
+                "3",
+                "--memory",
+                "1GiB",
+                "--solver",
+                "uniform",
+                "--pin",
+                "0:0",
+            ],
+            "cpsat",
+        ),
         (["plan", "PROFILE", "-p", "3", "--memory", "1KiB", "--solver", "cpsat"], "needs"),
     ],
 )
@@ -160,11 +209,17 @@ def test_bad_input_is_one_line(
     plan_files: list[Path], tmp_path: Path, args: list[str], message: str
 ) -> None:
     profile = plan_files[0].parent / "profile.json"
-    argv = [str(profile) if a == "PROFILE" else str(plan_files[0]) if a == "PLAN" else a for a in args]
+    argv = [
+        str(profile) if a == "PROFILE" else str(plan_files[0]) if a == "PLAN" else a for a in args
+    ]
     if "plan" == argv[0]:
         argv += ["-o", str(tmp_path / "out.json")]
     proc = subprocess.run(
-        [sys.executable, "-m", "planner.cli", *argv], capture_output=True, text=True, cwd=tmp_path, check=False
+        [sys.executable, "-m", "planner.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

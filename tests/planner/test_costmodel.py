@@ -39,8 +39,10 @@ def test_closed_form_equals_simulator_with_equal_ratios(
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(floats, floats, st.floats(0, 0.2)), min_size=1, max_size=6),
-       st.integers(1, 12))
+@given(
+    st.lists(st.tuples(floats, floats, st.floats(0, 0.2)), min_size=1, max_size=6),
+    st.integers(1, 12),
+)
 def test_closed_form_bounds_simulator(stages: list[tuple[float, float, float]], m: int) -> None:
     fwd = [s[0] for s in stages]
     back = [s[1] for s in stages]
@@ -56,8 +58,14 @@ def test_closed_form_bounds_simulator(stages: list[tuple[float, float, float]], 
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(floats, floats, st.integers(1, 6), st.integers(1, 12), st.floats(0.0, 1.0),
-       st.sampled_from(["gpipe", "1f1b"]))
+@given(
+    floats,
+    floats,
+    st.integers(1, 6),
+    st.integers(1, 12),
+    st.floats(0.0, 1.0),
+    st.sampled_from(["gpipe", "1f1b"]),
+)
 def test_closed_form_equals_simulator_with_contention(
     f: float, b: float, p: int, m: int, kappa: float, schedule: str
 ) -> None:
@@ -110,7 +118,14 @@ def test_1f1b_same_makespan_as_gpipe_for_uniform_stages() -> None:
 def test_operation_orders_exact() -> None:
     assert operation_order("gpipe", 0, 3, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
     assert operation_order("1f1b", 0, 3, 4) == [
-        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 0),
+        ("F", 3),
+        ("B", 1),
+        ("B", 2),
+        ("B", 3),
     ]
     assert operation_order("1f1b", 2, 3, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
 
@@ -171,10 +186,14 @@ def test_shared_parameter_held_by_every_stage_that_uses_it() -> None:
     assert sp.units == (0, 5) and sp.bytes == prof.units[0].param_bytes
     cl = Cluster.homogeneous(3, 2**40)
     plan = evaluate(prof, cl, PlanOptions(optimizer="sgd"), [2, 4], 2, solver="t")
-    own = [sum(u.param_bytes for u in prof.units[s.first_unit : s.last_unit + 1]) for s in plan.stages]
+    own = [
+        sum(u.param_bytes for u in prof.units[s.first_unit : s.last_unit + 1]) for s in plan.stages
+    ]
     # The owner (stage 0) counts it once; the head's stage holds a copy; the middle stage none.
     assert [s.memory.params for s in plan.stages] == [own[0], own[1], own[2] + sp.bytes]
-    assert plan.stages[2].memory.total == 2 * (own[2] + sp.bytes) + plan.stages[2].memory.activations
+    assert (
+        plan.stages[2].memory.total == 2 * (own[2] + sp.bytes) + plan.stages[2].memory.activations
+    )
     # A single stage holding both users keeps one copy.
     one = evaluate(prof, Cluster.homogeneous(1, 2**40), PlanOptions(), [], 2, solver="t")
     assert one.stages[0].memory.params == sum(u.param_bytes for u in prof.units)
@@ -183,8 +202,9 @@ def test_shared_parameter_held_by_every_stage_that_uses_it() -> None:
 def test_engine_overhead_charged_per_operation() -> None:
     prof = synthetic_profile(4, batch_size=8, seed=1)
     base = evaluate(prof, Cluster.homogeneous(2, 2**40), PlanOptions(), [2], 4, solver="t")
-    slow = evaluate(prof, Cluster.homogeneous(2, 2**40, op_overhead_s=1e-3), PlanOptions(), [2],
-                    4, solver="t")
+    slow = evaluate(
+        prof, Cluster.homogeneous(2, 2**40, op_overhead_s=1e-3), PlanOptions(), [2], 4, solver="t"
+    )
     for a, b in zip(base.stages, slow.stages):
         assert b.forward_s == pytest.approx(a.forward_s + 1e-3)
         assert b.backward_s == pytest.approx(a.backward_s + 1e-3)
@@ -216,12 +236,24 @@ def test_plan_records_simulated_makespan() -> None:
 
 def test_recompute_falls_back_to_forward_plus_backward() -> None:
     prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=1)
-    bare = prof.model_copy(update={"units": tuple(
-        u.model_copy(update={"timings": {b: t.model_copy(update={"recompute_backward_s": None})
-                                         for b, t in u.timings.items()}})
-        for u in prof.units)})
-    plan = evaluate(bare, Cluster.homogeneous(2, 2**40), PlanOptions(checkpoint="always"), [2],
-                    4, solver="t")
+    bare = prof.model_copy(
+        update={
+            "units": tuple(
+                u.model_copy(
+                    update={
+                        "timings": {
+                            b: t.model_copy(update={"recompute_backward_s": None})
+                            for b, t in u.timings.items()
+                        }
+                    }
+                )
+                for u in prof.units
+            )
+        }
+    )
+    plan = evaluate(
+        bare, Cluster.homogeneous(2, 2**40), PlanOptions(checkpoint="always"), [2], 4, solver="t"
+    )
     f0 = sum(x.timings[2].forward_s for x in bare.units[:2])
     g0 = sum(x.timings[2].backward_s for x in bare.units[:2])
     assert plan.stages[0].backward_s == pytest.approx(f0 + g0)
@@ -254,8 +286,15 @@ def test_update_charged_by_parameter_bytes_and_ends_the_step() -> None:
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(floats, floats, st.integers(1, 5), st.integers(1, 8), st.floats(0.0, 1.0),
-       st.floats(0.0, 5.0), st.sampled_from(["gpipe", "1f1b"]))
+@given(
+    floats,
+    floats,
+    st.integers(1, 5),
+    st.integers(1, 8),
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 5.0),
+    st.sampled_from(["gpipe", "1f1b"]),
+)
 def test_closed_form_equals_simulator_with_updates(
     f: float, b: float, p: int, m: int, kappa: float, u: float, schedule: str
 ) -> None:
@@ -279,9 +318,13 @@ def test_a_late_stage_update_longer_than_the_drain_sets_the_makespan() -> None:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.lists(floats, min_size=4, max_size=4), st.integers(1, 12), st.floats(0.0, 1.0),
-       st.lists(st.floats(0.0, 20.0), min_size=2, max_size=2),
-       st.sampled_from([0.0, 0.0, 0.5, 7.0]))
+@given(
+    st.lists(floats, min_size=4, max_size=4),
+    st.integers(1, 12),
+    st.floats(0.0, 1.0),
+    st.lists(st.floats(0.0, 20.0), min_size=2, max_size=2),
+    st.sampled_from([0.0, 0.0, 0.5, 7.0]),
+)
 def test_two_stage_closed_form_equals_simulator(
     fb: list[float], m: int, kappa: float, upd: list[float], tied: float
 ) -> None:

@@ -11,9 +11,16 @@ from profiler import profile_model
 
 def test_threads_recorded_and_restored() -> None:
     before = torch.get_num_threads()
-    prof = profile_model("models.mlp:mlp", batch_size=4, model_kwargs={"width": 32, "depth": 2,
-                         "in_features": 32}, microbatch_sizes=[4], warmup=0, repeats=1,
-                         progress=False, threads=1)
+    prof = profile_model(
+        "models.mlp:mlp",
+        batch_size=4,
+        model_kwargs={"width": 32, "depth": 2, "in_features": 32},
+        microbatch_sizes=[4],
+        warmup=0,
+        repeats=1,
+        progress=False,
+        threads=1,
+    )
     assert prof.device.threads == 1
     assert torch.get_num_threads() == before
     with pytest.raises(InvalidRequestError, match="threads 0"):
@@ -22,9 +29,17 @@ def test_threads_recorded_and_restored() -> None:
 
 def test_rounds_take_the_median_of_round_medians() -> None:
     kwargs = {"width": 32, "depth": 2, "in_features": 32}
-    prof = profile_model("models.mlp:mlp", batch_size=4, model_kwargs=kwargs,
-                         microbatch_sizes=[2, 4], warmup=0, repeats=1, progress=False,
-                         threads=1, rounds=3)
+    prof = profile_model(
+        "models.mlp:mlp",
+        batch_size=4,
+        model_kwargs=kwargs,
+        microbatch_sizes=[2, 4],
+        warmup=0,
+        repeats=1,
+        progress=False,
+        threads=1,
+        rounds=3,
+    )
     assert prof.rounds == 3
     for unit in prof.units:
         assert set(unit.timings) == {2, 4}
@@ -37,16 +52,26 @@ def test_merge_is_median_of_rounds() -> None:
     from planner.types import Timing
     from profiler.profile import _merge
 
-    ts = [Timing(forward_s=f, backward_s=2 * f, saved_bytes=8, output_bytes=4) for f in (1.0, 9.0, 2.0)]
+    ts = [
+        Timing(forward_s=f, backward_s=2 * f, saved_bytes=8, output_bytes=4)
+        for f in (1.0, 9.0, 2.0)
+    ]
     merged = _merge(ts)
     assert merged.forward_s == 2.0 and merged.backward_s == 4.0
     assert merged.saved_bytes == 8
 
 
 def test_loss_is_measured_per_size() -> None:
-    prof = profile_model("models.gpt:gpt", batch_size=4, microbatch_sizes=[1, 4], warmup=0,
-                         repeats=1, progress=False, threads=1,
-                         model_kwargs={"vocab": 512, "n_layers": 1, "d_model": 32, "seq_len": 16})
+    prof = profile_model(
+        "models.gpt:gpt",
+        batch_size=4,
+        microbatch_sizes=[1, 4],
+        warmup=0,
+        repeats=1,
+        progress=False,
+        threads=1,
+        model_kwargs={"vocab": 512, "n_layers": 1, "d_model": 32, "seq_len": 16},
+    )
     assert set(prof.loss) == {1, 4}
     assert all(t.forward_s > 0 and t.backward_s > 0 for t in prof.loss.values())
     # Cross-entropy saves its log-softmax: vocab x tokens floats per sample at least.
@@ -55,9 +80,16 @@ def test_loss_is_measured_per_size() -> None:
 
 
 def test_checkpointed_backward_is_measured() -> None:
-    prof = profile_model("models.mlp:mlp", batch_size=8, microbatch_sizes=[8], warmup=1,
-                         repeats=3, progress=False, threads=1,
-                         model_kwargs={"width": 128, "depth": 2, "in_features": 128})
+    prof = profile_model(
+        "models.mlp:mlp",
+        batch_size=8,
+        microbatch_sizes=[8],
+        warmup=1,
+        repeats=3,
+        progress=False,
+        threads=1,
+        model_kwargs={"width": 128, "depth": 2, "in_features": 128},
+    )
     for unit in prof.units:
         t = unit.timings[8]
         assert t.recompute_backward_s is not None

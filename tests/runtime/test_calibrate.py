@@ -124,8 +124,10 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
 def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two widths whose steady-state slopes follow (1 + k)(F + B + 2 o) + C exactly.
     o, kappa = 3e-4, 0.4
-    link = {"samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)],
-            "allreduce": [(n, 1e-4 + n / 1e9) for n in (4, 1024, 65536, 2**20)]}
+    link = {
+        "samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)],
+        "allreduce": [(n, 1e-4 + n / 1e9) for n in (4, 1024, 65536, 2**20)],
+    }
     trip = {w: 2 * fit_link(link["samples"]).transfer_s(4 * w * 32) for w in (256, 1024)}
     compute = {256: 4e-4, 1024: 7e-3}
     slope = {w: (1 + kappa) * (compute[w] + 2 * o) + trip[w] for w in compute}

@@ -61,7 +61,10 @@ def test_run_writes_report_and_trace(plans: dict[int, Path], tmp_path: Path) -> 
     code, out, err, _ = _run([*args, "--report", str(report), "--trace", str(trace)])
     assert code == 0, err
     assert "warning: the profile was measured with 99 thread(s)" in err
-    assert "warning: the plan was made for sgd (its memory and update time) but the run uses adam" in err
+    assert (
+        "warning: the plan was made for sgd (its memory and update time) but the run uses adam"
+        in err
+    )
     assert "measured vs predicted" in out and "step time" in out and "bubble" in out
     rep = load_report(report)
     assert (rep.world_size, rep.steps, rep.warmup_steps, rep.backend) == (2, 2, 1, "gloo")

@@ -34,9 +34,7 @@ def blocks(seq: list[float], starts: list[int]) -> list[float]:
 
 def brute_minmax(seq: list[float], p: int) -> float:
     n = len(seq)
-    return min(
-        max(blocks(seq, [0, *cuts])) for cuts in itertools.combinations(range(1, n), p - 1)
-    )
+    return min(max(blocks(seq, [0, *cuts])) for cuts in itertools.combinations(range(1, n), p - 1))
 
 
 @given(st.integers(1, 50), st.integers(1, 50))

@@ -181,7 +181,10 @@ def test_cpsat_matches_brute_force_with_constraints(
 
 def test_faster_device_gets_more_work() -> None:
     prof = synthetic_profile(40, batch_size=8, microbatch_sizes=[2], spread=0.1)
-    devices = (Device(name="slow", memory_bytes=2**40), Device(name="fast", memory_bytes=2**40, speed=3.0))
+    devices = (
+        Device(name="slow", memory_bytes=2**40),
+        Device(name="fast", memory_bytes=2**40, speed=3.0),
+    )
     plan = solve_cpsat(prof, Cluster(devices=devices), PlanOptions(checkpoint="never"))
     slow, fast = (s.last_unit - s.first_unit + 1 for s in plan.stages)
     assert fast > 2 * slow
@@ -255,7 +258,12 @@ def test_result_is_reproducible() -> None:
 
 
 def test_registered() -> None:
-    assert SOLVERS["cpsat"](synthetic_profile(6, batch_size=8), Cluster.homogeneous(2, 2**40), PlanOptions()).solver == "cpsat"
+    assert (
+        SOLVERS["cpsat"](
+            synthetic_profile(6, batch_size=8), Cluster.homogeneous(2, 2**40), PlanOptions()
+        ).solver
+        == "cpsat"
+    )
 
 
 def test_min_max_bound_holds_when_stage_costs_differ() -> None:

@@ -51,7 +51,9 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         overhead_s=draw(st.sampled_from([0.0, 5e-5])),
         samples=draw(st.sampled_from([(), ((4, 6e-5), (65536, 8e-5), (2**20, 3e-4))])),
     )
-    caps = draw(st.lists(st.sampled_from([10**6, 3 * 10**6, 10**7, 10**12]), min_size=p, max_size=p))
+    caps = draw(
+        st.lists(st.sampled_from([10**6, 3 * 10**6, 10**7, 10**12]), min_size=p, max_size=p)
+    )
     cluster = Cluster(
         devices=tuple(Device(name=f"d{j}", memory_bytes=c) for j, c in enumerate(caps)),
         link=link,
@@ -69,8 +71,9 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     return prof, cluster, options
 
 
-@settings(max_examples=2000, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=2000, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(instances())
 def test_dp_matches_brute_force(case: tuple[Profile, Cluster, PlanOptions]) -> None:
     prof, cluster, options = case
@@ -125,8 +128,12 @@ def test_infeasible_names_the_memory_that_fits() -> None:
 
 def test_dp_refuses_what_only_cpsat_models() -> None:
     prof = synthetic_profile(6, batch_size=8)
-    hetero = Cluster(devices=(Device(name="a", memory_bytes=2**30, speed=1.0),
-                              Device(name="b", memory_bytes=2**30, speed=2.0)))
+    hetero = Cluster(
+        devices=(
+            Device(name="a", memory_bytes=2**30, speed=1.0),
+            Device(name="b", memory_bytes=2**30, speed=2.0),
+        )
+    )
     with pytest.raises(UnsupportedConstraintError, match="cpsat"):
         solve_dp(prof, hetero)
     cl = Cluster.homogeneous(2, 2**30)
