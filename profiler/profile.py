@@ -199,6 +199,7 @@ def _profile(
         flat = torch.fx.node.map_arg(output_node.args[0], lambda n: lookup(n.name))
         return traced.gm.graph.process_outputs(flat)  # export graphs return it flattened
 
+    call_s = measure_checkpoint_call(dev, clock=clock, warmup=warmup, repeats=20 * repeats * rounds)
     biggest: dict[str, Any] = {}
     with _progress(progress) as bar:
         task = bar.add_task(model, total=rounds * len(sizes))
@@ -220,6 +221,7 @@ def _profile(
                 warmup=warmup,
                 repeats=repeats,
                 exclude=exclude,
+                call_s=call_s,
             )
             for k, timing in enumerate(result.units):
                 runs[k][b].append(timing)
@@ -233,7 +235,6 @@ def _profile(
     update_s = measure_updates(
         list(traced.gm.parameters()), clock=clock, warmup=warmup, repeats=repeats * rounds
     )
-    call_s = measure_checkpoint_call(dev, clock=clock, warmup=warmup, repeats=20 * repeats * rounds)
     timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
     loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
     b_max = max(sizes)
