@@ -482,8 +482,9 @@ def calibrate(
     ] = None,
 ) -> None:
     """Measure the link, the tied-gradient all-reduce, the pipeline engine's cost per operation
-    (on the ranks, and on one rank alone for 1-stage plans) and the contention between stages
-    that compute at once; write a cluster file."""
+    (on the ranks, and on one rank alone for 1-stage plans), the contention between stages
+    that compute at once and between optimizer updates that run at once; write a cluster
+    file."""
     from runtime.calibrate import WIDTHS
     from runtime.calibrate import calibrate as run_calibration
 
@@ -523,7 +524,8 @@ def calibrate(
         f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, engine cost "
         f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward ({solo} alone) and "
         f"{cluster.step_overhead_s * 1e6:.0f} us per step, contention "
-        f"{cluster.contention:.2f}, tied-gradient all-reduce "
+        f"{cluster.contention:.2f}, update contention {cluster.update_contention:.2f}, "
+        f"tied-gradient all-reduce "
         f"{cluster.allreduce_s(2**20) * 1e3:.2f} ms per MiB, "
         f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"
     )

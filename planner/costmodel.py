@@ -16,9 +16,10 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
     C_j = 2 * transfer(x_{r+1}(b))   (activations forward, their gradient back; 0 for j = p-1)
     c_j = F_j + B_j                  (the stage's compute)
     t_j = c_j + C_j
-    U_j = u * w_j / v_j              (the optimizer's update of the stage's parameters)
+    U_j = U(w_j) / v_j               (the optimizer's update of the stage's parameters)
     D_j = sum_{i<j} B_i + C_{j-1} / 2  (the drain between stage j's last backward and the step's)
-    R = max_j (U_j - D_j)            (the updates' tail; R >= U_0, D_0 = 0; see Tied gradients)
+    R = max_j (U_j - D_j)            (the updates' tail; R >= U_0, D_0 = 0; see Tied gradients
+                                      and Concurrent updates)
     T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R + c   (step time)
 
     M_j = w_j * (2 + k)                            params, grads, k optimizer states
@@ -28,8 +29,9 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
         (+ q_j * the loss's saved bytes on the last stage)
 
-where u is the profiled update time per parameter byte of the plan's optimizer
-(``Profile.update_s``), and q_j = m for GPipe and min(m, p - j) for 1F1B (micro-batches in flight on stage j), and
+where U(w) is the plan's optimizer's step time over w parameter bytes, fitted to the profile's
+measurements (:func:`planner.updates.update_cost`), q_j = m for GPipe and min(m, p - j) for
+1F1B (micro-batches in flight on stage j), and
 ``transfer`` is :meth:`planner.types.Link.one_way_s`, c the engine's fixed cost per step
 (``Cluster.step_overhead_s``: zeroing gradients, splitting the batch, collecting the loss; every
 rank pays it at once, so the step pays it once) and o is the pipeline engine's
@@ -71,6 +73,22 @@ holder j ends A - D_s + U_j after stage 0's last backward instead of U_j - D_j:
 With one shared parameter this is  max(max_{j not holding} (U_j - D_j), A - D_s + max_{j
 holding} U_j); the runtime's per-step "tied" span is this wait plus A.
 
+Concurrent updates.  Updates that run at the same time slow each other (ranks sharing cores
+and memory bandwidth; measured on two ranks of a 2-vCPU host, a 6.6 ms Adam step took 7.9 ms
+beside a 12.1 ms one, which took 13.0 ms).  Egalitarian processor sharing fits: while a
+updates are under way each progresses at rate 1 / (1 + kappa_u (a - 1)), kappa_u =
+``Cluster.update_contention``.  Stage j's update is a job of U_j seconds released at ready_j,
+and R = max(0, max_j E_j) with E_j its end under that sharing (:func:`shared_ends`; E_j =
+ready_j + U_j when kappa_u = 0).  Two holders of a tied parameter that start together after
+its all-reduce end at
+
+    A - D_s + U_max + kappa_u U_min,
+
+and two updates that do not overlap end as before.  Updates contend only with each other, not
+with the backwards of the stages before them that run during the drain (a modelling choice:
+only the contention between updates is measured, and a backward is neither slowed by an update
+nor slows one).
+
 T(m) equals the schedule simulator's makespan for identical stages, and for two stages whose
 bottleneck is the same stage forward and backward; GPipe's makespan uses separate forward and
 backward maxima, so T(m) is below it when the stages' backward/forward ratios differ enough to
@@ -98,6 +116,7 @@ from planner.types import (
     Stage,
     TiedSync,
 )
+from planner.updates import update_cost
 
 __all__ = [
     "UnitCosts",
@@ -111,12 +130,12 @@ __all__ = [
     "lower_bound",
     "microbatch_choices",
     "recomputes",
+    "shared_ends",
     "stage_memory",
     "stage_time",
     "step_time",
     "tied_syncs",
     "unit_costs",
-    "update_rate",
     "update_tail",
 ]
 
@@ -316,17 +335,6 @@ def stage_memory(
     )
 
 
-def update_rate(profile: Profile, optimizer: str) -> float:
-    """u: seconds per parameter byte of one ``optimizer`` step (0 when the profile has none).
-
-    ``Profile.update_s`` times the step over all the model's parameters; a stage pays the
-    share of its bytes, shared copies included (each holder updates its copy).
-    """
-    total = sum(u.param_bytes for u in profile.units)
-    seconds = profile.update_s.get(optimizer)  # type: ignore[call-overload]
-    return float(seconds) / total if seconds and total > 0 else 0.0
-
-
 def contention(cluster: Cluster, m: int) -> float:
     """k in effect: ``cluster.contention`` when stages overlap (p >= 2 and m >= 2), else 0."""
     return cluster.contention if cluster.n_stages > 1 and m > 1 else 0.0
@@ -370,10 +378,13 @@ def update_tail(
     backward: Sequence[float],
     comm: Sequence[float],
     syncs: Sequence[TiedSync] = (),
+    kappa_u: float = 0.0,
 ) -> float:
-    """R = max(0, max_j (ready_j + U_j)): how long the updates (and tied-gradient all-reduces)
-    outlast stage 0's last backward.  ready_j = -D_j, D_j = sum_{i<j} B_i + C_{j-1} / 2, moved
-    by each all-reduce in turn to the latest arrival among its stages plus its seconds."""
+    """R = max(0, max_j E_j): how long the updates (and tied-gradient all-reduces) outlast
+    stage 0's last backward.  ready_j = -D_j, D_j = sum_{i<j} B_i + C_{j-1} / 2, moved by each
+    all-reduce in turn to the latest arrival among its stages plus its seconds; stage j's update
+    (U_j of work) then runs from ready_j and ends at E_j, sharing with the other updates under
+    way (:func:`shared_ends`; E_j = ready_j + U_j when ``kappa_u`` = 0)."""
     ready, drain = [], 0.0
     for j in range(len(updates)):
         ready.append(-(drain + (comm[j - 1] / 2 if j else 0.0)))
@@ -382,7 +393,51 @@ def update_tail(
         end = max(ready[i] for i in sync.stages) + sync.seconds
         for i in sync.stages:
             ready[i] = end
-    return max(0.0, *(r + u for r, u in zip(ready, updates, strict=True)))
+    if not kappa_u:
+        return max(0.0, *(r + u for r, u in zip(ready, updates, strict=True)))
+    return max(0.0, *shared_ends(ready, updates, kappa_u))
+
+
+def shared_ends(release: Sequence[float], work: Sequence[float], kappa_u: float) -> list[float]:
+    """When each job j, released at ``release[j]`` with ``work[j]`` seconds of work, ends under
+    egalitarian processor sharing: while a jobs are under way each progresses at rate
+    1 / (1 + kappa_u (a - 1)).  Jobs with no work end at their release and share nothing.
+
+    All jobs under way progress alike, so one virtual time V (the work each has done since
+    V = 0) serves them all: job j ends when V reaches V(release_j) + work_j.  Between events (a
+    release or an end) V grows linearly; O(p^2) for p jobs.  Two jobs released together end at
+    (1 + kappa_u) min + (max - min) = max + kappa_u min.
+
+    >>> [round(e, 9) for e in shared_ends([0.0, 0.0], [2.0, 3.0], 0.5)]
+    [3.0, 4.0]
+    >>> [round(e, 9) for e in shared_ends([0.0, 5.0], [2.0, 3.0], 0.5)]
+    [2.0, 8.0]
+    """
+    ends = [float(r) for r in release]
+    jobs = sorted(
+        (float(r), j) for j, (r, w) in enumerate(zip(release, work, strict=True)) if w > 0
+    )
+    target: dict[int, float] = {}  # V at which each job under way ends
+    now = virtual = 0.0
+    i = 0
+    while i < len(jobs) or target:
+        if not target:  # idle until the next release (V restarts, for precision)
+            now, virtual = jobs[i][0], 0.0
+        while i < len(jobs) and jobs[i][0] <= now:  # release everything due
+            target[jobs[i][1]] = virtual + float(work[jobs[i][1]])
+            i += 1
+        rate = 1.0 / (1.0 + kappa_u * (len(target) - 1))
+        first = min(target.values())
+        finish = now + max(first - virtual, 0.0) / rate
+        if i < len(jobs) and jobs[i][0] < finish:  # a release comes first
+            virtual += (jobs[i][0] - now) * rate
+            now = jobs[i][0]
+            continue
+        now, virtual = finish, first
+        for j in [j for j, v in target.items() if v <= first]:
+            ends[j] = now
+            del target[j]
+    return ends
 
 
 def bubble_fraction(
@@ -436,7 +491,7 @@ def build_stages(
             f"boundaries {list(boundaries)} do not split {n} units into {p} non-empty stages"
         )
     costs = unit_costs(profile, m)
-    rate = update_rate(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer)
     stages = []
     for j, l in enumerate(starts):
         r = (starts[j + 1] if j + 1 < p else n) - 1
@@ -455,7 +510,7 @@ def build_stages(
                 backward_s=B,
                 comm_s=C,
                 time_s=F + B + C,
-                update_s=rate * mem.params / dev.speed,
+                update_s=update.seconds(mem.params) / dev.speed,
                 memory=mem,
                 memory_limit=dev.memory_bytes,
                 feasible=mem.total <= dev.memory_bytes,
@@ -493,6 +548,7 @@ def _simulated(
     kappa: float,
     syncs: Sequence[TiedSync],
     step_overhead_s: float,
+    update_contention: float = 0.0,
 ) -> float:
     return simulate(
         [s.forward_s for s in stages],
@@ -504,6 +560,7 @@ def _simulated(
         update_s=[s.update_s for s in stages],
         syncs=[(s.stages, s.seconds) for s in syncs],
         step_overhead_s=step_overhead_s,
+        update_contention=update_contention,
     ).makespan_s
 
 
@@ -533,6 +590,7 @@ def evaluate(
             [s.backward_s for s in stages],
             [s.comm_s for s in stages],
             syncs,
+            cluster.update_contention,
         )
         + cluster.step_overhead_s
     )
@@ -561,7 +619,13 @@ def evaluate(
         tied_syncs=tuple(syncs),
         step_time_s=T,
         simulated_step_time_s=_simulated(
-            stages, m, options.schedule, kappa, syncs, cluster.step_overhead_s
+            stages,
+            m,
+            options.schedule,
+            kappa,
+            syncs,
+            cluster.step_overhead_s,
+            cluster.update_contention,
         ),
         bubble_fraction=bubble_fraction(times, m, busy, kappa),
         throughput=profile.batch_size / T if T > 0 else 0.0,

@@ -21,8 +21,11 @@ the GPipe makespan of p identical stages without transfers becomes
 Each stage then updates its parameters (``update_s[j]``, once per step, after its last
 operation); the makespan is the latest update's end.  Before that, stages that hold copies of a
 tied parameter sum its gradient (``syncs``: (stages, seconds) all-reduces, run in order): each
-starts when the last of its stages arrives, and those stages update only after it ends.  Updates are not slowed by contention and do
-not slow others.
+starts when the last of its stages arrives, and those stages update only after it ends.  Updates
+are not slowed by the compute contention k and do not slow forwards or backwards, but slow each
+other: while a updates run at once each progresses at rate 1 / (1 + kappa_u (a - 1)), kappa_u
+the ``update_contention`` (egalitarian processor sharing; two updates that start together end
+at U_max + kappa_u U_min after their start).
 
 The operation order of stage j, drawn for p = 3, m = 4 (F = forward, B = backward)::
 
@@ -119,6 +122,7 @@ def simulate(
     update_s: Sequence[float] = (),
     syncs: Sequence[tuple[Sequence[int], float]] = (),
     step_overhead_s: float = 0.0,
+    update_contention: float = 0.0,
 ) -> Timeline:
     """Simulate one training step.
 
@@ -131,6 +135,8 @@ def simulate(
     stage j takes part in ((stages, seconds) each, run in order; an event spans a stage's wait
     for the others plus the all-reduce, as the runtime's "tied" span does).
     ``step_overhead_s`` (the engine's fixed cost per step, c) delays the first operation.
+    ``update_contention`` kappa_u slows the updates under way by 1 + kappa_u (a - 1), a of
+    them at once (integrated between releases and ends, as the compute is).
     """
     p = len(forward_s)
     kappa = contention if p > 1 and m > 1 else 0.0
@@ -206,11 +212,43 @@ def simulate(
         for i in members:
             events.append(Event(i, -1, "tied", arrive[i], end))
             arrive[i] = end
-    for j, u in enumerate(update_s):
-        if u > 0:
-            events.append(Event(j, -1, "optimizer", arrive[j], arrive[j] + u))
+    events += _updates(arrive, update_s, update_contention)
     makespan = max(e.end_s for e in events) if events else 0.0
     return Timeline(tuple(events), makespan, p, m)
+
+
+def _updates(arrive: Sequence[float], update_s: Sequence[float], kappa_u: float) -> list[Event]:
+    """The "optimizer" events of updates ``update_s[j]`` released at ``arrive[j]``: advanced from
+    event to event (a release or an end), each one's remaining work shrinking at the rate
+    1 / (1 + kappa_u (a - 1)) shared by the a under way; in stage order.  With kappa_u = 0 each
+    ends U_j after its release."""
+    if not kappa_u:
+        return [
+            Event(j, -1, "optimizer", arrive[j], arrive[j] + u)
+            for j, u in enumerate(update_s)
+            if u > 0
+        ]
+    pending = sorted((arrive[j], j) for j, u in enumerate(update_s) if u > 0)
+    left: dict[int, float] = {}  # remaining work of the updates under way
+    ends: dict[int, float] = {}
+    now = 0.0
+    while pending or left:
+        if not left:
+            now = pending[0][0]
+        while pending and pending[0][0] <= now:
+            _, j = pending.pop(0)
+            left[j] = float(update_s[j])
+        rate = 1.0 / (1.0 + kappa_u * (len(left) - 1))
+        dt = min(left.values()) / rate
+        if pending and pending[0][0] - now < dt:
+            dt = pending[0][0] - now
+        now += dt
+        for j in list(left):
+            left[j] -= dt * rate
+            if left[j] <= 1e-12 * max(abs(now), float(update_s[j])):
+                ends[j] = now
+                del left[j]
+    return [Event(j, -1, "optimizer", arrive[j], ends[j]) for j in sorted(ends)]
 
 
 def _phase(cur: tuple[int, list[tuple[Kind, float, bool]], int] | None) -> tuple[Kind, float, bool]:
@@ -231,4 +269,5 @@ def simulate_plan(plan: Plan) -> Timeline:
         update_s=[s.update_s for s in plan.stages],
         syncs=[(s.stages, s.seconds) for s in plan.tied_syncs],
         step_overhead_s=plan.cluster.step_overhead_s,
+        update_contention=plan.cluster.update_contention,
     )

@@ -32,12 +32,15 @@ def synthetic_profile(
     shared: Sequence[Sequence[int]] = (),
     loss: bool = False,
     update_s_per_byte: float = 0.0,
+    update_curvature: float = 0.0,
     checkpoint_call_s: tuple[float, float] = (0.0, 0.0),
 ) -> Profile:
     """A random but plausible :class:`Profile` of ``n_units`` units.
 
         ``update_s_per_byte`` is an Adam step's seconds per parameter byte (SGD's is an eighth of
-        it, momentum's a third); 0 leaves the profile without update times.  The checkpointed
+        it, momentum's a third); 0 leaves the profile without update times.
+        ``update_curvature`` q > 0 adds an ``update_curve`` on every prefix of the units whose
+        step time grows faster than the bytes: rate * w * (1 + q w / total).  The checkpointed
         forward costs 1.0-1.3x the forward, plus ``checkpoint_call_s`` (the call's own (forward,
         backward) seconds, also added to the checkpointed backward).  ``tied`` shares a weight
     between the first and last units; ``shared`` adds one shared parameter per sequence of user
@@ -128,9 +131,21 @@ def synthetic_profile(
         if update_s_per_byte > 0
         else {}
     )  # fmt: skip
+    curve: dict[str, tuple[tuple[int, float], ...]] = {}
+    if update_curvature > 0 and update:
+        prefix = np.cumsum([u.param_bytes for u in units])
+        curve = {
+            name: tuple(
+                (int(w), float(s / total * w * (1 + update_curvature * w / total)))
+                for w in prefix
+                if w > 0
+            )
+            for name, s in update.items()
+        }
     return Profile(
         loss=loss_timings,
         update_s=update,  # type: ignore[arg-type]
+        update_curve=curve,  # type: ignore[arg-type]
         checkpoint_call_s=checkpoint_call_s,
         shared_params=tuple(sharing),
         model=f"synthetic:n{n_units}-seed{seed}",

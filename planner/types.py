@@ -199,6 +199,12 @@ class Profile(_Frozen):
     """Seconds of one optimizer step over all the model's parameters (each once), by optimizer
     (:func:`planner.optim.make_optimizer`); a stage pays the share of its parameter bytes, once
     per training step.  Empty in profiles made before it was measured: updates are then free."""
+    update_curve: dict[OptimizerName, tuple[tuple[int, float], ...]] = {}
+    """(parameter bytes, seconds) of one optimizer step over the parameters of units 0..k for a
+    few growing k, the cache cold before each step, by optimizer; the cost model fits U(w) to
+    them (:mod:`planner.updates`), since a step's time grows faster than its bytes once its
+    lists outgrow the cache.  Empty in profiles made before it was measured: ``update_s`` is
+    then spread evenly over the bytes."""
     checkpoint_call_s: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) seconds that one ``torch.utils.checkpoint`` call adds by itself,
     measured on a trivial function.  Every unit's recompute times include it once; a
@@ -351,6 +357,12 @@ class Cluster(_Frozen):
     computes at the same time, as in a pipeline's steady state (ranks sharing cores, memory
     bandwidth or the transport's threads); 0 for devices that share nothing.  Measured by
     ``pipeplan calibrate`` from the engine's cost at two operation lengths."""
+    update_contention: float = Field(default=0.0, ge=0)
+    """kappa_u: the fractional slowdown of a stage's optimizer update while another stage's
+    update runs at the same time (ranks sharing cores and memory bandwidth); 0 for devices that
+    share nothing.  While a updates run at once each progresses at rate 1 / (1 + kappa_u (a - 1))
+    (:mod:`planner.costmodel`).  Measured by ``pipeplan calibrate`` from Adam steps timed alone
+    and on two ranks at once."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -362,12 +374,17 @@ class Cluster(_Frozen):
         link: Link | None = None,
         op_overhead_s: float = 0.0,
         contention: float = 0.0,
+        update_contention: float = 0.0,
     ) -> Cluster:
         if stages < 1:
             raise ValueError(f"stages must be >= 1, got {stages}")
         devices = tuple(Device(name=f"dev{j}", memory_bytes=memory_bytes) for j in range(stages))
         return cls(
-            devices=devices, link=link or Link(), op_overhead_s=op_overhead_s, contention=contention
+            devices=devices,
+            link=link or Link(),
+            op_overhead_s=op_overhead_s,
+            contention=contention,
+            update_contention=update_contention,
         )
 
     @property

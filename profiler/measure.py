@@ -1,9 +1,10 @@
 """Timing and byte-counting helpers of the profiler, and what it measures beside the units.
 
 :func:`measure_checkpoint_call` times what one ``torch.utils.checkpoint`` call adds by itself,
-:func:`measure_updates` one step of every optimizer over the model's parameters.  The units
-themselves are timed inside whole passes (:mod:`profiler.sweep`).  Times are medians over
-``repeats`` runs after ``warmup`` runs; spreads are interquartile ranges.
+:func:`measure_update_curve` one step of every optimizer over growing prefixes of the
+model's parameters.  The units themselves are timed inside whole passes
+(:mod:`profiler.sweep`).  Times are medians over ``repeats`` runs after ``warmup`` runs;
+spreads are interquartile ranges.
 """
 
 from __future__ import annotations
@@ -84,30 +85,74 @@ def median_iqr(samples: list[float]) -> tuple[float, float]:
     return float(med), float(q3 - q1)
 
 
-def measure_updates(
-    params: Sequence[Tensor], *, clock: Clock, warmup: int, repeats: int, seed: int = 0
-) -> dict[OptimizerName, float]:
-    """Median seconds of one step of every optimizer in :data:`planner.optim.OPTIMIZERS` over
-    ``params``, with seeded gradients; the parameters are restored afterwards.
+#: Bytes written between timed optimizer steps on a CPU, so that each step starts with the
+#: cache cold, as a step after a backward does (twice this host's 32 MiB L3).
+FLUSH_BYTES = 64 << 20
 
+
+def measure_update_curve(
+    units: Sequence[Sequence[Tensor]],
+    *,
+    clock: Clock,
+    warmup: int,
+    repeats: int,
+    points: int = 6,
+    seed: int = 0,
+) -> dict[OptimizerName, tuple[tuple[int, float], ...]]:
+    """(bytes, median seconds) of one step of every optimizer in :data:`planner.optim.OPTIMIZERS`
+    over the parameters of units 0..k, for the ``points`` prefixes whose bytes come nearest
+    above 1/points, 2/points, .., all of the model's (``Profile.update_curve``).
+
+    Gradients are seeded; on a CPU, :data:`FLUSH_BYTES` are written before every timed step.
     The first steps allocate the optimizer's state, so at least one warm-up step always runs.
+    The parameters are restored afterwards.
     """
-    params = [t for t in params if t.requires_grad]
-    if not params:
+    seen: set[int] = set()
+    prefixes: list[list[Tensor]] = []
+    for tensors in units:
+        new = [t for t in tensors if t.requires_grad and id(t) not in seen]
+        seen.update(id(t) for t in new)
+        prefixes.append([*(prefixes[-1] if prefixes else []), *new])
+    sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in prefixes]
+    if not sizes or sizes[-1] == 0:
         return {}
+    chosen = sorted({
+        int(np.searchsorted(sizes, sizes[-1] * (i + 1) / points - 1e-9, side="left"))
+        for i in range(points)
+    })  # fmt: skip
+    params = prefixes[-1]
     saved = [t.detach().clone() for t in params]
     g = torch.Generator().manual_seed(seed)
     for t in params:
         t.grad = torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
-    out: dict[OptimizerName, float] = {}
+    cpu = params[0].device.type == "cpu"
+    junk = torch.zeros(FLUSH_BYTES // 4) if cpu else None
+    out: dict[OptimizerName, list[tuple[int, float]]] = {name: [] for name in OPTIMIZERS}
     try:
-        for name in OPTIMIZERS:
-            opt = make_optimizer(name, params, lr=1e-6)
-            times = [clock.time(opt.step)[1] for _ in range(max(warmup, 1) + repeats)]
-            out[name] = median_iqr(times[max(warmup, 1) :])[0]
+        for k in chosen:
+            for name in OPTIMIZERS:
+                opt = make_optimizer(name, prefixes[k], lr=1e-6)
+                times = []
+                for _ in range(max(warmup, 1) + repeats):
+                    if junk is not None:
+                        junk.add_(1.0)
+                    times.append(clock.time(opt.step)[1])
+                out[name].append((sizes[k], median_iqr(times[max(warmup, 1) :])[0]))
+                del opt
     finally:
         with torch.no_grad():
             for t, v in zip(params, saved):
                 t.copy_(v)
                 t.grad = None
-    return out
+    return {name: tuple(pts) for name, pts in out.items()}
+
+
+def measure_updates(
+    params: Sequence[Tensor], *, clock: Clock, warmup: int, repeats: int, seed: int = 0
+) -> dict[OptimizerName, float]:
+    """Median seconds of one step of every optimizer over ``params`` (cold cache on a CPU):
+    the last point of :func:`measure_update_curve` with all of them as one unit."""
+    curve = measure_update_curve(
+        [params], clock=clock, warmup=warmup, repeats=repeats, points=1, seed=seed
+    )
+    return {name: pts[-1][1] for name, pts in curve.items() if pts}

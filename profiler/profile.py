@@ -7,9 +7,10 @@ comes from the largest size's run: every tensor live across a cut
 (:func:`planner.graph.cut_tensors`) with its bytes divided by b.  Sizes are measured largest
 first, so the warm-up of the largest (slowest) runs also warms the allocator for the rest.
 On a CPU the heap keeps freed memory mapped, as the runtime's ranks do
-(:mod:`planner.allocator`).  Last, every optimizer's step is timed once over all the
-parameters (``Profile.update_s``), and what one checkpoint call adds by itself
-(``Profile.checkpoint_call_s``).
+(:mod:`planner.allocator`).  Last, every optimizer's step is timed over growing prefixes of
+the units' parameters, the cache cold before each step (``Profile.update_curve``, and
+``Profile.update_s`` over all of them; :mod:`planner.updates`).  What one checkpoint call adds
+by itself (``Profile.checkpoint_call_s``) is timed before the passes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from planner.model import load_model
 from planner.trace import trace_model
 from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
 from profiler.device import Clock, device_info, resolve_device
-from profiler.measure import measure_checkpoint_call, measure_updates, storage_keys, value_bytes
+from profiler.measure import (
+    measure_checkpoint_call,
+    measure_update_curve,
+    storage_keys,
+    value_bytes,
+)
 from profiler.split import split_units
 from profiler.sweep import measure_sweep
 
@@ -232,9 +238,14 @@ def _profile(
         for param in traced.gm.parameters():  # the passes' accumulated gradients
             param.grad = None
 
-    update_s = measure_updates(
-        list(traced.gm.parameters()), clock=clock, warmup=warmup, repeats=repeats * rounds
+    named = dict(traced.gm.named_parameters())
+    update_curve = measure_update_curve(
+        [[named[n] for n in p.params if n in named] for p in pieces],
+        clock=clock,
+        warmup=warmup,
+        repeats=repeats * rounds,
     )
+    update_s = {name: pts[-1][1] for name, pts in update_curve.items() if pts}
     timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
     loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
     b_max = max(sizes)
@@ -276,6 +287,7 @@ def _profile(
         shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
         loss=loss_timings,
         update_s=update_s,
+        update_curve=update_curve,
         checkpoint_call_s=call_s,
     )
 

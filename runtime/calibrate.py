@@ -19,6 +19,20 @@ All ranks then time the all-reduce the runtime runs for tied gradients (flatten,
 over the ranks, copy back; ``runtime.engine``), after a barrier, at the same sizes; the
 cluster's ``allreduce`` link is fitted to those times as the link is to the ping-pong's.
 
+Then ranks 0 and 1 time an Adam step (:func:`planner.optim.make_optimizer`) over the same
+parameters (``UPDATE_TENSORS`` tensors of ``UPDATE_BYTES`` of float32 in all, fresh random
+gradients each time) in three modes, interleaved over ``repeats`` rounds, each after a barrier:
+rank 0 alone (the others wait at the next barrier), rank 1 alone, both at once.  Before every
+timed step each rank writes through a 64 MiB buffer, so the cache is as cold as after a
+backward (on CUDA the step is timed between synchronisations, with no flush).  Updates that
+run at once slow each other by egalitarian processor sharing (:mod:`planner.costmodel`): two of
+the same length that start together both take (1 + kappa_u) times as long, so
+
+    kappa_u = median(both) / median(alone) - 1            (:func:`update_contention`)
+
+per rank; the launch keeps the mean over ranks 0 and 1, clamped at 0
+(``Cluster.update_contention``).
+
 Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` whose stages
 compute (two linear layers of width w on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
 interleaved over rounds, for each width w in ``widths`` (256, 512 and 1024 by default, so that
@@ -75,6 +89,7 @@ __all__ = [
     "message_sizes",
     "slope_per_microbatch",
     "solo_overhead",
+    "update_contention",
 ]
 
 
@@ -183,6 +198,79 @@ def _allreduce(sizes: list[int], repeats: int, device: str) -> list[tuple[int, f
                 times.append(time.perf_counter() - t0)
         out.append((size, _low(times)))
     return out
+
+
+#: The update-contention measurement: parameter tensors and their bytes in all (float32).
+UPDATE_TENSORS, UPDATE_BYTES = 8, 8 * 2**20
+#: Bytes written before every timed update, to evict the cache as a backward does.
+FLUSH_BYTES = 64 * 2**20
+
+
+def update_contention(alone: Sequence[float], both: Sequence[float]) -> float:
+    """kappa_u of one rank: median(both) / median(alone) - 1, from its update's seconds alone
+    and beside another rank's update of the same length (negative when the pair ran faster:
+    the caller averages ranks, then clamps).
+
+    >>> round(update_contention([0.010, 0.011, 0.009], [0.012, 0.013, 0.030]), 6)
+    0.3
+    """
+    if not alone or not both:
+        raise InvalidRequestError("the update contention needs times alone and together")
+    return float(statistics.median(both) / statistics.median(alone) - 1.0)
+
+
+def _update_times(repeats: int, device: str) -> tuple[list[float], list[float]]:
+    """(alone, both): this rank's Adam step seconds alone and beside rank 1 - rank's, per round
+    after two warm-up rounds (both empty on ranks >= 2, which only keep the barriers)."""
+    import torch
+    import torch.distributed as dist
+
+    from planner.optim import make_optimizer
+
+    rank = dist.get_rank()
+    numel = UPDATE_BYTES // 4 // UPDATE_TENSORS
+    params = [torch.randn(numel, device=device, requires_grad=True) for _ in range(UPDATE_TENSORS)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    opt = make_optimizer("adam", params, 1e-3)
+    cuda = device != "cpu"
+    junk = None if cuda else torch.zeros(FLUSH_BYTES // 4)
+    alone: list[float] = []
+    both: list[float] = []
+    for i in range(repeats + 2):
+        for mode in (0, 1, 2):  # rank 0 alone, rank 1 alone, both at once
+            runs = rank == mode or (mode == 2 and rank < 2)
+            if runs:
+                for param in params:
+                    assert param.grad is not None
+                    param.grad.normal_()
+                if junk is not None:
+                    junk.add_(1.0)  # evict the cache, as a backward does
+                if cuda:
+                    torch.cuda.synchronize()
+            dist.barrier()
+            if not runs:
+                continue
+            t0 = time.perf_counter()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= 2:  # warm-up: the optimizer's state is allocated on the first step
+                (both if mode == 2 else alone).append(time.perf_counter() - t0)
+    dist.barrier()
+    return alone, both
+
+
+def _measure_update_contention(repeats: int, device: str) -> float:
+    """kappa_u of this launch: the mean of ranks 0 and 1's :func:`update_contention`, >= 0."""
+    import torch
+    import torch.distributed as dist
+
+    alone, both = _update_times(repeats, device)
+    own = update_contention(alone, both) if alone else 0.0
+    total = torch.tensor([own], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)  # ranks >= 2 add 0
+    return max(float(total.item()) / 2, 0.0)
 
 
 #: Micro-batch counts of the engine measurement, run interleaved over rounds.
@@ -391,11 +479,13 @@ def _worker(argv: list[str] | None = None) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         samples: list[tuple[int, float, float]] = []
         allreduce: list[tuple[int, float]] = []
+        kappa_u = 0.0
         if world > 1:  # a 1-rank launch measures the engine alone
             if rank < 2:  # ranks beyond the pair wait at the barrier
                 samples = _pingpong(message_sizes(args.max_bytes), args.repeats, device)
             dist.barrier()
             allreduce = _allreduce(message_sizes(args.max_bytes), args.repeats, device)
+            kappa_u = _measure_update_contention(args.repeats, device)
         engine = []
         for width in args.widths:
             compute = (
@@ -413,7 +503,7 @@ def _worker(argv: list[str] | None = None) -> None:
             with open(args.out, "w") as fh:
                 json.dump(
                     {"samples": samples, "allreduce": allreduce, "memory": memory,
-                     "engine": engine},
+                     "engine": engine, "update_contention": kappa_u},
                     fh,
                 )  # fmt: skip
     finally:
@@ -433,8 +523,9 @@ def measure(
 
     Returns ``{"samples": [[bytes, raw_s, p2p_s], ...], "allreduce": [[bytes, s], ...],
     "memory": bytes, "engine": [{"width":
-    w, "compute": F + B seconds, "steps": {m: [round median step seconds, ...]}}, ...]}``, one
-    engine entry per width in order; :func:`calibrate` combines several of these.
+    w, "compute": F + B seconds, "steps": {m: [round median step seconds, ...]}}, ...],
+    "update_contention": kappa_u}``, one engine entry per width in order (kappa_u 0 on a 1-rank
+    launch); :func:`calibrate` combines several of these.
     """
     with tempfile.TemporaryDirectory(prefix="pipeplan-calibrate-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -478,7 +569,8 @@ def calibrate(
 
     Every launch measures the link and the engine; the cluster takes, per message size, the
     median of the launches' one-way times, and per width the median of the launches' slopes
-    and stage times, to which :func:`fit_engine` fits the engine cost o and the contention k.  On a shared
+    and stage times, to which :func:`fit_engine` fits the engine cost o and the contention k,
+    and the median of the launches' update contention kappa_u.  On a shared
     host one launch can land in a slow or a fast phase (engine costs of 0.49 and 0.90-0.99 ms
     per operation were measured by single launches minutes apart), so one launch is not enough.
     ``solo_launches`` (default ``launches``) 1-rank launches then measure the engine alone for
@@ -521,6 +613,7 @@ def calibrate(
         round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
         points.append((compute, slope - round_trip))
     overhead, kappa = fit_engine(points)
+    kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
     solo = step_cost = None
     if solo_launches:
         alone = [
@@ -534,6 +627,7 @@ def calibrate(
     cluster = Cluster(
         devices=devices, link=link, allreduce=allreduce, op_overhead_s=overhead,
         solo_op_overhead_s=solo, step_overhead_s=step_cost or 0.0, contention=kappa,
+        update_contention=kappa_u,
     )  # fmt: skip
     return cluster, samples  # type: ignore[return-value]
 

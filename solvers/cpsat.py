@@ -19,12 +19,16 @@ prefix sums, read from constant tables with element constraints on the boundarie
     M_j <= cap_j
     c_j = Q_j[b_{j+1}] - Q_j[b_j] + o_j                   (the stage's compute)
     a_j = t_j + (m - 1) k c_j,   s_j = t_j - k c_j          (contention k; see costmodel)
-    U_j = u / s_j (W[b_{j+1}] - W[b_j] + H_j)               (stage j's optimizer update)
+    U_j >= (slope_k / s_j) (W[b_{j+1}] - W[b_j] + H_j) + intercept_k / s_j   for every affine
+          piece k of the update's cost U(w) (planner.updates; one prefix table per piece)
     D_j = sum_{i<j} (B_i[b_{i+1}] - B_i[b_i] + ob_i) + C[b_j] / 2   (B_i: backward prefix table)
     minimise  sum_j a_j + (m - 1) T + R,   T >= s_j,  R >= U_j - D_j  for all j,
               R >= A + U_j - D_s  for stages j holding a copy of a shared parameter that spans
               stages, s the stage of its owner (its all-reduce, A ticks, waits for s; big-M
               on booleans for "j holds it", "it spans" and "s owns it"; see _tied_tail)
+              R >= max(U_0 + k (U_j - D_j), U_j - D_j + k U_0) for j > 0 when no parameter is
+              shared, k = min(kappa_u, 1) (updates that overlap slow each other; a bound that
+              is exact for p = 2 and a relaxation beyond; see _contended_tail)
     (with k = 0, or m = 1, a_j = s_j = t_j; R = U_0 when p = 1).
 
 Bytes are integers already, so memory is exact.  Times are scaled to integer *ticks*: with
@@ -69,8 +73,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -86,11 +91,11 @@ from planner.costmodel import (
     recomputes,
     stage_time,
     unit_costs,
-    update_rate,
 )
 from planner.errors import InfeasiblePlanError
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
+from planner.updates import UpdateCost, update_cost
 from solvers.bounds import Bounds, stage_backward, stage_compute, stage_offsets
 
 __all__ = ["TICKS", "CpsatResult", "error_bound_s", "partition_cpsat", "solve_cpsat"]
@@ -99,6 +104,8 @@ __all__ = ["TICKS", "CpsatResult", "error_bound_s", "partition_cpsat", "solve_cp
 TICKS = 2**30
 _ERR = 2.0
 """Largest rounding error of one stage time, in ticks."""
+_KAPPA_SCALE = 1000
+"""K: the update contention kappa_u enters the model as floor(K kappa_u) / K."""
 _WORKERS = 2
 _SEED = 0
 
@@ -129,9 +136,9 @@ def _reference_time(
 ) -> float:
     """R: the largest sum of stage times any partition can have, over the candidate m."""
     s_min = min(d.speed for d in cluster.devices)
-    rate = update_rate(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer)
     shared = sum(sp.bytes * len(sp.units) for sp in profile.shared_params)
-    worst = rate * (sum(u.param_bytes for u in profile.units) + shared) / s_min
+    worst = update.seconds(sum(u.param_bytes for u in profile.units) + shared) / s_min
     worst += sum(cluster.allreduce_s(sp.bytes) for sp in profile.shared_params)
     worst += cluster.step_overhead_s
     for m in ms:
@@ -181,7 +188,7 @@ class _Model:
         window: tuple[list[int], list[int]] | None = None,
         hint: tuple[int, ...] | None = None,
         t_floor: int = 0,
-        rate: float = 0.0,
+        update: UpdateCost | None = None,
     ) -> None:
         n, p, m = costs.n, cluster.n_stages, costs.m
         self.n, self.p, self.m = n, p, m
@@ -227,6 +234,12 @@ class _Model:
         cuts = np.asarray(_cut_times(costs, cluster, options))
         comm = _ticks(cuts, scale)
         W = [int(v) for v in costs.Pw]
+        update = update or UpdateCost()
+        self._Pw = costs.Pw
+        all_bytes = float(costs.Pw[-1]) + sum(float(nb) for nb, _ in costs.shared)
+        slowest = min(dev.speed for dev in cluster.devices)
+        self._u_top = _ticks([update.seconds(all_bytes) / slowest * scale], 1.0)[0] + 2
+        self._u_top += len(update.pieces) + len(costs.shared)
         A = [int(v) for v in costs.Pa]
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
@@ -274,19 +287,10 @@ class _Model:
             copies = self._copies(costs, j)
             held = sum((int(nbytes) * e for nbytes, e in copies), start=0)
             mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + held)
-            if rate or syncs:  # U_j and the drain D_j before it
+            if update or syncs:  # U_j and the drain D_j before it
                 upd: cp_model.LinearExpr | int = 0
-                if rate:
-                    per_byte = rate / cluster.devices[j].speed * scale
-                    U = _ticks(costs.Pw * per_byte, scale=1.0)
-                    upd = (
-                        at(j + 1, U, "ue")
-                        - at(j, U, "us")
-                        + sum(
-                            (_ticks([nbytes * per_byte], 1.0)[0] * e for nbytes, e in copies),
-                            start=0,
-                        )
-                    )
+                if update:
+                    upd = self._update(j, update, cluster, scale, copies, at)
                 tails.append((upd, drain + (at(j, half, "h") if j else 0)))
                 back, ob = stage_backward(costs, cluster, options, j)
                 QB = _ticks(back, scale)
@@ -309,19 +313,72 @@ class _Model:
         step_cost = _ticks([cluster.step_overhead_s], scale)[0]
         self.objective = sum(self.a) + (m - 1) * self.tmax + step_cost
         if tails:  # R >= U_j - D_j for every stage (R >= U_0 >= 0)
-            all_bytes = float(costs.Pw[-1]) + sum(float(nb) for nb, _ in costs.shared)
-            slowest = min(dev.speed for dev in cluster.devices)
-            top = _ticks([all_bytes * rate / slowest * scale], 1.0)[0] + len(costs.shared) + 2
+            top = self._u_top
             top += sum(a for _, a in syncs)
             self.tail = md.new_int_var(0, top, "R")
-            for update, before in tails:
-                md.add(self.tail >= update - before)
+            for upd_j, before in tails:
+                md.add(self.tail >= upd_j - before)
+            if not syncs:  # with tied gradients the model stays a relaxation (see partition_cpsat)
+                self._contended_tail(tails, cluster.update_contention)
             self._tied_tail(syncs, tails, top)
             self.objective = self.objective + self.tail
         md.minimize(self.objective)
         if hint is not None:
             for var, value in zip(self.b, (*hint, n)):
                 md.add_hint(var, value)
+
+    def _update(
+        self,
+        j: int,
+        update: UpdateCost,
+        cluster: Cluster,
+        scale: float,
+        copies: list[tuple[int, Any]],
+        at: Callable[..., Any],
+    ) -> cp_model.LinearExpr | cp_model.IntVar:
+        """U_j in ticks: one prefix table per affine piece of U (:mod:`planner.updates`), and
+        U_j >= every piece of the stage's bytes (own units' plus its shared copies).  U_j only
+        bounds R from below, which the objective minimises, so U_j settles on the largest piece:
+        U of its bytes, up to rounding."""
+        pieces = []
+        for k, (slope, intercept) in enumerate(update.pieces):
+            per_byte = slope / cluster.devices[j].speed * scale
+            U = _ticks(self._Pw * per_byte, scale=1.0)
+            copied = sum((_ticks([nb * per_byte], 1.0)[0] * e for nb, e in copies), start=0)
+            const = _ticks([intercept / cluster.devices[j].speed * scale], 1.0)[0]
+            pieces.append(at(j + 1, U, f"u{k}e") - at(j, U, f"u{k}s") + copied + const)
+        if len(pieces) == 1:
+            return pieces[0]
+        var = self.model.new_int_var(0, self._u_top, f"U{j}")
+        for piece in pieces:
+            self.model.add(var >= piece)
+        return var
+
+    def _contended_tail(
+        self,
+        tails: list[tuple[cp_model.LinearExpr | int, cp_model.LinearExpr | int]],
+        kappa_u: float,
+    ) -> None:
+        """K R >= K U_0 + k_K (U_j - D_j) and K R >= K (U_j - D_j) + k_K U_0 for every stage
+        j > 0: updates that overlap slow each other (``Cluster.update_contention`` kappa_u).
+
+        Valid lower bounds with no tied gradients: stage 0 is ready last, at 0, and stage j has
+        b >= U_j - D_j of its update left then (it progresses at rate <= 1); from 0 both run at
+        the same rate, at most 1 / (1 + kappa_u), until the shorter ends, so the later ends at
+        >= max(a, b) + kappa_u min(a, b) = max(a + k b, b + k a) for any k <= min(kappa_u, 1),
+        a = U_0.  When b < 0 both are implied by R >= U_0.  Coefficients must be integers:
+        k = k_K / K, K = ``_KAPPA_SCALE`` and k_K rounded down, which keeps the bounds valid.
+        Exact for two stages when kappa_u <= 1 is a multiple of 1 / K; otherwise a relaxation
+        whose plans ``partition_cpsat`` re-evaluates."""
+        scale = _KAPPA_SCALE
+        k = math.floor(min(kappa_u, 1.0) * scale + 1e-9)
+        if k <= 0 or len(tails) < 2:
+            return
+        first = tails[0][0] - tails[0][1]  # U_0 (D_0 = 0)
+        for update, before in tails[1:]:
+            late = update - before
+            self.model.add(scale * self.tail >= scale * first + k * late)
+            self.model.add(scale * self.tail >= scale * late + k * first)
 
     def _before(self, j: int, u: int) -> cp_model.IntVar | int:
         """The literal [b_j <= u]: stage j starts at or before unit u."""
@@ -420,7 +477,7 @@ def partition_cpsat(
     if ignore_memory:
         cluster = _unlimited(cluster)
     caps = [d.memory_bytes for d in cluster.devices]
-    rate = update_rate(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer)
     order = []
     for m in ms:
         c = unit_costs(profile, m)
@@ -451,7 +508,7 @@ def partition_cpsat(
         incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
         window = bd.window(bd.t_max(incumbent)) if math.isfinite(incumbent) else None
         t_floor = math.floor(bd.t_lb * scale - _ERR)
-        model = _Model(c, cluster, options, scale, caps, window, bd.hint, t_floor, rate)
+        model = _Model(c, cluster, options, scale, caps, window, bd.hint, t_floor, update)
         status, solver = model.solve(left, None if best is None else best[1] - 1)
         status_of[m] = solver.status_name(status).lower()
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -461,12 +518,14 @@ def partition_cpsat(
                 exact = evaluate(profile, cluster, options, starts[1:], m, solver="cpsat")
                 true_ticks = exact.step_time_s * scale
                 if true_ticks > obj + 2 * err:
-                    # Several shared parameters: the model charged each all-reduce alone, a
-                    # lower bound.  Keep obj as the bound and the true time as the incumbent.
+                    # Several shared parameters (the model charged each all-reduce alone), or
+                    # updates that slow each other: a lower bound.  Keep obj as the bound and
+                    # the true time as the incumbent, if it is better than the one before.
                     proven = False
                     bounds.append(obj)
                     obj = math.ceil(true_ticks + err)
-                best = (exact.step_time_s, obj, starts, m)
+                if best is None or obj < best[1]:
+                    best = (exact.step_time_s, obj, starts, m)
         elif (
             status == cp_model.UNKNOWN and hint_s is not None and hint_s < (best or (math.inf,))[0]
         ):

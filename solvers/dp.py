@@ -17,7 +17,10 @@ equality at theta = max(0, max_{j>0} h_j).  So the optimum is the best over thet
 positive h values a stage can take (few: most stages drain far longer than they update), and
 theta stops rising once theta plus a lower bound of S + (m - 1) M reaches the incumbent.
 h_j depends on the stage's own units and its index alone (D_j = QB[l] + j o_B + C[l] / 2 for
-stages of one speed), so the bound is a per-stage mask.
+stages of one speed), so the bound is a per-stage mask.  Updates that overlap slow each other
+(``Cluster.update_contention`` > 0), which lifts the true R above max h_j: for p > 2 the DP
+then minimises that lower bound and reports a gap (:mod:`solvers.dp_tables`); two stages are
+enumerated with the contended R and stay exact.
 
 The bottleneck.  For a fixed m and theta we use the bottleneck-threshold method (as in Alpa's
 inter-operator pass): for a threshold M let
@@ -55,11 +58,11 @@ from planner.costmodel import (
     evaluate,
     microbatch_choices,
     unit_costs,
-    update_rate,
 )
 from planner.errors import InfeasiblePlanError, UnsupportedConstraintError
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
+from planner.updates import update_cost
 from solvers.dp_tables import INF, Instance
 
 __all__ = ["partition_dp", "solve_dp"]
@@ -311,9 +314,9 @@ def _partition(
     caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
     best: tuple[tuple[int, ...], int, float] | None = None
     bound = float(np.inf)
-    rate = update_rate(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer)
     insts = [
-        (m, Instance(unit_costs(profile, m), cluster, options, caps, rate))
+        (m, Instance(unit_costs(profile, m), cluster, options, caps, update))
         for m in microbatch_choices(profile, options)
     ]
     # Where a tail bound is searched (p > 2 with updates or tied gradients), the most promising

@@ -21,7 +21,10 @@ own stage, so with one shared parameter owned by unit 0 (a tied embedding and LM
 two stages, h_j stays per-stage and the DP exact.  Otherwise D_j stands in for the unknown
 D_s <= D_j, and several shared parameters count the largest A alone: the DP then minimises a
 lower bound of T(m), re-evaluates its plans exactly, and reports the least relaxed value as the
-bound (status ``feasible`` with a gap when it falls short).
+bound (status ``feasible`` with a gap when it falls short).  The same holds when updates that
+overlap slow each other (``Cluster.update_contention`` > 0, see :mod:`planner.costmodel`):
+max_j h_j ignores the sharing, a lower bound of the tail, exact again only for p = 2, whose
+cuts are enumerated with the contended tail.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from planner.costmodel import (
     update_tail,
 )
 from planner.types import Cluster, PlanOptions
+from planner.updates import UpdateCost
 
 __all__: list[str] = []
 
@@ -60,7 +64,7 @@ class Instance:
         cluster: Cluster,
         options: PlanOptions,
         caps: np.ndarray,
-        rate: float = 0.0,
+        update: UpdateCost | None = None,
     ):
         self.c = costs
         self.n = n = costs.n
@@ -90,7 +94,8 @@ class Instance:
         self.kappa = contention(cluster, self.m)
         self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
-        self.u = rate / speed  # update seconds per parameter byte
+        self.update = update or UpdateCost()  # U(w) at speed 1 (planner.updates)
+        self.speed = speed
         # Tied gradients: per shared parameter (first user, last user, sorted users, all-reduce
         # seconds).  A stage holding a user of one that spans stages waits for its all-reduce,
         # and for the first holder, even on a free link.
@@ -104,7 +109,11 @@ class Instance:
         self.exact = len(self.syncs) == 0 or (
             len(self.syncs) == 1 and (self.syncs[0][0] == 0 or self.p <= 2)
         )
-        self.tail_on = bool(self.u) or bool(self.syncs)
+        self.tail_on = bool(self.update) or bool(self.syncs)
+        # Updates that overlap slow each other (kappa_u): max_j h_j is then a lower bound of
+        # the contended tail.  p = 2 is enumerated with the exact tail (dp._two_stages).
+        if cluster.update_contention > 0 and self.p > 2 and self.tail_on:
+            self.exact = False
         self.relaxed_min = INF
         self.floor_vec: np.ndarray | None = None  # _floors' result, computed once
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
@@ -113,7 +122,7 @@ class Instance:
         j = self.p - 1
         w = costs.Pw[n] - costs.Pw[L] + costs.shared_bytes(L, n - 1)
         a = costs.Pa[n] - costs.Pa[L]
-        self.U_last = self.u * w
+        self.U_last = self.upd(w)
         # h of the last stage: how long its update outlasts the step's last backward.
         self.h_last = self.tail(j, L, np.full(L.shape, n - 1), self.U_last)
         if rc_last:
@@ -141,6 +150,10 @@ class Instance:
         r = np.arange(n)
         lo = np.searchsorted(grow, grow[r + 1] - cap - 1e-9 * max(cap, 1.0), side="left")
         self.w_mem = int(max(1, np.max(r - np.minimum(lo, r) + 1)))
+
+    def upd(self, nbytes: np.ndarray | float) -> np.ndarray:
+        """U of a stage holding ``nbytes`` of parameters on this instance's devices."""
+        return self.update(nbytes) / self.speed
 
     def drain(self, j: int, l: np.ndarray | int) -> np.ndarray:
         """D_j of a stage j > 0 starting at unit l: the backward of the j mid stages before it
@@ -188,7 +201,7 @@ class Instance:
         busy = [float(self.Qmid[e] - self.Qmid[l] + self.op) for l, e in zip(starts[:-1], ends)]
         times = [b + float(self.comm[e]) for b, e in zip(busy, ends)]
         upd = [
-            self.u * float(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1))
+            float(self.upd(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1)))
             for l, e in zip(starts[:-1], ends)
         ]
         busy.append(float(self.t_last[starts[-1]]))
@@ -221,7 +234,7 @@ class Instance:
         a = np.where(valid, t + self.ka * busy, INF)
         s = np.where(valid, t - self.kappa * busy, INF)
         w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
-        upd = self.u * w
+        upd = self.upd(w)
         w = w * self.wk
         acts = c.Pa[r + 1] - c.Pa[lc]
         rc = recomputes(self.policy, 0, 2)
@@ -320,5 +333,5 @@ class Instance:
         upd.append(float(self.U_last[starts[-1]]))
         comm = [float(self.comm[e]) for e in ends]
         syncs = tied_syncs(self.c.shared, self.cluster, starts)
-        tail = update_tail(upd, back, comm, syncs)
+        tail = update_tail(upd, back, comm, syncs, self.cluster.update_contention)
         return step_time(times, self.m, busy, self.kappa) + tail + self.step_cost

@@ -42,6 +42,15 @@ def test_optimizer_updates_are_timed() -> None:
     p = profile_model("models.mlp:mlp", batch_size=4, model_kwargs=MLP, **FAST)
     assert set(p.update_s) == {"sgd", "momentum", "adam"}
     assert all(t > 0 for t in p.update_s.values())
+    # The curve: growing prefixes of the units, the last one all of the model's parameters.
+    total = sum(u.param_bytes for u in p.units)
+    prefixes = {sum(u.param_bytes for u in p.units[: k + 1]) for k in range(p.n_units)}
+    assert set(p.update_curve) == set(p.update_s)
+    for name, points in p.update_curve.items():
+        sizes = [w for w, _ in points]
+        assert sizes == sorted(set(sizes)) and set(sizes) <= prefixes and sizes[-1] == total
+        assert len(sizes) >= 2 and all(t > 0 for _, t in points)
+        assert points[-1][1] == p.update_s[name]
 
 
 def test_timing_the_updates_leaves_the_parameters_alone() -> None:

@@ -10,8 +10,14 @@ import pytest
 import runtime.calibrate as calibrate_module
 from planner.cli import main
 from planner.errors import InvalidRequestError
-from planner.io import load_cluster
-from runtime.calibrate import engine_overhead, fit_engine, fit_link, slope_per_microbatch
+from planner.io import load_cluster, write_json
+from runtime.calibrate import (
+    engine_overhead,
+    fit_engine,
+    fit_link,
+    slope_per_microbatch,
+    update_contention,
+)
 
 
 def test_fit_recovers_a_linear_link() -> None:
@@ -66,6 +72,8 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert cluster.allreduce is not None
     assert [s for s, _ in cluster.allreduce.samples] == [4 * 4**k for k in range(9)]
     assert 0 < cluster.allreduce_s(2**18) < 0.5
+    # Adam steps on both ranks at once against each alone (read back from the file).
+    assert 0 <= cluster.update_contention < 5
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
@@ -85,13 +93,16 @@ def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
     assert not (tmp_path / "c.json").exists()
 
 
-def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibrate_takes_the_median_of_launches(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # Three launches: one in a fast phase, two in a slow one.  Per message size the cluster
     # keeps the median one-way time, and the median engine cost, not the mean or the first.
     # Per width, the slope is the median of the launches' slopes.
-    def result(scale: float, slope: float) -> dict:
+    def result(scale: float, slope: float, kappa_u: float = 0.0) -> dict:
         sizes = [4, 64, 1024, 65536, 1048576]
         return {
+            "update_contention": kappa_u,
             "samples": [(n, scale * (5e-5 + n / 4e9), scale * (6e-5 + n / 4e9)) for n in sizes],
             "allreduce": [(n, scale * (1e-4 + n / 1e9)) for n in sizes],
             "memory": 2**30,
@@ -100,7 +111,7 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
             ],
         }
 
-    launches = iter([result(1.0, 1e-3), result(2.0, 3e-3), result(3.0, 2e-3)])
+    launches = iter([result(1.0, 1e-3, 0.1), result(2.0, 3e-3, 0.5), result(3.0, 2e-3, 0.2)])
     alone = iter([result(1.0, 4e-4), result(1.0, 6e-4), result(1.0, 5e-4)])
     monkeypatch.setattr(
         calibrate_module, "measure", lambda n, *a, **k: next(launches if n == 2 else alone)
@@ -119,6 +130,10 @@ def test_calibrate_takes_the_median_of_launches(monkeypatch: pytest.MonkeyPatch)
     trip = 2 * cluster.link.transfer_s(4 * 256 * calibrate_module.MICRO)
     assert cluster.op_overhead_s == pytest.approx((2e-3 - trip) / 2)
     assert cluster.contention == 0.0
+    # The update contention: the median launch's, kept in the cluster file.
+    assert cluster.update_contention == pytest.approx(0.2)
+    write_json(tmp_path / "cluster.json", cluster)
+    assert load_cluster(tmp_path / "cluster.json") == cluster
 
 
 def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,3 +183,14 @@ def test_slope_is_robust_to_an_outlier_round() -> None:
     steps = {m: [0.002 * m + 0.001] * 3 for m in (2, 4, 8, 16)}
     steps[16][1] = 1.0  # one round landed in a slow phase
     assert slope_per_microbatch(steps) == pytest.approx(0.002)
+
+
+def test_update_contention_from_times_alone_and_together() -> None:
+    # Two updates of the same length that start together both take (1 + kappa_u) as long;
+    # medians, so one slow round does not move it.
+    assert update_contention([0.010, 0.011, 0.009], [0.012, 0.013, 0.030]) == pytest.approx(0.3)
+    assert update_contention([0.010], [0.010]) == 0.0
+    # Faster together (noise): negative for one rank; the worker clamps the ranks' mean.
+    assert update_contention([0.010], [0.009]) == pytest.approx(-0.1)
+    with pytest.raises(InvalidRequestError):
+        update_contention([], [0.01])
