@@ -116,7 +116,7 @@ from planner.types import (
     Stage,
     TiedSync,
 )
-from planner.updates import update_cost
+from planner.updates import shared_ends, update_cost, update_tail
 
 __all__ = [
     "UnitCosts",
@@ -371,73 +371,6 @@ def tied_syncs(
         TiedSync(stages=k, bytes=v, seconds=cluster.allreduce_s(v))
         for k, v in sorted(groups.items())
     ]
-
-
-def update_tail(
-    updates: Sequence[float],
-    backward: Sequence[float],
-    comm: Sequence[float],
-    syncs: Sequence[TiedSync] = (),
-    kappa_u: float = 0.0,
-) -> float:
-    """R = max(0, max_j E_j): how long the updates (and tied-gradient all-reduces) outlast
-    stage 0's last backward.  ready_j = -D_j, D_j = sum_{i<j} B_i + C_{j-1} / 2, moved by each
-    all-reduce in turn to the latest arrival among its stages plus its seconds; stage j's update
-    (U_j of work) then runs from ready_j and ends at E_j, sharing with the other updates under
-    way (:func:`shared_ends`; E_j = ready_j + U_j when ``kappa_u`` = 0)."""
-    ready, drain = [], 0.0
-    for j in range(len(updates)):
-        ready.append(-(drain + (comm[j - 1] / 2 if j else 0.0)))
-        drain += backward[j]
-    for sync in syncs:
-        end = max(ready[i] for i in sync.stages) + sync.seconds
-        for i in sync.stages:
-            ready[i] = end
-    if not kappa_u:
-        return max(0.0, *(r + u for r, u in zip(ready, updates, strict=True)))
-    return max(0.0, *shared_ends(ready, updates, kappa_u))
-
-
-def shared_ends(release: Sequence[float], work: Sequence[float], kappa_u: float) -> list[float]:
-    """When each job j, released at ``release[j]`` with ``work[j]`` seconds of work, ends under
-    egalitarian processor sharing: while a jobs are under way each progresses at rate
-    1 / (1 + kappa_u (a - 1)).  Jobs with no work end at their release and share nothing.
-
-    All jobs under way progress alike, so one virtual time V (the work each has done since
-    V = 0) serves them all: job j ends when V reaches V(release_j) + work_j.  Between events (a
-    release or an end) V grows linearly; O(p^2) for p jobs.  Two jobs released together end at
-    (1 + kappa_u) min + (max - min) = max + kappa_u min.
-
-    >>> [round(e, 9) for e in shared_ends([0.0, 0.0], [2.0, 3.0], 0.5)]
-    [3.0, 4.0]
-    >>> [round(e, 9) for e in shared_ends([0.0, 5.0], [2.0, 3.0], 0.5)]
-    [2.0, 8.0]
-    """
-    ends = [float(r) for r in release]
-    jobs = sorted(
-        (float(r), j) for j, (r, w) in enumerate(zip(release, work, strict=True)) if w > 0
-    )
-    target: dict[int, float] = {}  # V at which each job under way ends
-    now = virtual = 0.0
-    i = 0
-    while i < len(jobs) or target:
-        if not target:  # idle until the next release (V restarts, for precision)
-            now, virtual = jobs[i][0], 0.0
-        while i < len(jobs) and jobs[i][0] <= now:  # release everything due
-            target[jobs[i][1]] = virtual + float(work[jobs[i][1]])
-            i += 1
-        rate = 1.0 / (1.0 + kappa_u * (len(target) - 1))
-        first = min(target.values())
-        finish = now + max(first - virtual, 0.0) / rate
-        if i < len(jobs) and jobs[i][0] < finish:  # a release comes first
-            virtual += (jobs[i][0] - now) * rate
-            now = jobs[i][0]
-            continue
-        now, virtual = finish, first
-        for j in [j for j, v in target.items() if v <= first]:
-            ends[j] = now
-            del target[j]
-    return ends
 
 
 def bubble_fraction(
