@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from planner.costmodel import evaluate, microbatch_choices
 from planner.errors import InfeasiblePlanError, InvalidRequestError, UnsupportedConstraintError
 from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Device, Link, PlanOptions, Profile
+from planner.types import Cluster, Device, Link, Plan, PlanOptions, Profile
 from solvers import SOLVERS
 from solvers.cpsat import error_bound_s, partition_cpsat, solve_cpsat
 from solvers.dp import solve_dp
@@ -155,19 +155,31 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     return prof, clus, options
 
 
+def _solve_beside_brute_force(
+    prof: Profile, clus: Cluster, options: PlanOptions
+) -> tuple[Plan, float] | None:
+    """(CP-SAT's feasible plan, the brute-force optimum); ``None`` (after checking that CP-SAT
+    raises) where nothing fits."""
+    want = brute_force(prof, clus, options)
+    if want is None:
+        with pytest.raises(InfeasiblePlanError):
+            solve_cpsat(prof, clus, options)
+        return None
+    got = solve_cpsat(prof, clus, options)
+    assert got.feasible
+    return got, want
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(constrained())
 def test_cpsat_matches_brute_force_with_constraints(
     inst: tuple[Profile, Cluster, PlanOptions],
 ) -> None:
     prof, clus, options = inst
-    want = brute_force(prof, clus, options)
-    if want is None:
-        with pytest.raises(InfeasiblePlanError):
-            solve_cpsat(prof, clus, options)
+    solved = _solve_beside_brute_force(prof, clus, options)
+    if solved is None:
         return
-    got = solve_cpsat(prof, clus, options)
-    assert got.feasible
+    got, want = solved
     if got.status == "optimal":
         _assert_close(got.step_time_s, want, error_bound_s(prof, clus, options))
     else:  # several shared parameters: the gap bounds the distance to the optimum
@@ -341,13 +353,10 @@ def test_cpsat_with_update_contention_is_optimal_or_within_its_gap(
     # The model bounds the contended tail from below (exactly for two stages and kappa_u a
     # multiple of 1/1000): "optimal" only when it is, else "feasible" with a gap that holds.
     prof, clus, options = inst
-    want = brute_force(prof, clus, options)
-    if want is None:
-        with pytest.raises(InfeasiblePlanError):
-            solve_cpsat(prof, clus, options)
+    solved = _solve_beside_brute_force(prof, clus, options)
+    if solved is None:
         return
-    got = solve_cpsat(prof, clus, options)
-    assert got.feasible
+    got, want = solved
     err = error_bound_s(prof, clus, options)
     if got.status == "optimal":
         _assert_close(got.step_time_s, want, err)
