@@ -41,7 +41,8 @@ stages compute at once, and each extra micro-batch adds one steady-state stage t
 
     slope = (1 + k) (F + B + 2 o) + C                  (the cost model's s_j)
 
-with F + B the stage's forward and backward timed alone on rank 0 (as the profiler would), C
+with F + B the stage's forward and backward timed alone on rank 0 (as the profiler would) at
+the start of every round, C
 the link's round trip of the stage's activations (from the fit above), o the engine's fixed
 cost per operation and k the contention (:mod:`planner.costmodel`).  The slope is a Theil-Sen
 fit over the rounds' medians; a least-squares line of slope - C against F + B over the widths
@@ -51,7 +52,11 @@ while the ranks compute, and that delay, which an idle pipeline does not show, g
 length of the operations (``benchmarks/accuracy/engine_sweep.py``).  On CUDA devices that
 share nothing k comes out near 0.
 
-Every launch measures both; :func:`calibrate` runs ``launches`` of them and keeps the medians.
+Every launch measures both; :func:`calibrate` runs ``launches`` of them, fits (o, k) to each
+launch's widths and keeps the median o and the median k.  One fit through the widths' median
+points, as before, let one launch's slow phase at one width tilt the line: over 20 draws of 3
+launches out of 6 measured here, k spread 0.25-0.52 that way and 0.31-0.41 as the median of
+the launches' fits (F + B then timed once per launch; ``benchmarks/accuracy`` README).
 A 1-stage plan runs the same engine with no peer: no transfers, and no transport threads
 competing with the compute for the cores.  Its o (``Cluster.solo_op_overhead_s``) comes from
 1-rank launches of the same pipeline, step = c + m (F + B + 2 o) with the update's span taken
@@ -349,10 +354,14 @@ def _stage_compute_s(repeats: int, width: int = WIDTH, input_grad: bool = True) 
 
 
 def _engine_step_times(
-    device: Any, repeats: int, rounds: int = 3, width: int = WIDTH
-) -> dict[int, list[float]]:
+    device: Any, repeats: int, rounds: int = 3, width: int = WIDTH, input_grad: bool = True
+) -> tuple[dict[int, list[float]], float]:
     """Per round, the median step time of the calibration pipeline at each m in ENGINE_MS, less
-    the step's optimizer update (its own span: the cost model charges updates separately)."""
+    the step's optimizer update (its own span: the cost model charges updates separately);
+    and the stage's forward + backward timed alone on rank 0 (:func:`_stage_compute_s`) at the
+    start of every round, the median over rounds (0 on other ranks).  Timing F + B beside the
+    steps it is compared with, not once before them, keeps a slow phase of the host from
+    landing on one and not the other."""
     import torch.distributed as dist
 
     from runtime.engine import PipelineRunner
@@ -362,7 +371,12 @@ def _engine_step_times(
         plan, spec = _calibration_plan(dist.get_world_size(), m, width)
         runners[m] = (PipelineRunner(plan, spec, device=device), spec.batch(m * MICRO))
     out: dict[int, list[float]] = {m: [] for m in ENGINE_MS}
+    compute: list[float] = []
     for _ in range(rounds):
+        dist.barrier()
+        if dist.get_rank() == 0:  # the others wait at the barrier: rank 0 computes alone
+            compute.append(_stage_compute_s(repeats, width, input_grad))
+        dist.barrier()
         for m, (runner, batch) in runners.items():
             walls = []
             for step in range(repeats + 2):
@@ -372,7 +386,7 @@ def _engine_step_times(
                     walls.append(wall - sum(s.duration_s for s in spans if s.kind == "optimizer"))
             out[m].append(statistics.median(walls))
             dist.barrier()
-    return out
+    return out, statistics.median(compute) if compute else 0.0
 
 
 def slope_per_microbatch(step_times: dict[int, list[float]]) -> float:
@@ -488,11 +502,9 @@ def _worker(argv: list[str] | None = None) -> None:
             kappa_u = _measure_update_contention(args.repeats, device)
         engine = []
         for width in args.widths:
-            compute = (
-                _stage_compute_s(args.repeats, width, input_grad=world > 1) if rank == 0 else 0.0
+            steps, compute = _engine_step_times(
+                torch.device(device), args.repeats, width=width, input_grad=world > 1
             )
-            dist.barrier()
-            steps = _engine_step_times(torch.device(device), args.repeats, width=width)
             engine.append({"width": width, "compute": compute, "steps": steps})
         if rank == 0:
             if args.device == "cuda":
@@ -568,9 +580,10 @@ def calibrate(
     and the link samples.
 
     Every launch measures the link and the engine; the cluster takes, per message size, the
-    median of the launches' one-way times, and per width the median of the launches' slopes
-    and stage times, to which :func:`fit_engine` fits the engine cost o and the contention k,
-    and the median of the launches' update contention kappa_u.  On a shared
+    median of the launches' one-way times; :func:`fit_engine` fits the engine cost o and the
+    contention k to each launch's (stage time, slope) points over the widths, and the cluster
+    takes the median o and the median k over launches, and the median of the launches' update
+    contention kappa_u.  On a shared
     host one launch can land in a slow or a fast phase (engine costs of 0.49 and 0.90-0.99 ms
     per operation were measured by single launches minutes apart), so one launch is not enough.
     ``solo_launches`` (default ``launches``) 1-rank launches then measure the engine alone for
@@ -602,17 +615,16 @@ def calibrate(
         for per_size in zip(*(r["allreduce"] for r in results))
         for t in [float(np.median([s[1] for s in per_size]))]
     ])  # fmt: skip
-    points = []
-    for k, width in enumerate(widths):
-        runs = [r["engine"][k] for r in results]
-        slope = statistics.median(
-            slope_per_microbatch({int(m): [float(x) for x in v] for m, v in e["steps"].items()})
-            for e in runs
-        )
-        compute = statistics.median(float(e["compute"]) for e in runs)
-        round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
-        points.append((compute, slope - round_trip))
-    overhead, kappa = fit_engine(points)
+    fits = []
+    for r in results:  # one (o, k) per launch, from its own widths' points
+        points = []
+        for width, e in zip(widths, r["engine"], strict=True):
+            steps = {int(m): [float(x) for x in v] for m, v in e["steps"].items()}
+            round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
+            points.append((float(e["compute"]), slope_per_microbatch(steps) - round_trip))
+        fits.append(fit_engine(points))
+    overhead = statistics.median(f[0] for f in fits)
+    kappa = statistics.median(f[1] for f in fits)
     kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
     solo = step_cost = None
     if solo_launches:

@@ -160,6 +160,37 @@ def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPat
     assert cluster.contention == pytest.approx(kappa, rel=1e-6)
 
 
+def test_calibrate_takes_the_median_of_the_launches_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three launches, each exactly on its own line (1 + k)(F + B + 2 o) + C, in different host
+    # phases (their stage times differ): (o, k) = (2e-4, 0.2), (3e-4, 0.4), (5e-4, 0.9).  The
+    # cluster keeps the median o and the median k of the launches' fits; one line through the
+    # widths' median points would mix the launches (here: o = 319 us, k = 0.48).
+    link = {
+        "samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)],
+        "allreduce": [(n, 1e-4 + n / 1e9) for n in (4, 1024, 65536, 2**20)],
+    }
+    trip = {w: 2 * fit_link(link["samples"]).transfer_s(4 * w * 32) for w in (256, 1024)}
+
+    def launch(o: float, kappa: float, compute: dict[int, float]) -> dict:
+        slope = {w: (1 + kappa) * (compute[w] + 2 * o) + trip[w] for w in compute}
+        engine = [
+            {"width": w, "compute": compute[w],
+             "steps": {str(m): [0.01 + m * slope[w]] * 3 for m in (2, 4, 8, 16)}}
+            for w in (256, 1024)
+        ]  # fmt: skip
+        return {**link, "memory": 2**30, "engine": engine}
+
+    launches = iter([
+        launch(2e-4, 0.2, {256: 4e-4, 1024: 9e-3}),
+        launch(3e-4, 0.4, {256: 6e-4, 1024: 6e-3}),
+        launch(5e-4, 0.9, {256: 5e-4, 1024: 7e-3}),
+    ])  # fmt: skip
+    monkeypatch.setattr(calibrate_module, "measure", lambda *a, **k: next(launches))
+    cluster, _ = calibrate_module.calibrate(2, launches=3, solo_launches=0, widths=(256, 1024))
+    assert cluster.op_overhead_s == pytest.approx(3e-4, rel=1e-6)
+    assert cluster.contention == pytest.approx(0.4, rel=1e-6)
+
+
 def test_fit_engine_clamps_and_falls_back() -> None:
     # Slopes that do not grow with the operations: no contention, o from the mean excess.
     assert fit_engine([(1e-3, 2e-3), (5e-3, 5.8e-3)]) == (pytest.approx(4.5e-4), 0.0)
