@@ -470,8 +470,9 @@ def calibrate(
         list[int] | None,
         typer.Option(
             "--width",
-            help="Width of the calibration stages' layers, repeatable (default 256, 512 and 1024); "
-            "two or more fit the contention, one takes it as 0.",
+            help="Width of the calibration stages' layers, repeatable "
+            "(default 256, 512, 1024 and 1536); two or more fit the contention, one takes it "
+            "as 0.",
         ),
     ] = None,
     memory: Annotated[

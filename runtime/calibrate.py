@@ -35,8 +35,9 @@ per rank; the launch keeps the mean over ranks 0 and 1, clamped at 0
 
 Then the ranks run a real pipeline through :class:`runtime.engine.PipelineRunner` whose stages
 compute (two linear layers of width w on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
-interleaved over rounds, for each width w in ``widths`` (256, 512 and 1024 by default, so that
-one stage's forward + backward ranges from about 0.5 to 7 ms here).  In the steady state both
+interleaved over rounds, for each width w in ``widths`` (256, 512, 1024 and 1536 by default, so
+that one stage's forward + backward ranges from about 0.5 to 17 ms here, the range of the
+bundled models' stages).  In the steady state both
 stages compute at once, and each extra micro-batch adds one steady-state stage time
 
     slope = (1 + k) (F + B + 2 o) + C                  (the cost model's s_j)
@@ -283,7 +284,7 @@ ENGINE_MS = (2, 4, 8, 16)
 #: The calibration stage: width, layers per stage, micro-batch size.
 WIDTH, LAYERS, MICRO = 512, 2, 32
 #: Widths of the calibration stages whose engine cost ``calibrate`` fits (o, k) to.
-WIDTHS = (256, 512, 1024)
+WIDTHS = (256, 512, 1024, 1536)
 
 
 def _stage_module(width: int = WIDTH) -> Any:

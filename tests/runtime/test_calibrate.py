@@ -136,24 +136,34 @@ def test_calibrate_takes_the_median_of_launches(
     assert load_cluster(tmp_path / "cluster.json") == cluster
 
 
-def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two widths whose steady-state slopes follow (1 + k)(F + B + 2 o) + C exactly.
-    o, kappa = 3e-4, 0.4
-    link = {
-        "samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)],
-        "allreduce": [(n, 1e-4 + n / 1e9) for n in (4, 1024, 65536, 2**20)],
+_LINK = {
+    "samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)],
+    "allreduce": [(n, 1e-4 + n / 1e9) for n in (4, 1024, 65536, 2**20)],
+}
+
+
+def _exact_launch(o: float, kappa: float, compute: dict[int, float]) -> dict:
+    """A launch's result whose steady-state slopes follow (1 + k)(F + B + 2 o) + C exactly, C
+    the round trip of a calibration stage's activations over ``_LINK``; widths as ``compute``'s
+    keys, F + B its values."""
+    link = fit_link(_LINK["samples"])
+    slope = {
+        w: (1 + kappa) * (f + 2 * o) + 2 * link.transfer_s(4 * w * calibrate_module.MICRO)
+        for w, f in compute.items()
     }
-    trip = {w: 2 * fit_link(link["samples"]).transfer_s(4 * w * 32) for w in (256, 1024)}
-    compute = {256: 4e-4, 1024: 7e-3}
-    slope = {w: (1 + kappa) * (compute[w] + 2 * o) + trip[w] for w in compute}
     engine = [
         {"width": w, "compute": compute[w],
          "steps": {str(m): [0.01 + m * slope[w]] * 3 for m in (2, 4, 8, 16)}}
-        for w in (256, 1024)
+        for w in compute
     ]  # fmt: skip
-    monkeypatch.setattr(
-        calibrate_module, "measure", lambda *a, **k: {**link, "memory": 2**30, "engine": engine}
-    )
+    return {**_LINK, "memory": 2**30, "engine": engine}
+
+
+def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two widths whose steady-state slopes follow (1 + k)(F + B + 2 o) + C exactly.
+    o, kappa = 3e-4, 0.4
+    result = _exact_launch(o, kappa, {256: 4e-4, 1024: 7e-3})
+    monkeypatch.setattr(calibrate_module, "measure", lambda *a, **k: result)
     cluster, _ = calibrate_module.calibrate(2, launches=2, solo_launches=0, widths=(256, 1024))
     assert cluster.solo_op_overhead_s is None
     assert cluster.op_overhead_s == pytest.approx(o, rel=1e-6)
@@ -161,29 +171,14 @@ def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPat
 
 
 def test_calibrate_takes_the_median_of_the_launches_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Three launches, each exactly on its own line (1 + k)(F + B + 2 o) + C, in different host
-    # phases (their stage times differ): (o, k) = (2e-4, 0.2), (3e-4, 0.4), (5e-4, 0.9).  The
-    # cluster keeps the median o and the median k of the launches' fits; one line through the
-    # widths' median points would mix the launches (here: o = 319 us, k = 0.48).
-    link = {
-        "samples": [(n, 5e-5 + n / 4e9, 6e-5 + n / 4e9) for n in (4, 1024, 65536, 2**20)],
-        "allreduce": [(n, 1e-4 + n / 1e9) for n in (4, 1024, 65536, 2**20)],
-    }
-    trip = {w: 2 * fit_link(link["samples"]).transfer_s(4 * w * 32) for w in (256, 1024)}
-
-    def launch(o: float, kappa: float, compute: dict[int, float]) -> dict:
-        slope = {w: (1 + kappa) * (compute[w] + 2 * o) + trip[w] for w in compute}
-        engine = [
-            {"width": w, "compute": compute[w],
-             "steps": {str(m): [0.01 + m * slope[w]] * 3 for m in (2, 4, 8, 16)}}
-            for w in (256, 1024)
-        ]  # fmt: skip
-        return {**link, "memory": 2**30, "engine": engine}
-
+    # Three launches, each exactly on its own line, in different host phases (their stage
+    # times differ): (o, k) = (2e-4, 0.2), (3e-4, 0.4), (5e-4, 0.9).  The cluster keeps the
+    # median o and the median k of the launches' fits; one line through the widths' median
+    # points would mix the launches (here: o = 319 us, k = 0.48).
     launches = iter([
-        launch(2e-4, 0.2, {256: 4e-4, 1024: 9e-3}),
-        launch(3e-4, 0.4, {256: 6e-4, 1024: 6e-3}),
-        launch(5e-4, 0.9, {256: 5e-4, 1024: 7e-3}),
+        _exact_launch(2e-4, 0.2, {256: 4e-4, 1024: 9e-3}),
+        _exact_launch(3e-4, 0.4, {256: 6e-4, 1024: 6e-3}),
+        _exact_launch(5e-4, 0.9, {256: 5e-4, 1024: 7e-3}),
     ])  # fmt: skip
     monkeypatch.setattr(calibrate_module, "measure", lambda *a, **k: next(launches))
     cluster, _ = calibrate_module.calibrate(2, launches=3, solo_launches=0, widths=(256, 1024))
