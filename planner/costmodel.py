@@ -17,7 +17,7 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
     c_j = F_j + B_j                  (the stage's compute)
     t_j = c_j + C_j
     U_j = U(w_j) / v_j               (the optimizer's update of the stage's parameters)
-    D_j = sum_{i<j} B_i + C_{j-1} / 2  (the drain between stage j's last backward and the step's)
+    D_j = sum_{i<j} (B_i + C_i / 2)  (the drain between stage j's last backward and the step's)
     R = max_j (U_j - D_j)            (the updates' tail; R >= U_0, D_0 = 0; see Tied gradients
                                       and Concurrent updates)
     T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R + c   (step time)
@@ -56,7 +56,8 @@ p = 1 (nothing overlaps), and on devices that share nothing.
 
 Updates.  Each stage updates its parameters once per step, after its last backward.  Stage 0
 runs the step's last backward, so its update U_0 ends the step; stage j's update starts D_j
-earlier (the last micro-batch's gradient travels back through the stages before it) and
+earlier (the last micro-batch's gradient crosses every cut before it and runs the backward of
+every stage there) and
 outlasts the step's end by U_j - D_j.  R is exact when those stages wait for the gradient (they
 do in the drain unless an earlier stage is the backward bottleneck, when R errs high).  A plan
 that puts most parameters on a late stage pays for it: the DP's earlier form charged U_0 alone.

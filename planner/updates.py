@@ -138,14 +138,15 @@ def update_tail(
     kappa_u: float = 0.0,
 ) -> float:
     """R = max(0, max_j E_j): how long the updates (and tied-gradient all-reduces) outlast
-    stage 0's last backward.  ready_j = -D_j, D_j = sum_{i<j} B_i + C_{j-1} / 2, moved by each
-    all-reduce in turn to the latest arrival among its stages plus its seconds; stage j's update
-    (U_j of work) then runs from ready_j and ends at E_j, sharing with the other updates under
-    way (:func:`shared_ends`; E_j = ready_j + U_j when ``kappa_u`` = 0)."""
+    stage 0's last backward.  ready_j = -D_j, D_j = sum_{i<j} (B_i + C_i / 2) (the last
+    micro-batch's gradient crosses every cut before stage j and runs every backward there),
+    moved by each all-reduce in turn to the latest arrival among its stages plus its seconds;
+    stage j's update (U_j of work) then runs from ready_j and ends at E_j, sharing with the
+    other updates under way (:func:`shared_ends`; E_j = ready_j + U_j when ``kappa_u`` = 0)."""
     ready, drain = [], 0.0
     for j in range(len(updates)):
-        ready.append(-(drain + (comm[j - 1] / 2 if j else 0.0)))
-        drain += backward[j]
+        ready.append(-drain)
+        drain += backward[j] + comm[j] / 2
     for sync in syncs:
         end = max(ready[i] for i in sync.stages) + sync.seconds
         for i in sync.stages:

@@ -21,7 +21,7 @@ prefix sums, read from constant tables with element constraints on the boundarie
     a_j = t_j + (m - 1) k c_j,   s_j = t_j - k c_j          (contention k; see costmodel)
     U_j >= (slope_k / s_j) (W[b_{j+1}] - W[b_j] + H_j) + intercept_k / s_j   for every affine
           piece k of the update's cost U(w) (planner.updates; one prefix table per piece)
-    D_j = sum_{i<j} (B_i[b_{i+1}] - B_i[b_i] + ob_i) + C[b_j] / 2   (B_i: backward prefix table)
+    D_j = sum_{i<j} (B_i[b_{i+1}] - B_i[b_i] + ob_i + C[b_{i+1}] / 2)   (B_i: backward prefix table)
     minimise  sum_j a_j + (m - 1) T + R,   T >= s_j,  R >= U_j - D_j  for all j,
               R >= A + U_j - D_s  for stages j holding a copy of a shared parameter that spans
               stages, s the stage of its owner (its all-reduce, A ticks, waits for s; big-M
@@ -36,7 +36,7 @@ Bytes are integers already, so memory is exact.  Times are scaled to integer *ti
 (slowest device, all recompute, every cut paid), each table entry and o_j is rounded to the
 nearest tick.  A stage's a_j or s_j then errs by at most 2 ticks (two prefix entries, one cut,
 o_j), U_j by 1 + h / 2 (two prefix entries, one rounded constant per shared parameter, h of
-them), each all-reduce A and the engine's fixed cost per step by 1/2 and D_j by 1.5 p + 0.5,
+them), each all-reduce A and the engine's fixed cost per step by 1/2 and D_j by 2 p,
 so the scaled objective of any partition is within ``E = 2 (p + m - 1) + 2 p + 3 + h`` ticks of
 S times its step time, and the plan CP-SAT proves optimal is within ``2 E / S`` seconds of the true optimum (about ``8e-9 (p + m)`` of R).
 o_j, C and the stage's F and B are read from :func:`planner.costmodel.stage_time`, so the model
@@ -262,7 +262,7 @@ class _Model:
         self.a: list[cp_model.IntVar] = []
         self.s: list[cp_model.IntVar] = []
         tails: list[tuple[cp_model.LinearExpr | int, cp_model.LinearExpr | int]] = []  # U_j, D_j
-        drain: cp_model.LinearExpr | int = 0  # sum_{i<j} B_i
+        drain: cp_model.LinearExpr | int = 0  # D_j = sum_{i<j} (B_i + C_i / 2)
         half = _ticks(cuts / 2, scale)  # the gradient's trip, for the drain D_j
         for j in range(p):
             rc = recomputes(options.checkpoint, j, p)
@@ -291,10 +291,12 @@ class _Model:
                 upd: cp_model.LinearExpr | int = 0
                 if update:
                     upd = self._update(j, update, cluster, scale, copies, at)
-                tails.append((upd, drain + (at(j, half, "h") if j else 0)))
+                tails.append((upd, drain))
                 back, ob = stage_backward(costs, cluster, options, j)
                 QB = _ticks(back, scale)
                 drain = drain + at(j + 1, QB, "be") - at(j, QB, "bs") + _ticks([ob], scale)[0]
+                if j < p - 1:  # the gradient's trip across the cut after stage j
+                    drain = drain + at(j + 1, half, "h")
             acts = at(j + 1, A, "ae") - at(j, A, "as")
             if rc:
                 mem = mem + q * at(j, X, "x") + acts

@@ -8,7 +8,7 @@ minimise the GPipe step time of :mod:`planner.costmodel`,
     R = max(U_0, max_{j>0} h_j),  h_j = U_j - D_j  (tied holders: :mod:`solvers.dp_tables`),
 
 with c_j = F_j + B_j, k the contention (0 when m = 1 or p = 1), U_j stage j's optimizer update
-and D_j = sum_{i<j} B_i + C_{j-1} / 2 the drain before it, subject to M_j <= cap_j on every
+and D_j = sum_{i<j} (B_i + C_i / 2) the drain before it, subject to M_j <= cap_j on every
 stage.  The objective mixes a sum and two maxima, so a plain prefix DP is not exact.
 
 The tail.  For a bound theta >= 0 let every stage j > 0 keep h_j <= theta and let stage 0 pay
@@ -17,7 +17,8 @@ equality at theta = max(0, max_{j>0} h_j).  So the optimum is the best over thet
 positive h values a stage can take (few: most stages drain far longer than they update), and
 theta stops rising once theta plus a lower bound of S + (m - 1) M reaches the incumbent.
 h_j depends on the stage's own units and its index alone (D_j = QB[l] + j o_B + C[l] / 2 for
-stages of one speed), so the bound is a per-stage mask.  Updates that overlap slow each other
+stages of one speed, plus the earlier cuts' trips, which are bounded by the longest trip before
+unit l; see :mod:`solvers.dp_tables`), so the bound is a per-stage mask.  Updates that overlap slow each other
 (``Cluster.update_contention`` > 0), which lifts the true R above max h_j: for p > 2 the DP
 then minimises that lower bound and reports a gap (:mod:`solvers.dp_tables`); two stages are
 enumerated with the contended R and stay exact.

@@ -24,7 +24,9 @@ lower bound of T(m), re-evaluates its plans exactly, and reports the least relax
 bound (status ``feasible`` with a gap when it falls short).  The same holds when updates that
 overlap slow each other (``Cluster.update_contention`` > 0, see :mod:`planner.costmodel`):
 max_j h_j ignores the sharing, a lower bound of the tail, exact again only for p = 2, whose
-cuts are enumerated with the contended tail.
+cuts are enumerated with the contended tail.  And the same holds for the drain D_j of a stage
+j >= 2 on a link that costs time: it includes the gradient's trips across the j - 1 cuts before
+the stage's own, which :meth:`Instance.drain` can only bound.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class Instance:
         one_way = cluster.link.one_way_s(x, costs.msgs)
         one_way[n] = 0.0
         self.comm = 2.0 * one_way  # comm[k]: round trip across the cut before unit k
+        # trips[l] = max_{0<k<l} comm[k]: the longest trip across a cut before unit l.  The
+        # drain D_j counts the trips across the j - 1 cuts before stage j's first one, which a
+        # prefix DP cannot see, so drain() bounds them by (j - 1) trips[l] (see tail()).
+        self.trips = np.concatenate(([0.0, 0.0], np.maximum.accumulate(self.comm[1:n])))
         self.policy = options.checkpoint
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
@@ -113,6 +119,9 @@ class Instance:
         # Updates that overlap slow each other (kappa_u): max_j h_j is then a lower bound of
         # the contended tail.  p = 2 is enumerated with the exact tail (dp._two_stages).
         if cluster.update_contention > 0 and self.p > 2 and self.tail_on:
+            self.exact = False
+        # The earlier cuts' trips in D_j are bounded, not known, once p > 2 (see drain()).
+        if self.p > 2 and self.tail_on and float(np.max(self.trips)) > 0:
             self.exact = False
         self.relaxed_min = INF
         self.floor_vec: np.ndarray | None = None  # _floors' result, computed once
@@ -157,11 +166,17 @@ class Instance:
 
     def drain(self, j: int, l: np.ndarray | int) -> np.ndarray:
         """D_j of a stage j > 0 starting at unit l: the backward of the j mid stages before it
-        and the gradient's trip across its first cut (0 for j = 0)."""
+        and the gradient's trips across the j cuts before it (0 for j = 0).
+
+        The trip across its own first cut is comm[l] / 2; the j - 1 earlier cuts lie before
+        unit l, so their trips are at most (j - 1) trips[l] / 2.  That makes D_j exact for
+        j <= 1 and an upper bound beyond (``self.exact`` is then False): h_j = U_j - D_j is
+        bounded from below, and the DP's objective with it from below too."""
         l_arr = np.asarray(l)
         if j == 0:
             return np.zeros(l_arr.shape)
-        return self.QB[l_arr] + j * self.ob + self.comm[l_arr] / 2
+        cut = self.comm[l_arr] / 2 + (j - 1) * self.trips[l_arr] / 2
+        return self.QB[l_arr] + j * self.ob + cut
 
     def tail(self, j: int, l: np.ndarray, r: np.ndarray, upd: np.ndarray) -> np.ndarray:
         """h_j of stage j over units l..r with update ``upd``: U_j - D_j, or for a stage that

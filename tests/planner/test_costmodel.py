@@ -439,7 +439,7 @@ def test_update_tail_without_contention_is_the_plain_maximum(
              if max(st_) < len(stages)]  # fmt: skip
     # ready_j = -D_j, then every all-reduce moves its stages to its end: the formula before
     # kappa_u, reproduced here.
-    ready = [-(sum(back[:j]) + (comm[j - 1] / 2 if j else 0.0)) for j in range(len(stages))]
+    ready = [-sum(b + c / 2 for b, c in zip(back[:j], comm[:j])) for j in range(len(stages))]
     for sync in syncs:
         end = max(ready[i] for i in sync.stages) + sync.seconds
         for i in sync.stages:
@@ -474,13 +474,12 @@ def test_contended_tail_equals_simulator(
 ) -> None:
     # One micro-batch: every stage's last backward ends exactly D_j before stage 0's, so the
     # step is sum_j t_j plus the tail, and the simulator's updates (integrated between events)
-    # must end where the closed form's shared virtual time puts them.  (D_j counts the trip
-    # across the cut before stage j alone, so only the last cut has a transfer here.)
+    # must end where the closed form's shared virtual time puts them.  Every cut has its own
+    # transfer: D_j counts the gradient's trip across each cut before stage j.
     p = len(stages)
     fwd = [s[0] for s in stages]
     back = [s[1] for s in stages]
-    comm = [0.0] * p
-    comm[p - 2] = stages[0][2]
+    comm = [s[2] for s in stages[:-1]] + [0.0]
     upd = [s[3] * (1 + j) / p for j, s in enumerate(stages)]
     syncs = [TiedSync(stages=tuple(sorted(st_)), bytes=1, seconds=a) for st_, a in sets
              if max(st_) < p]  # fmt: skip

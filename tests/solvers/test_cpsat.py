@@ -384,3 +384,13 @@ def test_two_stage_cpsat_with_update_contention_is_exact(seed: int) -> None:
     assert got.status == "optimal"
     _assert_close(got.step_time_s, want, error_bound_s(prof, clus, PlanOptions()))
     assert solve_dp(prof, clus).step_time_s == pytest.approx(want, rel=1e-9)
+
+
+def test_cpsat_drain_counts_every_earlier_cut(
+    drain_case: tuple[Profile, Cluster, PlanOptions],
+) -> None:
+    prof, cluster, options = drain_case
+    got = solve_cpsat(prof, cluster, options)
+    want = brute_force(prof, cluster, options)
+    assert got.status == "optimal" and want is not None
+    _assert_close(got.step_time_s, want, error_bound_s(prof, cluster, options))
