@@ -272,6 +272,8 @@ def driver(args: argparse.Namespace) -> None:
             "latency_us": link.latency_s * 1e6,
             "bandwidth_GBps": (link.bandwidth_Bps or 0) / 1e9,
             "op_overhead_us": cluster.op_overhead_s * 1e6,
+            "contention": cluster.contention,
+            "update_contention": cluster.update_contention,
         },
         "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
         "results": results,
