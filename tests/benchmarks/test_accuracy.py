@@ -1,10 +1,13 @@
-"""The accuracy benchmark's own arithmetic: re-evaluating a plan with another profile."""
+"""The accuracy benchmark's own arithmetic: re-evaluating a plan with another profile, and the
+noise floor of its rounds."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from benchmarks.accuracy.main import _simulated
+from benchmarks.accuracy.noise import split_halves, summary
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, PlanOptions
 from solvers.dp import solve_dp
@@ -40,3 +43,28 @@ def test_reevaluating_with_a_slower_profile_scales_the_prediction() -> None:
     cluster = Cluster.homogeneous(2, 2**40)
     plan = solve_dp(prof.model_copy(update={"loss": {}}), cluster, PlanOptions(microbatches=2))
     assert _simulated(plan, slow, cluster) == pytest.approx(2 * plan.simulated_step_time_s)
+
+
+def _rounds(model: str, ratios: list[float]) -> list[dict]:
+    """rounds.csv rows whose round r has measured / bracketed = ratios[r] (bracket 10 ms)."""
+    return [
+        {"model": model, "stages": 2, "m": 4, "checkpoint": "never", "round": r,
+         "measured_ms": 10.0 * q, "before_ms": 9.0, "after_ms": 11.0}
+        for r, q in enumerate(ratios)
+    ]  # fmt: skip
+
+
+def test_split_halves_compares_the_first_rounds_with_the_last() -> None:
+    frame = pd.DataFrame(_rounds("a", [1.2, 1.2, 1.0, 1.0]) + _rounds("b", [1.0, 2.0, 1.0]))
+    halves = split_halves(frame.sample(frac=1.0, random_state=0)).set_index("model")
+    # a: halves 1.2 and 1.0; the median ratio 1.1 is its bracketed error.
+    assert halves.loc["a", "split"] == pytest.approx(0.2)
+    assert halves.loc["a", "spread"] == pytest.approx(0.2)
+    assert halves.loc["a", "error"] == pytest.approx(0.1)
+    # b: three rounds, the middle one left out of both halves.
+    assert halves.loc["b", "split"] == pytest.approx(0.0)
+    assert halves.loc["b", "spread"] == pytest.approx(1.0)
+    assert halves.loc["b", "error"] == pytest.approx(0.0)
+    s = summary(halves, limit=0.15)
+    assert (s["configurations"], s["split_over"], s["error_over"]) == (2, 1, 0)
+    assert s["split_worst"] == pytest.approx(0.2)
