@@ -123,11 +123,16 @@ def _solve(inst: Instance, incumbent: float = INF) -> _Result | None:
     # Under theta the last stage starts where h_last <= theta, so T >= theta + the least floor
     # over those starts: a small theta forces a short last stage and a long bottleneck.
     floors = np.where(np.isfinite(inst.t_last), _floors(inst), INF)
+    # The least floor over the starts with h_last <= theta, for every theta at once: the
+    # floors' running minimum in the order of h_last.
+    order = np.argsort(inst.h_last, kind="stable")
+    least = np.minimum.accumulate(floors[order])
+    k = np.searchsorted(inst.h_last[order], thetas, side="right")
+    lbs = thetas + np.where(k > 0, least[np.maximum(k - 1, 0)], INF)
     limit = max(_TAIL_RUNS, _TAIL_WORK // (inst.n * inst.p))
     runs, left = 0, INF
     for i in _coarse_to_fine(len(thetas)):  # good plans early, so the floors prune the rest
-        theta = float(thetas[i])
-        lb = theta + float(np.min(floors[inst.h_last <= theta], initial=INF))
+        theta, lb = float(thetas[i]), float(lbs[i])
         if lb >= min(INF if best is None else best.objective, incumbent):
             continue  # nothing under this theta beats this m's or another m's best
         if runs >= limit and best is not None:
