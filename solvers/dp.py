@@ -19,9 +19,9 @@ theta stops rising once theta plus a lower bound of S + (m - 1) M reaches the in
 h_j depends on the stage's own units and its index alone (D_j = QB[l] + j o_B + C[l] / 2 for
 stages of one speed, plus the earlier cuts' trips, bounded by the longest trip before unit l;
 see :mod:`solvers.dp_tables`), so the bound is a per-stage mask.  Updates that overlap slow
-each other (``Cluster.update_contention`` > 0), which lifts the true R above max h_j: for p > 2 the DP
-then minimises that lower bound and reports a gap (:mod:`solvers.dp_tables`); two stages are
-enumerated with the contended R and stay exact.
+each other (``Cluster.update_contention`` > 0), which lifts the true R above max h_j: for
+p > 2 the DP then minimises that lower bound and reports a gap (:mod:`solvers.dp_tables`); two
+stages are enumerated with the contended R and stay exact.
 
 The bottleneck.  For a fixed m and theta we use the bottleneck-threshold method (as in Alpa's
 inter-operator pass): for a threshold M let
