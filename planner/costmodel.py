@@ -57,9 +57,10 @@ p = 1 (nothing overlaps), and on devices that share nothing.
 Updates.  Each stage updates its parameters once per step, after its last backward.  Stage 0
 runs the step's last backward, so its update U_0 ends the step; stage j's update starts D_j
 earlier (the last micro-batch's gradient crosses every cut before it and runs the backward of
-every stage there) and outlasts the step's end by U_j - D_j.  R is exact when those stages wait for the gradient (they
-do in the drain unless an earlier stage is the backward bottleneck, when R errs high).  A plan
-that puts most parameters on a late stage pays for it: the DP's earlier form charged U_0 alone.
+every stage there) and outlasts the step's end by U_j - D_j.  R is exact when those stages
+wait for the gradient (they do in the drain unless an earlier stage is the backward bottleneck,
+when R errs high).  A plan that puts most parameters on a late stage pays for it: the DP's
+earlier form charged U_0 alone.
 
 Tied gradients.  A parameter used on several stages (a tied embedding and LM head) has a copy
 on each; after their last backward those stages sum its gradient with one all-reduce
