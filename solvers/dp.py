@@ -17,7 +17,7 @@ equality at theta = max(0, max_{j>0} h_j).  So the optimum is the best over thet
 positive h values a stage can take (few: most stages drain far longer than they update), and
 theta stops rising once theta plus a lower bound of S + (m - 1) M reaches the incumbent.
 h_j depends on the stage's own units and its index alone (D_j = QB[l] + j o_B + C[l] / 2 for
-stages of one speed, plus the earlier cuts' trips, bounded by the longest trip before unit l;
+stages of one speed, plus the earlier cuts' trips, bounded by the j - 1 longest before unit l;
 see :mod:`solvers.dp_tables`), so the bound is a per-stage mask.  Updates that overlap slow
 each other (``Cluster.update_contention`` > 0), which lifts the true R above max h_j: for
 p > 2 the DP then minimises that lower bound and reports a gap (:mod:`solvers.dp_tables`); two

@@ -52,6 +52,29 @@ __all__: list[str] = []
 INF = np.inf
 
 
+def longest_sums(comm: np.ndarray, k_max: int) -> np.ndarray:
+    """S[l, k] = the sum of the k largest of comm[1..l-1], for l = 0..len(comm)-1 and
+    k = 0..k_max (all of them where fewer than k exist).
+
+    Built by one sweep over l that keeps the k_max largest values seen in descending order:
+    O(n k_max) time and memory.
+
+    >>> longest_sums(np.array([0.0, 3.0, 1.0, 2.0]), 2).tolist()
+    [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 3.0, 3.0], [0.0, 3.0, 4.0]]
+    """
+    n = len(comm)
+    out = np.zeros((n, k_max + 1))
+    best = np.zeros(k_max)  # the k_max largest so far, descending (0 pads: trips are >= 0)
+    for l in range(2, n):
+        value = float(comm[l - 1])
+        if k_max and value > best[-1]:
+            at = int(np.searchsorted(-best, -value, side="right"))
+            best[at + 1 :] = best[at:-1].copy()
+            best[at] = value
+        out[l, 1:] = np.cumsum(best)
+    return out
+
+
 class Instance:
     """Banded costs and memory of one micro-batch count m.
 
@@ -78,10 +101,10 @@ class Instance:
         one_way = cluster.link.one_way_s(x, costs.msgs)
         one_way[n] = 0.0
         self.comm = 2.0 * one_way  # comm[k]: round trip across the cut before unit k
-        # trips[l] = max_{0<k<l} comm[k]: the longest trip across a cut before unit l.  The
-        # drain D_j counts the trips across the j - 1 cuts before stage j's first one, which a
-        # prefix DP cannot see, so drain() bounds them by (j - 1) trips[l] (see tail()).
-        self.trips = np.concatenate(([0.0, 0.0], np.maximum.accumulate(self.comm[1:n])))
+        # trips[l, k]: the k longest trips across cuts before unit l, summed.  The drain D_j
+        # counts the trips across the j - 1 cuts before stage j's first one, which a prefix
+        # DP cannot see, so drain() bounds them by trips[l, j - 1] (see tail()).
+        self.trips = longest_sums(self.comm[: n + 1], max(self.p - 2, 0))
         self.policy = options.checkpoint
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
@@ -121,7 +144,7 @@ class Instance:
         if cluster.update_contention > 0 and self.p > 2 and self.tail_on:
             self.exact = False
         # The earlier cuts' trips in D_j are bounded, not known, once p > 2 (see drain()).
-        if self.p > 2 and self.tail_on and float(np.max(self.trips)) > 0:
+        if self.p > 2 and self.tail_on and float(np.max(self.trips[:, -1])) > 0:
             self.exact = False
         self.relaxed_min = INF
         self.floor_vec: np.ndarray | None = None  # _floors' result, computed once
@@ -168,14 +191,16 @@ class Instance:
         """D_j of a stage j > 0 starting at unit l: the backward of the j mid stages before it
         and the gradient's trips across the j cuts before it (0 for j = 0).
 
-        The trip across its own first cut is comm[l] / 2; the j - 1 earlier cuts lie before
-        unit l, so their trips are at most (j - 1) trips[l] / 2.  That makes D_j exact for
-        j <= 1 and an upper bound beyond (``self.exact`` is then False): h_j = U_j - D_j is
-        bounded from below, and the DP's objective with it from below too."""
+        The trip across its own first cut is comm[l] / 2; the j - 1 earlier cuts are distinct
+        cuts before unit l, so their trips sum to at most the j - 1 longest of those, halved
+        (``trips[l, j - 1] / 2``).  That makes D_j exact for j <= 1, and for j >= 2 where the
+        longest trips lie on the plan's cuts (one trip length on every cut, say), and an upper
+        bound otherwise (``self.exact`` is then False): h_j = U_j - D_j is bounded from below,
+        and the DP's objective with it from below too."""
         l_arr = np.asarray(l)
         if j == 0:
             return np.zeros(l_arr.shape)
-        cut = self.comm[l_arr] / 2 + (j - 1) * self.trips[l_arr] / 2
+        cut = self.comm[l_arr] / 2 + self.trips[l_arr, j - 1] / 2
         return self.QB[l_arr] + j * self.ob + cut
 
     def tail(self, j: int, l: np.ndarray, r: np.ndarray, upd: np.ndarray) -> np.ndarray:
