@@ -486,8 +486,8 @@ def calibrate(
     (on the ranks, and on one rank alone for 1-stage plans), the contention between stages
     that compute at once and between optimizer updates that run at once; write a cluster
     file."""
-    from runtime.calibrate import WIDTHS
     from runtime.calibrate import calibrate as run_calibration
+    from runtime.engine_fit import WIDTHS
 
     _check_output(output)
     if nproc < 2:

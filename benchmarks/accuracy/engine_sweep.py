@@ -18,7 +18,9 @@ import statistics
 
 import numpy as np
 
-from runtime.calibrate import MICRO, fit_engine, fit_link, measure, slope_per_microbatch
+from runtime.calibrate import measure
+from runtime.engine_fit import MICRO, fit_engine, slope_per_microbatch
+from runtime.linkbench import fit_link
 
 
 def main() -> None:

@@ -1,48 +1,17 @@
-"""`pipeplan calibrate`: the link fit, and a real two-rank measurement written as a cluster."""
+"""`pipeplan calibrate`: a real two-rank measurement written as a cluster, and the medians over
+launches (the fits themselves: test_linkbench, test_engine_fit, test_update_contention)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import runtime.calibrate as calibrate_module
 from planner.cli import main
-from planner.errors import InvalidRequestError
 from planner.io import load_cluster, write_json
-from runtime.calibrate import (
-    engine_overhead,
-    fit_engine,
-    fit_link,
-    slope_per_microbatch,
-    update_contention,
-)
-
-
-def test_fit_recovers_a_linear_link() -> None:
-    lat, bw, ovh = 50e-6, 2e9, 10e-6
-    sizes = [4 * 4**k for k in range(12)]
-    samples = [(s, lat + s / bw, lat + s / bw + ovh) for s in sizes]
-    link = fit_link(samples)
-    assert link.latency_s == pytest.approx(lat, rel=0.05)
-    assert link.bandwidth_Bps == pytest.approx(bw, rel=0.05)
-    assert link.overhead_s == pytest.approx(ovh, rel=0.01)
-    # The samples are kept and interpolated: exact at the measured points.
-    got = link.one_way_s(np.array(sizes, dtype=float), np.ones(len(sizes)))
-    np.testing.assert_allclose(got, [lat + s / bw + ovh for s in sizes], rtol=1e-9)
-    with pytest.raises(InvalidRequestError):
-        fit_link(samples[:1])
-
-
-def test_interpolation_between_and_beyond_samples() -> None:
-    link = fit_link([(4, 1e-5, 1e-5), (1000, 2e-5, 2e-5), (100_000, 1e-4, 1e-4)])
-    assert link.transfer_s(0) == 0.0
-    assert link.transfer_s(500) == pytest.approx(1e-5 + (500 - 4) / (1000 - 4) * 1e-5)
-    beyond = link.transfer_s(200_000)
-    assert beyond == pytest.approx(1e-4 + 100_000 / link.bandwidth_Bps)
-    # Two messages of half the size each pay the per-message part twice.
-    assert link.transfer_s(2000, 2) == pytest.approx(2 * link.transfer_s(1000))
+from runtime.engine_fit import MICRO
+from runtime.linkbench import fit_link
 
 
 def test_calibrate_end_to_end(tmp_path: Path) -> None:
@@ -127,7 +96,7 @@ def test_calibrate_takes_the_median_of_launches(
     # The tied-gradient all-reduce: the median launch's times, interpolated.
     assert cluster.allreduce is not None
     assert cluster.allreduce_s(65536) == pytest.approx(2.0 * (1e-4 + 65536 / 1e9))
-    trip = 2 * cluster.link.transfer_s(4 * 256 * calibrate_module.MICRO)
+    trip = 2 * cluster.link.transfer_s(4 * 256 * MICRO)
     assert cluster.op_overhead_s == pytest.approx((2e-3 - trip) / 2)
     assert cluster.contention == 0.0
     # The update contention: the median launch's, kept in the cluster file.
@@ -148,7 +117,7 @@ def _exact_launch(o: float, kappa: float, compute: dict[int, float]) -> dict:
     keys, F + B its values."""
     link = fit_link(_LINK["samples"])
     slope = {
-        w: (1 + kappa) * (f + 2 * o) + 2 * link.transfer_s(4 * w * calibrate_module.MICRO)
+        w: (1 + kappa) * (f + 2 * o) + 2 * link.transfer_s(4 * w * MICRO)
         for w, f in compute.items()
     }
     engine = [
@@ -184,39 +153,3 @@ def test_calibrate_takes_the_median_of_the_launches_fits(monkeypatch: pytest.Mon
     cluster, _ = calibrate_module.calibrate(2, launches=3, solo_launches=0, widths=(256, 1024))
     assert cluster.op_overhead_s == pytest.approx(3e-4, rel=1e-6)
     assert cluster.contention == pytest.approx(0.4, rel=1e-6)
-
-
-def test_fit_engine_clamps_and_falls_back() -> None:
-    # Slopes that do not grow with the operations: no contention, o from the mean excess.
-    assert fit_engine([(1e-3, 2e-3), (5e-3, 5.8e-3)]) == (pytest.approx(4.5e-4), 0.0)
-    assert fit_engine([(1e-3, 2e-3)]) == (pytest.approx(5e-4), 0.0)
-    with pytest.raises(InvalidRequestError):
-        fit_engine([])
-
-
-def test_engine_overhead_from_step_times() -> None:
-    # Each extra micro-batch costs one slowest-stage time F + B + 2 o + C.
-    o, trip, compute = 4e-4, 1e-4, 2e-3
-    steps = {m: [0.01 + (m - 2) * (compute + 2 * o + trip)] * 3 for m in (2, 4, 8, 16)}
-    assert engine_overhead(steps, trip, compute) == pytest.approx(o)
-    # One wild round does not move the Theil-Sen slope.
-    steps[16][1] = 1.0
-    assert engine_overhead(steps, trip, compute) == pytest.approx(o)
-    assert engine_overhead({2: [0.01], 16: [0.01]}, trip) == 0.0
-
-
-def test_slope_is_robust_to_an_outlier_round() -> None:
-    steps = {m: [0.002 * m + 0.001] * 3 for m in (2, 4, 8, 16)}
-    steps[16][1] = 1.0  # one round landed in a slow phase
-    assert slope_per_microbatch(steps) == pytest.approx(0.002)
-
-
-def test_update_contention_from_times_alone_and_together() -> None:
-    # Two updates of the same length that start together both take (1 + kappa_u) as long;
-    # medians, so one slow round does not move it.
-    assert update_contention([0.010, 0.011, 0.009], [0.012, 0.013, 0.030]) == pytest.approx(0.3)
-    assert update_contention([0.010], [0.010]) == 0.0
-    # Faster together (noise): negative for one rank; the worker clamps the ranks' mean.
-    assert update_contention([0.010], [0.009]) == pytest.approx(-0.1)
-    with pytest.raises(InvalidRequestError):
-        update_contention([], [0.01])

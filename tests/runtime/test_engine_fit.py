@@ -1,0 +1,33 @@
+"""The schedule engine's cost fit of ``pipeplan calibrate`` (:mod:`runtime.engine_fit`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import InvalidRequestError
+from runtime.engine_fit import engine_overhead, fit_engine, slope_per_microbatch
+
+
+def test_fit_engine_clamps_and_falls_back() -> None:
+    # Slopes that do not grow with the operations: no contention, o from the mean excess.
+    assert fit_engine([(1e-3, 2e-3), (5e-3, 5.8e-3)]) == (pytest.approx(4.5e-4), 0.0)
+    assert fit_engine([(1e-3, 2e-3)]) == (pytest.approx(5e-4), 0.0)
+    with pytest.raises(InvalidRequestError):
+        fit_engine([])
+
+
+def test_engine_overhead_from_step_times() -> None:
+    # Each extra micro-batch costs one slowest-stage time F + B + 2 o + C.
+    o, trip, compute = 4e-4, 1e-4, 2e-3
+    steps = {m: [0.01 + (m - 2) * (compute + 2 * o + trip)] * 3 for m in (2, 4, 8, 16)}
+    assert engine_overhead(steps, trip, compute) == pytest.approx(o)
+    # One wild round does not move the Theil-Sen slope.
+    steps[16][1] = 1.0
+    assert engine_overhead(steps, trip, compute) == pytest.approx(o)
+    assert engine_overhead({2: [0.01], 16: [0.01]}, trip) == 0.0
+
+
+def test_slope_is_robust_to_an_outlier_round() -> None:
+    steps = {m: [0.002 * m + 0.001] * 3 for m in (2, 4, 8, 16)}
+    steps[16][1] = 1.0  # one round landed in a slow phase
+    assert slope_per_microbatch(steps) == pytest.approx(0.002)
