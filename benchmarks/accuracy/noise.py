@@ -12,6 +12,14 @@ first and a second half,
 is how far the same plan, predicted from the same kind of profile and measured the same way,
 moved between the halves of one run: the noise floor.  A cost model whose errors are within the
 split cannot be told from an exact one by this benchmark.
+
+Across runs (``--across``, the runs' ``runN.csv``): a configuration's error that is the cost
+model's own comes back run after run, with one sign; noise does not.  Per configuration,
+
+    bias = median over runs of its signed bracketed error,
+
+with the runs' least and greatest error beside it, and ``agree`` the share of runs whose error
+has the bias's sign.
 """
 
 from __future__ import annotations
@@ -61,13 +69,40 @@ def summary(halves: pd.DataFrame, limit: float = 0.15) -> dict[str, float]:
     }
 
 
+def across_runs(runs: list[pd.DataFrame]) -> pd.DataFrame:
+    """Per configuration over several runs' result frames (column ``bracketed_error``):
+    ``bias``, ``least``, ``greatest`` and ``agree`` (see the module docstring), and ``runs``,
+    how many runs measured it.  Sorted by |bias|, largest first."""
+    frame = pd.concat(runs, ignore_index=True)
+    errors = frame.groupby(CONFIG)["bracketed_error"]
+    out = pd.DataFrame({"bias": errors.median(), "least": errors.min(), "greatest": errors.max()})
+    out["runs"] = errors.count()
+    bias = frame.join(out["bias"], on=CONFIG)["bias"]
+    agrees = np.sign(frame["bracketed_error"]) == np.sign(bias)
+    out["agree"] = agrees.groupby([frame[c] for c in CONFIG]).mean()
+    return out.reindex(out["bias"].abs().sort_values(ascending=False).index).reset_index()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("rounds", nargs="+", type=Path, help="rounds.csv files of accuracy runs")
+    ap.add_argument("files", nargs="+", type=Path, help="rounds.csv files of accuracy runs")
     ap.add_argument("--limit", type=float, default=0.15)
+    ap.add_argument(
+        "--across", action="store_true", help="the files are runN.csv: per-configuration bias"
+    )
     args = ap.parse_args()
+    if args.across:
+        bias = across_runs([pd.read_csv(path) for path in args.files])
+        large = bias["bias"].abs()
+        print(bias.head(10).round(3).to_string(index=False))
+        print(
+            f"configurations: {len(bias)}; |bias| > 5 %: {int((large > 0.05).sum())}, "
+            f"> 10 %: {int((large > 0.10).sum())}, > {args.limit:.0%}: "
+            f"{int((large > args.limit).sum())}; median |bias| {large.median():.1%}"
+        )
+        return
     rows = []
-    for path in args.rounds:
+    for path in args.files:
         s = summary(split_halves(pd.read_csv(path)), args.limit)
         rows.append({"run": path.name, **s})
     print(pd.DataFrame(rows).round(3).to_string(index=False))

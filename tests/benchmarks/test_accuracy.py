@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from benchmarks.accuracy.main import _simulated
-from benchmarks.accuracy.noise import split_halves, summary
+from benchmarks.accuracy.noise import across_runs, split_halves, summary
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, PlanOptions
 from solvers.dp import solve_dp
@@ -68,3 +68,25 @@ def test_split_halves_compares_the_first_rounds_with_the_last() -> None:
     s = summary(halves, limit=0.15)
     assert (s["configurations"], s["split_over"], s["error_over"]) == (2, 1, 0)
     assert s["split_worst"] == pytest.approx(0.2)
+
+
+def test_across_runs_separates_a_lasting_bias_from_noise() -> None:
+    # "a" errs +10 % in every run (a bias of the model); "b" swings around 0 (noise).
+    errors = {"a": [0.1, 0.12, 0.08], "b": [0.3, -0.25, 0.01]}
+    runs = [
+        pd.DataFrame(
+            [
+                {"model": k, "stages": 2, "m": 4, "checkpoint": "never", "bracketed_error": e[r]}
+                for k, e in errors.items()
+            ]
+        )
+        for r in range(3)
+    ]
+    bias = across_runs(runs).set_index("model")
+    assert list(bias.index) == ["a", "b"]  # largest |bias| first
+    assert bias.loc["a", "bias"] == pytest.approx(0.1)
+    assert bias.loc["a", "agree"] == pytest.approx(1.0)
+    assert (bias.loc["a", "least"], bias.loc["a", "greatest"]) == (0.08, 0.12)
+    assert bias.loc["b", "bias"] == pytest.approx(0.01)
+    assert bias.loc["b", "agree"] == pytest.approx(2 / 3)
+    assert bias.loc["b", "runs"] == 3
