@@ -79,9 +79,9 @@ and memory bandwidth; measured on two ranks of a 2-vCPU host, a 6.6 ms Adam step
 beside a 12.1 ms one, which took 13.0 ms).  Egalitarian processor sharing fits: while a
 updates are under way each progresses at rate 1 / (1 + kappa_u (a - 1)), kappa_u =
 ``Cluster.update_contention``.  Stage j's update is a job of U_j seconds released at ready_j,
-and R = max(0, max_j E_j) with E_j its end under that sharing (:func:`shared_ends`; E_j =
-ready_j + U_j when kappa_u = 0).  Two holders of a tied parameter that start together after
-its all-reduce end at
+and R = max(0, max_j E_j) with E_j its end under that sharing
+(:func:`planner.updates.shared_ends`; E_j = ready_j + U_j when kappa_u = 0).  Two holders of a
+tied parameter that start together after its all-reduce end at
 
     A - D_s + U_max + kappa_u U_min,
 
@@ -94,186 +94,40 @@ T(m) equals the schedule simulator's makespan for identical stages, and for two 
 bottleneck is the same stage forward and backward; GPipe's makespan uses separate forward and
 backward maxima, so T(m) is below it when the stages' backward/forward ratios differ enough to
 move the bottleneck (see :mod:`planner.simulate`).
+
+The per-unit tables these formulas read (f_u, g_u, a_u, w_u, x_u and their prefix sums) are
+built by :mod:`planner.unitcosts`; :mod:`planner.evaluate` turns a partition into the stages
+and the Plan of this model.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import pairwise
 
 import numpy as np
 
-from planner.errors import InvalidRequestError
-from planner.simulate import simulate
 from planner.types import (
     OPTIMIZER_STATES,
     Cluster,
     MemoryBreakdown,
-    Plan,
     PlanOptions,
     Profile,
-    Stage,
     TiedSync,
 )
-from planner.updates import shared_ends, update_cost, update_tail
+from planner.unitcosts import UnitCosts, microbatch_choices, unit_costs
 
 __all__ = [
-    "UnitCosts",
     "bubble_fraction",
-    "build_stages",
-    "check_request",
     "contention",
-    "evaluate",
-    "holds_user",
     "in_flight",
     "lower_bound",
-    "microbatch_choices",
     "recomputes",
-    "shared_ends",
     "stage_memory",
     "stage_time",
     "step_time",
     "tied_syncs",
-    "unit_costs",
-    "update_tail",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class UnitCosts:
-    """Per-unit arrays for one micro-batch count m (size b = B / m), plus prefix sums.
-
-    ``x[k]`` is the bytes live before unit k for one micro-batch (``x[0]`` = model inputs,
-    ``x[n] = 0``); ``msgs[k]`` the number of tensors crossing there.  ``P*`` arrays are prefix
-    sums with a leading zero: sum over units l..r of f is ``Pf[r + 1] - Pf[l]``.
-    """
-
-    m: int
-    b: int
-    f: np.ndarray
-    g: np.ndarray
-    a: np.ndarray
-    w: np.ndarray
-    x: np.ndarray
-    msgs: np.ndarray
-    Pf: np.ndarray
-    Pg: np.ndarray
-    Pa: np.ndarray
-    Pw: np.ndarray
-    Pr: np.ndarray
-    """Prefix sums of r_u - c_B: the backward under checkpointing (recompute included), less
-    the checkpoint call's own cost."""
-    Pfc: np.ndarray
-    """Prefix sums of fc_u - c_F: the forward under checkpointing, less the call's own cost."""
-    call_f: float = 0.0
-    call_b: float = 0.0
-    """c_F, c_B: one checkpoint call's own forward and backward seconds (once per recomputing
-    stage)."""
-    shared: tuple[tuple[int, np.ndarray], ...] = ()
-    """(bytes, ascending user units) of every parameter used by several units."""
-    loss_f: float = 0.0
-    loss_g: float = 0.0
-    """Forward and backward seconds of the loss on one micro-batch (last stage only)."""
-    loss_a: float = 0.0
-    """Bytes the loss saves for backward per micro-batch (kept for every one in flight)."""
-
-    @property
-    def n(self) -> int:
-        return len(self.f)
-
-    def compute_prefix(self, recompute: bool) -> np.ndarray:
-        """Prefix sums of a unit's forward + backward on a stage that does or does not
-        recompute (the checkpoint call's own cost left out)."""
-        return self.Pfc + self.Pr if recompute else self.Pf + self.Pg
-
-    def shared_bytes(self, l: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
-        """Bytes of shared parameters a stage l..r holds but does not own (broadcasts).
-
-        A stage holds a copy of a shared parameter when it contains one of its users; the
-        bytes are already in ``w`` of the owner (the first user).
-        """
-        l_arr, r_arr = np.asarray(l), np.asarray(r)
-        out = np.zeros(np.broadcast(l_arr, r_arr).shape)
-        for nbytes, users in self.shared:
-            owns = (l_arr <= users[0]) & (users[0] <= r_arr)
-            out = out + nbytes * (holds_user(users, l_arr, r_arr) & ~owns)
-        return out
-
-
-def holds_user(users: np.ndarray, l: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """Whether stages l..r contain one of ``users`` (ascending unit indices), elementwise."""
-    first = np.searchsorted(users, l, side="left")  # first user >= l
-    return (first < len(users)) & (users[np.minimum(first, len(users) - 1)] <= r)
-
-
-def unit_costs(profile: Profile, m: int) -> UnitCosts:
-    """Arrays of f, g, a, w, x for ``m`` micro-batches (b = B / m must be a profiled size)."""
-    if m <= 0 or profile.batch_size % m:
-        raise InvalidRequestError(
-            f"micro-batch count {m} does not divide batch size {profile.batch_size}; "
-            f"choose one of {sorted(microbatch_choices(profile, PlanOptions()))}"
-        )
-    b = profile.batch_size // m
-    if b not in profile.microbatch_sizes:
-        raise InvalidRequestError(
-            f"micro-batch count {m} needs micro-batch size {b}, which was not profiled "
-            f"(profiled: {list(profile.microbatch_sizes)}); re-profile with --microbatch-sizes"
-        )
-    f = np.array([u.timings[b].forward_s for u in profile.units], dtype=np.float64)
-    g = np.array([u.timings[b].backward_s for u in profile.units], dtype=np.float64)
-    timings = [u.timings[b] for u in profile.units]
-    call_f, call_b = profile.checkpoint_call_s
-    rb = [t.forward_s + t.backward_s if t.recompute_backward_s is None else t.recompute_backward_s
-          for t in timings]  # fmt: skip
-    rf = [t.forward_s if t.recompute_forward_s is None else t.recompute_forward_s for t in timings]
-    r = np.maximum(np.array(rb, dtype=np.float64) - call_b, 0.0)
-    fc = np.maximum(np.array(rf, dtype=np.float64) - call_f, 0.0)
-    a = np.array([u.timings[b].saved_bytes for u in profile.units], dtype=np.float64)
-    w = np.array([u.param_bytes for u in profile.units], dtype=np.float64)
-    x = np.zeros(len(f) + 1)
-    msgs = np.zeros(len(f) + 1)
-    x[0] = profile.input_bytes_per_sample * b
-    msgs[0] = 1
-    for cut in profile.cuts:
-        x[cut.after + 1] = cut.bytes_per_sample * b
-        msgs[cut.after + 1] = len(cut.tensors)
-
-    def prefix(v: np.ndarray) -> np.ndarray:
-        return np.concatenate([[0.0], np.cumsum(v)])
-
-    shared = tuple((sp.bytes, np.array(sp.units, dtype=np.int64)) for sp in profile.shared_params)
-    loss = profile.loss.get(b)
-    return UnitCosts(
-        m,
-        b,
-        f,
-        g,
-        a,
-        w,
-        x,
-        msgs,
-        prefix(f),
-        prefix(g),
-        prefix(a),
-        prefix(w),
-        prefix(r),
-        prefix(fc),
-        call_f,
-        call_b,
-        shared,
-        loss_f=loss.forward_s if loss else 0.0,
-        loss_g=loss.backward_s if loss else 0.0,
-        loss_a=float(loss.saved_bytes) if loss else 0.0,
-    )
-
-
-def microbatch_choices(profile: Profile, options: PlanOptions) -> list[int]:
-    """Micro-batch counts m to consider: the user's, or every m whose size B/m was profiled."""
-    if options.microbatches is not None:
-        return [options.microbatches]
-    return sorted({profile.batch_size // b for b in profile.microbatch_sizes})
 
 
 def recomputes(policy: str, j: int, p: int) -> bool:
@@ -385,74 +239,6 @@ def bubble_fraction(
     return float(1.0 - m * sum(times) / len(times) / total)
 
 
-def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> None:
-    """Reject requests no solver can satisfy, with the numbers and the fix."""
-    n, p = profile.n_units, cluster.n_stages
-    if p > n:
-        raise InvalidRequestError(
-            f"{p} stages but the profile has only {n} units; use --stages {n} or fewer, "
-            f"or profile with a finer --granularity"
-        )
-    if options.microbatches is not None:
-        unit_costs(profile, options.microbatches)  # raises with the fix
-    for unit, stage in options.pinned.items():
-        if not 0 <= unit < n or not 0 <= stage < p:
-            raise InvalidRequestError(
-                f"pin {unit}->{stage} is out of range (units 0..{n - 1}, stages 0..{p - 1})"
-            )
-    if options.max_units is not None and options.max_units * p < n:
-        raise InvalidRequestError(
-            f"max_units {options.max_units} x {p} stages < {n} units; raise --max-units"
-        )
-    if options.min_units * p > n:
-        raise InvalidRequestError(
-            f"min_units {options.min_units} x {p} stages > {n} units; lower --min-units"
-        )
-
-
-def build_stages(
-    profile: Profile,
-    cluster: Cluster,
-    options: PlanOptions,
-    boundaries: Sequence[int],
-    m: int,
-) -> list[Stage]:
-    """Evaluate every stage of the partition whose stages start at 0 and at ``boundaries``."""
-    n, p = profile.n_units, cluster.n_stages
-    starts = [0, *boundaries]
-    if len(starts) != p or any(b <= a for a, b in pairwise(starts)) or starts[-1] >= n:
-        raise InvalidRequestError(
-            f"boundaries {list(boundaries)} do not split {n} units into {p} non-empty stages"
-        )
-    costs = unit_costs(profile, m)
-    update = update_cost(profile, options.optimizer)
-    stages = []
-    for j, l in enumerate(starts):
-        r = (starts[j + 1] if j + 1 < p else n) - 1
-        F, B, C = stage_time(costs, cluster, options, l, r, j)
-        mem = stage_memory(costs, cluster, options, l, r, j)
-        dev = cluster.devices[j]
-        stages.append(
-            Stage(
-                index=j,
-                device=dev.name,
-                first_unit=l,
-                last_unit=r,
-                unit_names=tuple(u.name for u in profile.units[l : r + 1]),
-                recompute=recomputes(options.checkpoint, j, p),
-                forward_s=F,
-                backward_s=B,
-                comm_s=C,
-                time_s=F + B + C,
-                update_s=update.seconds(mem.params) / dev.speed,
-                memory=mem,
-                memory_limit=dev.memory_bytes,
-                feasible=mem.total <= dev.memory_bytes,
-            )
-        )
-    return stages
-
-
 def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
     """A bound no partition beats: min over m of S_lb + (m - 1) max(S_lb / p, max_u t_u).
 
@@ -473,100 +259,3 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
         total = float(per_unit.sum())
         best = min(best, total + (m - 1) * max(total / p, float(per_unit.max())))
     return float(best) + cluster.step_overhead_s
-
-
-def _simulated(
-    stages: Sequence[Stage],
-    m: int,
-    schedule: str,
-    kappa: float,
-    syncs: Sequence[TiedSync],
-    step_overhead_s: float,
-    update_contention: float = 0.0,
-) -> float:
-    return simulate(
-        [s.forward_s for s in stages],
-        [s.backward_s for s in stages],
-        [s.comm_s for s in stages],
-        m,
-        schedule=schedule,
-        contention=kappa,
-        update_s=[s.update_s for s in stages],
-        syncs=[(s.stages, s.seconds) for s in syncs],
-        step_overhead_s=step_overhead_s,
-        update_contention=update_contention,
-    ).makespan_s
-
-
-def evaluate(
-    profile: Profile,
-    cluster: Cluster,
-    options: PlanOptions,
-    boundaries: Sequence[int],
-    m: int,
-    *,
-    solver: str,
-    status: str | None = None,
-    gap: float | None = None,
-    solve_time_s: float | None = None,
-) -> Plan:
-    """The Plan of a given partition and micro-batch count under this cost model."""
-    stages = build_stages(profile, cluster, options, boundaries, m)
-    times = [s.time_s for s in stages]
-    busy = [s.forward_s + s.backward_s for s in stages]
-    kappa = contention(cluster, m)
-    shared = [(sp.bytes, sp.units) for sp in profile.shared_params]
-    syncs = tied_syncs(shared, cluster, [s.first_unit for s in stages])
-    T = (
-        step_time(times, m, busy, kappa)
-        + update_tail(
-            [s.update_s for s in stages],
-            [s.backward_s for s in stages],
-            [s.comm_s for s in stages],
-            syncs,
-            cluster.update_contention,
-        )
-        + cluster.step_overhead_s
-    )
-    feasible = all(s.feasible for s in stages)
-    if status is None:
-        status = "heuristic"
-    if not feasible:
-        status = "infeasible"
-    return Plan(
-        model=profile.model,
-        model_kwargs=profile.model_kwargs,
-        profile_fingerprint=profile.fingerprint,
-        graph_fingerprint=profile.graph_fingerprint,
-        tracer=profile.tracer,
-        granularity=profile.granularity,
-        dtype=profile.dtype,
-        profiled_threads=profile.device.threads if profile.device.kind == "cpu" else None,
-        batch_size=profile.batch_size,
-        microbatches=m,
-        microbatch_size=profile.batch_size // m,
-        schedule=options.schedule,
-        checkpoint=options.checkpoint,
-        optimizer=options.optimizer,
-        cluster=cluster,
-        stages=tuple(stages),
-        tied_syncs=tuple(syncs),
-        step_time_s=T,
-        simulated_step_time_s=_simulated(
-            stages,
-            m,
-            options.schedule,
-            kappa,
-            syncs,
-            cluster.step_overhead_s,
-            cluster.update_contention,
-        ),
-        bubble_fraction=bubble_fraction(times, m, busy, kappa),
-        throughput=profile.batch_size / T if T > 0 else 0.0,
-        feasible=feasible,
-        solver=solver,
-        status=status,  # type: ignore[arg-type]
-        gap=gap,
-        lower_bound_s=lower_bound(profile, cluster, options),
-        solve_time_s=solve_time_s,
-    )

@@ -9,7 +9,7 @@ frames that need more than one object or a computation:
     sweep_frame(profile, ...)     one row per micro-batch count m: the best plan at that m
 
 Every frame of events has the columns ``stage, microbatch, kind, start_s, end_s, duration_s``,
-so a measured and a simulated step are drawn by the same code (:mod:`planner.plots`).
+so a measured and a simulated step are drawn by the same code (:mod:`planner.timeline_plots`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 
-from planner.costmodel import lower_bound, microbatch_choices
+from planner.costmodel import lower_bound
 from planner.errors import InfeasiblePlanError
 from planner.simulate import Timeline
 from planner.types import Cluster, Plan, PlanOptions, Profile, RunReport
+from planner.unitcosts import microbatch_choices
 
 __all__ = [
     "EVENT_COLUMNS",

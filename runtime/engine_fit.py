@@ -81,7 +81,7 @@ def _calibration_plan(world: int, m: int, width: int = WIDTH) -> tuple[Any, Any]
     import torch
     from torch import nn
 
-    from planner.costmodel import evaluate
+    from planner.evaluate import evaluate
     from planner.graph import group_units
     from planner.model import ModelSpec
     from planner.trace import trace_model

@@ -1,7 +1,7 @@
 """The partitions people use today, evaluated under pipeplan's cost model.
 
 Each baseline maps (Profile, Cluster, PlanOptions) to a :class:`planner.types.Plan` built by
-:func:`planner.costmodel.evaluate` with ``solver`` set to the baseline's name and status
+:func:`planner.evaluate.evaluate` with ``solver`` set to the baseline's name and status
 ``"heuristic"`` (``"infeasible"`` when a stage does not fit its device: baselines never raise
 for memory, so that a comparison can show how they fail).
 
@@ -44,9 +44,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from planner.costmodel import check_request, evaluate, microbatch_choices, unit_costs
 from planner.errors import UnsupportedConstraintError
+from planner.evaluate import check_request, evaluate
 from planner.types import Cluster, Plan, PlanOptions, Profile
+from planner.unitcosts import microbatch_choices, unit_costs
 
 __all__ = [
     "baseline_microbatches",

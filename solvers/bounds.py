@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.costmodel import UnitCosts, recomputes, stage_time
+from planner.costmodel import recomputes, stage_time
 from planner.types import Cluster, PlanOptions
+from planner.unitcosts import UnitCosts
 
 __all__ = ["Bounds", "stage_backward", "stage_compute", "stage_offsets"]
 

@@ -5,7 +5,7 @@ in units.  For each micro-batch count m, :class:`solvers.cpsat_model.CpsatModel`
 partition as a CP-SAT model over the stage boundaries (the formulation is in its module
 docstring), with times scaled to integer ticks (:mod:`solvers.cpsat_scale`, which bounds the
 rounding error: :func:`error_bound_s`).  This module solves those models and keeps the best
-plan; the returned plan is always re-evaluated exactly by :func:`planner.costmodel.evaluate`.
+plan; the returned plan is always re-evaluated exactly by :func:`planner.evaluate.evaluate`.
 
 One model per m rather than one model with m as a choice: every unit's costs change with the
 micro-batch size, so a joint model would hold |m| copies of every table plus the product
@@ -45,10 +45,11 @@ from typing import NoReturn
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.costmodel import check_request, evaluate, microbatch_choices, unit_costs
 from planner.errors import InfeasiblePlanError
+from planner.evaluate import check_request, evaluate
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
+from planner.unitcosts import microbatch_choices, unit_costs
 from planner.updates import update_cost
 from solvers.bounds import Bounds
 from solvers.cpsat_model import CpsatModel

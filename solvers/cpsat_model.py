@@ -50,8 +50,9 @@ from typing import Any
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.costmodel import OPTIMIZER_STATES, UnitCosts, contention, in_flight, recomputes
-from planner.types import Cluster, PlanOptions
+from planner.costmodel import contention, in_flight, recomputes
+from planner.types import OPTIMIZER_STATES, Cluster, PlanOptions
+from planner.unitcosts import UnitCosts
 from planner.updates import UpdateCost
 from solvers.bounds import stage_backward, stage_compute, stage_offsets
 from solvers.cpsat_scale import cut_times, to_ticks

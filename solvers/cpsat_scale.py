@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.costmodel import UnitCosts, stage_time, unit_costs
+from planner.costmodel import stage_time
 from planner.types import Cluster, PlanOptions, Profile
+from planner.unitcosts import UnitCosts, unit_costs
 from planner.updates import update_cost
 from solvers.bounds import stage_offsets
 

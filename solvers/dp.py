@@ -54,15 +54,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costmodel import (
-    check_request,
-    evaluate,
-    microbatch_choices,
-    unit_costs,
-)
 from planner.errors import InfeasiblePlanError, UnsupportedConstraintError
+from planner.evaluate import check_request, evaluate
 from planner.io import format_bytes
 from planner.types import Cluster, Plan, PlanOptions, Profile
+from planner.unitcosts import microbatch_choices, unit_costs
 from planner.updates import update_cost
 from solvers.dp_tables import INF, Instance
 

@@ -33,19 +33,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.costmodel import (
-    OPTIMIZER_STATES,
-    UnitCosts,
-    contention,
-    holds_user,
-    in_flight,
-    recomputes,
-    step_time,
-    tied_syncs,
-    update_tail,
-)
-from planner.types import Cluster, PlanOptions
-from planner.updates import UpdateCost
+from planner.costmodel import contention, in_flight, recomputes, step_time, tied_syncs
+from planner.types import OPTIMIZER_STATES, Cluster, PlanOptions
+from planner.unitcosts import UnitCosts, holds_user
+from planner.updates import UpdateCost, update_tail
 
 __all__: list[str] = []
 
@@ -365,7 +356,7 @@ class Instance:
         return tuple(reversed(out))
 
     def step_time(self, starts: tuple[int, ...]) -> float:
-        """The exact T(m) of a partition (as :func:`planner.costmodel.evaluate` computes it)."""
+        """The exact T(m) of a partition (as :func:`planner.evaluate.evaluate` computes it)."""
         busy, times, upd = self._stages(starts)
         ends = [*starts[1:], self.n]
         back = [float(self.QB[e] - self.QB[l] + self.ob) for l, e in zip(starts[:-1], ends)]

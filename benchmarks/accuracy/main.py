@@ -37,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 from planner.compare import to_markdown
-from planner.costmodel import evaluate
+from planner.evaluate import evaluate
 from planner.io import load_cluster, write_json
 from planner.types import CheckpointPolicy, Cluster, Plan, PlanOptions, Profile
 from profiler import profile_model

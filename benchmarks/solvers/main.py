@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner.costmodel import evaluate, lower_bound
+from planner.costmodel import lower_bound
 from planner.errors import PipeplanError
+from planner.evaluate import evaluate
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Link, PlanOptions, Profile
 from solvers import SOLVERS

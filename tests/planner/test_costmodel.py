@@ -6,17 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import (
-    evaluate,
-    in_flight,
-    recomputes,
-    shared_ends,
-    step_time,
-    update_tail,
-)
+from planner.costmodel import in_flight, recomputes, step_time
+from planner.evaluate import evaluate
 from planner.simulate import operation_order, simulate, simulate_plan
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Link, PlanOptions, TiedSync
+from planner.updates import shared_ends, update_tail
 
 floats = st.floats(1e-4, 1.0, allow_nan=False)
 

@@ -7,9 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from planner.costmodel import evaluate, microbatch_choices
+from planner.evaluate import evaluate
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, PlanOptions, Profile
+from planner.unitcosts import microbatch_choices
 from planner.updates import UpdateCost, fit_update_cost, update_cost
 from solvers.cpsat import solve_cpsat
 from solvers.dp import solve_dp

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import unit_costs
 from planner.errors import UnsupportedConstraintError
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Link, PlanOptions
+from planner.unitcosts import unit_costs
 from solvers import SOLVERS
 from solvers.baselines import (
     baseline_microbatches,

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import evaluate, microbatch_choices
 from planner.errors import InfeasiblePlanError, InvalidRequestError, UnsupportedConstraintError
+from planner.evaluate import evaluate
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Device, Link, PlanOptions, Profile
+from planner.unitcosts import microbatch_choices
 from solvers.dp import _partition, solve_dp
 
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import unit_costs
 from planner.synthetic import synthetic_profile
 from planner.types import Cluster, Device, Link, PlanOptions, Profile
+from planner.unitcosts import unit_costs
 from planner.updates import update_cost
 from solvers.dp_tables import Instance, longest_sums
 
