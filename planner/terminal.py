@@ -1,0 +1,87 @@
+"""What ``pipeplan`` prints on the terminal: its two consoles, the tables of plans and profiles.
+
+``console`` takes the results (stdout), ``err_console`` the errors, warnings and notes (stderr);
+both are 120 and 200 columns wide when not writing to a terminal, so logs and tests see the same
+layout on any machine.  ``print_plan`` and ``print_profile`` are what ``pipeplan plan`` and
+``pipeplan show`` print.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.io import format_bytes
+from planner.types import Plan, Profile
+
+__all__ = ["console", "err_console", "print_plan", "print_profile"]
+
+console = Console(width=None if sys.stdout.isatty() else 120)
+"""Standard output: tables, results and the files written."""
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+"""Standard error: ``error: ...`` lines, warnings and notes."""
+
+
+def print_plan(p: Plan) -> None:
+    """Print plan ``p`` as a table, one row per stage (``*`` marks the slowest), then a summary
+    line: step time, simulated step time, lower bound, bubble, throughput and the options."""
+    table = Table(title=f"{p.model}: {p.n_stages} stages, m = {p.microbatches} ({p.solver})")
+    for col in ("stage", "units", "F ms", "B ms", "C ms", "t ms", "memory", "limit", "fits"):
+        table.add_column(col, justify="right")
+    slowest = max(s.time_s for s in p.stages)
+    for s in p.stages:
+        mark = "*" if s.time_s == slowest else ""
+        table.add_row(
+            str(s.index),
+            f"{s.first_unit}-{s.last_unit} ({s.unit_names[0]}..{s.unit_names[-1]})",
+            f"{s.forward_s * 1e3:.3f}",
+            f"{s.backward_s * 1e3:.3f}",
+            f"{s.comm_s * 1e3:.3f}",
+            f"{s.time_s * 1e3:.3f}{mark}",
+            format_bytes(s.memory.total),
+            format_bytes(s.memory_limit),
+            "yes" if s.feasible else "NO",
+        )
+    console.print(table)
+    gap = f", gap {p.gap:.2%}" if p.gap is not None else ""
+    console.print(
+        f"step time {p.step_time_s * 1e3:.3f} ms (simulated "
+        f"{(p.simulated_step_time_s or p.step_time_s) * 1e3:.3f} ms, lower bound "
+        f"{(p.lower_bound_s or 0) * 1e3:.3f} ms), bubble {p.bubble_fraction:.1%}, "
+        f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
+        f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
+    )
+    for sync in p.tied_syncs:
+        stages = ", ".join(map(str, sync.stages))
+        console.print(
+            f"tied gradients: stages {stages} sum {format_bytes(sync.bytes)} after their last "
+            f"backward, {sync.seconds * 1e3:.3f} ms, before updating"
+        )
+
+
+def print_profile(p: Profile) -> None:
+    """Print profile ``p`` as a table, one row per unit with its times at the largest
+    micro-batch size, saved and parameter bytes and the cut after it; then a summary line."""
+    b = max(p.microbatch_sizes)
+    table = Table(title=f"{p.model}: {p.n_units} units, traced with {p.tracer}, {p.device.name}")
+    for col in ("unit", "name", f"fwd ms @{b}", f"bwd ms @{b}", "saved", "params", "cut/sample"):
+        table.add_column(col, justify="right")
+    for u in p.units:
+        t = u.timings[b]
+        cut = p.cuts[u.index].bytes_per_sample if u.index < len(p.cuts) else 0
+        table.add_row(
+            str(u.index),
+            u.name,
+            f"{t.forward_s * 1e3:.3f}",
+            f"{t.backward_s * 1e3:.3f}",
+            format_bytes(t.saved_bytes),
+            format_bytes(u.param_bytes),
+            format_bytes(cut),
+        )
+    console.print(table)
+    console.print(
+        f"batch {p.batch_size}, micro-batch sizes {list(p.microbatch_sizes)}, dtype {p.dtype}, "
+        f"torch {p.torch_version}, threads {p.device.threads}, fingerprint {p.graph_fingerprint}"
+    )
