@@ -1,20 +1,19 @@
-"""Figures that compare plans: schedule Gantt charts, stage balance, memory, micro-batch sweeps.
+"""Figures that compare plans: stage balance, memory, micro-batch sweeps.
 
 Every function returns a :class:`matplotlib.figure.Figure` with an Agg canvas, made without
-pyplot: nothing is shown, no global backend is switched, and figures are freed with their last
-reference.  Save one with ``fig.savefig`` or let a notebook display it.  Figures are built from
-the package's data types only:
+pyplot (:func:`planner.canvas.new_figure`): nothing is shown, no global backend is switched,
+and figures are freed with their last reference.  Save one with ``fig.savefig`` or let a
+notebook display it.  Figures are built from the package's data types only:
 
-    gantt(plan | timeline)              one row per device, the simulated step
     stage_times(plans)                  t_j per stage, plans side by side, slowest marked
     stage_memory(plans)                 M_j stacked by kind against each device's limit
     compare_figure(plans)               stage_times above stage_memory (``compare --plot``)
     microbatch_sweep(profile, ...)      step time and bubble against m, with GPipe's ideal
-    measured_vs_simulated(report, plan) the measured step above the simulated one
 
-Drawn artists carry a ``gid`` naming what they show (``"forward/2/5"`` = forward of stage 2,
-micro-batch 5; ``"slowest/0"``; ``"memory-limit"``; ``"ideal-bubble"``), so tests and users can
-find them.
+Drawn artists carry a ``gid`` naming what they show (``"stage-time/0/2"`` = plan 0, stage 2;
+``"slowest/0"``; ``"memory-limit"``; ``"ideal-bubble"``), so tests and users can find them.
+Schedule timelines (Gantt charts, measured against simulated) are in
+:mod:`planner.timeline_plots`.
 """
 
 from __future__ import annotations
@@ -24,38 +23,21 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
 
-from planner.frames import events_frame, ideal_bubble, sweep_frame, timeline_frame
+from planner.canvas import new_figure
+from planner.frames import ideal_bubble, sweep_frame
 from planner.io import format_bytes
-from planner.simulate import Timeline, simulate_plan
-from planner.types import Cluster, Plan, PlanOptions, Profile, RunReport
+from planner.types import Cluster, Plan, PlanOptions, Profile
 
 __all__ = [
-    "KIND_STYLE",
     "compare_figure",
-    "gantt",
-    "measured_vs_simulated",
     "microbatch_sweep",
     "plan_names",
     "stage_memory",
     "stage_times",
 ]
 
-#: Face colour and hatch of each event kind; idle time is the white background.
-KIND_STYLE: dict[str, tuple[str, str]] = {
-    "forward": ("#4C72B0", ""),
-    "backward": ("#55A868", ""),
-    "recompute": ("#A6C8E8", "///"),
-    "send": ("#C8C8C8", "..."),
-    "recv": ("#C8C8C8", "..."),
-    "loss": ("#C44E52", ""),
-    "tied": ("#937860", "xx"),
-    "optimizer": ("#CCB974", ""),
-}
-_LABELLED = {"forward", "backward", "loss"}
 _MEMORY_PARTS = [
     ("params", "params", "#4C72B0"),
     ("grads", "grads", "#8172B2"),
@@ -64,12 +46,6 @@ _MEMORY_PARTS = [
     ("activations", "activations", "#55A868"),
 ]
 _PLAN_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860", "#DA8BC3"]
-
-
-def _figure(figsize: tuple[float, float]) -> Figure:
-    fig = Figure(figsize=figsize, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
 
 
 def plan_names(plans: Sequence[Plan], names: Sequence[str] | None = None) -> list[str]:
@@ -87,145 +63,6 @@ def _check_plans(plans: Sequence[Plan]) -> None:
         raise TypeError("pass a list of plans, e.g. stage_times([plan])")
     if not plans:
         raise ValueError("no plans to draw; pass at least one Plan")
-
-
-# --------------------------------------------------------------------------------------------
-# Gantt charts
-# --------------------------------------------------------------------------------------------
-
-
-def _draw_schedule(ax: Axes, events: pd.DataFrame, p: int, xmax_s: float) -> None:
-    """Draw events (a frame of :data:`planner.frames.EVENT_COLUMNS`) as rows of rectangles."""
-    ms = 1e3
-    for e in events.itertuples(index=False):
-        color, hatch = KIND_STYLE.get(e.kind, ("#999999", "xx"))
-        # a white edge separates neighbouring blocks but would hide a sliver: draw those solid
-        sliver = e.duration_s < 0.004 * xmax_s
-        rect = Rectangle(
-            (e.start_s * ms, e.stage - 0.4),
-            e.duration_s * ms,
-            0.8,
-            facecolor=color,
-            hatch=hatch,
-            edgecolor=color if sliver else "white",
-            linewidth=0 if sliver else 0.5,
-        )
-        rect.set_gid(f"{e.kind}/{e.stage}/{e.microbatch}")
-        ax.add_patch(rect)
-        if e.kind in _LABELLED and e.microbatch >= 0 and e.duration_s >= 0.012 * xmax_s:
-            ax.text(
-                (e.start_s + e.duration_s / 2) * ms,
-                e.stage,
-                str(e.microbatch),
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white",
-            )
-    ax.set_xlim(0, xmax_s * ms * 1.01 if xmax_s > 0 else 1)
-    ax.set_ylim(p - 0.5, -0.5)
-    ax.set_yticks(range(p))
-    ax.set_xlabel("time (ms)")
-    ax.set_facecolor("white")
-    ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
-    ax.set_axisbelow(True)
-
-
-def _stage_labels(ax: Axes, plan: Plan | None, p: int) -> None:
-    devices = [s.device for s in plan.stages] if plan is not None else [None] * p
-    ax.set_yticklabels([f"stage {j}" + (f"\n{d}" if d else "") for j, d in enumerate(devices)])
-
-
-def _kind_legend(ax: Axes, kinds: set[str]) -> None:
-    handles = [
-        Patch(facecolor=c, hatch=h, edgecolor="white", label=k)
-        for k, (c, h) in KIND_STYLE.items()
-        if k in kinds and k != "recv"
-    ]
-    if kinds & {"send", "recv"}:
-        for hd in handles:
-            if hd.get_label() == "send":
-                hd.set_label("send/recv")
-        if "send" not in kinds:
-            c, h = KIND_STYLE["recv"]
-            handles.append(Patch(facecolor=c, hatch=h, edgecolor="white", label="send/recv"))
-    handles.append(Patch(facecolor="white", edgecolor="#888888", label="idle (bubble)"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-
-
-def gantt(
-    source: Plan | Timeline,
-    *,
-    title: str | None = None,
-    figsize: tuple[float, float] | None = None,
-) -> Figure:
-    """The simulated schedule of a plan's step (or of a ready timeline), one row per device.
-
-    Forward and backward of every micro-batch are blocks labelled with the micro-batch number,
-    recompute is hatched light blue, transfers dotted grey; white is idle time (the bubble).
-    The title gives the step time and the bubble fraction.
-    """
-    plan = source if isinstance(source, Plan) else None
-    if plan is not None:
-        timeline = simulate_plan(plan)
-    elif isinstance(source, Timeline):
-        timeline = source
-    else:
-        raise TypeError(f"gantt needs a Plan or a Timeline, got {type(source).__name__}")
-    p, m = timeline.n_stages, timeline.microbatches
-    events = timeline_frame(timeline)
-    fig = _figure(figsize or (10, 0.6 * p + 1.6))
-    ax = fig.add_subplot()
-    _draw_schedule(ax, events, p, timeline.makespan_s)
-    _stage_labels(ax, plan, p)
-    _kind_legend(ax, set(events["kind"]))
-    if title is None:
-        head = f"{plan.schedule} {plan.solver}, " if plan is not None else ""
-        model = f" (cost model {plan.step_time_s * 1e3:.2f} ms)" if plan is not None else ""
-        title = (
-            f"{head}p={p}, m={m}: step {timeline.makespan_s * 1e3:.2f} ms{model}, "
-            f"bubble {timeline.bubble_fraction:.1%}"
-        )
-    ax.set_title(title)
-    return fig
-
-
-def measured_vs_simulated(report: RunReport, plan: Plan) -> Figure:
-    """The measured last step of a run (top) above the plan's simulated step, same time axis."""
-    if report.plan_fingerprint != plan.fingerprint:
-        raise ValueError(
-            f"the report is of plan {report.plan_fingerprint} but this plan is {plan.fingerprint}; "
-            f"pass the plan file the run executed"
-        )
-    if not report.events:
-        raise ValueError("the report has no events; rerun `pipeplan run` with a recent runtime")
-    measured = events_frame(report)
-    timeline = simulate_plan(plan)
-    simulated = timeline_frame(timeline)
-    p = plan.n_stages
-    measured_end = float(measured["end_s"].max())
-    xmax = max(measured_end, timeline.makespan_s)
-    fig = _figure((10, 1.2 * p + 2.6))
-    top, bottom = fig.subplots(2, 1, sharex=True)
-    busy = measured.groupby("stage")["duration_s"].sum().reindex(range(p), fill_value=0.0)
-    bubble = 1.0 - float(busy.mean()) / measured_end if measured_end > 0 else 0.0
-    for ax, frame, end, bub, what in (
-        (top, measured, measured_end, bubble, f"measured (last of {report.steps} steps)"),
-        (bottom, simulated, timeline.makespan_s, timeline.bubble_fraction, "simulated"),
-    ):
-        _draw_schedule(ax, frame, p, xmax)
-        _stage_labels(ax, plan, p)
-        _kind_legend(ax, set(frame["kind"]))
-        ax.set_title(f"{what}: step {end * 1e3:.2f} ms, bubble {bub:.1%}")
-    top.set_xlabel("")
-    fig.suptitle(
-        f"{plan.model}: median measured step {report.step_time_s * 1e3:.2f} ms vs predicted "
-        f"{report.predicted_step_time_s * 1e3:.2f} ms "
-        f"({report.step_time_s / report.predicted_step_time_s:.2f}x)"
-        if report.predicted_step_time_s > 0
-        else plan.model
-    )
-    return fig
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,7 +116,7 @@ def stage_times(plans: Sequence[Plan], names: Sequence[str] | None = None) -> Fi
     the same work would give.
     """
     _check_plans(plans)
-    fig = _figure((10, 4))
+    fig = new_figure((10, 4))
     _draw_stage_times(fig.add_subplot(), plans, plan_names(plans, names))
     return fig
 
@@ -353,7 +190,7 @@ def _draw_stage_memory(axes: Sequence[Axes], plans: Sequence[Plan], names: list[
 def stage_memory(plans: Sequence[Plan], names: Sequence[str] | None = None) -> Figure:
     """Per-stage memory of each plan, stacked by kind, against each device's limit (red line)."""
     _check_plans(plans)
-    fig = _figure((max(6.0, 3.0 * len(plans) + 1.5), 3.6))
+    fig = new_figure((max(6.0, 3.0 * len(plans) + 1.5), 3.6))
     axes = fig.subplots(1, len(plans), sharey=True, squeeze=False)[0]
     _draw_stage_memory(list(axes), plans, plan_names(plans, names))
     fig.suptitle("Stage memory M_j (params, grads, optimizer, stash, activations)")
@@ -365,7 +202,7 @@ def compare_figure(plans: Sequence[Plan], names: Sequence[str] | None = None) ->
     _check_plans(plans)
     labels = plan_names(plans, names)
     k = len(plans)
-    fig = _figure((max(10.0, 3.0 * k + 1.5), 7.5))
+    fig = new_figure((max(10.0, 3.0 * k + 1.5), 7.5))
     grid = fig.add_gridspec(2, k)
     _draw_stage_times(fig.add_subplot(grid[0, :]), plans, labels)
     first = fig.add_subplot(grid[1, 0])
@@ -396,7 +233,7 @@ def microbatch_sweep(
     """
     df = frame if frame is not None else sweep_frame(profile, cluster, options, ms)
     p = cluster.n_stages
-    fig = _figure((8, 6))
+    fig = new_figure((8, 6))
     top, bottom = fig.subplots(2, 1, sharex=True)
     ok = df[df["feasible"].astype(bool)]
     bad = df[~df["feasible"].astype(bool)]
