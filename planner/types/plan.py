@@ -1,0 +1,174 @@
+"""A solver's answer: the request's options, and the evaluated partition with its stages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import ConfigDict, Field
+
+from planner.types.base import (
+    PLAN_SCHEMA,
+    CheckpointPolicy,
+    FrozenModel,
+    OptimizerName,
+    ScheduleName,
+    canonical_hash,
+)
+from planner.types.cluster import Cluster
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["MemoryBreakdown", "Plan", "PlanOptions", "Stage", "TiedSync"]
+
+
+class PlanOptions(FrozenModel):
+    """What a user asks of a solver besides the profile and the cluster."""
+
+    microbatches: int | None = Field(default=None, gt=0)
+    """m, or ``None`` to choose it among the profiled micro-batch sizes."""
+    checkpoint: CheckpointPolicy = "except_last"
+    schedule: ScheduleName = "gpipe"
+    optimizer: OptimizerName = "adam"
+    pinned: dict[int, int] = {}
+    """unit index -> stage index (CP-SAT only)."""
+    min_units: int = Field(default=1, ge=1)
+    """Fewest units per stage (values above 1: CP-SAT only)."""
+    max_units: int | None = Field(default=None, ge=1)
+    """Most units per stage (CP-SAT only)."""
+    time_limit_s: float | None = Field(default=None, gt=0)
+    """Wall-clock limit for solvers that search (CP-SAT)."""
+
+
+class MemoryBreakdown(FrozenModel):
+    params: int
+    grads: int
+    optimizer: int
+    stashed_inputs: int
+    """In-flight micro-batches times the stage's input bytes (when recomputing)."""
+    activations: int
+    """Bytes saved for backward: one micro-batch's when recomputing, else all in flight."""
+    total: int
+
+
+class Stage(FrozenModel):
+    index: int
+    device: str
+    first_unit: int
+    last_unit: int
+    """Inclusive."""
+    unit_names: tuple[str, ...]
+    recompute: bool
+    forward_s: float
+    """F_j per micro-batch (on this stage's device)."""
+    backward_s: float
+    """B_j per micro-batch, recompute included."""
+    comm_s: float
+    """C_j: send the cut's activations forward and receive their gradient back."""
+    time_s: float
+    """t_j = F_j + B_j + C_j."""
+    update_s: float = 0.0
+    """U_j: the optimizer's update of the stage's parameters, once per step after its last
+    backward."""
+    memory: MemoryBreakdown
+    memory_limit: int
+    feasible: bool
+
+
+class TiedSync(FrozenModel):
+    """One all-reduce of tied gradients: the stages that hold copies of the same parameters
+    sum their gradients after their last backward, before their updates (one per distinct set
+    of stages, in ascending order of the sets, as the runtime does)."""
+
+    stages: tuple[int, ...] = Field(min_length=2)
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
+class Plan(FrozenModel):
+    """A partition of a profile's units into stages plus the micro-batch count, evaluated."""
+
+    schema_: Literal["pipeplan.plan/1"] = Field(default=PLAN_SCHEMA, alias="schema")
+    model: str
+    model_kwargs: dict[str, str | int | float | bool] = {}
+    profile_fingerprint: str
+    graph_fingerprint: str
+    tracer: Literal["fx", "export"] = "fx"
+    granularity: str = "auto"
+    """How the profile grouped graph nodes into units; the runtime regroups the same way."""
+    dtype: str = "float32"
+    profiled_threads: int | None = None
+    """CPU threads per process while profiling; a CPU run should give each rank as many."""
+    batch_size: int
+    microbatches: int
+    microbatch_size: int
+    schedule: ScheduleName
+    checkpoint: CheckpointPolicy
+    optimizer: OptimizerName
+    cluster: Cluster
+    stages: tuple[Stage, ...]
+    tied_syncs: tuple[TiedSync, ...] = ()
+    """The all-reduces of tied gradients this partition needs (none when no shared parameter
+    spans two stages)."""
+    step_time_s: float
+    """Closed-form step time T(m) of :mod:`planner.costmodel` (the solvers' objective)."""
+    simulated_step_time_s: float | None = None
+    """The schedule simulator's makespan for these stage times: equal to ``step_time_s`` for
+    identical stages and for two stages when one is the bottleneck both forward and backward;
+    larger when the forward and backward bottlenecks are different stages (GPipe pays both
+    maxima), smaller when an early stage is the backward bottleneck (a later stage's update
+    then overlaps more of the drain than D_j)."""
+    bubble_fraction: float
+    """1 - (average busy time per device) / step time."""
+    throughput: float
+    """Samples per second: B / step time."""
+    feasible: bool
+    """Every stage fits its device's memory."""
+    solver: str
+    status: Literal["optimal", "feasible", "infeasible", "unknown", "heuristic"]
+    gap: float | None = None
+    """Relative optimality gap when a search stopped early."""
+    lower_bound_s: float | None = None
+    solve_time_s: float | None = None
+    """Wall-clock solve time; ``None`` in reproducible files (the default)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """First unit of every stage after the first (the cut positions)."""
+        return tuple(s.first_unit for s in self.stages[1:])
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the plan's content (a run report records it)."""
+        return canonical_hash(self)
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per stage: unit range, F/B/C/t seconds, memory breakdown and limit."""
+        import pandas as pd
+
+        rows = []
+        for s in self.stages:
+            rows.append(
+                {
+                    "stage": s.index,
+                    "device": s.device,
+                    "first_unit": s.first_unit,
+                    "last_unit": s.last_unit,
+                    "units": s.last_unit - s.first_unit + 1,
+                    "recompute": s.recompute,
+                    "forward_s": s.forward_s,
+                    "backward_s": s.backward_s,
+                    "comm_s": s.comm_s,
+                    "time_s": s.time_s,
+                    **{f"mem_{k}": v for k, v in s.memory.model_dump().items()},
+                    "memory_limit": s.memory_limit,
+                    "feasible": s.feasible,
+                }
+            )
+        return pd.DataFrame(rows)
