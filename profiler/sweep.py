@@ -26,19 +26,8 @@ units' own checkpoints summed cost more than that (on the MLP above at micro-bat
 the plain pass, against 1.45x for one checkpoint around the model).  So a third pass runs
 all the units under one checkpoint, and the recomputing times are scaled to it: net of one
 checkpoint call each, r_u' - c = (r_u - c) (R - c) / sum_u (r_u - c), with R the whole
-pass's time and c one call's own cost.
-
-The plain times need the same closure.  Timing unit by unit runs one ``autograd.backward``
-per unit, and each call pays the engine's own start-up; a stage runs one backward over all
-its units.  Measured on the accuracy benchmark's models (1 thread, 2-vCPU EPYC), the units'
-plain backwards summed exceed one backward over the whole model by 9-32 % (MLP, micro-batch
-128 to 16), -1 to 14 % (ResNet, 32 to 4), 10-28 % (GPT, 16 to 2) and -3 to 10 % (GPT-2, 16
-to 2): most at small micro-batches, where a unit's work is short beside a call's start-up.
-So a fourth pass runs all the units plainly as one forward and one backward, and the plain
-times are scaled in proportion to sum to it, f_u' = f_u F / sum_u f_u (the same for
-backwards, net of the loss's).  A stage holding part of the units is then charged its share
-of one call, not one call per unit.  Every repeat runs the four passes in turn (batch-norm
-statistics restored after the last three), so all are timed in the same context.  The first
+pass's time and c one call's own cost.  Every repeat runs the three passes in turn
+(batch-norm statistics restored after the last two), so all are timed in the same context.  The first
 pass counts each unit's saved bytes with ``saved_tensors_hooks`` (each storage once,
 parameters and buffers excluded) and its output bytes, and doubles as the first warm-up.
 Times are medians over ``repeats`` passes after ``warmup``; spreads are interquartile ranges.
@@ -261,11 +250,9 @@ def _whole_pass(
     loss: torch.nn.Module,
     output: OutputFn,
     clock: Clock,
-    recompute: bool = True,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of all the units as one forward call and one backward, as
-    a stage holding them all runs them: under one non-reentrant ``checkpoint`` when
-    ``recompute``, else plainly.  The backward includes the loss's."""
+    """(forward, backward) seconds of all the units under one non-reentrant ``checkpoint``,
+    as a recomputing stage holding them all runs them; the backward includes the loss's."""
 
     def run(*xs: Any) -> Any:
         values = dict(zip(inputs, xs))
@@ -275,10 +262,7 @@ def _whole_pass(
         return output(values.__getitem__)
 
     args = list(inputs.values())
-    if recompute:
-        out, f = clock.time(lambda: checkpoint(run, *args, use_reentrant=False))
-    else:
-        out, f = clock.time(lambda: run(*args))
+    out, f = clock.time(lambda: checkpoint(run, *args, use_reentrant=False))
     value = loss(out)
     _, b = clock.time(functools.partial(torch.autograd.backward, differentiable(value)))
     return f, b
@@ -298,31 +282,6 @@ def _close(times: list[float], total: float, call: float) -> list[float]:
     return [call + max(t - call, 0.0) * k for t in times]
 
 
-def _scaled(units: list[Timing], forward_s: float, backward_s: float) -> list[Timing]:
-    """The units' plain times (and spreads) scaled in proportion, forwards to sum to
-    ``forward_s`` and backwards to ``backward_s``; a total that is not positive leaves them.
-
-    >>> t = Timing(forward_s=1.0, backward_s=2.0, saved_bytes=0, output_bytes=0)
-    >>> [(u.forward_s, u.backward_s) for u in _scaled([t, t], 1.0, 6.0)]
-    [(0.5, 3.0), (0.5, 3.0)]
-    """
-    f_sum = sum(t.forward_s for t in units)
-    b_sum = sum(t.backward_s for t in units)
-    kf = forward_s / f_sum if forward_s > 0 and f_sum > 0 else 1.0
-    kb = backward_s / b_sum if backward_s > 0 and b_sum > 0 else 1.0
-    return [
-        t.model_copy(
-            update={
-                "forward_s": t.forward_s * kf,
-                "backward_s": t.backward_s * kb,
-                "forward_spread_s": t.forward_spread_s * kf,
-                "backward_spread_s": t.backward_spread_s * kb,
-            }
-        )
-        for t in units
-    ]
-
-
 def measure_sweep(
     pieces: Sequence[UnitModule],
     inputs: dict[str, Any],
@@ -336,9 +295,7 @@ def measure_sweep(
     call_s: tuple[float, float] = (0.0, 0.0),
 ) -> SweepResult:
     """Time every unit and the loss over ``warmup + repeats`` rounds of passes (a plain one, a
-    recomputing one, all the units under one checkpoint and all the units as one plain
-    forward and backward), and close the units' times on the last two; see the module
-    docstring.
+    recomputing one, and all the units under one checkpoint); see the module docstring.
 
     ``inputs`` maps the model's input nodes to their values (they get no gradient);
     ``exclude`` holds the storages of parameters and buffers (not counted as saved);
@@ -362,7 +319,7 @@ def measure_sweep(
         s.fwd.clear()
         s.bwd.clear()
         s.peak = None
-    whole, plain = _Samples(), _Samples()
+    whole = _Samples()
     warm = max(warmup - 1, 0)
     for i in range(warm + repeats):
         rec = record if i >= warm else None
@@ -375,19 +332,11 @@ def measure_sweep(
             )
         with _buffers_restored(pieces):
             f, b = _whole_pass(pieces, inputs, loss, output, clock)
-        with _buffers_restored(pieces):
-            pf, pb = _whole_pass(pieces, inputs, loss, output, clock, recompute=False)
         if rec is not None:
             whole.fwd.append(f)
             whole.bwd.append(b)
-            plain.fwd.append(pf)
-            plain.bwd.append(pb)
     timings = [s.timing() for s in record]
     units, loss_t = timings[:-1], timings[-1]
-    # Closure: a stage runs its units as one forward and one backward call, which costs less
-    # than the units' own calls summed (each backward call pays the engine's start-up).
-    plain_t = plain.timing()
-    units = _scaled(units, plain_t.forward_s, plain_t.backward_s - loss_t.backward_s)
     # Closure: a stage recomputes its units under one checkpoint, which costs less than the
     # units' own checkpoints summed (their recomputations and hooks run one call at a time).
     whole_t = whole.timing()
