@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli_argv import cli_argv
 
 from planner.io import load_plan, write_json
 from planner.synthetic import synthetic_profile
@@ -24,22 +25,8 @@ def profile_file(tmp_path: Path) -> Path:
 
 def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
     out_file = tmp_path / "plan.json"
-    code, out, _ = cli(
-        [
-            "plan",
-            str(profile_file),
-            "--stages",
-            "3",
-            "--memory",
-            "1GiB",
-            "--bandwidth",
-            "10GB/s",
-            "--latency",
-            "5us",
-            "-o",
-            str(out_file),
-        ]
-    )
+    options = "--stages 3 --memory 1GiB --bandwidth 10GB/s --latency 5us"
+    code, out, _ = cli(cli_argv("plan", profile_file, out_file, options))
     assert code == 0
     plan = load_plan(out_file)
     assert plan.n_stages == 3 and plan.solver == "dp" and plan.status == "optimal"
@@ -53,35 +40,18 @@ def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
 
 
 def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, cli) -> None:
-    args = ["plan", str(profile_file), "--stages", "4", "--memory", "256MiB"]
-    cli([*args, "-o", str(tmp_path / "a.json")])
-    cli([*args, "-o", str(tmp_path / "b.json")])
+    cli(cli_argv("plan", profile_file, tmp_path / "a.json", "--stages 4 --memory 256MiB"))
+    cli(cli_argv("plan", profile_file, tmp_path / "b.json", "--stages 4 --memory 256MiB"))
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
 
 
 def test_plan_options_recorded(tmp_path: Path, profile_file: Path, cli) -> None:
     out_file = tmp_path / "p.json"
-    code, _, _ = cli(
-        [
-            "plan",
-            str(profile_file),
-            "--stages",
-            "2",
-            "--memory",
-            "4GiB",
-            "--microbatches",
-            "4",
-            "--checkpoint",
-            "never",
-            "--schedule",
-            "1f1b",
-            "--optimizer",
-            "sgd",
-            "--record-solve-time",
-            "-o",
-            str(out_file),
-        ]
+    options = (
+        "--stages 2 --memory 4GiB --microbatches 4 --checkpoint never --schedule 1f1b"
+        " --optimizer sgd --record-solve-time"
     )
+    code, _, _ = cli(cli_argv("plan", profile_file, out_file, options))
     assert code == 0
     plan = load_plan(out_file)
     assert (plan.microbatches, plan.checkpoint, plan.schedule, plan.optimizer) == (
@@ -101,14 +71,9 @@ def test_cluster_file(tmp_path: Path, profile_file: Path, cli) -> None:
     }
     (tmp_path / "c.json").write_text(json.dumps(cluster))
     code, _, err = cli(
-        [
-            "plan",
-            str(profile_file),
-            "--cluster",
-            str(tmp_path / "c.json"),
-            "-o",
-            str(tmp_path / "p.json"),
-        ]
+        cli_argv(
+            "plan", profile_file, tmp_path / "p.json", args=["--cluster", str(tmp_path / "c.json")]
+        )
     )
     assert code == 0, err
     plan = load_plan(tmp_path / "p.json")
@@ -134,7 +99,7 @@ BAD = [
 @pytest.mark.parametrize("extra, message", BAD)
 def test_bad_plan_input(tmp_path: Path, profile_file: Path, cli, extra, message) -> None:
     out_file = tmp_path / "plan.json"
-    code, _, err = cli(["plan", str(profile_file), *extra, "-o", str(out_file)])
+    code, _, err = cli(cli_argv("plan", profile_file, out_file, args=extra))
     assert code == 2
     assert message in err
     assert "Traceback" not in err
@@ -155,9 +120,7 @@ def test_bad_plan_input(tmp_path: Path, profile_file: Path, cli, extra, message)
 def test_bad_profile_file(tmp_path: Path, cli, content: str, message: str) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    code, _, err = cli(
-        ["plan", str(bad), "--stages", "2", "--memory", "1GiB", "-o", str(tmp_path / "plan.json")]
-    )
+    code, _, err = cli(cli_argv("plan", bad, tmp_path / "plan.json", "--stages 2 --memory 1GiB"))
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "plan.json").exists()
 
@@ -165,18 +128,8 @@ def test_bad_profile_file(tmp_path: Path, cli, content: str, message: str) -> No
 def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, cli) -> None:
     code, _, err = cli(["show", str(tmp_path / "nope.json")])
     assert code == 2 and "no such file" in err
-    code, _, err = cli(
-        [
-            "plan",
-            str(profile_file),
-            "--stages",
-            "2",
-            "--memory",
-            "1GiB",
-            "-o",
-            str(tmp_path / "missing" / "plan.json"),
-        ]
-    )
+    missing = tmp_path / "missing" / "plan.json"
+    code, _, err = cli(cli_argv("plan", profile_file, missing, "--stages 2 --memory 1GiB"))
     assert code == 2 and "does not exist" in err
 
 
@@ -184,34 +137,14 @@ def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
     """The installed entry point: real exit codes and stderr, no traceback."""
     exe = [sys.executable, "-m", "planner.cli"]
     ok = subprocess.run(
-        [
-            *exe,
-            "plan",
-            str(profile_file),
-            "--stages",
-            "2",
-            "--memory",
-            "1GiB",
-            "-o",
-            str(tmp_path / "p.json"),
-        ],
+        [*exe, *cli_argv("plan", profile_file, tmp_path / "p.json", "--stages 2 --memory 1GiB")],
         capture_output=True,
         text=True,
         check=False,
     )
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run(
-        [
-            *exe,
-            "plan",
-            str(profile_file),
-            "--stages",
-            "99",
-            "--memory",
-            "1GiB",
-            "-o",
-            str(tmp_path / "q.json"),
-        ],
+        [*exe, *cli_argv("plan", profile_file, tmp_path / "q.json", "--stages 99 --memory 1GiB")],
         capture_output=True,
         text=True,
         check=False,
@@ -237,25 +170,10 @@ def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli
         "                     torch.nn.functional.mse_loss)\n"
     )
     monkeypatch.chdir(tmp_path)
-    code, _, err = cli(
-        [
-            "profile",
-            "userpkg.nets:build",
-            "-b",
-            "4",
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--no-progress",
-            "-o",
-            str(tmp_path / "p.json"),
-        ]
-    )
+    options = "-b 4 --repeats 1 --warmup 0 --no-progress"
+    code, _, err = cli(cli_argv("profile", "userpkg.nets:build", tmp_path / "p.json", options))
     assert code == 0, err
-    code, _, err = cli(
-        ["profile", "userpkg.nets:missing", "-b", "4", "-o", str(tmp_path / "q.json")]
-    )
+    code, _, err = cli(cli_argv("profile", "userpkg.nets:missing", tmp_path / "q.json", "-b 4"))
     assert code == 2 and "has no attribute 'missing'" in err
 
 
@@ -268,7 +186,7 @@ def test_plan_reports_the_tied_gradient_all_reduce(tmp_path: Path, cli) -> None:
         update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3), "step_overhead_s": 4e-4}
     ))  # fmt: skip
     out_file = tmp_path / "plan.json"
-    code, out, err = cli(["plan", str(prof), "--cluster", str(clus), "-o", str(out_file)])
+    code, out, err = cli(cli_argv("plan", prof, out_file, args=["--cluster", str(clus)]))
     assert code == 0, err
     assert "tied gradients: stages 0, 1" in out
     plan = load_plan(out_file)
@@ -280,35 +198,15 @@ def test_plan_reports_the_tied_gradient_all_reduce(tmp_path: Path, cli) -> None:
 
 def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
     prof = tmp_path / "mlp.json"
-    code, out, err = cli(
-        [
-            "profile",
-            "models.mlp:mlp",
-            "-b",
-            "8",
-            "--model-arg",
-            "width=32",
-            "--model-arg",
-            "in_features=32",
-            "--model-arg",
-            "depth=3",
-            "--threads",
-            "1",
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--no-progress",
-            "-o",
-            str(prof),
-        ]
+    options = (
+        "-b 8 --model-arg width=32 --model-arg in_features=32 --model-arg depth=3 --threads 1"
+        " --repeats 1 --warmup 0 --no-progress"
     )
+    code, out, err = cli(cli_argv("profile", "models.mlp:mlp", prof, options))
     assert code == 0, err
     assert "5 units" in out or "units" in out
     plan_file = tmp_path / "plan.json"
-    code, _, err = cli(
-        ["plan", str(prof), "--stages", "2", "--memory", "1GiB", "-o", str(plan_file)]
-    )
+    code, _, err = cli(cli_argv("plan", prof, plan_file, "--stages 2 --memory 1GiB"))
     assert code == 0, err
     plan = load_plan(plan_file)
     assert plan.model == "models.mlp:mlp" and plan.model_kwargs["width"] == 32

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from _cli_argv import cli_argv
 
 from planner.cli import main
 from planner.compare import FORMATS, compare_frame, render, to_markdown
@@ -105,20 +106,7 @@ def plan_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     for name in SOLVER_NAMES:
         out = root / f"{name}.json"
         try:
-            main(
-                [
-                    "plan",
-                    str(profile),
-                    "-p",
-                    "3",
-                    "--memory",
-                    "1GiB",
-                    "--solver",
-                    name,
-                    "-o",
-                    str(out),
-                ]
-            )
+            main(cli_argv("plan", profile, out, f"-p 3 --memory 1GiB --solver {name}"))
         except SystemExit as exc:  # pragma: no cover - a failure shows in the assert below
             assert not exc.code
         files.append(out)
@@ -136,26 +124,8 @@ def test_plan_with_every_solver(plan_files: list[Path]) -> None:
 def test_plan_cpsat_with_pins(plan_files: list[Path], tmp_path: Path, cli) -> None:
     profile = plan_files[0].parent / "profile.json"
     out = tmp_path / "pinned.json"
-    code, _, err = cli(
-        [
-            "plan",
-            str(profile),
-            "-p",
-            "3",
-            "--memory",
-            "1GiB",
-            "--solver",
-            "cpsat",
-            "--pin",
-            "5:0",
-            "--max-units",
-            "6",
-            "--time-limit",
-            "10",
-            "-o",
-            str(out),
-        ]
-    )
+    options = "-p 3 --memory 1GiB --solver cpsat --pin 5:0 --max-units 6 --time-limit 10"
+    code, _, err = cli(cli_argv("plan", profile, out, options))
     assert code == 0, err
     plan = load_plan(out)
     assert plan.stages[0].last_unit >= 5 and max(len(s.unit_names) for s in plan.stages) <= 6

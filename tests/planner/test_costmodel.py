@@ -14,6 +14,14 @@ from planner.types import Cluster, Link, PlanOptions, TiedSync
 from planner.updates import shared_ends, update_tail
 
 floats = st.floats(1e-4, 1.0, allow_nan=False)
+schedules = st.sampled_from(["gpipe", "1f1b"])
+
+
+def identical_stages(
+    min_stages: int, max_stages: int, max_microbatches: int
+) -> tuple[st.SearchStrategy[float], ...]:
+    """Strategies of identical stages' forward F and backward B, the stages p, and m."""
+    return floats, floats, st.integers(min_stages, max_stages), st.integers(1, max_microbatches)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -60,14 +68,7 @@ def test_closed_form_bounds_simulator(stages: list[tuple[float, float, float]], 
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(
-    floats,
-    floats,
-    st.integers(1, 6),
-    st.integers(1, 12),
-    st.floats(0.0, 1.0),
-    st.sampled_from(["gpipe", "1f1b"]),
-)
+@given(*identical_stages(1, 6, 12), st.floats(0.0, 1.0), schedules)
 def test_closed_form_equals_simulator_with_contention(
     f: float, b: float, p: int, m: int, kappa: float, schedule: str
 ) -> None:
@@ -288,15 +289,7 @@ def test_update_charged_by_parameter_bytes_and_ends_the_step() -> None:
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(
-    floats,
-    floats,
-    st.integers(1, 5),
-    st.integers(1, 8),
-    st.floats(0.0, 1.0),
-    st.floats(0.0, 5.0),
-    st.sampled_from(["gpipe", "1f1b"]),
-)
+@given(*identical_stages(1, 5, 8), st.floats(0.0, 1.0), st.floats(0.0, 5.0), schedules)
 def test_closed_form_equals_simulator_with_updates(
     f: float, b: float, p: int, m: int, kappa: float, u: float, schedule: str
 ) -> None:
@@ -458,7 +451,7 @@ def test_update_tail_without_contention_is_the_plain_maximum(
     st.lists(st.tuples(st.sets(st.integers(0, 3), min_size=2), st.floats(0.0, 1.0)), max_size=2),
     st.floats(0.0, 1.5),
     st.floats(0.0, 0.5),
-    st.sampled_from(["gpipe", "1f1b"]),
+    schedules,
 )
 def test_contended_tail_equals_simulator(
     stages: list[tuple[float, float, float, float]],
@@ -493,15 +486,7 @@ def test_contended_tail_equals_simulator(
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(
-    floats,
-    floats,
-    st.integers(2, 5),
-    st.integers(1, 8),
-    st.floats(0.0, 5.0),
-    st.floats(0.1, 1.0),
-    st.sampled_from(["gpipe", "1f1b"]),
-)
+@given(*identical_stages(2, 5, 8), st.floats(0.0, 5.0), st.floats(0.1, 1.0), schedules)
 def test_identical_stages_with_contended_updates_equal_simulator(
     f: float, b: float, p: int, m: int, u: float, kappa_u: float, schedule: str
 ) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import _solver_strategies as ss
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,31 +46,26 @@ def _assert_close(got: float, want: float, bound: float) -> None:
 
 @st.composite
 def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
-    n = draw(st.integers(1, 16))
-    p = draw(st.integers(1, min(n, 6)))
-    prof = synthetic_profile(
+    n, p = ss.draw_sizes(draw, 1, 16, 6)
+    prof = ss.draw_profile(
+        draw,
         n,
-        batch_size=8,
-        microbatch_sizes=draw(st.sampled_from([[1, 2, 4, 8], [2], [1, 8]])),
-        seed=draw(st.integers(0, 10**6)),
-        spread=draw(st.sampled_from([0.1, 0.5, 1.5])),
-        heavy_ends=draw(st.booleans()),
-        tied=draw(st.booleans()),
-        loss=draw(st.booleans()),
-        update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 2e-9, 2e-8])),
-        update_curvature=draw(st.sampled_from([0.0, 0.0, 1.5])),  # a superlinear U(w)
-        checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
+        microbatch_sizes=st.sampled_from([[1, 2, 4, 8], [2], [1, 8]]),
+        seed=ss.SEEDS,
+        spread=ss.SPREADS,
+        heavy_ends=st.booleans(),
+        tied=st.booleans(),
+        loss=st.booleans(),
+        update_s_per_byte=st.sampled_from([0.0, 0.0, 2e-9, 2e-8]),
+        update_curvature=ss.CURVATURES,
+        checkpoint_call_s=ss.CALL_COSTS,
     )
     link = Link(
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e10])),
         latency_s=draw(st.sampled_from([0.0, 1e-4])),
     )
     memory = draw(st.sampled_from([2**40, 2**25, 2**23, 2**22]))
-    options = PlanOptions(
-        checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
-        optimizer=draw(st.sampled_from(["sgd", "momentum", "adam"])),
-    )
+    options = ss.draw_options(draw)
     overhead = draw(st.sampled_from([0.0, 1e-3]))
     kappa = draw(st.sampled_from([0.0, 0.0, 0.4, 1.5]))
     clus = Cluster.homogeneous(p, memory, link, op_overhead_s=overhead, contention=kappa)
@@ -117,33 +114,30 @@ def test_cpsat_matches_dp_on_synthetic_profiles(
     _assert_close(got.step_time_s, want.step_time_s, error_bound_s(prof, clus, PlanOptions()))
 
 
+def _small_profile(draw: st.DrawFn, n: int, **fields: Any) -> Profile:
+    """A profile small enough for brute force: micro-batches of 2 or 8, a drawn seed, then
+    ``fields`` (see ``ss.draw_profile``)."""
+    return ss.draw_profile(draw, n, microbatch_sizes=[2, 8], seed=ss.SEEDS, **fields)
+
+
 @st.composite
 def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     """Tiny instances with what only CP-SAT models: speeds, pins, unit counts."""
-    n = draw(st.integers(2, 9))
-    p = draw(st.integers(2, min(n, 4)))
-    prof = synthetic_profile(
+    n, p = ss.draw_sizes(draw, 2, 9, 4)
+    prof = _small_profile(
+        draw,
         n,
-        batch_size=8,
-        microbatch_sizes=[2, 8],
-        seed=draw(st.integers(0, 10**6)),
+        tied=st.booleans(),
         spread=1.0,
-        tied=draw(st.booleans()),
         # A shared parameter owned by a later unit; or two, whose all-reduces CP-SAT charges
         # one at a time (a lower bound: the plan is then only "feasible" unless it is exact).
-        shared=draw(st.sampled_from([(), ((1, n - 1),), ((1, 2), (0, n - 1))])),
-        update_s_per_byte=draw(st.sampled_from([0.0, 3e-9, 3e-8])),
-        update_curvature=draw(st.sampled_from([0.0, 0.0, 1.5])),  # a superlinear U(w)
-        checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
+        shared=st.sampled_from([(), ((1, n - 1),), ((1, 2), (0, n - 1))]),
+        update_s_per_byte=st.sampled_from([0.0, 3e-9, 3e-8]),
+        update_curvature=ss.CURVATURES,
+        checkpoint_call_s=ss.CALL_COSTS,
     )
-    devices = tuple(
-        Device(
-            name=f"d{j}",
-            memory_bytes=draw(st.sampled_from([2**40, 2**24, 2**23])),
-            speed=draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])),
-        )
-        for j in range(p)
-    )
+    memory = st.sampled_from([2**40, 2**24, 2**23])
+    devices = ss.draw_devices(draw, p, memory, st.sampled_from([0.5, 1.0, 2.0, 3.0]))
     pinned = draw(st.dictionaries(st.integers(0, n - 1), st.integers(0, p - 1), max_size=2))
     lo = draw(st.integers(1, n // p))
     hi = draw(st.one_of(st.none(), st.integers(max(lo, -(-n // p)), n)))
@@ -156,11 +150,11 @@ def constrained(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     return prof, clus, options
 
 
-def _solve_beside_brute_force(
-    prof: Profile, clus: Cluster, options: PlanOptions
-) -> tuple[Plan, float] | None:
-    """(CP-SAT's feasible plan, the brute-force optimum); ``None`` (after checking that CP-SAT
+def _check_beside_brute_force(inst: tuple[Profile, Cluster, PlanOptions]) -> Plan | None:
+    """CP-SAT's plan, checked against the brute-force optimum: within the error bound where
+    "optimal", else "feasible" with a gap that holds; ``None`` (after checking that CP-SAT
     raises) where nothing fits."""
+    prof, clus, options = inst
     want = brute_force(prof, clus, options)
     if want is None:
         with pytest.raises(InfeasiblePlanError):
@@ -168,7 +162,14 @@ def _solve_beside_brute_force(
         return None
     got = solve_cpsat(prof, clus, options)
     assert got.feasible
-    return got, want
+    err = error_bound_s(prof, clus, options)
+    if got.status == "optimal":
+        _assert_close(got.step_time_s, want, err)
+    else:
+        assert got.status == "feasible" and got.gap is not None
+        assert got.step_time_s >= want * (1 - 1e-9)
+        assert got.step_time_s * (1 - got.gap) <= want + err
+    return got
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -176,17 +177,12 @@ def _solve_beside_brute_force(
 def test_cpsat_matches_brute_force_with_constraints(
     inst: tuple[Profile, Cluster, PlanOptions],
 ) -> None:
-    prof, clus, options = inst
-    solved = _solve_beside_brute_force(prof, clus, options)
-    if solved is None:
+    prof, _, options = inst
+    got = _check_beside_brute_force(inst)
+    if got is None:
         return
-    got, want = solved
-    if got.status == "optimal":
-        _assert_close(got.step_time_s, want, error_bound_s(prof, clus, options))
-    else:  # several shared parameters: the gap bounds the distance to the optimum
-        assert got.status == "feasible" and len(prof.shared_params) > 1 and got.gap is not None
-        assert got.step_time_s >= want * (1 - 1e-9)
-        assert got.step_time_s * (1 - got.gap) <= want + error_bound_s(prof, clus, options)
+    if got.status != "optimal":  # several shared parameters: the gap bounds the distance to it
+        assert len(prof.shared_params) > 1
     for unit, stage in options.pinned.items():
         assert got.stages[stage].first_unit <= unit <= got.stages[stage].last_unit
     sizes = [s.last_unit - s.first_unit + 1 for s in got.stages]
@@ -316,26 +312,17 @@ def test_tied_holders_wait_for_each_other_on_a_free_link(seed: int, p: int) -> N
 @st.composite
 def contended(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     """Updates long enough to overlap in the drain, slowing each other (kappa_u)."""
-    n = draw(st.integers(2, 8))
-    p = draw(st.integers(2, min(n, 4)))
-    prof = synthetic_profile(
+    n, p = ss.draw_sizes(draw, 2, 8, 4)
+    prof = _small_profile(
+        draw,
         n,
-        batch_size=8,
-        microbatch_sizes=[2, 8],
-        seed=draw(st.integers(0, 10**6)),
-        spread=draw(st.sampled_from([0.5, 1.5])),
-        heavy_ends=draw(st.booleans()),
-        tied=draw(st.booleans()),
-        update_s_per_byte=draw(st.sampled_from([3e-9, 3e-8, 1e-7])),
+        spread=st.sampled_from([0.5, 1.5]),
+        heavy_ends=st.booleans(),
+        tied=st.booleans(),
+        update_s_per_byte=st.sampled_from([3e-9, 3e-8, 1e-7]),
     )
-    devices = tuple(
-        Device(
-            name=f"d{j}",
-            memory_bytes=draw(st.sampled_from([2**40, 2**40, 2**24])),
-            speed=draw(st.sampled_from([1.0, 1.0, 2.0])),
-        )
-        for j in range(p)
-    )
+    memory = st.sampled_from([2**40, 2**40, 2**24])
+    devices = ss.draw_devices(draw, p, memory, st.sampled_from([1.0, 1.0, 2.0]))
     clus = Cluster(
         devices=devices,
         link=Link(bandwidth_Bps=1e9, latency_s=1e-5),
@@ -353,20 +340,10 @@ def test_cpsat_with_update_contention_is_optimal_or_within_its_gap(
 ) -> None:
     # The model bounds the contended tail from below (exactly for two stages and kappa_u a
     # multiple of 1/1000): "optimal" only when it is, else "feasible" with a gap that holds.
-    prof, clus, options = inst
-    solved = _solve_beside_brute_force(prof, clus, options)
-    if solved is None:
-        return
-    got, want = solved
-    err = error_bound_s(prof, clus, options)
-    if got.status == "optimal":
-        _assert_close(got.step_time_s, want, err)
-    else:
-        assert got.status == "feasible" and got.gap is not None
-        assert got.step_time_s >= want * (1 - 1e-9)
-        assert got.step_time_s * (1 - got.gap) <= want + err
+    got = _check_beside_brute_force(inst)
+    prof, clus, _ = inst
     exact_model = clus.n_stages == 2 and not prof.shared_params
-    if exact_model and clus.update_contention in (0.3, 1.5):
+    if got is not None and exact_model and clus.update_contention in (0.3, 1.5):
         # kappa_u = 1.5 enters as 1, a bound that is loose once both updates overlap.
         assert got.status == "optimal" or clus.update_contention > 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import _solver_strategies as ss
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,22 +31,21 @@ def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
 
 @st.composite
 def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
-    n = draw(st.integers(1, 8))
-    p = draw(st.integers(1, n))
-    prof = synthetic_profile(
+    n, p = ss.draw_sizes(draw, 1, 8, 8)
+    prof = ss.draw_profile(
+        draw,
         n,
-        batch_size=8,
-        seed=draw(st.integers(0, 10**6)),
-        spread=draw(st.sampled_from([0.1, 0.5, 1.5])),
-        heavy_ends=draw(st.booleans()),
-        tied=draw(st.booleans()),
+        seed=ss.SEEDS,
+        spread=ss.SPREADS,
+        heavy_ends=st.booleans(),
+        tied=st.booleans(),
         # A shared parameter owned by unit 1 (the DP's tied tail is a bound on 3+ stages), or
         # two of them (the chained all-reduces are a bound).
-        shared=draw(st.sampled_from([(), (), ((1, n - 1),), ((1, 2), (0, n - 1))])),
-        loss=draw(st.booleans()),
-        update_s_per_byte=draw(st.sampled_from([0.0, 0.0, 1e-9, 3e-9, 3e-8])),
-        update_curvature=draw(st.sampled_from([0.0, 0.0, 1.5])),  # a superlinear U(w)
-        checkpoint_call_s=draw(st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])),
+        shared=st.sampled_from([(), (), ((1, n - 1),), ((1, 2), (0, n - 1))]),
+        loss=st.booleans(),
+        update_s_per_byte=st.sampled_from([0.0, 0.0, 1e-9, 3e-9, 3e-8]),
+        update_curvature=ss.CURVATURES,
+        checkpoint_call_s=ss.CALL_COSTS,
     )
     link = Link(
         bandwidth_Bps=draw(st.sampled_from([None, 1e8, 1e9, 1e11])),
@@ -64,12 +64,7 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         allreduce=draw(st.sampled_from([None, Link(bandwidth_Bps=1e8, latency_s=1e-3)])),
         step_overhead_s=draw(st.sampled_from([0.0, 0.0, 1e-3])),
     )
-    options = PlanOptions(
-        checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
-        optimizer=draw(st.sampled_from(["sgd", "momentum", "adam"])),
-        microbatches=draw(st.sampled_from([None, None, 1, 2, 8])),
-    )
+    options = ss.draw_options(draw, microbatches=st.sampled_from([None, None, 1, 2, 8]))
     return prof, cluster, options
 
 
@@ -214,18 +209,17 @@ def test_a_capped_tail_search_keeps_a_proven_gap(monkeypatch: pytest.MonkeyPatch
 @st.composite
 def contended(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
     """Pipelines of 2+ stages whose updates are long enough to overlap in the drain."""
-    n = draw(st.integers(2, 8))
-    p = draw(st.integers(2, min(n, 5)))
-    prof = synthetic_profile(
+    n, p = ss.draw_sizes(draw, 2, 8, 5)
+    prof = ss.draw_profile(
+        draw,
         n,
-        batch_size=8,
-        microbatch_sizes=draw(st.sampled_from([[1, 2, 4, 8], [2, 8], [8]])),
-        seed=draw(st.integers(0, 10**6)),
-        spread=draw(st.sampled_from([0.1, 0.5, 1.5])),
-        heavy_ends=draw(st.booleans()),
-        tied=draw(st.booleans()),
-        shared=draw(st.sampled_from([(), (), ((1, n - 1),)])),
-        update_s_per_byte=draw(st.sampled_from([1e-9, 3e-9, 3e-8, 1e-7])),
+        microbatch_sizes=st.sampled_from([[1, 2, 4, 8], [2, 8], [8]]),
+        seed=ss.SEEDS,
+        spread=ss.SPREADS,
+        heavy_ends=st.booleans(),
+        tied=st.booleans(),
+        shared=st.sampled_from([(), (), ((1, n - 1),)]),
+        update_s_per_byte=st.sampled_from([1e-9, 3e-9, 3e-8, 1e-7]),
     )
     cluster = Cluster.homogeneous(
         p,
@@ -235,11 +229,7 @@ def contended(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         contention=draw(st.sampled_from([0.0, 0.3])),
         update_contention=draw(st.sampled_from([0.1, 0.3, 0.3, 1.5])),
     )
-    options = PlanOptions(
-        checkpoint=draw(st.sampled_from(["always", "except_last", "never"])),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
-        optimizer=draw(st.sampled_from(["sgd", "adam"])),
-    )
+    options = ss.draw_options(draw, st.sampled_from(["sgd", "adam"]))
     return prof, cluster, options
 
 
