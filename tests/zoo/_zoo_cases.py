@@ -1,0 +1,38 @@
+"""The zoo the suite runs: every ``models.zoo`` architecture and the bundled models, tiny."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: name -> (model, kwargs).  Sizes are tiny: the suite checks behaviour, not speed.
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    **{
+        name: (f"models.zoo:{name}", {"n_layers": 2, "d_model": 16, "vocab": 64, "seq_len": 8})
+        for name in (
+            "gpt2",
+            "llama",
+            "mistral",
+            "qwen2",
+            "gpt_neox",
+            "phi",
+            "gemma",
+            "mixtral",
+            "bert",
+            "roberta",
+            "electra",
+            "deberta",
+            "t5",
+            "bart",
+            "vit",
+        )
+    },
+    "gpt": ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8}),
+    "resnet": ("models.resnet:resnet", {"width": 4, "blocks": "1,1", "image": 8}),
+    "mlp": ("models.mlp:mlp", {"width": 8, "depth": 4, "in_features": 6, "classes": 3}),
+    "hf-llama": ("models.hf:llama", {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2,
+                                     "n_kv_heads": 1, "seq_len": 8}),
+}  # fmt: skip
+
+BATCH = 4
+MICROBATCHES = 2
+STEPS = 2

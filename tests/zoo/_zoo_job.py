@@ -1,0 +1,59 @@
+"""One torchrun job for the zoo: every case's 2-stage plan, 2 steps, float64, gloo.
+
+``python -m torch.distributed.run --nproc-per-node 2 _zoo_job.py job.json``: the job file lists
+each case's model, kwargs and plan file.  Each rank writes ``rank<r>.pt``: case -> the losses
+of the steps (last rank), the first step's gradients, and an error line if the case failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.io import load_plan
+from planner.model import load_model
+from runtime.engine import PipelineRunner
+
+
+def _run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:
+    plan = load_plan(case["plan"]).model_copy(update={"dtype": "float64"})
+    spec = load_model(case["model"], case["kwargs"])
+    spec.module.double()
+    runner = PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer="sgd", lr=0.1)
+    inputs, target = spec.batch(plan.batch_size)
+    losses, grads = [], {}
+    for step in range(steps):
+        losses.append(runner.forward_backward(inputs, target, step))
+        if step == 0:
+            grads = {
+                k: p.grad.detach().clone()
+                for k, p in runner.named_parameters().items()
+                if p.grad is not None
+            }
+        runner.optimizer_step()
+    return {"losses": losses, "grads": grads, "tied": [t.name for t in runner.tied]}
+
+
+def main(job_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out: dict[str, Any] = {}
+    for name, case in job["cases"].items():
+        try:
+            out[name] = _run_case(case, job["steps"])
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}
+            torch.save(out, Path(job["out"]) / f"rank{dist.get_rank()}.pt")
+            raise
+    torch.save(out, Path(job["out"]) / f"rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
