@@ -55,13 +55,15 @@ def _trace_export(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> Grap
     from torch.export import Dim
 
     dim = getattr(Dim, "DYNAMIC", None) or getattr(Dim, "AUTO", None)
-    try:
-        if dim is None:
-            raise RuntimeError("torch.export.Dim has no DYNAMIC")
-        dynamic = tuple({0: dim} for _ in example_inputs)
-        ep = torch.export.export(module, example_inputs, strict=False, dynamic_shapes=dynamic)
-    except Exception:  # noqa: BLE001 - a model that pins its batch size: export it static
-        ep = torch.export.export(module, example_inputs, strict=False)
+    per_input = tuple({0: dim} for _ in example_inputs)
+    # A forward(x, y) takes one spec per argument; a forward(*args) one tuple for the varargs.
+    for dynamic in (per_input, (per_input,)) if dim is not None else ():
+        try:
+            ep = torch.export.export(module, example_inputs, strict=False, dynamic_shapes=dynamic)
+            return ep.module()  # type: ignore[return-value]
+        except Exception:  # noqa: BLE001, S112 - try the next structure, then a static batch
+            continue
+    ep = torch.export.export(module, example_inputs, strict=False)
     return ep.module()  # type: ignore[return-value]
 
 

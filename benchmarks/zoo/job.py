@@ -1,6 +1,6 @@
 """One torchrun job for the zoo: every case's 2-stage plan, 2 steps, float64, gloo.
 
-``python -m torch.distributed.run --nproc-per-node 2 _zoo_job.py job.json``: the job file lists
+``python -m torch.distributed.run --nproc-per-node 2 -m benchmarks.zoo.job job.json``: the job file lists
 each case's model, kwargs and plan file.  Each rank writes ``rank<r>.pt``: case -> the losses
 of the steps (last rank), the first step's gradients, and an error line if the case failed.
 """

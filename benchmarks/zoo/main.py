@@ -1,0 +1,161 @@
+"""The zoo: architectures this project did not write, from profile to a 2-rank run.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.zoo.main [--only NAME ...]
+
+For every case in :mod:`benchmarks.zoo.cases`: profile with the default options (except one
+warm-up and one repeat: the table is about behaviour, not speed), plan 2 and 4 stages with the
+DP (1 GiB per device, SGD), then run every case's 2-stage plan at m = 2 for 2 steps on 2 ranks
+(one torchrun launch, float64, gloo, :mod:`benchmarks.zoo.job`) and compare the loss and every
+gradient with the unsplit model on the full batch.  Prints the README's zoo table and writes
+``results.json``.  ``tests/zoo/test_zoo.py`` runs the same pipeline and asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.zoo.cases import BATCH, CASES, MICROBATCHES, STEPS
+from planner.io import write_json
+from planner.model import load_model
+from planner.types import Cluster, Plan, PlanOptions, Profile
+
+__all__ = ["ZooRun", "compare", "reference", "run_zoo"]
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class ZooRun:
+    """Everything the zoo produced: per case its profile, its plans and each rank's results."""
+
+    profiles: dict[str, Profile] = field(default_factory=dict)
+    plans: dict[str, dict[int, Plan]] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    stderr: str = ""
+
+
+def _plan(profile: Profile, stages: int, m: int | None) -> Plan:
+    from solvers import SOLVERS
+
+    cluster = Cluster.homogeneous(stages, 1 << 30)
+    return SOLVERS["dp"](profile, cluster, PlanOptions(microbatches=m, optimizer="sgd"))
+
+
+def run_zoo(out: Path, names: list[str] | None = None) -> ZooRun:
+    """Profile and plan every case, then run all 2-stage plans in one 2-rank launch."""
+    from profiler import profile_model
+
+    run = ZooRun()
+    cases = {}
+    for name in names or list(CASES):
+        model, kwargs = CASES[name]
+        profile = profile_model(
+            model, batch_size=BATCH, model_kwargs=kwargs, warmup=1, repeats=1, progress=False
+        )
+        run.profiles[name] = profile
+        run.plans[name] = {p: _plan(profile, p, None) for p in (2, 4)}
+        path = out / f"{name}.plan.json"
+        write_json(path, _plan(profile, 2, MICROBATCHES))
+        cases[name] = {"model": model, "kwargs": kwargs, "plan": str(path)}
+    job_file = out / "job.json"
+    job_file.write_text(json.dumps({"cases": cases, "steps": STEPS, "out": str(out)}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "benchmarks.zoo.job", str(job_file)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900, env=env)
+    run.stderr = proc.stderr
+    run.ranks = [
+        torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else {} for r in (0, 1)
+    ]
+    return run
+
+
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsplit model in float64 on the full batch: each step's loss, step 1's gradients."""
+    model, kwargs = CASES[name]
+    spec = load_model(model, kwargs)
+    module = spec.module.double()
+    inputs, target = spec.batch(BATCH)
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    named = dict(module.named_parameters())
+    losses: list[float] = []
+    grads: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = spec.loss(module(*inputs), target)
+        loss.backward()
+        losses.append(float(loss))
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in named.items() if p.grad is not None}
+        opt.step()
+    return losses, grads
+
+
+def compare(name: str, run: ZooRun) -> dict[str, Any]:
+    """The case's pipelined losses and gradients against :func:`reference`.
+
+    Returns ``error`` (a rank's failure, or None), ``loss_rel`` (largest relative loss error),
+    ``grad_rel`` (largest relative gradient error, by max norm) and ``missing`` (parameters
+    with a reference gradient that no rank produced, or the reverse).
+    """
+    ranks = [r.get(name) for r in run.ranks]
+    errors = [r["error"] for r in ranks if r and "error" in r]
+    if errors or not all(ranks):
+        return {"error": errors[0] if errors else "did not run", "loss_rel": None,
+                "grad_rel": None, "missing": []}  # fmt: skip
+    ref_losses, ref_grads = reference(name)
+    got = ranks[-1]["losses"]  # type: ignore[index]
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, ref_losses))
+    grad_rel, seen = 0.0, set()
+    for rank in ranks:
+        for pname, grad in rank["grads"].items():  # type: ignore[index]
+            ref = ref_grads.get(pname)
+            if ref is None or ref.shape != grad.shape:
+                continue
+            scale = float(ref.abs().max()) or 1.0
+            grad_rel = max(grad_rel, float((grad - ref).abs().max()) / scale)
+            seen.add(pname)
+    return {"error": None, "loss_rel": loss_rel, "grad_rel": grad_rel,
+            "missing": sorted(set(ref_grads) ^ seen)}  # fmt: skip
+
+
+def _row(name: str, run: ZooRun, result: dict[str, Any]) -> str:
+    model, _ = CASES[name]
+    profile = run.profiles[name]
+    arch = type(load_model(*CASES[name]).module).__name__
+    ok = result["error"] is None and not result["missing"] and result["grad_rel"] < 1e-9
+    runs = "yes" if result["error"] is None else f"no: {result['error']}"
+    grads = f"yes ({result['grad_rel']:.0e})" if ok else "no"
+    feasible = "/".join("yes" if run.plans[name][p].feasible else "no" for p in (2, 4))
+    return (f"| `{model}` | {arch} | {profile.tracer} | {profile.n_units} | {feasible} | {runs} "
+            f"| {grads} |")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="*", help="case names (default: all)")
+    args = ap.parse_args(argv)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = run_zoo(Path(tmp), args.only)
+        results = {name: compare(name, run) for name in run.profiles}
+    print("| model | architecture | tracer | units | plans p=2/4 | runs on 2 ranks | gradients equal (max rel. error) |")  # fmt: skip
+    print("|---|---|---|---:|---|---|---|")
+    for name, result in results.items():
+        print(_row(name, run, result))
+    (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""A new user's first hour: three models go from ``pipeplan profile`` to ``pipeplan run`` with the
+default options and no code beyond the model callable (the command line, as subprocesses).
+
+- a plain ``nn.Sequential`` body behind a wrapper, with one dominant layer (``_user_models``);
+- a model whose ``forward`` returns a dict;
+- an unwrapped ``transformers`` model (``models.zoo:llama``: a ``LlamaForCausalLM`` as it is).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+CASES = {
+    "sequential": ["_user_models:sequential"],
+    "dict_output": ["_user_models:dict_output"],
+    "llama": ["models.zoo:llama", "--model-arg", "d_model=16", "--model-arg", "seq_len=8"],
+}
+
+
+def _pipeplan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.getcwd()])}
+    cmd = [sys.executable, "-c", "from planner.cli import main; main()", *args]
+    return subprocess.run(
+        cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_profile_plan_run_with_defaults(name: str, tmp_path: Path) -> None:
+    model, *extra = CASES[name]
+    prof = _pipeplan("profile", model, "-b", "8", *extra, "-o", "p.json", cwd=tmp_path)
+    assert prof.returncode == 0, prof.stderr[-2000:]
+    plan = _pipeplan("plan", "p.json", "--stages", "2", "--memory", "1GiB", "-o", "plan.json",
+                     cwd=tmp_path)  # fmt: skip
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    run = _pipeplan("run", "plan.json", "--steps", "2", "--warmup", "0", "--report", "r.json",
+                    cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "r.json").exists()
