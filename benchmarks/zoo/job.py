@@ -21,7 +21,7 @@ from runtime.engine import PipelineRunner
 
 
 def _run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:
-    plan = load_plan(case["plan"]).model_copy(update={"dtype": "float64"})
+    plan = load_plan(case["plan"])
     spec = load_model(case["model"], case["kwargs"])
     spec.module.double()
     runner = PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer="sgd", lr=0.1)

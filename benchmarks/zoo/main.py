@@ -2,8 +2,9 @@
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.zoo.main [--only NAME ...]
 
-For every case in :mod:`benchmarks.zoo.cases`: profile with the default options (except one
-warm-up and one repeat: the table is about behaviour, not speed), plan 2 and 4 stages with the
+For every case in :mod:`benchmarks.zoo.cases`: profile with the default options (except float64,
+so that gradients can be compared tightly, and one warm-up and one repeat: the table is about
+behaviour, not speed), plan 2 and 4 stages with the
 DP (1 GiB per device, SGD), then run every case's 2-stage plan at m = 2 for 2 steps on 2 ranks
 (one torchrun launch, float64, gloo, :mod:`benchmarks.zoo.job`) and compare the loss and every
 gradient with the unsplit model on the full batch.  Prints the README's zoo table and writes
@@ -59,7 +60,13 @@ def run_zoo(out: Path, names: list[str] | None = None) -> ZooRun:
     for name in names or list(CASES):
         model, kwargs = CASES[name]
         profile = profile_model(
-            model, batch_size=BATCH, model_kwargs=kwargs, warmup=1, repeats=1, progress=False
+            model,
+            batch_size=BATCH,
+            model_kwargs=kwargs,
+            dtype="float64",
+            warmup=1,
+            repeats=1,
+            progress=False,
         )
         run.profiles[name] = profile
         run.plans[name] = {p: _plan(profile, p, None) for p in (2, 4)}
@@ -94,7 +101,7 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.zero_grad(set_to_none=True)
         loss = spec.loss(module(*inputs), target)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step == 0:
             grads = {k: p.grad.clone() for k, p in named.items() if p.grad is not None}
         opt.step()
