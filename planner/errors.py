@@ -16,6 +16,7 @@ __all__ = [
     "StageFailedError",
     "TraceError",
     "UnsupportedConstraintError",
+    "UserCodeError",
 ]
 
 
@@ -61,3 +62,11 @@ class FingerprintMismatchError(PipeplanError, ValueError):
 
 class StageFailedError(PipeplanError, RuntimeError):
     """A pipeline rank raised or died; the message names the stage and its error."""
+
+
+class UserCodeError(PipeplanError, RuntimeError):
+    """The user's code raised: the model callable, ``make_batch``, the loss or ``forward``.
+
+    The message names which, the exception and the user's file and line; the original
+    exception is the ``__cause__`` (``pipeplan --debug`` prints its traceback).
+    """

@@ -35,6 +35,7 @@ from planner.model import ModelSpec
 from planner.optim import make_optimizer
 from planner.trace import TracedModel, trace_model
 from planner.types import Plan
+from planner.usercode import user_code
 from runtime.report import RankRecord
 from runtime.stages import (
     TiedParameter,
@@ -220,9 +221,10 @@ class PipelineRunner:
     # -- one step --------------------------------------------------------------------------
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
-        with self.timer.span("loss", self._loss_calls):
+        """The user's loss on the model's output, rebuilt from the last stage's tensors."""
+        with self.timer.span("loss", self._loss_calls), user_code("the model's loss"):
             self._loss_calls += 1
-            return self.loss_fn(output, target)
+            return self.loss_fn(self.stage_module.rebuild_output(output), target)
 
     def forward_backward(
         self, inputs: tuple[Tensor, ...], target: Tensor, step: int = 0

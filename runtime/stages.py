@@ -33,13 +33,15 @@ import torch
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from planner.errors import FingerprintMismatchError, InvalidRequestError
+from planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
 from planner.graph import UnitSpec, cut_tensors, subgraph_module
 from planner.trace import TracedModel
 from planner.types import Plan
 
 __all__ = [
+    "StageComputeError",
     "StageModule",
     "StageProgram",
     "TiedParameter",
@@ -59,11 +61,21 @@ class _Const:
 
 
 class StageModule(nn.Module):
-    """One stage's nodes as a module: tensors in, tensors out (the model's output on the last).
+    """One stage's nodes as a module: tensors in, tensors out.
 
     ``body`` takes every value live across the input cut positionally; ``slots`` says, for
     each, whether it is the next received tensor or a :class:`_Const`.  Non-last stages return
-    only the tensor outputs, in order; the last rebuilds the model's output structure.
+    only the tensor outputs, in order, each contiguous (a transport sends contiguous buffers;
+    a transposed view or a slice may cross a cut).  The last stage returns the *tensor leaves*
+    of the model's output (:func:`torch.utils._pytree.tree_flatten`: nested tuples, lists,
+    dicts and ``transformers`` ``ModelOutput`` s), because the pipeline engine hands a stage's
+    output to autograd as a flat tuple of tensors; :meth:`rebuild_output` puts the model's
+    output back together for the loss.  Received tensors pass through
+    :class:`_ContiguousGrad`, so the gradients sent back are contiguous too.
+
+    ``unit_of`` maps a graph node to its unit's name: when the body raises, the stage runs the
+    micro-batch again node by node to name the unit, node and values that failed
+    (:class:`StageComputeError`).
     """
 
     def __init__(
@@ -75,6 +87,8 @@ class StageModule(nn.Module):
         *,
         first: bool,
         output_template: Any = None,
+        index: int = 0,
+        unit_of: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         self.body = body
@@ -83,18 +97,119 @@ class StageModule(nn.Module):
         self._root_graph = root_graph
         self._first = first
         self._template = output_template
+        self._index = index
+        self._unit_of = dict(unit_of or {})
+        self._out_spec: TreeSpec | None = None
+        self._out_consts: dict[int, Any] = {}
 
     def forward(self, *args: Any) -> Any:
         if self._first:
             args = tuple(self._root_graph.process_inputs(*args))
+        else:
+            args = tuple(_ContiguousGrad.apply(a) if _needs_grad(a) else a for a in args)
         received = iter(args)
         full = [next(received) if s is None else s.value for s in self._slots]
-        outs = self.body(*full)
+        try:
+            outs = self.body(*full)
+        except _PASS_THROUGH:  # checkpoint's early stop of a recomputation: control flow
+            raise
+        except Exception as exc:
+            raise self._locate(full, exc) from exc
         if self._template is None:
-            return tuple(outs[i] for i in self._sent)
+            return tuple(outs[i].contiguous() for i in self._sent)
+        leaves, spec = tree_flatten(self._model_output(outs))
+        self._out_spec = spec
+        self._out_consts = {k: v for k, v in enumerate(leaves) if not isinstance(v, Tensor)}
+        return tuple(v for v in leaves if isinstance(v, Tensor))
+
+    def _model_output(self, outs: Sequence[Any]) -> Any:
         values = dict(zip(self._template[1], outs))
         result = map_arg(self._template[0], lambda n: values[n.name])
         return self._root_graph.process_outputs(result)
+
+    def rebuild_output(self, tensors: Sequence[Tensor]) -> Any:
+        """The model's output (its structure and non-tensor values) from the last stage's
+        tensors; the identity on anything else."""
+        if self._out_spec is None:
+            return tensors
+        it = iter(tensors)
+        n = self._out_spec.num_leaves
+        leaves = [self._out_consts[k] if k in self._out_consts else next(it) for k in range(n)]
+        return tree_unflatten(leaves, self._out_spec)
+
+    def _locate(self, full: Sequence[Any], exc: Exception) -> Exception:
+        """Run the body node by node to find the node that raises ``exc``'s error."""
+        if isinstance(exc, StageComputeError):
+            return exc
+        tracker = _NodeTracker(self.body)
+        try:
+            with torch.no_grad():
+                tracker.run(*full)
+        except Exception:  # noqa: BLE001, S110 - the node is what we want, not the error
+            pass
+        node = tracker.current
+        what = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+        if node is None:
+            return StageComputeError(f"stage {self._index}: {what}")
+        unit = self._unit_of.get(node.name, "?")
+        args = ", ".join(_describe_value(tracker.env.get(a)) for a in node.all_input_nodes)
+        return StageComputeError(
+            f"stage {self._index}, unit {unit!r}, node {node.name} ({_target(node)}) "
+            f"on ({args}): {what}"
+        )
+
+
+try:  # raised by non-reentrant checkpointing to end a recomputation early
+    from torch.utils.checkpoint import _StopRecomputationError as _PASS_THROUGH
+except ImportError:  # pragma: no cover - older torch
+
+    class _PASS_THROUGH(Exception):  # type: ignore[no-redef]
+        pass
+
+
+class StageComputeError(PipeplanError, RuntimeError):
+    """A stage's computation raised; the message names the stage, unit, node and its inputs."""
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the backward makes the gradient contiguous (it is sent to a peer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _needs_grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+class _NodeTracker(Interpreter):
+    """An interpreter that remembers the node it is running and every value so far."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__(gm)
+        self.current: Node | None = None
+
+    def run_node(self, n: Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, Tensor):
+        layout = "" if value.is_contiguous() else ", non-contiguous"
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"tensor {tuple(value.shape)} {dtype}{layout}"
+    return type(value).__name__ if not isinstance(value, (int, float, bool)) else repr(value)
+
+
+def _target(node: Node) -> str:
+    target = node.target
+    return str(target) if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +305,7 @@ def probe(traced: TracedModel, wanted: set[str], inputs: tuple[Tensor, ...]) -> 
 
 
 def _example(value: Tensor) -> Tensor:
-    t = value.detach()
+    t = value.detach().contiguous()
     return t.requires_grad_(value.requires_grad and t.is_floating_point())
 
 
@@ -241,6 +356,7 @@ def build_stages(
     ]
     wanted = {name for io in bounds for side in io for name in side} | set(out_names)
     values = probe(traced, wanted, example_inputs)
+    unit_of = {n: u.name for u in units for n in u.nodes}
 
     programs = []
     for j, s in enumerate(plan.stages):
@@ -260,13 +376,18 @@ def build_stages(
             gm.graph,
             first=j == 0,
             output_template=(out_node.args[0], out_names) if last else None,
+            index=j,
+            unit_of=unit_of,
         )
         if j == 0:
             recv = placeholders
         else:
             recv = tuple(i for i, slot in zip(ins, slots) if slot is None)
         send = tuple(outs[k] for k in sent)
-        out_values = [values[n] for n in (out_names if last else send)]
+        if last:
+            out_values = tree_flatten(module._model_output([values[n] for n in out_names]))[0]
+        else:
+            out_values = [values[n] for n in send]
         programs.append(
             StageProgram(
                 index=j,

@@ -127,8 +127,11 @@ def _write_error(run_dir: str | None, rank: int, step: int | None, exc: BaseExce
 
 
 def _root_cause(exc: BaseException) -> BaseException:
-    """The innermost cause (PipelineStage wraps a stage's error in a RuntimeError)."""
-    while exc.__cause__ is not None:
+    """The innermost cause (PipelineStage wraps a stage's error in a RuntimeError); a pipeplan
+    error that names the stage and unit is kept rather than the exception it explains."""
+    from planner.errors import PipeplanError
+
+    while exc.__cause__ is not None and not isinstance(exc, PipeplanError):
         exc = exc.__cause__
     return exc
 

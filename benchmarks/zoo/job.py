@@ -1,4 +1,4 @@
-"""One torchrun job for the zoo: every case's 2-stage plan, 2 steps, float64, gloo.
+"""One torchrun job for the zoo: every case's 2-stage plan, 2 steps, in the plan's dtype, gloo.
 
 ``python -m torch.distributed.run --nproc-per-node 2 -m benchmarks.zoo.job job.json``: the job file lists
 each case's model, kwargs and plan file.  Each rank writes ``rank<r>.pt``: case -> the losses
@@ -23,7 +23,7 @@ from runtime.engine import PipelineRunner
 def _run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:
     plan = load_plan(case["plan"])
     spec = load_model(case["model"], case["kwargs"])
-    spec.module.double()
+    spec.module.to(getattr(torch, plan.dtype))
     runner = PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer="sgd", lr=0.1)
     inputs, target = spec.batch(plan.batch_size)
     losses, grads = [], {}

@@ -2,7 +2,7 @@
 
 For every case (:mod:`benchmarks.zoo.cases`): profile with the default options, plan 2 and 4
 stages with the DP, then run the 2-stage plan for 2 steps on 2 ranks (one torchrun launch for
-all cases, float64, gloo) and check the loss and every gradient against the unsplit model on
+all cases, float64 where the model allows, gloo) and check the loss and every gradient against the unsplit model on
 the full batch (:mod:`benchmarks.zoo.main`, which also makes the README's table).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.zoo.cases import CASES
+from benchmarks.zoo.cases import CASES, TOLERANCE
 from benchmarks.zoo.main import ZooRun, compare, run_zoo
 
 
@@ -35,5 +35,6 @@ def test_two_rank_run_equals_unsplit_model(zoo: ZooRun, name: str) -> None:
     result = compare(name, zoo)
     assert result["error"] is None, f"{result['error']}\n{zoo.stderr[-3000:]}"
     assert not result["missing"], result["missing"]
-    assert result["loss_rel"] <= 1e-9
-    assert result["grad_rel"] <= 1e-9
+    tol = TOLERANCE.get(name, 1e-9)
+    assert result["loss_rel"] <= tol
+    assert result["grad_rel"] <= tol
