@@ -13,7 +13,9 @@ runtime (``run``, ``calibrate``) in ``planner.cli_runtime``; this module registe
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -33,7 +35,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="Automatic pipeline-partition planner for PyTorch.",
+    help="Automatic pipeline-partition planner for PyTorch. Add --debug (or set "
+    "PIPEPLAN_DEBUG=1) to see the traceback behind an error.",
 )
 
 
@@ -67,8 +70,16 @@ def profile(
     rounds: Annotated[
         int, typer.Option(help="Repeat the whole sweep; median of rounds (robust to bursts).")
     ] = 1,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(help="Tokens per sample: the model argument seq_len (e.g. for hf:...)."),
+    ] = None,
 ) -> None:
-    """Trace MODEL, group it into units and measure every unit at several micro-batch sizes."""
+    """Trace MODEL, group it into units and measure every unit at several micro-batch sizes.
+
+    MODEL is package.module:callable, or hf:PATH/config.json for a transformers model built
+    from a local config with random weights (its head from the config's architectures).
+    """
     from planner.model import parse_model_args
     from profiler import profile_model
 
@@ -81,10 +92,15 @@ def profile(
             sizes = [int(s) for s in microbatch_sizes.split(",")]
         except ValueError:
             fail(f"--microbatch-sizes {microbatch_sizes!r} must be integers like 1,2,4")
+    kwargs = parse_model_args(model_arg)
+    if seq_len is not None:
+        if seq_len <= 0:
+            fail(f"--seq-len {seq_len} must be positive")
+        kwargs["seq_len"] = seq_len
     prof = profile_model(
         model,
         batch_size=batch_size,
-        model_kwargs=parse_model_args(model_arg),
+        model_kwargs=kwargs,
         microbatch_sizes=sizes,
         device=device,
         granularity=granularity,
@@ -271,11 +287,19 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turning PipeplanErrors into one line.
 
     Click runs standalone (usage errors exit 2 with its own message); errors pipeplan raises
-    print ``error: ...`` and exit 2.
+    print ``error: ...`` and exit 2.  ``--debug`` anywhere on the line, or ``PIPEPLAN_DEBUG=1``,
+    also prints the error's traceback, with the user's exception it came from.
     """
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("PIPEPLAN_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
     try:
-        app(args=argv)
+        app(args=args)
     except PipeplanError as exc:
+        if debug:
+            err_console.print(
+                "".join(traceback.format_exception(exc)), highlight=False, soft_wrap=True
+            )
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:

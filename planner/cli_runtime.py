@@ -17,7 +17,7 @@ from rich.table import Table
 
 from planner.cli_options import Output, check_output, fail
 from planner.io import format_bytes, parse_bytes, write_json
-from planner.terminal import console, err_console
+from planner.terminal import batch_norm_note, console, err_console
 from planner.types import OPTIMIZERS
 
 __all__ = ["calibrate", "run"]
@@ -43,6 +43,13 @@ def run(
     device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
     seed: Annotated[int, typer.Option(help="Seed for the model and the batch.")] = 0,
     timeout: Annotated[float, typer.Option(help="Process-group timeout, seconds.")] = 300.0,
+    batch_norm: Annotated[
+        str,
+        typer.Option(
+            help="BatchNorm running statistics: deferred (once per step, over the whole batch, "
+            "as the unsplit model) or microbatch (once per micro-batch)."
+        ),
+    ] = "deferred",
 ) -> None:
     """Run PLAN as a pipeline on this machine (torchrun, one rank per stage); compare with it."""
     from planner.errors import StageFailedError
@@ -50,6 +57,8 @@ def run(
 
     if optimizer is not None and optimizer not in OPTIMIZERS:
         fail(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    if batch_norm not in ("deferred", "microbatch"):
+        fail(f"--batch-norm {batch_norm!r} is not deferred or microbatch")
     p = preflight(
         plan_file,
         model=model,
@@ -78,8 +87,15 @@ def run(
             highlight=False,
             soft_wrap=True,
         )
+    if p.batch_dependent_layers:
+        err_console.print(
+            batch_norm_note(p.batch_dependent_layers, p.microbatches, batch_norm),
+            highlight=False,
+            soft_wrap=True,
+        )
     optimizer = optimizer or p.optimizer
-    args = [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
+    args = [f"--batch-norm={batch_norm}"]
+    args += [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
     args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]
     args += [f"--model={model}"] if model else []
     args += [f"--model-arg={a}" for a in model_arg or []]

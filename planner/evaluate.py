@@ -202,4 +202,6 @@ def evaluate(
         gap=gap,
         lower_bound_s=lower_bound(profile, cluster, options),
         solve_time_s=solve_time_s,
+        model_sha256=profile.model_sha256,
+        batch_dependent_layers=profile.batch_dependent_layers,
     )

@@ -16,12 +16,30 @@ from rich.table import Table
 from planner.io import format_bytes
 from planner.types import Plan, Profile
 
-__all__ = ["console", "err_console", "print_plan", "print_profile"]
+__all__ = ["batch_norm_note", "console", "err_console", "print_plan", "print_profile"]
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 """Standard output: tables, results and the files written."""
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 """Standard error: ``error: ...`` lines, warnings and notes."""
+
+
+def batch_norm_note(layers: tuple[str, ...], m: int, choice: str | None = None) -> str:
+    """What a pipeline changes for batch-dependent layers (BatchNorm), in one line; ``choice``
+    is the run's ``--batch-norm`` (``None``: say what the choices are)."""
+    names = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+    head = (
+        f"batch norm: {len(layers)} layer(s) ({names}) normalise each of the m = {m} "
+        f"micro-batches with its own statistics; "
+    )
+    if choice == "deferred":
+        return head + "their running statistics are updated once per step, over the whole batch"
+    if choice == "microbatch":
+        return head + f"their running statistics are updated m = {m} times per step"
+    return head + (
+        "`pipeplan run` updates their running statistics once per step over the whole batch "
+        "(--batch-norm deferred, the default) or once per micro-batch (--batch-norm microbatch)"
+    )
 
 
 def print_plan(p: Plan) -> None:
@@ -53,6 +71,8 @@ def print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    if p.batch_dependent_layers:
+        console.print(batch_norm_note(p.batch_dependent_layers, p.microbatches))
     for sync in p.tied_syncs:
         stages = ", ".join(map(str, sync.stages))
         console.print(

@@ -24,7 +24,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from planner.errors import InvalidRequestError, TraceError
 
-__all__ = ["TracedModel", "get_attr", "trace_model"]
+__all__ = ["TracedModel", "get_attr", "run_eagerly", "trace_model"]
 
 TracerName = Literal["fx", "export"]
 
@@ -157,6 +157,15 @@ def get_attr(gm: GraphModule, target: str) -> Any:
     return obj
 
 
+def run_eagerly(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> None:
+    """Run ``module`` once outside any tracer: a :class:`~planner.errors.UserCodeError` naming
+    the user's file and line if its ``forward`` raises by itself."""
+    from planner.usercode import user_code
+
+    with torch.no_grad(), user_code(f"the model's forward ({type(module).__name__})"):
+        module(*example_inputs)
+
+
 def trace_model(
     module: nn.Module,
     example_inputs: tuple[Tensor, ...],
@@ -185,6 +194,7 @@ def trace_model(
         except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
             errors.append(f"torch.export failed ({_one_line(exc)})")
     if gm is None:
+        run_eagerly(module, example_inputs)  # the user's forward itself may be what fails
         hint = (
             "make forward() free of data-dependent Python control flow, or try --tracer export"
             if tracer == "fx"

@@ -27,8 +27,9 @@ from planner.allocator import keep_heap
 from planner.errors import InvalidRequestError
 from planner.graph import cut_tensors, group_units
 from planner.model import load_model
-from planner.trace import trace_model
+from planner.trace import run_eagerly, trace_model
 from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
+from planner.usercode import user_code
 from profiler.device import Clock, device_info, resolve_device
 from profiler.measure import (
     measure_checkpoint_call,
@@ -39,7 +40,7 @@ from profiler.measure import (
 from profiler.split import split_units
 from profiler.sweep import measure_sweep
 
-__all__ = ["DTYPES", "default_microbatch_sizes", "profile_model"]
+__all__ = ["DTYPES", "batch_dependent_layers", "default_microbatch_sizes", "profile_model"]
 
 #: ``dtype`` names accepted by :func:`profile_model`.
 DTYPES: dict[str, torch.dtype] = {
@@ -190,6 +191,7 @@ def _profile(
     spec = load_model(model, model_kwargs)
     module = spec.module.to(dev, torch_dtype).train()
     example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
+    run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
     traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
     units = group_units(traced, granularity)
     pieces = split_units(traced, units)
@@ -289,7 +291,28 @@ def _profile(
         update_s=update_s,
         update_curve=update_curve,
         checkpoint_call_s=call_s,
+        model_sha256=_source_sha256(model),
+        batch_dependent_layers=batch_dependent_layers(spec.module),
     )
+
+
+def _source_sha256(model: str) -> str | None:
+    """The SHA-256 of an ``hf:PATH`` model's config file (``None`` for a Python callable)."""
+    if not model.startswith("hf:"):
+        return None
+    from pathlib import Path
+
+    from planner.hf_source import file_sha256
+
+    path = Path(model[3:])
+    return file_sha256(path / "config.json" if path.is_dir() else path)
+
+
+def batch_dependent_layers(module: torch.nn.Module) -> tuple[str, ...]:
+    """Qualified names of the layers whose output depends on the whole batch (BatchNorm)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return tuple(name for name, m in module.named_modules() if isinstance(m, _BatchNorm))
 
 
 class _Loss(torch.nn.Module):
@@ -300,7 +323,8 @@ class _Loss(torch.nn.Module):
         self.loss, self.target = loss, target
 
     def forward(self, output: Any) -> Any:
-        return self.loss(output, self.target)
+        with user_code("the model's loss"):
+            return self.loss(output, self.target)
 
 
 def _merge(rounds: list[Timing]) -> Timing:

@@ -20,7 +20,7 @@ steps, so the copies receive the same update and stay equal.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,12 @@ from planner.optim import make_optimizer
 from planner.trace import TracedModel, trace_model
 from planner.types import Plan
 from planner.usercode import user_code
+from runtime.batchnorm import (
+    BATCH_NORM_MODES,
+    defer_batch_norm,
+    recomputing,
+    restore_batch_norm,
+)
 from runtime.report import RankRecord
 from runtime.stages import (
     TiedParameter,
@@ -67,12 +73,19 @@ class Recompute(nn.Module):
     def _contexts(
         self,
     ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-        return contextlib.nullcontext(), preserved_buffers(self.inner)
+        return contextlib.nullcontext(), _recompute_context(self.inner)
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args)
         return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self._contexts)
+
+
+@contextlib.contextmanager
+def _recompute_context(inner: nn.Module) -> Iterator[None]:
+    """A recomputed forward: buffers restored afterwards, batch-norm statistics not tracked."""
+    with preserved_buffers(inner), recomputing():
+        yield
 
 
 class _MeasuredStage(PipelineStage):
@@ -143,6 +156,7 @@ class PipelineRunner:
         lr: float = 1e-3,
         fault: FaultHook | None = None,
         traced: TracedModel | None = None,
+        batch_norm: str = "deferred",
     ) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != plan.n_stages:
@@ -158,8 +172,19 @@ class PipelineRunner:
         inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
         if traced is None:
             traced = trace_model(module, inputs, tracer=plan.tracer)
+        if batch_norm not in BATCH_NORM_MODES:
+            raise InvalidRequestError(
+                f"batch norm mode {batch_norm!r} is not one of {', '.join(BATCH_NORM_MODES)}"
+            )
+        deferred = []
+        if batch_norm == "deferred":
+            deferred = defer_batch_norm(traced, plan.microbatches)
+        else:
+            restore_batch_norm(traced)
         units = group_units(traced, plan.granularity)
         programs = build_stages(plan, traced, units, inputs, device=device)
+        for stats in deferred:  # the probe ran the graph once
+            stats.reset()
         self.names = parameter_names(module, traced.gm)
         self.tied = tied_parameters([p.module for p in programs], self.names)
         mine = programs[rank]

@@ -27,7 +27,7 @@ from planner.errors import InvalidRequestError, StageFailedError
 from planner.io import load_plan
 from planner.types import Plan
 
-__all__ = ["failure", "launch", "preflight", "worker_command"]
+__all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
 
 
 def preflight(
@@ -66,6 +66,8 @@ def preflight(
             )
     kwargs: dict[str, Any] = dict(plan.model_kwargs) if model is None else {}
     kwargs.update(parse_model_args(list(model_args)))
+    if model is None:
+        check_source(plan)
     spec = load_model(model or plan.model, kwargs)
     dtype = getattr(torch, plan.dtype)
     module = spec.module.to(dtype=dtype)
@@ -73,6 +75,24 @@ def preflight(
     traced = trace_model(module, inputs, tracer=plan.tracer)
     check_plan(plan, traced, group_units(traced, plan.granularity))
     return plan
+
+
+def check_source(plan: Plan) -> None:
+    """Refuse an ``hf:`` config file that changed since the plan was made (its SHA-256)."""
+    if plan.model_sha256 is None or not plan.model.startswith("hf:"):
+        return
+    from planner.errors import FingerprintMismatchError
+    from planner.hf_source import file_sha256
+
+    path = Path(plan.model[3:])
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise InvalidRequestError(f"the plan's model config {path} does not exist")
+    if file_sha256(path) != plan.model_sha256:
+        raise FingerprintMismatchError(
+            f"{path} changed since the plan was made (SHA-256 {plan.model_sha256[:12]}..., now "
+            f"{file_sha256(path)[:12]}...); profile and plan it again"
+        )
 
 
 def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence[str]) -> list[str]:

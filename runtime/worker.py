@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, s")
     ap.add_argument("--run-dir", help="directory for per-rank error files")
     ap.add_argument("--quiet", action="store_true", help="do not print the comparison table")
+    ap.add_argument(
+        "--batch-norm",
+        default="deferred",
+        choices=("deferred", "microbatch"),
+        help="running statistics once per step (deferred) or once per micro-batch",
+    )
     return ap.parse_args(argv)
 
 
@@ -174,7 +180,13 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     spec = load_model(args.model or plan.model, kwargs)
     runner = PipelineRunner(
-        plan, spec, device=device, optimizer=args.optimizer, lr=args.lr, fault=_fault_hook(rank)
+        plan,
+        spec,
+        device=device,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        fault=_fault_hook(rank),
+        batch_norm=args.batch_norm,
     )
     torch.manual_seed(args.seed + 1)
     inputs, target = spec.batch(plan.batch_size)

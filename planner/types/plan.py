@@ -131,6 +131,10 @@ class Plan(FrozenModel):
     lower_bound_s: float | None = None
     solve_time_s: float | None = None
     """Wall-clock solve time; ``None`` in reproducible files (the default)."""
+    model_sha256: str | None = None
+    """The profile's ``model_sha256``: the model's config file, checked by ``pipeplan run``."""
+    batch_dependent_layers: tuple[str, ...] = ()
+    """The profile's batch-dependent layers (BatchNorm), named in ``plan`` and ``run`` output."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 

@@ -150,6 +150,12 @@ class Profile(FrozenModel):
     measured on a trivial function.  Every unit's recompute times include it once; a
     recomputing stage makes one call, so the cost model takes it out of each unit and charges
     it once per stage.  (0, 0) in profiles made before it was measured."""
+    model_sha256: str | None = None
+    """SHA-256 of the file the model was built from (``hf:PATH/config.json``), if any; a plan
+    carries it and ``pipeplan run`` refuses a file that changed since."""
+    batch_dependent_layers: tuple[str, ...] = ()
+    """Layers whose output depends on the other samples of the batch (BatchNorm): in a pipeline
+    they see one micro-batch at a time (see ``pipeplan run --batch-norm``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 

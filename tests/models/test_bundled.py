@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from planner.errors import ModelLoadError
+from planner.errors import ModelLoadError, UserCodeError
 from planner.model import load_model
 
 SMALL = {
@@ -58,9 +58,12 @@ def test_same_seed_same_weights() -> None:
 
 
 def test_bad_knobs_are_rejected() -> None:
-    with pytest.raises(ValueError, match="d_model"):
+    """A knob the model refuses is the user's error: one line naming the model's check."""
+    with pytest.raises(
+        UserCodeError, match=r"raised ValueError: .*d_model.*\(models/gpt\.py:\d+\)"
+    ):
         load_model("models.gpt:gpt", {"d_model": 10, "n_heads": 4})
-    with pytest.raises(ValueError, match="blocks"):
+    with pytest.raises(UserCodeError, match="blocks"):
         load_model("models.resnet:resnet", {"blocks": "2,x"})
 
 

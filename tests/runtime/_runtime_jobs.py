@@ -97,6 +97,7 @@ def build(model: dict[str, Any], job: dict[str, Any]) -> tuple[ModelSpec, Traced
     spec = load_model(model["model"], model["kwargs"])
     spec.module.double()
     inputs, _ = spec.batch(job["batch_size"] // job["microbatches"])
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     return spec, trace_model(spec.module, inputs)
 
 
@@ -126,6 +127,7 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             optimizer=cfg["optimizer"],
             lr=cfg["lr"],
             traced=traced,
+            batch_norm=cfg.get("batch_norm", "deferred"),
         )
         loss = runner.forward_backward(inputs, target)
         params = runner.named_parameters()
@@ -141,8 +143,15 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             "grads": grads,
             "params": {k: p.detach().clone() for k, p in params.items()},
             "tied": [(t.name, t.stages) for t in runner.tied],
+            "buffers": _stage_buffers(spec.module, runner.stage_module),
         }
     return results
+
+
+def _stage_buffers(model: torch.nn.Module, stage: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's buffers (batch-norm statistics) under the model's qualified names."""
+    names = {id(b): n for n, b in model.named_buffers()}
+    return {names[id(b)]: b.detach().clone() for b in stage.buffers() if id(b) in names}
 
 
 def run_job(job_file: str) -> None:

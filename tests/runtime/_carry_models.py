@@ -1,0 +1,91 @@
+"""Models whose cuts carry every kind of value, for ``test_runtime_carry`` (run by torchrun jobs).
+
+``carry``: three blocks; across the cuts travel a non-contiguous view (a transpose), an integer
+tensor (positions), a bool mask, a float tensor that needs no gradient, and several tensors at
+once; the output is a dict holding a tensor, a tuple and a list.  ``batchnorm``: a small
+convolutional net with BatchNorm (traced by torch.fx); ``batchnorm_export`` the same traced by
+torch.export (``aten.batch_norm`` on its buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+D, T, VOCAB = 8, 6, 5
+
+
+class Carry(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+
+    def forward(self, x: Tensor, ids: Tensor) -> dict[str, Any]:
+        mask = ids > 2  # bool, crosses every cut
+        pos = ids.cumsum(-1)  # int64
+        scale = (x.detach() ** 2).mean(-1, keepdim=True) + 1  # float, no gradient
+        h = self.blocks[0](x + self.embed(ids))
+        v = h.transpose(1, 2)  # (B, D, T) view: non-contiguous across the cut
+        h = self.blocks[1](v.transpose(1, 2) * scale + pos.unsqueeze(-1).to(h.dtype) / 10)
+        h = h.masked_fill(mask.unsqueeze(-1), 0.0)
+        out = self.blocks[2](torch.tanh(h))
+        return {"out": out, "aux": (h.sum(-1), [v.mean(), mask])}
+
+
+def _carry_loss(output: dict[str, Any], target: Tensor) -> Tensor:
+    aux_sum, (aux_mean, mask) = output["aux"]
+    assert mask.dtype == torch.bool
+    return F.mse_loss(output["out"], target) + 0.1 * aux_sum.mean() + 0.01 * aux_mean
+
+
+def carry(seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(seed)
+
+    def make_batch(b: int) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        g = torch.Generator().manual_seed(b)
+        x = torch.randn(b, T, D, generator=g)
+        return (x, torch.randint(VOCAB, (b, T), generator=g)), torch.randn(b, T, D, generator=g)
+
+    return Carry(), make_batch, _carry_loss
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Conv2d(3 if i == 0 else 4, 4, 3, padding=1), nn.BatchNorm2d(4),
+                            nn.ReLU()) for i in range(3))
+        )  # fmt: skip
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
+class _Export(BNNet):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] > 0:  # data-dependent Python: torch.fx cannot trace it, export can
+            x = x + 0
+        return super().forward(x)
+
+
+def _bn_spec(net: nn.Module) -> tuple[nn.Module, Any, Any]:
+    def make_batch(b: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(b)
+        return torch.randn(b, 3, 6, 6, generator=g) * 2 + 1, torch.randint(2, (b,), generator=g)
+
+    return net, make_batch, F.cross_entropy
+
+
+def batchnorm(seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(seed)
+    return _bn_spec(BNNet())
+
+
+def batchnorm_export(seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(seed)
+    return _bn_spec(_Export())

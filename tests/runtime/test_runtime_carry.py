@@ -1,0 +1,133 @@
+"""Whatever crosses a cut, the pipeline carries (issue: "a runtime that carries whatever
+crosses a cut"), and batch norm's running statistics are updated once per step.
+
+One 2-rank torchrun job (gloo, float64) runs ``_carry_models``: the cuts carry a bool mask, an
+integer tensor, a float tensor without gradient, a non-contiguous view and several tensors at
+once, and the output is a dict of a tensor, a tuple and a list; loss and every gradient equal
+the unsplit model's.  The batch-norm nets check ``deferred`` (each layer's running statistics
+updated once, from all its micro-batches' inputs; the first layer's equal the unsplit model's
+on the whole batch) and ``microbatch`` (updated once per micro-batch), for torch.fx and
+torch.export graphs, with and without recomputation.  Failures inside a stage name the unit, node and values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _runtime_jobs import launch_job, make_plan, reference
+
+from planner.graph import group_units
+from planner.model import load_model
+from planner.trace import trace_model
+from runtime.stages import StageComputeError, build_stages
+
+TIGHT = {"rtol": 1e-9, "atol": 1e-11}
+CARRY = {"carry-a": [0, 1], "carry-b": [0, 2]}
+BN = ("batchnorm", "batchnorm_export")
+
+
+def _configs() -> list[dict[str, Any]]:
+    base = {"schedule": "gpipe", "optimizer": "sgd", "lr": 0.1, "steps": 1}
+    return [
+        {**base, "key": "except_last", "checkpoint": "except_last"},
+        {**base, "key": "always", "checkpoint": "always"},
+        {**base, "key": "microbatch", "checkpoint": "always", "batch_norm": "microbatch"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    models = [
+        {"name": name, "model": "_carry_models:carry", "kwargs": {}, "starts": starts}
+        for name, starts in CARRY.items()
+    ] + [{"name": n, "model": f"_carry_models:{n}", "kwargs": {}, "starts": [0, 2]} for n in BN]
+    job = {"models": models, "batch_size": 8, "microbatches": 4, "configs": _configs()}
+    return launch_job(job, 2, tmp_path_factory.mktemp("carry"))
+
+
+@pytest.mark.parametrize("name", list(CARRY))
+def test_every_kind_of_value_crosses_the_cut(ranks: list[Any], name: str) -> None:
+    model = {"model": "_carry_models:carry", "kwargs": {}}
+    ref_loss, ref_grads, _, _ = reference(model, 8, "sgd", 0.1, 1)
+    for key in ("except_last", "always"):
+        assert ranks[-1][name][key]["loss"] == pytest.approx(ref_loss, rel=1e-12)
+        seen = set()
+        for r, rank in enumerate(ranks):
+            for pname, grad in rank[name][key]["grads"].items():
+                torch.testing.assert_close(grad, ref_grads[pname], **TIGHT, msg=f"{r} {pname}")
+            seen |= set(rank[name][key]["grads"])
+        assert seen == set(ref_grads)
+
+
+def _unsplit_buffers(name: str, batch: int, chunks: int) -> dict[str, torch.Tensor]:
+    """Running statistics after the unsplit model's training forwards on the batch's
+    ``chunks`` micro-batches, in order (what ``--batch-norm microbatch`` should give)."""
+    spec = load_model(f"_carry_models:{name}", {})
+    module = spec.module.double().train()
+    (x,), _ = spec.batch(batch)
+    with torch.no_grad():
+        for piece in x.double().chunk(chunks):
+            module(piece)
+    return {k: v.clone() for k, v in module.named_buffers()}
+
+
+def _deferred_reference(name: str, batch: int, chunks: int) -> dict[str, torch.Tensor]:
+    """What deferred batch norm should give: each layer's running statistics updated once,
+    from everything it saw in the step's micro-batches (each normalised by its own statistics
+    upstream, as in the pipeline)."""
+    spec = load_model(f"_carry_models:{name}", {})
+    module = spec.module.double().train()
+    seen: dict[str, list[torch.Tensor]] = {}
+    layers = {n: m for n, m in module.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    for n, layer in layers.items():
+        layer.register_forward_pre_hook(lambda _, a, n=n: seen.setdefault(n, []).append(a[0]))
+    initial = {k: v.clone() for k, v in module.named_buffers()}
+    (x,), _ = spec.batch(batch)
+    with torch.no_grad():
+        for piece in x.double().chunk(chunks):
+            module(piece)
+    out = dict(initial)
+    for n, layer in layers.items():
+        xs = torch.cat(seen[n])
+        mean, var = xs.mean((0, 2, 3)), xs.var((0, 2, 3), unbiased=True)
+        f = layer.momentum
+        out[f"{n}.running_mean"] = (1 - f) * initial[f"{n}.running_mean"] + f * mean
+        out[f"{n}.running_var"] = (1 - f) * initial[f"{n}.running_var"] + f * var
+        out[f"{n}.num_batches_tracked"] = initial[f"{n}.num_batches_tracked"] + 1
+    return out
+
+
+@pytest.mark.parametrize("name", BN)
+def test_deferred_batch_norm_updates_running_statistics_once(ranks: list[Any], name: str) -> None:
+    expected = _deferred_reference(name, 8, 4)
+    per_microbatch = _unsplit_buffers(name, 8, 4)
+    whole = _unsplit_buffers(name, 8, 1)
+    for key in ("except_last", "always"):  # "always": a recomputation must not count again
+        deferred = {k: v for rank in ranks for k, v in rank[name][key]["buffers"].items()}
+        assert set(deferred) == set(expected) and any("running_var" in k for k in expected)
+        for k, value in expected.items():
+            torch.testing.assert_close(deferred[k], value, **TIGHT, msg=f"{key} {k}")
+        first = "blocks.0.1.running_var"  # its input is the model's: the whole batch's statistics
+        torch.testing.assert_close(deferred[first], whole[first], **TIGHT)
+    micro = {k: v for rank in ranks for k, v in rank[name]["microbatch"]["buffers"].items()}
+    for k, value in per_microbatch.items():
+        torch.testing.assert_close(micro[k], value, **TIGHT, msg=k)
+    assert int(micro["blocks.0.1.num_batches_tracked"]) == 4
+    assert int(deferred["blocks.0.1.num_batches_tracked"]) == 1
+
+
+def test_a_failing_stage_names_its_unit_node_and_values() -> None:
+    spec = load_model("_carry_models:carry", {})
+    inputs, _ = spec.batch(2)
+    traced = trace_model(spec.module, inputs)
+    plan = make_plan("carry", {}, traced, starts=[0, 2], batch_size=4, microbatches=2)
+    programs = build_stages(plan, traced, group_units(traced), inputs)
+    received = [t.detach() for t in programs[1].example_inputs]
+    bad = [t[..., :3] if t.dim() == 3 and t.shape[-1] == 8 else t for t in received]
+    with pytest.raises(StageComputeError) as info:
+        programs[1].module(*bad)
+    message = str(info.value)
+    assert message.startswith("stage 1, unit 'blocks.2'") or "unit 'blocks." in message, message
+    assert "node " in message and "tensor (2, 6, 3) float32" in message, message
