@@ -74,6 +74,10 @@ def profile(
         int | None,
         typer.Option(help="Tokens per sample: the model argument seq_len (e.g. for hf:...)."),
     ] = None,
+    max_stages: Annotated[
+        int,
+        typer.Option(help="Refine auto units for up to this many stages (no unit > 1/P)."),
+    ] = 8,
 ) -> None:
     """Trace MODEL, group it into units and measure every unit at several micro-batch sizes.
 
@@ -111,6 +115,7 @@ def profile(
         progress=progress,
         threads=threads,
         rounds=rounds,
+        max_stages=max_stages,
     )
     write_json(output, prof)
     console.print(

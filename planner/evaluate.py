@@ -46,7 +46,8 @@ def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> N
     if p > n:
         raise InvalidRequestError(
             f"{p} stages but the profile has only {n} units; use --stages {n} or fewer, "
-            f"or profile with a finer --granularity"
+            f"or profile again with --max-stages {p} (auto units are refined until there are "
+            f"at least that many, where the graph has the nodes)"
         )
     if options.microbatches is not None:
         unit_costs(profile, options.microbatches)  # raises with the fix
@@ -204,4 +205,5 @@ def evaluate(
         solve_time_s=solve_time_s,
         model_sha256=profile.model_sha256,
         batch_dependent_layers=profile.batch_dependent_layers,
+        unit_expansions=profile.grouping.expanded if profile.grouping else (),
     )

@@ -4,9 +4,12 @@ Used by both the profiler (measure each unit) and the runtime (build each stage)
 two agree on the units.  The graph comes from :func:`planner.trace.trace_model`.
 
 1. :func:`group_units` groups the compute nodes into units, contiguous in graph order (so in
-   topological order).  ``auto`` makes every item of the "deepest repeated container" a unit
-   (``blocks.3``); the nodes before, between and after the blocks ("glue") become units of their
-   own when they use parameters (``embed``, ``head``) and join a neighbour otherwise.
+   topological order).  ``auto`` makes every item of the containers that cover the most nodes
+   a unit (``blocks.3``; any ``ModuleList`` or ``Sequential``, of one class or mixed); the nodes
+   before, between and after the blocks ("glue") become units of their own when they use
+   parameters (``embed``, ``head``) and join a neighbour otherwise.  ``expanded`` names modules
+   to split into their children (``""`` is the glue's root; a leaf module splits into its graph
+   nodes): :mod:`planner.refine` chooses them so that no unit is too heavy to balance.
    ``top`` and ``depth:N`` key each node by its module N levels deep (nodes of shallower
    modules are glue); ``node`` makes every node a unit (a ``get_attr`` joins its user).
 2. :func:`cut_tensors` lists, for each cut, the nodes produced before it and used after it:
@@ -90,10 +93,10 @@ def _module_info(gm: GraphModule, node: Node) -> tuple[tuple[str, ...], dict[tup
 def _repeated_items(
     paths: dict[Node, tuple[str, ...]], classes: dict[tuple[str, ...], str]
 ) -> set[tuple[str, ...]]:
-    """Items of the repeated containers that together cover the most nodes (ties: more items).
+    """Items of the containers that together cover the most nodes (ties: more items).
 
-    A container has digit-named children, all of one class (a ModuleList or Sequential of
-    blocks).  Among antichains of containers, choose by dynamic programming over the module
+    A container has digit-named children (a ``ModuleList`` or ``Sequential``, of
+    one class or mixed: ``Sequential(Linear, ReLU, ...)``'s items are units too).  Among antichains of containers, choose by dynamic programming over the module
     tree the one covering most compute nodes, then with most items (at least two are needed).
     """
     weight: Counter[tuple[str, ...]] = Counter()
@@ -112,8 +115,7 @@ def _repeated_items(
             c, k, i = best(kid)
             cover, count, items = cover + c, count + k, items + i
         digits = [k for k in kids if k[-1].isdigit()]
-        kinds = {classes.get(k) for k in digits}
-        if digits and len(kinds) == 1 and None not in kinds:
+        if digits and all(k in classes for k in digits):
             mine = sum(weight[k] for k in digits)
             if (mine, len(digits)) > (cover, count):
                 return mine, len(digits), digits
@@ -163,7 +165,9 @@ def _key_function(granularity: str) -> Any:
     )
 
 
-def group_units(traced: TracedModel, granularity: str = "auto") -> list[UnitSpec]:
+def group_units(
+    traced: TracedModel, granularity: str = "auto", expanded: Sequence[str] = ()
+) -> list[UnitSpec]:
     """Group the compute nodes into units contiguous in graph order (see the module docstring).
 
     >>> import torch
@@ -187,10 +191,15 @@ def group_units(traced: TracedModel, granularity: str = "auto") -> list[UnitSpec
     elif granularity == "auto":
         items = _repeated_items({n: p for n, p in paths.items() if n.op != "get_attr"}, classes)
         if len(items) < 2:
-            return group_units(traced, "top")
+            items = {p[:1] for n, p in paths.items() if n.op != "get_attr" and p}  # as ``top``
+        opened = {tuple(e.split(".")) if e else () for e in expanded}
+        inner = {p[:i] for p in paths.values() for i in range(len(p))}  # modules with children
+        above = {p[:i] for p in items for i in range(len(p))}  # the items' ancestors
         for n in nodes:
             path = paths[n]
-            keys[n] = next((path[:i] for i in range(len(path) + 1) if path[:i] in items), None)
+            base = next((path[:i] for i in range(len(path) + 1) if path[:i] in items), ())
+            glue_open = base == () and () in opened
+            keys[n] = _expand(base, path, n.name, opened | above if glue_open else opened, inner)
     else:
         key_of = _key_function(granularity)
         keys = {n: key_of(paths[n]) for n in nodes}
@@ -241,6 +250,31 @@ def group_units(traced: TracedModel, granularity: str = "auto") -> list[UnitSpec
     if granularity == "node":  # a get_attr unit joins its user's
         return _fold_get_attr(gm, units)
     return units
+
+
+def _expand(
+    key: tuple[str, ...],
+    path: tuple[str, ...],
+    node: str,
+    opened: set[tuple[str, ...]],
+    inner: set[tuple[str, ...]],
+) -> tuple[str, ...] | None:
+    """A node's unit key once the ``opened`` modules are split into their children.
+
+    An opened module's nodes go to its child on their path; a node of the opened module itself
+    is glue when the module has children, and a unit of its own (``[node]``) when it has none
+    (a leaf module split into graph nodes).  The root ``()`` is the glue outside every item;
+    opening it passes through the items' ancestors (a wrapper's ``model``) to the modules
+    beside the items.
+    """
+    while key in opened:
+        if len(path) > len(key):
+            key = path[: len(key) + 1]
+        elif key in inner:
+            return None
+        else:
+            return (*key, f"[{node}]")
+    return key or None
 
 
 def _fold_get_attr(gm: GraphModule, units: list[UnitSpec]) -> list[UnitSpec]:

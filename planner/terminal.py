@@ -18,9 +18,9 @@ from planner.types import Plan, Profile
 
 __all__ = ["batch_norm_note", "console", "err_console", "print_plan", "print_profile"]
 
-console = Console(width=None if sys.stdout.isatty() else 120)
+console = Console(width=None if sys.stdout.isatty() else 120, emoji=False)
 """Standard output: tables, results and the files written."""
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, emoji=False)
 """Standard error: ``error: ...`` lines, warnings and notes."""
 
 
@@ -105,3 +105,13 @@ def print_profile(p: Profile) -> None:
         f"batch {p.batch_size}, micro-batch sizes {list(p.microbatch_sizes)}, dtype {p.dtype}, "
         f"torch {p.torch_version}, threads {p.device.threads}, fingerprint {p.graph_fingerprint}"
     )
+    if p.grouping is not None:
+        g = p.grouping
+        opened = ", ".join(e or "(glue)" for e in g.expanded[:6])
+        more = f" and {len(g.expanded) - 6} more" if len(g.expanded) > 6 else ""
+        console.print(
+            f"units: {g.base_units} blocks and glue, refined to {p.n_units} for up to "
+            f"{g.max_stages} stages" + (f" (split: {opened}{more})" if g.expanded else "")
+        )
+    if p.batch_dependent_layers:
+        console.print(batch_norm_note(p.batch_dependent_layers, 1).split("; ")[0])

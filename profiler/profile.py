@@ -27,8 +27,9 @@ from planner.allocator import keep_heap
 from planner.errors import InvalidRequestError
 from planner.graph import cut_tensors, group_units
 from planner.model import load_model
+from planner.refine import DEFAULT_MAX_STAGES, node_costs, refine_units
 from planner.trace import run_eagerly, trace_model
-from planner.types import Cut, CutTensor, Profile, SharedParam, Timing, Unit
+from planner.types import Cut, CutTensor, Grouping, Profile, SharedParam, Timing, Unit
 from planner.usercode import user_code
 from profiler.device import Clock, device_info, resolve_device
 from profiler.measure import (
@@ -113,6 +114,7 @@ def profile_model(
     progress: bool = True,
     threads: int | None = None,
     rounds: int = 1,
+    max_stages: int = DEFAULT_MAX_STAGES,
 ) -> Profile:
     """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
 
@@ -122,10 +124,14 @@ def profile_model(
     profile with the thread count each pipeline rank will use, e.g. 1 for 2 ranks on 2 cores.
     ``rounds`` repeats the whole sweep over sizes and units; each time is the median of the
     rounds' medians, so a burst of interference from other processes (which slows whatever runs
-    during it) is outvoted instead of landing on one unit.
+    during it) is outvoted instead of landing on one unit.  ``max_stages`` is the largest stage
+    count the ``auto`` units are refined for (:mod:`planner.refine`): no unit heavier than
+    1 / max_stages of the model where it can be split, and at least max_stages units.
     """
     if rounds < 1:
         raise InvalidRequestError(f"rounds {rounds} must be at least 1")
+    if max_stages < 1:
+        raise InvalidRequestError(f"--max-stages {max_stages} must be at least 1")
     if threads is not None and threads < 1:
         raise InvalidRequestError(f"threads {threads} must be at least 1")
     with _threads(threads):
@@ -142,6 +148,7 @@ def profile_model(
             repeats,
             progress,
             rounds,
+            max_stages,
         )
 
 
@@ -172,6 +179,7 @@ def _profile(
     repeats: int,
     progress: bool,
     rounds: int = 1,
+    max_stages: int = DEFAULT_MAX_STAGES,
 ) -> Profile:
     sizes = _check_sizes(batch_size, microbatch_sizes)
     if dtype not in DTYPES:
@@ -193,7 +201,13 @@ def _profile(
     example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
     run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
     traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
-    units = group_units(traced, granularity)
+    grouping = None
+    if granularity == "auto":
+        base = len(group_units(traced, granularity))
+        units, opened = refine_units(traced, node_costs(traced, example), max_stages, granularity)
+        grouping = Grouping(max_stages=max_stages, base_units=base, expanded=opened)
+    else:
+        units = group_units(traced, granularity)
     pieces = split_units(traced, units)
     placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
@@ -293,6 +307,7 @@ def _profile(
         checkpoint_call_s=call_s,
         model_sha256=_source_sha256(model),
         batch_dependent_layers=batch_dependent_layers(spec.module),
+        grouping=grouping,
     )
 
 

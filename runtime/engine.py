@@ -181,7 +181,7 @@ class PipelineRunner:
             deferred = defer_batch_norm(traced, plan.microbatches)
         else:
             restore_batch_norm(traced)
-        units = group_units(traced, plan.granularity)
+        units = group_units(traced, plan.granularity, plan.unit_expansions)
         programs = build_stages(plan, traced, units, inputs, device=device)
         for stats in deferred:  # the probe ran the graph once
             stats.reset()

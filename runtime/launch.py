@@ -73,7 +73,7 @@ def preflight(
     module = spec.module.to(dtype=dtype)
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
     traced = trace_model(module, inputs, tracer=plan.tracer)
-    check_plan(plan, traced, group_units(traced, plan.granularity))
+    check_plan(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions))
     return plan
 
 

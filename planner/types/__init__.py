@@ -31,7 +31,16 @@ from planner.types.base import (
 )
 from planner.types.cluster import Cluster, Device, Link
 from planner.types.plan import MemoryBreakdown, Plan, PlanOptions, Stage, TiedSync
-from planner.types.profile import Cut, CutTensor, DeviceInfo, Profile, SharedParam, Timing, Unit
+from planner.types.profile import (
+    Cut,
+    CutTensor,
+    DeviceInfo,
+    Grouping,
+    Profile,
+    SharedParam,
+    Timing,
+    Unit,
+)
 from planner.types.report import RunReport, StageMeasurement
 
 __all__ = [
@@ -47,6 +56,7 @@ __all__ = [
     "CutTensor",
     "Device",
     "DeviceInfo",
+    "Grouping",
     "Link",
     "MemoryBreakdown",
     "OptimizerName",

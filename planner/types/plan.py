@@ -135,6 +135,8 @@ class Plan(FrozenModel):
     """The profile's ``model_sha256``: the model's config file, checked by ``pipeplan run``."""
     batch_dependent_layers: tuple[str, ...] = ()
     """The profile's batch-dependent layers (BatchNorm), named in ``plan`` and ``run`` output."""
+    unit_expansions: tuple[str, ...] = ()
+    """The profile's ``grouping.expanded``: the runtime regroups the graph with them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 

@@ -21,7 +21,16 @@ from planner.types.base import (
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Cut", "CutTensor", "DeviceInfo", "Profile", "SharedParam", "Timing", "Unit"]
+__all__ = [
+    "Cut",
+    "CutTensor",
+    "DeviceInfo",
+    "Grouping",
+    "Profile",
+    "SharedParam",
+    "Timing",
+    "Unit",
+]
 
 
 class Timing(FrozenModel):
@@ -51,6 +60,18 @@ class Timing(FrozenModel):
     recomputing stage runs first, its saved tensors packed away by the checkpoint's hooks.  It
     costs more than forward_s (one hook call per saved tensor).  When absent the cost model uses
     forward_s."""
+
+
+class Grouping(FrozenModel):
+    """How ``auto`` grouped the graph into units (:mod:`planner.refine`)."""
+
+    max_stages: int = Field(ge=1)
+    """The largest stage count the units were refined for (``--max-stages``)."""
+    base_units: int = Field(ge=1)
+    """Units before refinement: the items of the containers, and the glue between them."""
+    expanded: tuple[str, ...] = ()
+    """Modules split into their children (``""``: the glue's root), in the order chosen;
+    ``planner.graph.group_units(traced, "auto", expanded)`` rebuilds the units from them."""
 
 
 class Unit(FrozenModel):
@@ -156,6 +177,8 @@ class Profile(FrozenModel):
     batch_dependent_layers: tuple[str, ...] = ()
     """Layers whose output depends on the other samples of the batch (BatchNorm): in a pipeline
     they see one micro-batch at a time (see ``pipeplan run --batch-norm``)."""
+    grouping: Grouping | None = None
+    """How ``auto`` grouped the units (``None`` for other granularities and older profiles)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 

@@ -3,7 +3,8 @@ default options and no code beyond the model callable (the command line, as subp
 
 - a plain ``nn.Sequential`` body behind a wrapper, with one dominant layer (``_user_models``);
 - a model whose ``forward`` returns a dict;
-- an unwrapped ``transformers`` model (``models.zoo:llama``: a ``LlamaForCausalLM`` as it is).
+- an unwrapped ``transformers`` model (``models.zoo:llama``: a ``LlamaForCausalLM`` as it is),
+  in float32 and in bfloat16 (gloo carries bfloat16 tensors).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ CASES = {
     "sequential": ["_user_models:sequential"],
     "dict_output": ["_user_models:dict_output"],
     "llama": ["models.zoo:llama", "--model-arg", "d_model=16", "--model-arg", "seq_len=8"],
+    "llama-bfloat16": ["models.zoo:llama", "--model-arg", "d_model=16", "--dtype", "bfloat16"],
 }
 
 
@@ -44,3 +46,4 @@ def test_profile_plan_run_with_defaults(name: str, tmp_path: Path) -> None:
                     cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "r.json").exists()
+    assert "profiled models.zoo:llama:" in prof.stdout or name != "llama"  # no emoji
