@@ -93,11 +93,14 @@ def _module_info(gm: GraphModule, node: Node) -> tuple[tuple[str, ...], dict[tup
 def _repeated_items(
     paths: dict[Node, tuple[str, ...]], classes: dict[tuple[str, ...], str]
 ) -> set[tuple[str, ...]]:
-    """Items of the containers that together cover the most nodes (ties: more items).
+    """Items of the containers that together cover the most nodes.
 
     A container has digit-named children (a ``ModuleList`` or ``Sequential``, of
-    one class or mixed: ``Sequential(Linear, ReLU, ...)``'s items are units too).  Among antichains of containers, choose by dynamic programming over the module
-    tree the one covering most compute nodes, then with most items (at least two are needed).
+    one class or mixed: ``Sequential(Linear, ReLU, ...)``'s items are units too).  Among
+    antichains of containers, choose by dynamic programming over the module tree the one
+    covering most compute nodes, then the one whose containers each hold one class (a
+    ``ModuleList`` of blocks over the ``Sequential`` layers inside each block), then the one
+    with most items.
     """
     weight: Counter[tuple[str, ...]] = Counter()
     for path in paths.values():
@@ -108,20 +111,21 @@ def _repeated_items(
         if path:
             children.setdefault(path[:-1], set()).add(path)
 
-    def best(p: tuple[str, ...]) -> tuple[int, int, list[tuple[str, ...]]]:
+    def best(p: tuple[str, ...]) -> tuple[int, bool, int, list[tuple[str, ...]]]:
         kids = sorted(children.get(p, ()))
-        cover, count, items = 0, 0, list[tuple[str, ...]]()
+        cover, uniform, count, items = 0, True, 0, list[tuple[str, ...]]()
         for kid in kids:
-            c, k, i = best(kid)
-            cover, count, items = cover + c, count + k, items + i
+            c, u, k, i = best(kid)
+            cover, uniform, count, items = cover + c, uniform and u, count + k, items + i
         digits = [k for k in kids if k[-1].isdigit()]
         if digits and all(k in classes for k in digits):
             mine = sum(weight[k] for k in digits)
-            if (mine, len(digits)) > (cover, count):
-                return mine, len(digits), digits
-        return cover, count, items
+            same = len({classes[k] for k in digits}) == 1
+            if (mine, same, len(digits)) > (cover, uniform, count):
+                return mine, same, len(digits), digits
+        return cover, uniform, count, items
 
-    return set(best(())[2])
+    return set(best(())[3])
 
 
 def _owner_names(

@@ -6,9 +6,9 @@ group_units`) and, for the largest stage count P the profile is meant for (``--m
 default 8), applies two rules until neither changes anything:
 
 1. **No unit heavier than a fair share.**  A unit whose estimated cost exceeds total / P is
-   split: the module all its nodes share (their longest common module path) is opened into its
-   child modules, and a leaf module into its graph nodes.  (The root opens into the model's
-   top-level modules.)
+   split: the module its nodes share (the longest common module path of its deepest nodes) is
+   opened into its child modules, and a leaf module into its graph nodes.  (The root opens
+   into the model's top-level modules.)  An opening that splits nothing is not kept.
 2. **At least P units** when the graph has at least P compute nodes: while there are fewer,
    the heaviest unit that can still be split is.
 
@@ -84,11 +84,17 @@ def node_costs(traced: TracedModel, example_inputs: Sequence[Any]) -> dict[str, 
 
 
 def _common_path(traced: TracedModel, unit: UnitSpec) -> tuple[str, ...]:
+    """The module to open to split ``unit``: the common path of its deepest nodes."""
     from planner.graph import _common_prefix, _module_info
 
     by_name = {n.name: n for n in traced.gm.graph.nodes}
-    paths = [_module_info(traced.gm, by_name[x])[0] for x in unit.nodes]
-    return _common_prefix([p for p, x in zip(paths, unit.nodes) if by_name[x].op != "get_attr"])
+    paths = {
+        _module_info(traced.gm, by_name[x])[0] for x in unit.nodes if by_name[x].op != "get_attr"
+    }
+    # Glue that joined the unit lives in an ancestor module (a residual add in the model's own
+    # forward): it does not say which module to open.
+    deepest = [p for p in paths if not any(q[: len(p)] == p and q != p for q in paths)]
+    return _common_prefix(deepest)
 
 
 def refine_units(
@@ -139,7 +145,9 @@ def refine_units(
             heavy = next(([p] for u in ranked if (p := splittable(u)) is not None), [])
         if not heavy:
             return units, tuple(opened)
-        for path in dict.fromkeys(heavy):
+        for path in dict.fromkeys(heavy):  # keep an opening only if it splits something
             tried.add(path)
-            opened.append(".".join(path))
-        units = group_units(traced, granularity, opened)
+            finer = group_units(traced, granularity, [*opened, ".".join(path)])
+            if len(finer) > len(units):
+                opened.append(".".join(path))
+                units = finer

@@ -23,7 +23,8 @@ MLP = {"width": 64, "depth": 3, "in_features": 32}
 
 @pytest.fixture(scope="module")
 def gpt_profile() -> Profile:
-    return profile_model("models.gpt:gpt", batch_size=8, model_kwargs=GPT, **FAST)
+    # max_stages=2: units refined for 2 stages only (every block is under half the model).
+    return profile_model("models.gpt:gpt", batch_size=8, model_kwargs=GPT, max_stages=2, **FAST)
 
 
 def test_every_field_is_filled(gpt_profile: Profile) -> None:
@@ -34,6 +35,7 @@ def test_every_field_is_filled(gpt_profile: Profile) -> None:
     assert p.torch_version == torch.__version__ and p.dtype == "float32"
     assert p.microbatch_sizes == (1, 2, 4, 8) and (p.warmup, p.repeats) == (1, 2)
     assert [u.name for u in p.units] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert p.grouping is not None and (p.grouping.max_stages, p.grouping.base_units) == (2, 4)
     assert p.input_bytes_per_sample == 16 * 8  # seq_len int64 tokens
     assert len(p.cuts) == 3 and all(c.bytes_per_sample == 16 * 32 * 4 for c in p.cuts)
 
@@ -113,7 +115,7 @@ def test_float64_and_explicit_sizes() -> None:
 def test_hf_model_profiles_through_export() -> None:
     pytest.importorskip("transformers")
     kwargs = {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
-    p = profile_model("models.hf:gpt2", batch_size=2, model_kwargs=kwargs, **FAST)
+    p = profile_model("models.hf:gpt2", batch_size=2, model_kwargs=kwargs, max_stages=2, **FAST)
     assert p.tracer == "export" and p.n_units == 4
 
 
