@@ -197,6 +197,8 @@ def group_units(
         if len(items) < 2:
             items = {p[:1] for n, p in paths.items() if n.op != "get_attr" and p}  # as ``top``
         opened = {tuple(e.split(".")) if e else () for e in expanded}
+        # Opening a module deep inside an item opens the item and the modules on the way.
+        opened |= {p[:i] for p in opened for i in range(1, len(p))}
         inner = {p[:i] for p in paths.values() for i in range(len(p))}  # modules with children
         above = {p[:i] for p in items for i in range(len(p))}  # the items' ancestors
         for n in nodes:
