@@ -263,7 +263,9 @@ def worker(args: argparse.Namespace) -> None:
         fx_spec = fresh()
         mb_in = (x[:mb],)
         traced = trace_model(fx_spec.module, mb_in, tracer=plan.tracer)
-        prog = build_stages(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions), mb_in)[rank]
+        prog = build_stages(
+            plan, traced, group_units(traced, plan.granularity, plan.unit_expansions), mb_in
+        )[rank]
         arms["hand+fx"] = gpipe(prog.module, prog.example_inputs, prog.example_outputs)
         first, second = plan.stages[0].unit_names, plan.stages[1].unit_names
         result["cut"] = f"{first[0]}..{first[-1]} / {second[0]}..{second[-1]}"

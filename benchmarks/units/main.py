@@ -4,9 +4,10 @@
 
 For every model (the bundled ones, the zoo at its default tiny size, and a plain
 ``nn.Sequential`` body behind a wrapper with one dominant layer): profile with the default
-options (one warm-up and 3 repeats, 1 thread, batch 8), then plan p = 2, 4 and 8 stages with the
-DP (1 GiB per device, m = p, SGD, free links) and report the plan's slowest stage divided by the
-mean stage, max_j t_j / (sum_j t_j / p): 1.00 is a perfect balance.  A p the profile has fewer
+options (one warm-up, 5 repeats, median of 3 rounds, 1 thread, batch 8), then plan p = 2, 4
+and 8 stages with the DP (1 GiB per device, m = p, SGD, free links) and report the plan's
+slowest stage divided by the mean stage, max_j t_j / (sum_j t_j / p): 1.00 is a perfect
+balance.  A p the profile has fewer
 units for is reported as refused.  Prints the README's table and writes ``results.json``.
 
 The script runs unchanged on an older checkout (it passes ``max_stages`` only where
@@ -46,7 +47,13 @@ def measure(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     from profiler import profile_model
     from solvers import SOLVERS
 
-    options: dict[str, Any] = {"warmup": 1, "repeats": 3, "progress": False, "threads": 1}
+    options: dict[str, Any] = {
+        "warmup": 1,
+        "repeats": 5,
+        "rounds": 3,
+        "progress": False,
+        "threads": 1,
+    }
     if "max_stages" in inspect.signature(profile_model).parameters:
         options["max_stages"] = max(STAGES)
     profile = profile_model(model, batch_size=8, model_kwargs=kwargs, **options)

@@ -83,7 +83,10 @@ def test_cluster_file(tmp_path: Path, profile_file: Path, cli) -> None:
 BAD = [
     (["--stages", "3", "--memory", "-5GB"], "memory '-5GB'"),
     (["--stages", "3", "--memory", "0"], "must be positive"),
-    (["--stages", "30", "--memory", "1GiB"], "30 stages but the profile has only 12 units"),
+    (
+        ["--stages", "30", "--memory", "1GiB"],
+        "only 12 units; use --stages 12 or fewer, or profile again with --max-stages 30",
+    ),
     (["--stages", "0", "--memory", "1GiB"], "--stages 0"),
     (["--stages", "3", "--memory", "1KiB"], "the best partition needs"),
     (["--stages", "3", "--memory", "1GiB", "--microbatches", "3"], "does not divide"),
