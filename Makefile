@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pipeplan show out/gpt.plan.json
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check planner profiler solvers runtime models benchmarks tests

@@ -42,23 +42,10 @@ from torch import Tensor
 
 from models._common import build_seeded, generator, positive
 from models.hf import _transformers
+from planner.hf_source import no_dropout
 from planner.model import ModelSpec
 
 __all__ = ["ZOO", "build"]
-
-_NO_DROPOUT = (
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "attention_dropout",
-    "hidden_dropout",
-    "resid_pdrop",
-    "embd_pdrop",
-    "attn_pdrop",
-    "dropout",
-    "dropout_rate",
-    "activation_dropout",
-    "classifier_dropout",
-)
 
 
 def _decoder(d: int, n: int, t: int) -> dict[str, Any]:
@@ -127,11 +114,7 @@ def _config(name: str, d_model: int, n_layers: int, seq_len: int, vocab: int) ->
               if v is not None or k.endswith("token_id")}  # fmt: skip
     if task != "image":
         kwargs["vocab_size"] = vocab
-    config = getattr(_transformers(), config_cls)(**kwargs)
-    for key in _NO_DROPOUT:
-        if getattr(config, key, None):
-            setattr(config, key, 0.0)
-    return config
+    return no_dropout(getattr(_transformers(), config_cls)(**kwargs))
 
 
 def _batches(task: str, vocab: int, seq_len: int, classes: int, seed: int) -> Callable[[int], Any]:

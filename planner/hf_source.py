@@ -39,7 +39,15 @@ from torch import Tensor, nn
 
 from planner.errors import ModelLoadError
 
-__all__ = ["TASKS", "default_spec", "file_sha256", "load_config", "task_of"]
+__all__ = [
+    "DROPOUT_KEYS",
+    "TASKS",
+    "default_spec",
+    "file_sha256",
+    "load_config",
+    "no_dropout",
+    "task_of",
+]
 
 #: Class-name suffix -> task, first match wins.
 TASKS: tuple[tuple[str, str], ...] = (
@@ -52,7 +60,8 @@ TASKS: tuple[tuple[str, str], ...] = (
     ("ForImageClassification", "image"),
 )
 
-_DROPOUT_KEYS = (
+#: Config fields holding a dropout probability.
+DROPOUT_KEYS = (
     "hidden_dropout_prob",
     "attention_probs_dropout_prob",
     "attention_dropout",
@@ -76,6 +85,14 @@ def _transformers() -> Any:
         ) from None
     transformers.logging.set_verbosity_error()
     return transformers
+
+
+def no_dropout(config: Any) -> Any:
+    """Set every dropout probability of a ``transformers`` config to 0 (so runs agree)."""
+    for key in DROPOUT_KEYS:
+        if getattr(config, key, None):
+            setattr(config, key, 0.0)
+    return config
 
 
 def file_sha256(path: str | Path) -> str:
@@ -125,9 +142,7 @@ def load_config(path: str, kwargs: dict[str, Any]) -> Any:
             f"head pipeplan can feed ({heads}); set architectures to e.g. "
             f"['{type(config).__name__.removesuffix('Config')}ForCausalLM']"
         )
-    for key in _DROPOUT_KEYS:
-        if getattr(config, key, None):
-            setattr(config, key, 0.0)
+    no_dropout(config)
     if getattr(config, "use_cache", None):
         config.use_cache = False
     seed = int(kwargs.get("seed", 0))

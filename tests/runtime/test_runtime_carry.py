@@ -24,6 +24,7 @@ from planner.trace import trace_model
 from runtime.stages import StageComputeError, build_stages
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
+pytestmark = pytest.mark.xdist_group("carry")  # one worker runs the module's torchrun job
 CARRY = {"carry-a": [0, 1], "carry-b": [0, 2]}
 BN = ("batchnorm", "batchnorm_export")
 

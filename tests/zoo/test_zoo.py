@@ -15,6 +15,9 @@ import pytest
 from benchmarks.zoo.cases import CASES, TOLERANCE
 from benchmarks.zoo.main import ZooRun, compare, run_zoo
 
+# One worker profiles and runs the whole zoo once (make test runs xdist with --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("zoo")
+
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> ZooRun:
