@@ -38,7 +38,10 @@ class TracedModel:
     tracer: TracerName
     fingerprint: str
     """Hash of the graph's structure (node names, ops, targets, parameter shapes); it does not
-    depend on the batch size, the dtype, the device or the process."""
+    depend on the batch size, the device or the process.  An fx graph's does not depend on the
+    dtype either; an export graph's can (a model's own casts, such as an RMSNorm computing in
+    float32, are traced as nodes only where they change the dtype), so profile in the dtype you
+    will run."""
 
 
 def _one_line(exc: BaseException, limit: int = 240) -> str:
