@@ -226,9 +226,9 @@ def group_units(
     for key, (lo, hi) in sorted(spans.items(), key=lambda kv: kv[1][0]):
         if merged and lo <= merged[-1][1]:
             a, b, names = merged[-1]
-            merged[-1] = (a, max(b, hi), names + [".".join(key[strip:]) or "root"])
+            merged[-1] = (a, max(b, hi), names + [_key_name(key, strip)])
         else:
-            merged.append((lo, hi, [".".join(key[strip:]) or "root"]))
+            merged.append((lo, hi, [_key_name(key, strip)]))
 
     # Glue: runs between spans; a run that uses parameters is a unit, else joins a neighbour.
     bounds: list[tuple[int, int, str]] = []
@@ -258,6 +258,11 @@ def group_units(
     return units
 
 
+def _key_name(key: tuple[str, ...], strip: int) -> str:
+    """``blocks.3``; a graph node of a split leaf module is ``blocks.3.norm[pow_1]``."""
+    return ".".join(key[strip:]).replace(".[", "[") or "root"
+
+
 def _expand(
     key: tuple[str, ...],
     path: tuple[str, ...],
@@ -268,7 +273,7 @@ def _expand(
     """A node's unit key once the ``opened`` modules are split into their children.
 
     An opened module's nodes go to its child on their path; a node of the opened module itself
-    is glue when the module has children, and a unit of its own (``[node]``) when it has none
+    is glue when the module has children, and a unit of its own (``module[node]``) when it has none
     (a leaf module split into graph nodes).  The root ``()`` is the glue outside every item;
     opening it passes through the items' ancestors (a wrapper's ``model``) to the modules
     beside the items.
