@@ -14,6 +14,7 @@ rebuilds the graph the plan was made from.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,8 +51,32 @@ def _one_line(exc: BaseException, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _trace_fx(module: nn.Module) -> GraphModule:
-    return torch.fx.symbolic_trace(module)
+def _trace_fx(module: nn.Module, n_inputs: int) -> GraphModule:
+    """``symbolic_trace``, with the forward's optional arguments past the ``n_inputs`` given
+    fixed at their defaults (``forward(x, mask=None)`` called as ``forward(x)``)."""
+    fixed = _defaults_after(module, n_inputs)
+    gm = torch.fx.symbolic_trace(module, concrete_args=fixed or None)
+    if fixed:
+        assert_none = torch.fx._symbolic_trace._assert_is_none
+        for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
+            for user in list(node.users):
+                if user.target is assert_none and not user.users:
+                    gm.graph.erase_node(user)
+            if not node.users:
+                gm.graph.erase_node(node)
+        gm.recompile()
+    return gm
+
+
+def _defaults_after(module: nn.Module, n_inputs: int) -> dict[str, Any]:
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return {}
+    return {p.name: p.default for p in positional[n_inputs:] if p.default is not p.empty}
 
 
 def _trace_export(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> GraphModule:
@@ -188,7 +213,7 @@ def trace_model(
     used: TracerName = "fx"
     if tracer in ("auto", "fx"):
         try:
-            gm = _trace_fx(module)
+            gm = _trace_fx(module, len(example_inputs))
         except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
             errors.append(f"torch.fx failed ({_one_line(exc)})")
     if gm is None and tracer in ("auto", "export"):

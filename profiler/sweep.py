@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 
 from planner.types import Timing
@@ -111,12 +111,18 @@ class _Pass:
     def leaf(self, name: str) -> Any:
         """The value of ``name`` as the pass's one leaf for it (created on first use)."""
         if name not in self.leaves:
-            x = self.values[name]
-            if isinstance(x, Tensor):
-                x = x.detach()
-                if (x.is_floating_point() or x.is_complex()) and name not in self.frozen:
-                    x.requires_grad_(True)
-            self.leaves[name] = x
+            trainable = name not in self.frozen
+
+            def leaf_of(x: Any) -> Any:
+                if isinstance(x, Tensor):
+                    x = x.detach()
+                    if (x.is_floating_point() or x.is_complex()) and trainable:
+                        x.requires_grad_(True)
+                return x
+
+            # Tensors inside a tuple, namedtuple or dict value (a node that builds the model's
+            # output) become leaves too, so the loss's backward stops at this unit.
+            self.leaves[name] = tree_map(leaf_of, self.values[name])
         return self.leaves[name]
 
     def output_grads(

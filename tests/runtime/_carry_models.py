@@ -9,6 +9,7 @@ torch.export (``aten.batch_norm`` on its buffers).
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any
 
 import torch
@@ -89,3 +90,39 @@ def batchnorm(seed: int = 0) -> tuple[nn.Module, Any, Any]:
 def batchnorm_export(seed: int = 0) -> tuple[nn.Module, Any, Any]:
     torch.manual_seed(seed)
     return _bn_spec(_Export())
+
+
+Out = namedtuple("Out", "logits batch")
+
+
+class Reuse(nn.Module):
+    """An optional argument left at its default, one module applied on two stages, and a
+    namedtuple output holding a tensor and an int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
+        self.shared = nn.Linear(D, D)
+
+    def forward(self, x: Tensor, scale: Tensor | None = None) -> Out:
+        if scale is not None:
+            x = x * scale
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i % 2:
+                x = self.shared(x)
+        return Out(x, x.shape[0])
+
+
+def reuse(seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(seed)
+
+    def make_batch(b: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(b)
+        return torch.randn(b, D, generator=g), torch.randn(b, D, generator=g)
+
+    def loss(out: Out, y: Tensor) -> Tensor:
+        assert isinstance(out, Out) and isinstance(out.batch, int)
+        return F.mse_loss(out.logits, y)
+
+    return Reuse(), make_batch, loss

@@ -3,8 +3,9 @@ crosses a cut"), and batch norm's running statistics are updated once per step.
 
 One 2-rank torchrun job (gloo, float64) runs ``_carry_models``: the cuts carry a bool mask, an
 integer tensor, a float tensor without gradient, a non-contiguous view and several tensors at
-once, and the output is a dict of a tensor, a tuple and a list; loss and every gradient equal
-the unsplit model's.  The batch-norm nets check ``deferred`` (each layer's running statistics
+once, and the output is a dict of a tensor, a tuple and a list; a model leaves an optional argument at
+its default, applies one module on two stages and returns a namedtuple; loss and every gradient
+equal the unsplit model's.  The batch-norm nets check ``deferred`` (each layer's running statistics
 updated once, from all its micro-batches' inputs; the first layer's equal the unsplit model's
 on the whole batch) and ``microbatch`` (updated once per micro-batch), for torch.fx and
 torch.export graphs, with and without recomputation.  Failures inside a stage name the unit, node and values.
@@ -25,8 +26,12 @@ from runtime.stages import StageComputeError, build_stages
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 pytestmark = pytest.mark.xdist_group("carry")  # one worker runs the module's torchrun job
-CARRY = {"carry-a": [0, 1], "carry-b": [0, 2]}
+CARRY = {"carry-a": [0, 1], "carry-b": [0, 2], "reuse": [0, 2]}
 BN = ("batchnorm", "batchnorm_export")
+
+
+def _model(name: str) -> str:
+    return f"_carry_models:{name.partition('-')[0]}"
 
 
 def _configs() -> list[dict[str, Any]]:
@@ -41,7 +46,7 @@ def _configs() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     models = [
-        {"name": name, "model": "_carry_models:carry", "kwargs": {}, "starts": starts}
+        {"name": name, "model": _model(name), "kwargs": {}, "starts": starts}
         for name, starts in CARRY.items()
     ] + [{"name": n, "model": f"_carry_models:{n}", "kwargs": {}, "starts": [0, 2]} for n in BN]
     job = {"models": models, "batch_size": 8, "microbatches": 4, "configs": _configs()}
@@ -50,7 +55,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
 
 @pytest.mark.parametrize("name", list(CARRY))
 def test_every_kind_of_value_crosses_the_cut(ranks: list[Any], name: str) -> None:
-    model = {"model": "_carry_models:carry", "kwargs": {}}
+    model = {"model": _model(name), "kwargs": {}}
     ref_loss, ref_grads, _, _ = reference(model, 8, "sgd", 0.1, 1)
     for key in ("except_last", "always"):
         assert ranks[-1][name][key]["loss"] == pytest.approx(ref_loss, rel=1e-12)
@@ -132,3 +137,12 @@ def test_a_failing_stage_names_its_unit_node_and_values() -> None:
     message = str(info.value)
     assert message.startswith("stage 1, unit 'blocks.2'") or "unit 'blocks." in message, message
     assert "node " in message and "tensor (2, 6, 3) float32" in message, message
+
+
+def test_the_profiler_takes_an_optional_argument_and_a_namedtuple_output() -> None:
+    """The namedtuple is built by a graph node; its tensor must be a leaf of the pass, or the
+    loss's backward would run through the last unit twice."""
+    from profiler import profile_model
+
+    p = profile_model("_carry_models:reuse", batch_size=4, warmup=0, repeats=1, progress=False)
+    assert p.n_units >= 4 and all(u.timings[4].backward_s > 0 for u in p.units)
