@@ -150,3 +150,19 @@ def test_debug_shows_the_traceback(tmp_path: Path, cli, monkeypatch: pytest.Monk
 def test_user_errors_raise_user_code_error() -> None:
     with pytest.raises(UserCodeError, match=r"KeyError: 'vocab_size' \(.*_user_code\.py:\d+\)"):
         load_model("_user_code:callable_raises")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["_user_code:named_inputs", "--max-stages", "0"], "--max-stages 0 must be at least 1"),
+        (["_user_code:named_inputs", "--seq-len", "0"], "--seq-len 0 must be positive"),
+        (["hf:/no/such/config.json"], "cannot read /no/such/config.json"),
+        (["_user_code:named_inputs", "--model-arg", "depth=3"], "check --model-arg"),
+    ],
+)
+def test_bad_profile_input(tmp_path: Path, cli, args: list[str], message: str) -> None:
+    out = tmp_path / "p.json"
+    code, _, err = cli(["profile", *args, "-b", "2", *FAST, "-o", str(out)])
+    assert code == 2 and message in " ".join(err.split()), err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -104,6 +104,7 @@ def test_a_stage_that_dies_stops_every_rank(plans: dict[int, Path]) -> None:
         (["--model", "no_such_module:model"], "cannot import 'no_such_module'"),
         (["--threads", "0"], "--threads 0 must be at least 1"),
         (["--report", "/no/such/dir/report.json"], "directory does not exist"),
+        (["--batch-norm", "sometimes"], "--batch-norm 'sometimes' is not deferred or microbatch"),
     ],
 )
 def test_bad_requests_fail_before_launch(
