@@ -14,9 +14,16 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.io import format_bytes
-from planner.types import Plan, Profile
+from planner.types import Cluster, Plan, Profile
 
-__all__ = ["batch_norm_note", "console", "err_console", "print_plan", "print_profile"]
+__all__ = [
+    "batch_norm_note",
+    "console",
+    "err_console",
+    "print_plan",
+    "print_profile",
+    "uncalibrated_note",
+]
 
 console = Console(width=None if sys.stdout.isatty() else 120, emoji=False)
 """Standard output: tables, results and the files written."""
@@ -39,6 +46,24 @@ def batch_norm_note(layers: tuple[str, ...], m: int, choice: str | None = None) 
     return head + (
         "`pipeplan run` updates their running statistics once per step over the whole batch "
         "(--batch-norm deferred, the default) or once per micro-batch (--batch-norm microbatch)"
+    )
+
+
+def uncalibrated_note(cluster: Cluster) -> str | None:
+    """What a plan made without ``pipeplan calibrate`` does not charge, in one line (``None``
+    when everything is charged)."""
+    free = []
+    if cluster.n_stages > 1 and cluster.link.bandwidth_Bps is None and not cluster.link.samples:
+        free.append("transfers between stages")
+    if cluster.op_overhead_s == 0 and cluster.step_overhead_s == 0:
+        free.append("the pipeline engine's cost per operation and per step")
+    if cluster.n_stages > 1 and cluster.contention == 0 and cluster.update_contention == 0:
+        free.append("contention between stages that share a host")
+    if not free:
+        return None
+    return (
+        f"uncalibrated: this plan charges nothing for {'; '.join(free)} (pipeplan calibrate "
+        f"measures them; plan with --cluster cluster.json, or --bandwidth/--latency for links)"
     )
 
 
@@ -73,6 +98,9 @@ def print_plan(p: Plan) -> None:
     )
     if p.batch_dependent_layers:
         console.print(batch_norm_note(p.batch_dependent_layers, p.microbatches))
+    note = uncalibrated_note(p.cluster)
+    if note:
+        console.print(note)
     for sync in p.tied_syncs:
         stages = ", ".join(map(str, sync.stages))
         console.print(

@@ -33,6 +33,9 @@ def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
     assert plan.cluster.link.bandwidth_Bps == 1e10 and plan.cluster.link.latency_s == 5e-6
     assert plan.solve_time_s is None
     assert "step time" in out
+    # Links were given; the engine's costs and contention were not measured: said so.
+    assert "uncalibrated: this plan charges nothing for the pipeline engine's cost" in out
+    assert "transfers between stages" not in out
     code, out, _ = cli(["show", str(out_file)])
     assert code == 0 and "bubble" in out and "stage" in out
     code, out, _ = cli(["show", str(profile_file)])
@@ -244,3 +247,16 @@ def test_bad_profile_input(tmp_path: Path, cli, args: list[str], message: str) -
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not out_file.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_uncalibrated_note_names_only_what_is_not_charged() -> None:
+    from planner.terminal import uncalibrated_note
+
+    bare = Cluster.homogeneous(2, 2**30)
+    note = uncalibrated_note(bare)
+    assert note is not None and "transfers between stages" in note and "contention" in note
+    measured = Cluster.homogeneous(
+        2, 2**30, Link(bandwidth_Bps=1e9), op_overhead_s=1e-4, contention=0.2
+    )
+    assert uncalibrated_note(measured) is None
+    assert "contention" not in (uncalibrated_note(Cluster.homogeneous(1, 2**30)) or "")
