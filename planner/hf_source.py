@@ -2,7 +2,8 @@
 
 :func:`load_config` builds the model a local ``config.json`` describes, with random weights
 (seeded, no download: the file is read, nothing is fetched) and dropout off, so two runs of a
-step agree.  The class is the config's ``architectures[0]``.  :func:`default_spec` gives such a
+step agree.  The class is the config's ``architectures[0]`` (without one, the model type's
+usual head: :func:`default_head`).  :func:`default_spec` gives such a
 model, or a bare ``PreTrainedModel`` a model callable returned, its batches and its standard
 loss, chosen by the class's head:
 
@@ -20,7 +21,11 @@ head (class name ends with)                 inputs (B = batch, T = seq_len)  tar
 ==========================================  ===============================  =================
 
 Token ids are uniform in ``[1, vocab_size)``; every loss is the mean cross entropy, the
-number ``model(**inputs, labels=target).loss`` gives (tested).  ``seq_len`` (default: 128, at
+number ``model(**inputs, labels=target).loss`` gives (tested).  A loss receives the model's
+``ModelOutput`` and reads its ``logits``; it also takes the logits tensor itself.  A sequence
+classifier whose config has no ``pad_token_id`` (GPT-2, Llama) would refuse batches of more
+than one sample; it gets ``pad_token_id = 0``, which no generated id equals, so it pools the
+last token as it would anyway.  ``seq_len`` (default: 128, at
 most the model's ``max_position_embeddings``) and ``seed`` (default 0) come from the model
 arguments (``pipeplan profile hf:config.json --seq-len 512`` or ``--model-arg seq_len=512``).
 """
@@ -42,6 +47,7 @@ from planner.errors import ModelLoadError
 __all__ = [
     "DROPOUT_KEYS",
     "TASKS",
+    "default_head",
     "default_spec",
     "file_sha256",
     "load_config",
@@ -134,13 +140,15 @@ def load_config(path: str, kwargs: dict[str, Any]) -> Any:
             f"{tf.__version__}"
         )
     config = mapping[data["model_type"]].from_dict(data)
-    arch = (data.get("architectures") or [None])[0]
+    named = data.get("architectures")
+    default = default_head(data["model_type"])
+    arch = named[0] if isinstance(named, list) and named else default
     if arch is None or task_of(arch) is None or not hasattr(tf, arch):
         heads = ", ".join(suffix for suffix, _ in TASKS)
+        fix = f"set architectures to e.g. ['{default}']" if default else "use a model callable"
         raise ModelLoadError(
-            f"hf:{path}: architectures {data.get('architectures')!r} names no class with a "
-            f"head pipeplan can feed ({heads}); set architectures to e.g. "
-            f"['{type(config).__name__.removesuffix('Config')}ForCausalLM']"
+            f"hf:{path}: architectures {named!r} names no class with a head pipeplan can feed "
+            f"({heads}); {fix}"
         )
     no_dropout(config)
     if getattr(config, "use_cache", None):
@@ -150,6 +158,32 @@ def load_config(path: str, kwargs: dict[str, Any]) -> Any:
         torch.manual_seed(seed)
         model = getattr(tf, arch)(config)
     return default_spec(model, seq_len=kwargs.get("seq_len"), seed=seed)
+
+
+#: Auto-class mappings tried, in order, for a config without ``architectures``.
+_DEFAULT_HEADS = (
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+)
+
+
+def default_head(model_type: str) -> str | None:
+    """The class ``hf:`` builds for a config without ``architectures``: the first head
+    ``transformers`` has for ``model_type`` among seq2seq LM, masked LM, causal LM, image
+    classification and sequence classification (so BERT gets its masked LM, GPT-2 and Llama
+    their causal LM, T5 and BART their seq2seq LM, ViT its classifier); ``None`` if none."""
+    from transformers.models.auto import modeling_auto
+
+    tf = _transformers()
+    for mapping in _DEFAULT_HEADS:
+        name = getattr(modeling_auto, mapping, {}).get(model_type)
+        name = name[0] if isinstance(name, (tuple, list)) else name
+        if isinstance(name, str) and task_of(name) is not None and hasattr(tf, name):
+            return name
+    return None
 
 
 def _seq_len(config: Any, seq_len: int | None) -> int:
@@ -163,6 +197,17 @@ def _seq_len(config: Any, seq_len: int | None) -> int:
             f"seq_len {seq_len} exceeds the model's {limit} positions; use --seq-len {limit}"
         )
     return seq_len
+
+
+def _image_shape(config: Any) -> tuple[int, int, int]:
+    """(C, H, W) of an image classifier's input: ``num_channels`` (3) and ``image_size`` (an
+    int or a pair; 224 when the config has none, as for ResNet's), looked up in the config or
+    its ``vision_config``."""
+    configs = [config, getattr(config, "vision_config", None)]
+    size: Any = next((c.image_size for c in configs if getattr(c, "image_size", None)), 224)
+    channels = next((c.num_channels for c in configs if getattr(c, "num_channels", None)), 3)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    return int(channels), int(h), int(w)
 
 
 def _generator(seed: int, batch_size: int) -> torch.Generator:
@@ -188,12 +233,15 @@ def default_spec(model: nn.Module, *, seq_len: int | None = None, seed: int = 0)
     classes = int(getattr(config, "num_labels", 2) or 2)
     start = getattr(config, "decoder_start_token_id", None)
     start = int(start) if start is not None else 0
+    if task == "sequence" and config is not None and getattr(config, "pad_token_id", 0) is None:
+        # Without a pad token the head refuses batches > 1; ids are >= 1, so 0 pads nothing
+        # and it pools the last token, as it would.
+        config.pad_token_id = 0
 
     def make_batch(b: int) -> tuple[dict[str, Tensor], Tensor]:
         g = _generator(seed, b)
         if task == "image":
-            size, channels = int(config.image_size), int(getattr(config, "num_channels", 3))
-            pixels = torch.randn(b, channels, size, size, generator=g)
+            pixels = torch.randn(b, *_image_shape(config), generator=g)
             return {"pixel_values": pixels}, torch.randint(classes, (b,), generator=g)
         ids = torch.randint(1, max(vocab, 2), (b, length), generator=g)
         if task == "sequence":

@@ -16,9 +16,11 @@ called with the user's keyword arguments (``--model-arg depth=24``) and returns 
 A ``transformers`` ``PreTrainedModel`` is taken as it is: pipeplan turns its KV cache off
 (``use_cache=False``) and asks for a ``ModelOutput`` (``return_dict=True``).  The callable may
 even return the bare ``PreTrainedModel``; the batches and the loss then come from its config
-(:mod:`planner.hf_source`, as for ``hf:PATH/config.json``).  Named inputs and these switches
-are applied by :class:`NamedInputs`, a wrapper whose ``forward`` takes the inputs positionally
-(what the tracers and the pipeline stages pass), so the user writes no wrapper.
+(:mod:`planner.hf_source`, as for ``hf:PATH/config.json``; the model argument ``seq_len``,
+``--seq-len``, sets the batches' length and reaches the callable only if it takes it).  The
+loss receives exactly what ``forward`` returns (a ``ModelOutput``).  Named inputs and these
+switches are applied by :class:`NamedInputs`, a wrapper whose ``forward`` takes the inputs
+positionally (what the tracers and the pipeline stages pass), so the user writes no wrapper.
 
 Every call into the user's code (the callable, ``make_batch``, the loss, ``forward``) that
 raises is reported as one :class:`~planner.errors.UserCodeError` line naming the user's file
@@ -159,6 +161,15 @@ def adapt(spec: ModelSpec) -> ModelSpec:
     )
 
 
+def _takes(fn: Callable[..., Any], key: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``key`` (``True`` when it cannot be told)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return key in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def parse_model_args(pairs: list[str] | None) -> dict[str, str | int | float | bool]:
     """``['depth=24', 'name=gpt']`` -> ``{'depth': 24, 'name': 'gpt'}`` (ints, floats, bools)."""
     out: dict[str, str | int | float | bool] = {}
@@ -210,8 +221,12 @@ def load_model(name: str, kwargs: Mapping[str, Any] | None = None) -> ModelSpec:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ModelLoadError(f"model {name!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    call = dict(kwargs or {})
+    # --seq-len is for the batches pipeplan makes for a bare transformers model: a callable
+    # that takes no seq_len does not get it (and must return such a model, checked below).
+    held = call.pop("seq_len", None) if "seq_len" in call and not _takes(obj, "seq_len") else None
     try:
-        inspect.signature(obj).bind(**dict(kwargs or {}))
+        inspect.signature(obj).bind(**call)
     except TypeError as exc:
         raise ModelLoadError(
             f"model {name!r}: calling it failed ({exc}); check --model-arg"
@@ -219,11 +234,16 @@ def load_model(name: str, kwargs: Mapping[str, Any] | None = None) -> ModelSpec:
     except ValueError:  # no signature to check (a builtin): let the call tell
         pass
     with user_code(f"the model callable {name}"):
-        out = obj(**dict(kwargs or {}))
+        out = obj(**call)
     if isinstance(out, nn.Module) and is_transformers_model(out):
         from planner.hf_source import default_spec
 
-        out = default_spec(out)
+        out = default_spec(out, seq_len=dict(kwargs or {}).get("seq_len"))
+    elif held is not None:
+        raise ModelLoadError(
+            f"model {name!r} takes no seq_len argument; --seq-len is for hf: configs, bare "
+            f"transformers models and callables with a seq_len parameter"
+        )
     if isinstance(out, tuple) and len(out) == 3:
         out = ModelSpec(*out)
     if not isinstance(out, ModelSpec):

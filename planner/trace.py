@@ -13,6 +13,7 @@ rebuilds the graph the plan was made from.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -51,11 +52,26 @@ def _one_line(exc: BaseException, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class _Tracer(torch.fx.Tracer):
+    """``torch.fx``'s tracer, keeping the type of a ``dataclass`` dict (a ``transformers``
+    ``ModelOutput``): fx records any dict as a plain dict, so the loss would get a dict where the
+    model returns ``output.logits``.  Like fx's own namedtuples, it becomes a node that calls
+    the class with the values as keywords."""
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, dict) and dataclasses.is_dataclass(a) and not isinstance(a, type):
+            kwargs = {str(k): self.create_arg(v) for k, v in a.items()}
+            return self.create_node("call_function", type(a), (), kwargs)
+        return super().create_arg(a)
+
+
 def _trace_fx(module: nn.Module, n_inputs: int) -> GraphModule:
     """``symbolic_trace``, with the forward's optional arguments past the ``n_inputs`` given
     fixed at their defaults (``forward(x, mask=None)`` called as ``forward(x)``)."""
     fixed = _defaults_after(module, n_inputs)
-    gm = torch.fx.symbolic_trace(module, concrete_args=fixed or None)
+    tracer = _Tracer()
+    graph = tracer.trace(module, concrete_args=fixed or None)
+    gm = GraphModule(tracer.root, graph, type(module).__name__)
     if fixed:
         assert_none = torch.fx._symbolic_trace._assert_is_none
         for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
@@ -188,9 +204,9 @@ def get_attr(gm: GraphModule, target: str) -> Any:
 def run_eagerly(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> None:
     """Run ``module`` once outside any tracer: a :class:`~planner.errors.UserCodeError` naming
     the user's file and line if its ``forward`` raises by itself."""
-    from planner.usercode import user_code
+    from planner.usercode import model_name, user_code
 
-    with torch.no_grad(), user_code(f"the model's forward ({type(module).__name__})"):
+    with torch.no_grad(), user_code(f"the model's forward ({model_name(module)})"):
         module(*example_inputs)
 
 
@@ -207,7 +223,9 @@ def trace_model(
     """
     if tracer not in ("auto", "fx", "export"):
         raise InvalidRequestError(f"tracer {tracer!r} is not one of 'auto', 'fx', 'export'")
-    name = type(module).__name__
+    from planner.usercode import model_name
+
+    name = model_name(module)
     errors: list[str] = []
     gm: GraphModule | None = None
     used: TracerName = "fx"

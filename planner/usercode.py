@@ -26,7 +26,7 @@ from pathlib import Path
 
 from planner.errors import PipeplanError, UserCodeError
 
-__all__ = ["user_code", "user_error", "user_location"]
+__all__ = ["model_name", "user_code", "user_error", "user_location"]
 
 _ROOT = Path(__file__).resolve().parents[1]
 _OURS = tuple(str(_ROOT / pkg) + os.sep for pkg in ("planner", "profiler", "solvers", "runtime"))
@@ -63,6 +63,13 @@ def user_location(exc: BaseException) -> str | None:
     mine = [f for f in frames if not _is_library(f.filename)]
     frame = (mine or frames)[-1]
     return f"{_short(frame.filename)}:{frame.lineno}"
+
+
+def model_name(module: object) -> str:
+    """The class name of the user's model: the model inside pipeplan's
+    :class:`~planner.model.NamedInputs` wrapper, not the wrapper."""
+    inner = getattr(module, "model", None) if type(module).__name__ == "NamedInputs" else None
+    return type(inner if inner is not None else module).__name__
 
 
 def user_error(what: str, exc: BaseException) -> UserCodeError:

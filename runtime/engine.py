@@ -20,6 +20,7 @@ steps, so the copies receive the same update and stay equal.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,15 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-from planner.errors import InvalidRequestError
+from planner.errors import InvalidRequestError, PipeplanError
 from planner.graph import group_units
 from planner.model import ModelSpec
 from planner.optim import make_optimizer
 from planner.trace import TracedModel, trace_model
 from planner.types import Plan
-from planner.usercode import user_code
+from planner.usercode import user_error
 from runtime.batchnorm import (
     BATCH_NORM_MODES,
     defer_batch_norm,
@@ -46,6 +48,7 @@ from runtime.report import RankRecord
 from runtime.stages import (
     TiedParameter,
     build_stages,
+    describe_values,
     parameter_names,
     preserved_buffers,
     tied_parameters,
@@ -179,6 +182,18 @@ class PipelineRunner:
         deferred = []
         if batch_norm == "deferred":
             deferred = defer_batch_norm(traced, plan.microbatches)
+            tracking = sum(
+                isinstance(m, _BatchNorm) and m.training and m.running_mean is not None
+                for m in module.modules()
+            )
+            if len(deferred) < tracking and rank == 0:
+                print(
+                    f"warning: --batch-norm deferred found {len(deferred)} of the model's "
+                    f"{tracking} BatchNorm layers in the {traced.tracer} graph; the others "
+                    f"update their running statistics once per micro-batch",
+                    file=sys.stderr,
+                    flush=True,
+                )
         else:
             restore_batch_norm(traced)
         units = group_units(traced, plan.granularity, plan.unit_expansions)
@@ -247,9 +262,19 @@ class PipelineRunner:
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
         """The user's loss on the model's output, rebuilt from the last stage's tensors."""
-        with self.timer.span("loss", self._loss_calls), user_code("the model's loss"):
+        with self.timer.span("loss", self._loss_calls):
             self._loss_calls += 1
-            return self.loss_fn(self.stage_module.rebuild_output(output), target)
+            rebuilt = self.stage_module.rebuild_output(output)
+            try:
+                return self.loss_fn(rebuilt, target)
+            except PipeplanError:
+                raise
+            except Exception as exc:  # name the values the loss got (only when it fails)
+                what = (
+                    f"the model's loss (stage {self.rank}) on output {describe_values(rebuilt)}"
+                    f" and target {describe_values(target)}"
+                )
+                raise user_error(what, exc) from exc
 
     def forward_backward(
         self, inputs: tuple[Tensor, ...], target: Tensor, step: int = 0

@@ -32,8 +32,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_arg
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 from planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
 from planner.graph import UnitSpec, cut_tensors, subgraph_module
@@ -47,6 +54,7 @@ __all__ = [
     "TiedParameter",
     "build_stages",
     "check_plan",
+    "describe_values",
     "parameter_names",
     "preserved_buffers",
     "probe",
@@ -124,7 +132,7 @@ class StageModule(nn.Module):
 
     def _model_output(self, outs: Sequence[Any]) -> Any:
         values = dict(zip(self._template[1], outs))
-        result = map_arg(self._template[0], lambda n: values[n.name])
+        result = _thaw(map_arg(self._template[0], lambda n: values[n.name]))
         return self._root_graph.process_outputs(result)
 
     def rebuild_output(self, tensors: Sequence[Tensor]) -> Any:
@@ -143,20 +151,25 @@ class StageModule(nn.Module):
             return exc
         tracker = _NodeTracker(self.body)
         try:
-            with torch.no_grad():
+            with torch.set_grad_enabled(torch.is_grad_enabled()):
                 tracker.run(*full)
-        except Exception:  # noqa: BLE001, S110 - the node is what we want, not the error
-            pass
-        node = tracker.current
-        what = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
-        if node is None:
-            return StageComputeError(f"stage {self._index}: {what}")
-        unit = self._unit_of.get(node.name, "?")
-        args = ", ".join(_describe_value(tracker.env.get(a)) for a in node.all_input_nodes)
-        return StageComputeError(
-            f"stage {self._index}, unit {unit!r}, node {node.name} ({_target(node)}) "
-            f"on ({args}): {what}"
+        except Exception:  # noqa: BLE001 - the node is what we want, not the error
+            return StageComputeError(_failure(f"stage {self._index}", tracker, exc, self._unit_of))
+        return StageComputeError(  # the node-by-node rerun passed: no node to name
+            f"stage {self._index}: {_what(exc)} (a rerun node by node did not fail)"
         )
+
+
+def _thaw(value: Any) -> Any:
+    """fx's ``immutable_dict`` and ``immutable_list`` (what ``map_arg`` builds) as the ``dict``
+    and ``list`` that the model's generated code returns."""
+    if isinstance(value, immutable_dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, immutable_list):
+        return [_thaw(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_thaw(v) for v in value)
+    return value
 
 
 try:  # raised by non-reentrant checkpointing to end a recomputation early
@@ -193,6 +206,7 @@ class _NodeTracker(Interpreter):
     def __init__(self, gm: GraphModule) -> None:
         super().__init__(gm)
         self.current: Node | None = None
+        self.extra_traceback = False  # the error as raised, without the graph's dump
 
     def run_node(self, n: Node) -> Any:
         self.current = n
@@ -205,6 +219,40 @@ def _describe_value(value: Any) -> str:
         dtype = str(value.dtype).removeprefix("torch.")
         return f"tensor {tuple(value.shape)} {dtype}{layout}"
     return type(value).__name__ if not isinstance(value, (int, float, bool)) else repr(value)
+
+
+def describe_values(tree: Any, limit: int = 6) -> str:
+    """``tree`` for an error message: a tensor's shape, dtype and layout; a container's type
+    and its first ``limit`` leaves by pytree path (``dict {['out']: tensor (2, 4) float32}``)."""
+    leaves, _ = tree_flatten_with_path(tree)
+    if len(leaves) == 1 and not leaves[0][0]:
+        return _describe_value(leaves[0][1])
+    parts = [f"{keystr(path)}: {_describe_value(v)}" for path, v in leaves[:limit]]
+    more = f", ... {len(leaves) - limit} more" if len(leaves) > limit else ""
+    return f"{type(tree).__name__} {{{', '.join(parts)}{more}}}"
+
+
+def _what(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+def _failure(
+    where: str,
+    tracker: _NodeTracker,
+    exc: BaseException,
+    unit_of: dict[str, str],
+    stage_of: dict[str, int] | None = None,
+) -> str:
+    """``where, [stage,] unit, node (target) on (its inputs): the error``, from a tracker
+    that raised (``unit_of``: node -> unit; ``stage_of``: unit -> stage)."""
+    node = tracker.current
+    if node is None:
+        return f"{where}: {_what(exc)}"
+    args = ", ".join(_describe_value(tracker.env.get(a)) for a in node.all_input_nodes)
+    unit = unit_of.get(node.name, "?")
+    if stage_of is not None:
+        where = f"{where}: stage {stage_of.get(unit, '?')}"
+    return f"{where}, unit {unit!r}, node {node.name} ({_target(node)}) on ({args}): {_what(exc)}"
 
 
 def _target(node: Node) -> str:
@@ -279,7 +327,7 @@ def preserved_buffers(module: nn.Module) -> Iterator[None]:
                 buf.copy_(copy)
 
 
-class _Recorder(Interpreter):
+class _Recorder(_NodeTracker):
     def __init__(self, gm: GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
         self.wanted = wanted
@@ -292,15 +340,27 @@ class _Recorder(Interpreter):
         return out
 
 
-def probe(traced: TracedModel, wanted: set[str], inputs: tuple[Tensor, ...]) -> dict[str, Any]:
+def probe(
+    traced: TracedModel,
+    wanted: set[str],
+    inputs: tuple[Tensor, ...],
+    unit_of: dict[str, str] | None = None,
+    stage_of: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """Run the whole graph on ``inputs`` (one micro-batch) and return the ``wanted`` values.
 
     Runs with autograd on, so each tensor's ``requires_grad`` is what a stage will see; the
-    model's buffers are left as they were.
+    model's buffers are left as they were.  If a node raises, the :class:`StageComputeError`
+    names it, its inputs, its unit (``unit_of``: node -> unit) and stage (``stage_of``: unit
+    -> stage).
     """
     rec = _Recorder(traced.gm, wanted)
-    with torch.enable_grad(), preserved_buffers(traced.gm):
-        rec.run(*inputs)
+    try:
+        with torch.enable_grad(), preserved_buffers(traced.gm):
+            rec.run(*inputs)
+    except Exception as exc:
+        what = "the model on one micro-batch (building the stages)"
+        raise StageComputeError(_failure(what, rec, exc, unit_of or {}, stage_of)) from exc
     return rec.values
 
 
@@ -355,8 +415,9 @@ def build_stages(
         for j, s in enumerate(plan.stages)
     ]
     wanted = {name for io in bounds for side in io for name in side} | set(out_names)
-    values = probe(traced, wanted, example_inputs)
     unit_of = {n: u.name for u in units for n in u.nodes}
+    stage_of = {u: s.index for s in plan.stages for u in s.unit_names}
+    values = probe(traced, wanted, example_inputs, unit_of, stage_of)
 
     programs = []
     for j, s in enumerate(plan.stages):

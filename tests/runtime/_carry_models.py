@@ -38,6 +38,7 @@ class Carry(nn.Module):
 
 
 def _carry_loss(output: dict[str, Any], target: Tensor) -> Tensor:
+    assert type(output) is dict and type(output["aux"][1]) is list  # as the model returns
     aux_sum, (aux_mean, mask) = output["aux"]
     assert mask.dtype == torch.bool
     return F.mse_loss(output["out"], target) + 0.1 * aux_sum.mean() + 0.01 * aux_mean
@@ -126,3 +127,48 @@ def reuse(seed: int = 0) -> tuple[nn.Module, Any, Any]:
         return F.mse_loss(out.logits, y)
 
     return Reuse(), make_batch, loss
+
+
+class HFOut(Carry):
+    """``Carry`` returning a ``transformers`` ``ModelOutput`` (a pytree node that
+    ``transformers`` registers) with a nested tuple and a bool mask among its fields."""
+
+    def forward(self, x: Tensor, ids: Tensor) -> Any:  # type: ignore[override]
+        out = super().forward(x, ids)
+        aux_sum, (aux_mean, mask) = out["aux"]
+        return _carry_output()(logits=out["out"], hidden=(aux_sum, (aux_mean,)), mask=mask)
+
+
+def _carry_output() -> type:
+    """A ``ModelOutput`` subclass, made once (``transformers`` is imported only when used)."""
+    global _CARRY_OUTPUT
+    if _CARRY_OUTPUT is None:
+        from dataclasses import dataclass
+
+        from transformers.utils import ModelOutput
+
+        @dataclass
+        class CarryOutput(ModelOutput):
+            logits: Tensor | None = None
+            hidden: tuple[Any, ...] | None = None
+            mask: Tensor | None = None
+
+        _CARRY_OUTPUT = CarryOutput
+    return _CARRY_OUTPUT
+
+
+_CARRY_OUTPUT: type | None = None
+
+
+def hfout(seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    _, make_batch, _ = carry(seed)
+    torch.manual_seed(seed)
+
+    def loss(output: Any, target: Tensor) -> Tensor:
+        cls: Any = _carry_output()
+        assert type(output) is cls, type(output)
+        aux_sum, (aux_mean,) = output.hidden
+        assert output.mask.dtype == torch.bool
+        return F.mse_loss(output.logits, target) + 0.1 * aux_sum.mean() + 0.01 * aux_mean
+
+    return HFOut(), make_batch, loss

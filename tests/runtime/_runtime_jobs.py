@@ -93,11 +93,12 @@ def make_plan(
 
 
 def build(model: dict[str, Any], job: dict[str, Any]) -> tuple[ModelSpec, TracedModel]:
-    """The model in float64 and its trace."""
+    """The model in its ``dtype`` (default float64) and its trace."""
+    dtype = getattr(torch, model.get("dtype", "float64"))
     spec = load_model(model["model"], model["kwargs"])
-    spec.module.double()
+    spec.module.to(dtype)
     inputs, _ = spec.batch(job["batch_size"] // job["microbatches"])
-    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
     return spec, trace_model(spec.module, inputs)
 
 
@@ -109,6 +110,8 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     inputs, target = spec.batch(job["batch_size"])
     results: dict[str, Any] = {}
     for cfg in job["configs"]:
+        if cfg["key"] not in model.get("keys", [cfg["key"]]):  # a model may run only some
+            continue
         spec.module.load_state_dict(initial)
         plan = make_plan(
             model["model"],
@@ -119,6 +122,7 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             microbatches=job["microbatches"],
             checkpoint=cfg["checkpoint"],
             schedule=cfg["schedule"],
+            dtype=model.get("dtype", "float64"),
         )
         runner = PipelineRunner(
             plan,

@@ -13,12 +13,14 @@ torch.export graphs, with and without recomputation.  Failures inside a stage na
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
 import torch
 from _runtime_jobs import launch_job, make_plan, reference
 
+from planner.errors import UserCodeError
 from planner.graph import group_units
 from planner.model import load_model
 from planner.trace import trace_model
@@ -27,7 +29,14 @@ from runtime.stages import StageComputeError, build_stages
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 pytestmark = pytest.mark.xdist_group("carry")  # one worker runs the module's torchrun job
 CARRY = {"carry-a": [0, 1], "carry-b": [0, 2], "reuse": [0, 2]}
+if importlib.util.find_spec("transformers") is not None:
+    CARRY["hfout"] = [0, 2]  # the output is a transformers ModelOutput
 BN = ("batchnorm", "batchnorm_export")
+#: ``carry`` in lower precisions (one config each), against the float64 unsplit model: the
+#: loss within ``rel`` and each gradient within ``rel`` of its norm.  The bound is a few
+#: roundings of the dtype (bfloat16 keeps 8 bits, float16 11, float32 24); the pipeline sums
+#: the m micro-batches' gradients in another order than one batch, so bits may differ.
+LOW = {"bfloat16": 0.03, "float16": 4e-3, "float32": 2e-6}
 
 
 def _model(name: str) -> str:
@@ -49,6 +58,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
         {"name": name, "model": _model(name), "kwargs": {}, "starts": starts}
         for name, starts in CARRY.items()
     ] + [{"name": n, "model": f"_carry_models:{n}", "kwargs": {}, "starts": [0, 2]} for n in BN]
+    models += [
+        {"name": f"carry-{dt}", "model": "_carry_models:carry", "kwargs": {}, "starts": [0, 2],
+         "dtype": dt, "keys": ["except_last"]}
+        for dt in LOW
+    ]  # fmt: skip
     job = {"models": models, "batch_size": 8, "microbatches": 4, "configs": _configs()}
     return launch_job(job, 2, tmp_path_factory.mktemp("carry"))
 
@@ -65,6 +79,22 @@ def test_every_kind_of_value_crosses_the_cut(ranks: list[Any], name: str) -> Non
                 torch.testing.assert_close(grad, ref_grads[pname], **TIGHT, msg=f"{r} {pname}")
             seen |= set(rank[name][key]["grads"])
         assert seen == set(ref_grads)
+
+
+@pytest.mark.parametrize("dtype", list(LOW))
+def test_lower_precisions_cross_the_cut(ranks: list[Any], dtype: str) -> None:
+    """bfloat16 and float16 tensors go over gloo as they are (it sends both, bit for bit)."""
+    ref_loss, ref_grads, _, _ = reference({"model": "_carry_models:carry", "kwargs": {}}, 8,
+                                          "sgd", 0.1, 1)  # fmt: skip
+    rel = LOW[dtype]
+    result = [rank[f"carry-{dtype}"]["except_last"] for rank in ranks]
+    assert result[-1]["loss"] == pytest.approx(ref_loss, rel=rel)
+    grads = {k: g for r in result for k, g in r["grads"].items()}
+    assert set(grads) == set(ref_grads)
+    for k, grad in grads.items():
+        assert grad.dtype == getattr(torch, dtype), k
+        err = float((grad.double() - ref_grads[k]).norm() / ref_grads[k].norm())
+        assert err < rel, (k, err)
 
 
 def _unsplit_buffers(name: str, batch: int, chunks: int) -> dict[str, torch.Tensor]:
@@ -146,3 +176,49 @@ def test_the_profiler_takes_an_optional_argument_and_a_namedtuple_output() -> No
 
     p = profile_model("_carry_models:reuse", batch_size=4, warmup=0, repeats=1, progress=False)
     assert p.n_units >= 4 and all(u.timings[4].backward_s > 0 for u in p.units)
+
+
+def test_a_failing_probe_or_loss_names_where_and_what() -> None:
+    from runtime.engine import PipelineRunner
+    from runtime.timing import StepTimer
+
+    spec = load_model("_carry_models:carry", {})
+    (x, ids), target = spec.batch(2)
+    traced = trace_model(spec.module, (x, ids))
+    plan = make_plan("carry", {}, traced, starts=[0, 2], batch_size=4, microbatches=2)
+    with pytest.raises(StageComputeError) as info:  # an id past the vocabulary
+        build_stages(plan, traced, group_units(traced), (x, ids + 10))
+    message = str(info.value)
+    assert "building the stages): stage 0, unit 'embed', node embed" in message, message
+    assert "tensor (2, 6) int64): IndexError" in message, message
+
+    last = build_stages(plan, traced, group_units(traced), (x, ids))[1]
+    runner = object.__new__(PipelineRunner)  # just what _loss uses
+    runner.timer, runner._loss_calls, runner.rank = StepTimer(torch.device("cpu")), 0, 1
+    runner.stage_module, runner.loss_fn = last.module, lambda out, y: out["out"] @ y
+    leaves = last.module(*(t.detach() for t in last.example_inputs))
+    rebuilt = last.module.rebuild_output(leaves)  # the types the model returns
+    assert type(rebuilt) is dict and type(rebuilt["aux"]) is tuple
+    assert type(rebuilt["aux"][1]) is list
+    with pytest.raises(UserCodeError) as loss_info:
+        runner._loss(leaves, target)
+    message = str(loss_info.value)
+    assert message.startswith(
+        "the model's loss (stage 1) on output dict {['out']: tensor (2, 6, 8)"
+    )
+    assert "['aux'][1][1]: tensor (2, 6) bool" in message, message
+    assert "and target tensor (2, 6, 8) float32 raised RuntimeError" in message, message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+def test_an_fx_traced_model_output_keeps_its_type() -> None:
+    """torch.fx records a ModelOutput as a plain dict; the trace rebuilds it, so the profiler's
+    (and the runtime's) loss gets what the model returns."""
+    from profiler import profile_model
+
+    spec = load_model("_carry_models:hfout", {})
+    inputs, _ = spec.batch(2)
+    traced = trace_model(spec.module, inputs)
+    assert traced.tracer == "fx" and type(traced.gm(*inputs)) is type(spec.module(*inputs))
+    p = profile_model("_carry_models:hfout", batch_size=4, warmup=0, repeats=1, progress=False)
+    assert p.n_units == 4

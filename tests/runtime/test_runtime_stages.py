@@ -195,6 +195,13 @@ def test_failure_names_the_stage_that_failed_first(tmp_path: Path) -> None:
     assert "stages [0, 2] stopped" in msg
 
 
+def test_the_same_error_on_every_rank_is_not_blamed_on_stage_0(tmp_path: Path) -> None:
+    for stage in range(2):  # e.g. building the stages runs the model once on every rank
+        _error(tmp_path, stage, "stage 1, unit 'emb': IndexError", False, 1.0 + stage)
+    msg = str(failure(tmp_path, 2, 1, SUMMARY))
+    assert msg == "every stage failed at step 1: RuntimeError: stage 1, unit 'emb': IndexError"
+
+
 def test_failure_without_error_files_shows_the_log(tmp_path: Path) -> None:
     msg = str(failure(tmp_path, 2, 1, "line 1\nsomething broke\n"))
     assert "status 1" in msg and "something broke" in msg
