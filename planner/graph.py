@@ -9,7 +9,9 @@ two agree on the units.  The graph comes from :func:`planner.trace.trace_model`.
    before, between and after the blocks ("glue") become units of their own when they use
    parameters (``embed``, ``head``) and join a neighbour otherwise.  ``expanded`` names modules
    to split into their children (``""`` is the glue's root; a leaf module splits into its graph
-   nodes): :mod:`planner.refine` chooses them so that no unit is too heavy to balance.
+   nodes); an entry ``cut:NODE`` starts a new unit at graph node ``NODE`` (with the parameters
+   it reads), which splits any unit, glue and interleaved modules included.
+   :mod:`planner.refine` chooses the entries so that no unit is too heavy to balance.
    ``top`` and ``depth:N`` key each node by its module N levels deep (nodes of shallower
    modules are glue); ``node`` makes every node a unit (a ``get_attr`` joins its user).
 2. :func:`cut_tensors` lists, for each cut, the nodes produced before it and used after it:
@@ -22,8 +24,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from torch import nn
@@ -33,6 +36,7 @@ from planner.errors import InvalidRequestError
 from planner.trace import TracedModel, get_attr
 
 __all__ = [
+    "CUT",
     "GRANULARITIES",
     "UnitSpec",
     "compute_nodes",
@@ -43,6 +47,9 @@ __all__ = [
 
 #: The values ``group_units`` accepts (``N`` is a positive integer).
 GRANULARITIES = ("auto", "top", "depth:N", "node")
+
+#: The prefix of an ``expanded`` entry that cuts a unit before a graph node (``cut:addmm_3``).
+CUT = "cut:"
 
 _COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 
@@ -132,6 +139,15 @@ def _owner_names(
     gm: GraphModule, nodes: list[Node], paths: dict[Node, tuple[str, ...]], strip: int
 ) -> str:
     """Name a glue run after the modules whose parameters it uses (their common prefix)."""
+    owners = _owners(gm, nodes, paths, strip)
+    common = _common_prefix(owners)
+    return ".".join(common) if common else "+".join(".".join(o) for o in owners)
+
+
+def _owners(
+    gm: GraphModule, nodes: list[Node], paths: dict[Node, tuple[str, ...]], strip: int
+) -> list[tuple[str, ...]]:
+    """The modules whose parameters ``nodes`` use, in order of first use."""
     owners: list[tuple[str, ...]] = []
     for n in nodes:
         if n.op == "get_attr" and isinstance(get_attr(gm, str(n.target)), nn.Parameter):
@@ -144,8 +160,7 @@ def _owner_names(
             continue
         if owner and owner not in owners:
             owners.append(owner)
-    common = _common_prefix(owners)
-    return ".".join(common) if common else "+".join(".".join(o) for o in owners)
+    return owners
 
 
 def _common_prefix(paths: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
@@ -179,6 +194,10 @@ def group_units(
     >>> traced = trace_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [u.name for u in group_units(traced, "node")]
     ['_0', '_1']
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Tanh()))
+    >>> traced = trace_model(net, (torch.randn(2, 4),))
+    >>> [(u.name, u.nodes) for u in group_units(traced, "auto", ["cut:_1_1"])]
+    [('0', ('_0',)), ('1', ('_1_0',)), ('1.1[_1_1]', ('_1_1',))]
     """
     gm = traced.gm
     nodes = compute_nodes(gm)
@@ -196,7 +215,8 @@ def group_units(
         items = _repeated_items({n: p for n, p in paths.items() if n.op != "get_attr"}, classes)
         if len(items) < 2:
             items = {p[:1] for n, p in paths.items() if n.op != "get_attr" and p}  # as ``top``
-        opened = {tuple(e.split(".")) if e else () for e in expanded}
+        modules = [e for e in expanded if not e.startswith(CUT)]
+        opened = {tuple(e.split(".")) if e else () for e in modules}
         # Opening a module deep inside an item opens the item and the modules on the way.
         opened |= {p[:i] for p in opened for i in range(1, len(p))}
         inner = {p[:i] for p in paths.values() for i in range(len(p))}  # modules with children
@@ -247,6 +267,18 @@ def group_units(
             bounds.append((lo, hi, "+".join(names)))
         cursor = hi + 1
 
+    cuts = {e[len(CUT) :] for e in expanded if e.startswith(CUT)}
+    if cuts:
+        name_of = {n: _key_name(k, strip) for n, k in keys.items() if k is not None}
+
+        def piece_label(piece: list[Node]) -> str:
+            names = "+".join(dict.fromkeys(name_of[n] for n in piece if n in name_of))
+            owners = _owners(gm, piece, paths, strip)
+            return names or (".".join(owners[0]) if len(owners) == 1 else "")
+
+        module_of = {n: ".".join(p[strip:]) for n, p in paths.items()}
+        bounds = _apply_cuts(bounds, nodes, cuts, piece_label, module_of)
+
     units: list[UnitSpec] = []
     seen: Counter[str] = Counter()
     for lo, hi, name in bounds:
@@ -256,6 +288,48 @@ def group_units(
     if granularity == "node":  # a get_attr unit joins its user's
         return _fold_get_attr(gm, units)
     return units
+
+
+def _apply_cuts(
+    bounds: list[tuple[int, int, str]],
+    nodes: list[Node],
+    cuts: set[str],
+    label: Callable[[list[Node]], str],
+    module_of: dict[Node, str],
+) -> list[tuple[int, int, str]]:
+    """Split the runs ``bounds`` where a node of ``cuts`` starts (with the ``get_attr`` nodes
+    just before it, the parameters it reads); unknown names and ``get_attr`` nodes are ignored.
+
+    A piece is named by ``label``: after the units its nodes' keys name (``model.norm``,
+    ``lm_head``), else after the one module whose parameters it uses.  A piece with no such name,
+    or with the name of an earlier piece of the run, is named by its first node and that node's
+    module (``module_of``): ``blocks.0.attn[add_3]``, or ``[add]`` in the model's own
+    ``forward``; but when no piece has a name, the first keeps the run's.
+    """
+    starts: set[int] = set()
+    for i, n in enumerate(nodes):
+        if n.name in cuts and n.op != "get_attr":
+            while i > 0 and nodes[i - 1].op == "get_attr":
+                i -= 1
+            starts.add(i)
+    out: list[tuple[int, int, str]] = []
+    for lo, hi, name in bounds:
+        edges = [lo, *sorted(s for s in starts if lo < s <= hi), hi + 1]
+        if len(edges) == 2:
+            out.append((lo, hi, name))
+            continue
+        pieces = [nodes[a:b] for a, b in pairwise(edges)]
+        labels = [label(p) for p in pieces]
+        if not any(labels):
+            labels[0] = name
+        used: set[str] = set()
+        for a, piece, text in zip(edges, pieces, labels):
+            if not text or text in used:
+                first = next((n for n in piece if n.op != "get_attr"), piece[0])
+                text = f"{module_of[first]}[{first.name}]"
+            used.add(text)
+            out.append((a, a + len(piece) - 1, text))
+    return out
 
 
 def _key_name(key: tuple[str, ...], strip: int) -> str:

@@ -8,11 +8,19 @@ default 8), applies two rules until neither changes anything:
 1. **No unit heavier than a fair share.**  A unit whose estimated cost exceeds total / P is
    split: the module its nodes share (the longest common module path of its deepest nodes) is
    opened into its child modules, and a leaf module into its graph nodes.  (The root opens
-   into the model's top-level modules.)  An opening that splits nothing is not kept.
+   into the model's top-level modules.)  An opening that splits nothing is not kept.  A unit
+   that no opening splits (glue around a leaf module, modules whose nodes interleave, such as
+   a final norm and an LM head in an exported graph) is **cut** between two of its graph nodes,
+   where its cost divides most evenly (``cut:NODE``, :func:`planner.graph.group_units`), if
+   the lighter side weighs at least 1/8 of total / P (cutting a residual add off a dominant
+   layer helps nothing).
 2. **At least P units** when the graph has at least P compute nodes: while there are fewer,
-   the heaviest unit that can still be split is.
+   the heaviest unit that can still be split is, by an opening or else by a cut (a cut worth
+   it as above first, then any).
 
-A unit that is one graph node stays whole.  Models built of many similar blocks (24 decoder
+A unit that is one graph node stays whole, and a cut never separates a tuple or list from the
+items taken out of it (``operator.getitem``), which would cross it as a constant; so a graph
+whose only splits are there has fewer units than compute nodes.  Models built of many similar blocks (24 decoder
 layers) keep one unit per block; a model of a few heavy blocks, or with one dominant layer, is
 refined where it needs it.
 
@@ -25,6 +33,7 @@ record and never re-estimates.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +42,7 @@ from torch import Tensor
 from torch.fx import Interpreter, Node
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.graph import UnitSpec, compute_nodes, group_units
+from planner.graph import CUT, UnitSpec, compute_nodes, group_units
 from planner.trace import TracedModel
 
 __all__ = ["DEFAULT_MAX_STAGES", "node_costs", "refine_units"]
@@ -97,6 +106,38 @@ def _common_path(traced: TracedModel, unit: UnitSpec) -> tuple[str, ...]:
     return _common_prefix(deepest)
 
 
+def _cut_entry(
+    unit: UnitSpec, ops: dict[str, str], costs: dict[str, int], bad: set[str]
+) -> tuple[str, int] | None:
+    """``cut:NODE`` for the node of ``unit`` before which its cost divides most evenly (the
+    earliest on a tie), and the cost of the lighter side; ``None`` when it has no place to cut:
+    fewer than two compute nodes, or only places in ``bad`` (where a tuple would cross)."""
+    compute = [x for x in unit.nodes if ops[x] != "get_attr"]
+    total = sum(costs.get(x, 0) for x in unit.nodes)
+    best: tuple[int, str] | None = None
+    left = 0
+    for x in unit.nodes:
+        if ops[x] != "get_attr" and x != compute[0] and x not in bad:
+            worst = max(left, total - left)
+            if best is None or worst < best[0]:
+                best = (worst, x)
+        left += costs.get(x, 0)
+    return (f"{CUT}{best[1]}", total - best[0]) if best is not None else None
+
+
+def _tuple_crossings(traced: TracedModel) -> set[str]:
+    """Nodes a cut must not precede: those after a node whose items are taken out with
+    ``operator.getitem``, up to its last user (the container would cross the cut)."""
+    nodes = list(traced.gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    bad: set[str] = set()
+    for n in nodes:
+        if any(u.op == "call_function" and u.target is operator.getitem for u in n.users):
+            last = max(order[u] for u in n.users)
+            bad.update(m.name for m in nodes[order[n] + 1 : last + 1])
+    return bad
+
+
 def refine_units(
     traced: TracedModel,
     costs: dict[str, int],
@@ -105,9 +146,9 @@ def refine_units(
 ) -> tuple[list[UnitSpec], tuple[str, ...]]:
     """``auto``'s units, refined for up to ``max_stages`` stages; and the modules opened.
 
-    Returns the units and the dotted paths of the opened modules (``""``: the root), which
-    ``group_units(traced, granularity, expanded)`` turns back into the same units.  Other
-    granularities than ``auto`` are returned as they are.
+    Returns the units and the dotted paths of the opened modules (``""``: the root) and the
+    cuts (``cut:NODE``), which ``group_units(traced, granularity, expanded)`` turns back into
+    the same units.  Other granularities than ``auto`` are returned as they are.
 
     >>> from torch import nn
     >>> net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 4)))
@@ -126,28 +167,41 @@ def refine_units(
     ops = {n.name: n.op for n in traced.gm.graph.nodes}
     n_compute = sum(1 for n in compute_nodes(traced.gm) if n.op != "get_attr")
     total = sum(costs.values()) or 1
-    tried: set[tuple[str, ...]] = set()
+    tried: set[str] = set()
+    bad = _tuple_crossings(traced)
 
     def cost(u: UnitSpec) -> int:
         return sum(costs.get(x, 0) for x in u.nodes)
 
-    def splittable(u: UnitSpec) -> tuple[str, ...] | None:
-        path = _common_path(traced, u)
-        compute = sum(1 for x in u.nodes if ops[x] != "get_attr")
-        return path if compute > 1 and path not in tried else None
+    def split(u: UnitSpec) -> tuple[str, bool] | None:
+        """The module to open to split ``u``, else a cut, and whether it is worth it: an
+        opening is, a cut if its lighter side weighs at least 1/8 of a fair share (cutting a
+        residual add off a dominant layer is not); ``None`` if ``u`` cannot split."""
+        if sum(1 for x in u.nodes if ops[x] != "get_attr") < 2:
+            return None
+        path = ".".join(_common_path(traced, u))
+        if path not in tried:
+            return path, True
+        cut = _cut_entry(u, ops, costs, bad)
+        if cut is None or cut[0] in tried:
+            return None
+        return cut[0], cut[1] * 8 * max_stages >= total
 
     while True:
         heavy = [
-            p for u in units if cost(u) * max_stages > total and (p := splittable(u)) is not None
+            s[0]
+            for u in units
+            if cost(u) * max_stages > total and (s := split(u)) is not None and s[1]
         ]
         if not heavy and len(units) < min(max_stages, n_compute):
-            ranked = sorted(units, key=cost, reverse=True)
-            heavy = next(([p] for u in ranked if (p := splittable(u)) is not None), [])
+            ranked = [s for u in sorted(units, key=cost, reverse=True) if (s := split(u))]
+            worth = [s for s in ranked if s[1]] or ranked
+            heavy = [worth[0][0]] if worth else []
         if not heavy:
             return units, tuple(opened)
-        for path in dict.fromkeys(heavy):  # keep an opening only if it splits something
-            tried.add(path)
-            finer = group_units(traced, granularity, [*opened, ".".join(path)])
+        for entry in dict.fromkeys(heavy):  # keep an opening only if it splits something
+            tried.add(entry)
+            finer = group_units(traced, granularity, [*opened, entry])
             if len(finer) > len(units):
-                opened.append(".".join(path))
+                opened.append(entry)
                 units = finer

@@ -4,7 +4,7 @@
 >>> profile = profile_model("models.mlp:mlp", batch_size=4, model_kwargs={"width": 8,
 ...     "depth": 2, "in_features": 4}, repeats=1, warmup=0, progress=False, max_stages=3)
 >>> [u.name for u in profile.units], profile.microbatch_sizes
-(['layers.0', 'layers.1', 'head'], (1, 2, 4))
+(['layers.0', 'layers.1', 'layers.1[relu_1]', 'head'], (1, 2, 4))
 """
 
 from __future__ import annotations

@@ -70,8 +70,9 @@ class Grouping(FrozenModel):
     base_units: int = Field(ge=1)
     """Units before refinement: the items of the containers, and the glue between them."""
     expanded: tuple[str, ...] = ()
-    """Modules split into their children (``""``: the glue's root), in the order chosen;
-    ``planner.graph.group_units(traced, "auto", expanded)`` rebuilds the units from them."""
+    """Modules split into their children (``""``: the glue's root) and cuts before graph nodes
+    (``cut:NODE``), in the order chosen; ``planner.graph.group_units(traced, "auto",
+    expanded)`` rebuilds the units from them."""
 
 
 class Unit(FrozenModel):

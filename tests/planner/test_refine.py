@@ -99,3 +99,41 @@ def test_node_costs_leave_buffers_alone() -> None:
     costs = node_costs(traced, (x,))
     assert all(torch.equal(a, b) for a, b in zip(before, net.buffers()))
     assert costs["_0"] >= 2 * 8 * 4 * 4  # the Linear's multiply-adds
+
+
+class Glue(nn.Module):
+    """One module and elementwise glue in ``forward``: no module opening splits it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lin(x).chunk(2, dim=-1)  # a tuple and its items: never cut between them
+        return torch.sin(torch.relu(a * 2 + 1) + b)
+
+
+def test_glue_is_cut_between_graph_nodes_until_there_are_p_units() -> None:
+    x = torch.randn(4, 16)
+    traced = trace_model(Glue(), (x,))
+    assert [u.name for u in group_units(traced)] == ["root"]
+    units, opened = refine_units(traced, node_costs(traced, (x,)), 3)
+    assert len(units) == 3 and all(o.startswith("cut:") for o in opened)
+    assert [u.nodes for u in group_units(traced, "auto", opened)] == [u.nodes for u in units]
+    units, _ = refine_units(traced, node_costs(traced, (x,)), 16)
+    chunk = next(u for u in units if "chunk" in u.nodes)
+    assert chunk.nodes[-3:] == ("chunk", "getitem", "getitem_1")  # the tuple stays whole
+    assert [u.name for u in units][-4:] == ["[add]", "[relu]", "[add_1]", "[sin]"]
+
+
+def test_never_fewer_units_than_stages_where_the_graph_has_the_nodes() -> None:
+    for model in (Wrapper(), Blocks(2), Glue()):
+        x = torch.randn(4, 8 if isinstance(model, Blocks) else 16)
+        traced = trace_model(model, (x,))
+        compute = sum(1 for n in traced.gm.graph.nodes if n.op.startswith("call_"))
+        costs = node_costs(traced, (x,))
+        reachable = compute - 2 if isinstance(model, Glue) else compute  # chunk + its items
+        for p in range(1, compute + 2):
+            units, opened = refine_units(traced, costs, p)
+            assert len(units) >= min(p, reachable), (type(model).__name__, p, opened)
+            assert len({u.name for u in units}) == len(units)

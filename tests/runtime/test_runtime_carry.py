@@ -221,4 +221,4 @@ def test_an_fx_traced_model_output_keeps_its_type() -> None:
     traced = trace_model(spec.module, inputs)
     assert traced.tracer == "fx" and type(traced.gm(*inputs)) is type(spec.module(*inputs))
     p = profile_model("_carry_models:hfout", batch_size=4, warmup=0, repeats=1, progress=False)
-    assert p.n_units == 4
+    assert p.n_units >= 8  # 4 blocks and glue, cut for the default 8 stages (planner.refine)
