@@ -23,7 +23,13 @@ class Embed(nn.Module):
     def __init__(self, vocab: int, d_model: int, seq_len: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
-        self.pos = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
+        self.pos = nn.Parameter(torch.empty(seq_len, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The learned position table, N(0, 0.02²) (``Embed`` owns it; ``tok`` resets itself)."""
+        with torch.no_grad():
+            self.pos.normal_(0.0, 0.02)
 
     def forward(self, idx: Tensor) -> Tensor:  # (B, T) -> (B, T, D)
         return self.tok(idx) + self.pos[: idx.size(1)]

@@ -55,6 +55,9 @@ class ModelSpec:
     module: nn.Module
     make_batch: Callable[[int], tuple[Any, torch.Tensor]]
     loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    init_weights: Callable[[nn.Module], None] | None = None
+    """Initialises one module's own parameters and buffers in place, for a model built on
+    ``meta`` (:mod:`planner.meta`); ``None``: ``reset_parameters`` or ``transformers``'."""
 
     def batch(self, batch_size: int) -> Batch:
         """``make_batch(batch_size)`` with the inputs normalised to a tuple, checked.
@@ -157,7 +160,10 @@ def adapt(spec: ModelSpec) -> ModelSpec:
         return spec
     names = [str(k) for k in probe[0]] if named else None
     return ModelSpec(
-        NamedInputs(module, names, _switches(module) if hf else {}), spec.make_batch, spec.loss
+        NamedInputs(module, names, _switches(module) if hf else {}),
+        spec.make_batch,
+        spec.loss,
+        spec.init_weights,
     )
 
 
@@ -191,12 +197,20 @@ def parse_model_args(pairs: list[str] | None) -> dict[str, str | int | float | b
     return out
 
 
-def load_model(name: str, kwargs: Mapping[str, Any] | None = None) -> ModelSpec:
+def load_model(
+    name: str, kwargs: Mapping[str, Any] | None = None, *, meta: bool = False
+) -> ModelSpec:
     """Import ``package.module:callable``, call it with ``kwargs`` and check what it returns.
 
     ``hf:PATH/config.json`` builds a ``transformers`` model from a local config instead
-    (:func:`planner.hf_source.load_config`).
+    (:func:`planner.hf_source.load_config`).  With ``meta`` the model is built with its
+    parameters on ``meta`` (:func:`planner.meta.empty_parameters`): no memory, no values.
     """
+    if meta:
+        from planner.meta import empty_parameters
+
+        with empty_parameters():
+            return load_model(name, kwargs)
     if name.startswith("hf:"):
         from planner.hf_source import load_config
 
