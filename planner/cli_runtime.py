@@ -50,6 +50,24 @@ def run(
             "as the unsplit model) or microbatch (once per micro-batch)."
         ),
     ] = "deferred",
+    init: Annotated[
+        str,
+        typer.Option(
+            help="stage: each rank builds the model on meta and materializes only its stage; "
+            "full: each rank builds the whole model."
+        ),
+    ] = "stage",
+    weights: Annotated[
+        Path | None,
+        typer.Option(
+            help="Start from this checkpoint (.safetensors, torch state dict, or sharded "
+            "folder with its index); each rank reads only its stage's tensors."
+        ),
+    ] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(help="Write the trained weights to this folder (sharded safetensors)."),
+    ] = None,
 ) -> None:
     """Run PLAN as a pipeline on this machine (torchrun, one rank per stage); compare with it."""
     from planner.errors import StageFailedError
@@ -59,6 +77,13 @@ def run(
         fail(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if batch_norm not in ("deferred", "microbatch"):
         fail(f"--batch-norm {batch_norm!r} is not deferred or microbatch")
+    if init not in ("stage", "full"):
+        fail(f"--init {init!r} is not stage or full")
+    if weights is not None and not weights.exists():
+        fail(f"--weights {weights} does not exist; pass a .safetensors file, a torch state "
+             f"dict or a sharded checkpoint folder")  # fmt: skip
+    if save is not None and save.exists() and not save.is_dir():
+        fail(f"--save {save} is a file; pass a folder for the checkpoint's shards")
     p = preflight(
         plan_file,
         model=model,
@@ -94,7 +119,9 @@ def run(
             soft_wrap=True,
         )
     optimizer = optimizer or p.optimizer
-    args = [f"--batch-norm={batch_norm}"]
+    args = [f"--batch-norm={batch_norm}", f"--init={init}"]
+    args += [f"--weights={weights.resolve()}"] if weights else []
+    args += [f"--save={save.resolve()}"] if save else []
     args += [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
     args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]
     args += [f"--model={model}"] if model else []
@@ -106,8 +133,8 @@ def run(
         launch(p, plan_file.resolve(), args)
     except StageFailedError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-    for path, what in ((report, "report"), (trace, "trace")):
+        raise typer.Exit(2 if exc.bad_request else 1) from None
+    for path, what in ((report, "report"), (trace, "trace"), (save, "weights")):
         if path:
             console.print(f"{what} -> {path}")
 

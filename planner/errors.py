@@ -61,7 +61,15 @@ class FingerprintMismatchError(PipeplanError, ValueError):
 
 
 class StageFailedError(PipeplanError, RuntimeError):
-    """A pipeline rank raised or died; the message names the stage and its error."""
+    """A pipeline rank raised or died; the message names the stage and its error.
+
+    ``bad_request`` is true when the ranks refused the request before the first step (a plan
+    for another model, a checkpoint that does not match it): the command exits 2, not 1.
+    """
+
+    def __init__(self, message: str, *, bad_request: bool = False) -> None:
+        super().__init__(message)
+        self.bad_request = bad_request
 
 
 class UserCodeError(PipeplanError, RuntimeError):

@@ -31,9 +31,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
+from planner.checkpoint import CheckpointReader, load_checkpoint, write_index, write_shard
 from planner.errors import InvalidRequestError, PipeplanError
 from planner.graph import group_units
-from planner.model import ModelSpec
+from planner.meta import has_meta, materialize, trace_meta
+from planner.model import ModelSpec, NamedInputs
 from planner.optim import make_optimizer
 from planner.trace import TracedModel, trace_model
 from planner.types import Plan
@@ -44,6 +46,7 @@ from runtime.batchnorm import (
     recomputing,
     restore_batch_norm,
 )
+from runtime.memory import TensorPeak, live_bytes
 from runtime.report import RankRecord
 from runtime.stages import (
     TiedParameter,
@@ -160,6 +163,8 @@ class PipelineRunner:
         fault: FaultHook | None = None,
         traced: TracedModel | None = None,
         batch_norm: str = "deferred",
+        seed: int = 0,
+        weights: str | None = None,
     ) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != plan.n_stages:
@@ -173,8 +178,10 @@ class PipelineRunner:
         self.loss_fn = spec.loss
         module = spec.module.to(dtype=self.dtype)
         inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
+        on_meta = has_meta(module)
         if traced is None:
-            traced = trace_model(module, inputs, tracer=plan.tracer)
+            trace = trace_meta if on_meta else trace_model
+            traced = trace(module, inputs, tracer=plan.tracer)
         if batch_norm not in BATCH_NORM_MODES:
             raise InvalidRequestError(
                 f"batch norm mode {batch_norm!r} is not one of {', '.join(BATCH_NORM_MODES)}"
@@ -203,6 +210,12 @@ class PipelineRunner:
         self.names = parameter_names(module, traced.gm)
         self.tied = tied_parameters([p.module for p in programs], self.names)
         mine = programs[rank]
+        self._module, self._prefix = module, "model." if isinstance(module, NamedInputs) else ""
+        self.materialized: list[str] = []
+        self.checkpoint_reads: list[str] = []
+        """The checkpoint tensors this rank read (``weights``)."""
+        if on_meta or weights is not None:
+            self.materialized = self._materialize(mine.module, spec, seed, weights)
         self.stage_module = mine.module.to(device)
         self.recompute = plan.stages[rank].recompute
         submod: nn.Module = Recompute(self.stage_module) if self.recompute else self.stage_module
@@ -231,6 +244,83 @@ class PipelineRunner:
         self.params = list(dict.fromkeys(self.stage_module.parameters()))
         self.optimizer = make_optimizer(optimizer, self.params, lr)
         self._tied_groups = self._make_tied_groups()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def _aliases(self) -> dict[int, list[str]]:
+        """``id(tensor) -> every qualified name`` of the model's parameters and buffers."""
+        names: dict[int, list[str]] = {}
+        module = self._module
+        for name, t in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]:
+            names.setdefault(id(t), []).append(name)
+        return names
+
+    def _materialize(
+        self, stage: nn.Module, spec: ModelSpec, seed: int, weights: str | None
+    ) -> list[str]:
+        """Give this stage's modules storage on the device: initialised (the contract of
+        :mod:`planner.meta`, seeded per module) or read from the checkpoint ``weights``.
+        Returns the modules materialized."""
+        aliases = self._aliases()
+        tensors = [*stage.parameters(), *stage.buffers()]
+        wanted = [aliases[id(t)][0] for t in tensors if id(t) in aliases]
+        mods = materialize(
+            self._module,
+            wanted,
+            self.device,
+            seed=seed,
+            init_weights=spec.init_weights,
+            initialize=weights is None,
+        )
+        if weights is not None:
+            targets, owned = self._state(mods, aliases, persistent_only=True)
+            reader = CheckpointReader(weights)
+            load_checkpoint(reader, targets, owned)
+            self.checkpoint_reads = sorted(reader.read_keys)
+        return mods
+
+    def _state(
+        self, mods: list[str], aliases: dict[int, list[str]], *, persistent_only: bool
+    ) -> tuple[dict[str, list[str]], dict[str, Tensor]]:
+        """The tensors the modules ``mods`` own, by the model's first name, with their
+        checkpoint keys (every alias, without pipeplan's ``NamedInputs`` prefix)."""
+        by_name = dict(self._module.named_modules(remove_duplicate=False))
+        targets: dict[str, list[str]] = {}
+        owned: dict[str, Tensor] = {}
+        for mod_name in mods:
+            mod = by_name[mod_name]
+            items = [*mod._parameters.items(), *mod._buffers.items()]
+            for key, t in items:
+                if t is None or (persistent_only and key in mod._non_persistent_buffers_set):
+                    continue
+                names = aliases[id(t)]
+                keys = [n.removeprefix(self._prefix) for n in names]
+                targets[names[0]], owned[names[0]] = keys, t
+        return targets, owned
+
+    def save(self, directory: str) -> None:
+        """Write the stage's parameters and persistent buffers as its shard of a sharded
+        safetensors checkpoint (``planner.checkpoint``); a tied parameter is written by the
+        first stage holding it.  Rank 0 writes the index.  Collective: every rank calls it."""
+        aliases = self._aliases()
+        by_id = {id(t): t for t in [*self.stage_module.parameters(), *self.stage_module.buffers()]}
+        mods = sorted({n.rpartition(".")[0] for i in by_id for n in aliases.get(i, [])})
+        _, owned = self._state(mods, aliases, persistent_only=True)
+        first = {t.name: min(t.stages) for t in self.tied}
+        mine = {
+            name.removeprefix(self._prefix): t
+            for name, t in owned.items()
+            if id(t) in by_id and first.get(self.names.get(id(t), name), self.rank) == self.rank
+        }
+        size = write_shard(directory, self.rank, self.plan.n_stages, mine)
+        gathered: list[Any] = [None] * self.plan.n_stages
+        dist.all_gather_object(gathered, (sorted(mine), size))
+        if self.rank == 0:
+            write_index(directory, [keys for keys, _ in gathered], sum(b for _, b in gathered))
+        dist.barrier()
 
     # -- tied parameters -------------------------------------------------------------------
 
@@ -326,17 +416,43 @@ class PipelineRunner:
         on_step: Callable[[int], None] | None = None,
     ) -> RankRecord:
         """Run ``warmup + steps`` timed steps into ``record``: the walls and spans of the
-        measured steps, and every step's loss (last stage).  ``on_step(step)`` runs first."""
+        measured steps, and every step's loss (last stage).  ``on_step(step)`` runs first.
+
+        On CPU the last warm-up step runs with its allocations tracked
+        (:class:`runtime.memory.TensorPeak`): ``record.peak_memory_bytes`` is the bytes of the
+        tensors alive at its start plus the peak of its allocations.  With no warm-up it stays
+        ``None`` (a tracked step runs slower, so it is never a measured one).
+        """
+        tracked = warmup - 1 if self.device.type == "cpu" and warmup > 0 else None
         for step in range(warmup + steps):
             if on_step is not None:
                 on_step(step)
-            wall, spans, loss = self.timed_step(inputs, target, step)
+            if step == tracked:
+                tracker = TensorPeak()
+                with tracker.track(self._live_bytes()):
+                    wall, spans, loss = self.timed_step(inputs, target, step)
+                record.peak_memory_bytes = tracker.peak_bytes
+            else:
+                wall, spans, loss = self.timed_step(inputs, target, step)
             if loss is not None:
                 record.losses.append(loss)
             if step >= warmup:
                 record.walls.append(wall)
                 record.spans.append(spans)
         return record
+
+    def _live_bytes(self) -> int:
+        """Bytes of the stage's parameters, gradients, buffers and optimizer state."""
+        state = [t for s in self.optimizer.state.values() for t in s.values()]
+        module = self.stage_module
+        return live_bytes(
+            [
+                *module.parameters(),
+                *(p.grad for p in module.parameters()),
+                *module.buffers(),
+                *(t for t in state if isinstance(t, Tensor)),
+            ]
+        )
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This stage's parameters under the model's qualified names."""

@@ -157,12 +157,16 @@ def failure(run_dir: Path, n_ranks: int, returncode: int, log: str) -> StageFail
     if own:
         e = own[0]
         at = f" at step {e['step']}" if e.get("step") is not None else ""
+        request = all(o.get("request") for o in own)  # refused before the first step
         if len(own) == n_ranks > 1 and len({(o["type"], o["message"]) for o in own}) == 1:
             # the same error on every rank (the model run once on each to build the stages)
-            return StageFailedError(f"every stage failed{at}: {e['type']}: {e['message']}")
+            return StageFailedError(
+                f"every stage failed{at}: {e['type']}: {e['message']}", bad_request=request
+            )
         return StageFailedError(
             f"stage {e['stage']} failed{at}: {e['type']}: {e['message']}"
-            + consequence(int(e["stage"]))
+            + consequence(int(e["stage"])),
+            bad_request=request,
         )
     if len(died) == 1:
         stage = died[0]

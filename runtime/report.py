@@ -38,6 +38,7 @@ class RankRecord:
     losses: list[float] = field(default_factory=list)
     """Loss of every step, warm-up included (last stage only)."""
     peak_memory_bytes: int | None = None
+    resident_growth_bytes: int | None = None
 
 
 def _per_microbatch(spans: Sequence[Sequence[Span]], kinds: set[str], m: int) -> tuple[float, ...]:
@@ -75,6 +76,7 @@ def build_report(
             backward_s=_per_microbatch(r.spans, {"backward"}, m),
             peak_memory_bytes=r.peak_memory_bytes,
             threads=r.threads,
+            resident_growth_bytes=r.resident_growth_bytes,
         )
         for r in records
     )

@@ -44,6 +44,7 @@ from torch.utils._pytree import (
 
 from planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
 from planner.graph import UnitSpec, cut_tensors, subgraph_module
+from planner.meta import MetaInterpreter, has_meta
 from planner.trace import TracedModel
 from planner.types import Plan
 
@@ -340,6 +341,10 @@ class _Recorder(_NodeTracker):
         return out
 
 
+class _MetaRecorder(_Recorder, MetaInterpreter):
+    """A recorder that runs every node on ``meta`` (a model whose parameters have no storage)."""
+
+
 def probe(
     traced: TracedModel,
     wanted: set[str],
@@ -352,20 +357,24 @@ def probe(
     Runs with autograd on, so each tensor's ``requires_grad`` is what a stage will see; the
     model's buffers are left as they were.  If a node raises, the :class:`StageComputeError`
     names it, its inputs, its unit (``unit_of``: node -> unit) and stage (``stage_of``: unit
-    -> stage).
+    -> stage).  A model with tensors on ``meta`` (:mod:`planner.meta`) runs on ``meta``: the
+    values are shapes, dtypes and sizes only.
     """
-    rec = _Recorder(traced.gm, wanted)
+    rec = (_MetaRecorder if has_meta(traced.gm) else _Recorder)(traced.gm, wanted)
     try:
         with torch.enable_grad(), preserved_buffers(traced.gm):
             rec.run(*inputs)
     except Exception as exc:
         what = "the model on one micro-batch (building the stages)"
-        raise StageComputeError(_failure(what, rec, exc, unit_of or {}, stage_of)) from exc
+        text = _failure(what, rec, exc, unit_of or {}, stage_of)
+        if isinstance(rec, _MetaRecorder):
+            text += "; the model is on meta, where a node that needs values fails: --init full"
+        raise StageComputeError(text) from exc
     return rec.values
 
 
 def _example(value: Tensor) -> Tensor:
-    t = value.detach().contiguous()
+    t = value.detach().contiguous() if not value.is_meta else torch.zeros_like(value, device="cpu")
     return t.requires_grad_(value.requires_grad and t.is_floating_point())
 
 

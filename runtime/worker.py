@@ -6,8 +6,12 @@ launcher, one rank per stage, e.g. on each of two nodes::
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:29500 \\
         -m runtime.worker plan.json --steps 20 --report report.json
 
-Rank j runs stage j.  Every rank seeds torch with ``--seed`` before building the model, so
-all ranks start from the same parameters.  Rank 0 gathers the measurements, writes the run
+Rank j runs stage j.  By default (``--init stage``) every rank builds the model on ``meta``
+and materializes only its stage's modules (:mod:`planner.meta`), initialised from ``--seed``
+and each module's name, so the values do not depend on the split; or it reads them from
+``--weights`` (:mod:`planner.checkpoint`).  ``--init full`` builds the whole model on every
+rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
+``--save DIR`` writes the trained weights, one shard per stage.  Rank 0 gathers the measurements, writes the run
 report (``--report``) and the Chrome trace (``--trace``), and prints measured vs predicted.
 
 A plan whose stage count is not the world size, a missing model or a plan made for another
@@ -73,6 +77,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-dir", help="directory for per-rank error files")
     ap.add_argument("--quiet", action="store_true", help="do not print the comparison table")
     ap.add_argument(
+        "--init",
+        default="stage",
+        choices=("stage", "full"),
+        help="build the model on meta and materialize only this rank's stage (stage), or "
+        "build the whole model on every rank (full)",
+    )
+    ap.add_argument(
+        "--weights",
+        help="checkpoint to start from: .safetensors, torch state dict, or sharded folder",
+    )
+    ap.add_argument("--save", help="write the trained weights here (sharded safetensors)")
+    ap.add_argument(
         "--batch-norm",
         default="deferred",
         choices=("deferred", "microbatch"),
@@ -113,10 +129,13 @@ def _is_peer_error(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(w in text for w in peer_words)
 
 
-def _write_error(run_dir: str | None, rank: int, step: int | None, exc: BaseException) -> None:
+def _write_error(
+    run_dir: str | None, rank: int, step: int | None, exc: BaseException, request: bool
+) -> None:
     if not run_dir:
         return
     data = {
+        "request": request,
         "rank": rank,
         "stage": rank,
         "step": step,
@@ -142,6 +161,21 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _preload(model: str) -> None:
+    """Import what building and tracing the model will import (its module, transformers for
+    an ``hf:`` config, torch.export and fake tensors), so the memory baseline counts it."""
+    import importlib
+
+    import torch._subclasses.fake_tensor
+    import torch.export  # noqa: F401
+
+    name = "transformers" if model.startswith("hf:") else model.partition(":")[0]
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001, S110 - load_model reports a model that does not import
+        pass
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -151,6 +185,7 @@ def run(args: argparse.Namespace) -> None:
     from planner.io import load_plan, write_json, write_text
     from planner.model import load_model, parse_model_args
     from runtime.engine import PipelineRunner
+    from runtime.memory import ResidentPeak
     from runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
 
     rank = int(os.environ.get("RANK", "0"))
@@ -177,8 +212,12 @@ def run(args: argparse.Namespace) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     kwargs = dict(plan.model_kwargs) if args.model is None else {}
     kwargs.update(parse_model_args(args.model_arg))
+    resident = ResidentPeak()
+    if not cuda:
+        _preload(args.model or plan.model)
+        resident.start()  # the libraries and the process group are loaded; the model is not
     torch.manual_seed(args.seed)
-    spec = load_model(args.model or plan.model, kwargs)
+    spec = load_model(args.model or plan.model, kwargs, meta=args.init == "stage")
     runner = PipelineRunner(
         plan,
         spec,
@@ -187,6 +226,8 @@ def run(args: argparse.Namespace) -> None:
         lr=args.lr,
         fault=_fault_hook(rank),
         batch_norm=args.batch_norm,
+        seed=args.seed,
+        weights=args.weights,
     )
     torch.manual_seed(args.seed + 1)
     inputs, target = spec.batch(plan.batch_size)
@@ -202,6 +243,12 @@ def run(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if cuda:
         record.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+    else:
+        record.resident_growth_bytes = resident.growth()
+    if args.save:
+        runner.save(args.save)
+    if args.weights and args.run_dir:  # what this rank read, for the tests
+        write_text(Path(args.run_dir) / f"weights-{rank}.json", json.dumps(runner.checkpoint_reads))
     report = gather_report(plan, record, backend=backend, warmup_steps=args.warmup)
     if report is not None:
         if args.report:
@@ -228,9 +275,9 @@ def main(argv: list[str] | None = None) -> None:
 
         cause = _root_cause(exc)
         step = _progress["step"]
-        _write_error(args.run_dir, rank, step, cause)
         msg = " ".join(str(cause).split())[:500]
         code = 2 if isinstance(cause, PipeplanError) and step is None else 1  # 2: bad request
+        _write_error(args.run_dir, rank, step, cause, code == 2)
         if code == 2:
             if rank == 0:
                 print(f"error: {msg}", file=sys.stderr, flush=True)

@@ -20,7 +20,11 @@ class StageMeasurement(FrozenModel):
     """Per micro-batch forward seconds, median over measured steps."""
     backward_s: tuple[float, ...]
     peak_memory_bytes: int | None = None
+    """Peak bytes of live tensors: CUDA's ``max_memory_allocated``; on CPU, the tensors live
+    at the start of one profiled step plus the peak of its allocations (``runtime.memory``)."""
     threads: int | None = None
+    resident_growth_bytes: int | None = None
+    """CPU: the process's peak resident-set growth over its baseline (``runtime.memory``)."""
 
 
 class RunReport(FrozenModel):
