@@ -374,7 +374,13 @@ def probe(
 
 
 def _example(value: Tensor) -> Tensor:
-    t = value.detach().contiguous() if not value.is_meta else torch.zeros_like(value, device="cpu")
+    """A contiguous CPU tensor like ``value``: the pipeline allocates its receive buffers from
+    these, and a transport receives into contiguous buffers only (a meta value keeps the
+    strides of a transposed view that crosses a cut; ``zeros_like`` would copy them)."""
+    if value.is_meta:
+        t = torch.zeros(value.shape, dtype=value.dtype)
+    else:
+        t = value.detach().contiguous()
     return t.requires_grad_(value.requires_grad and t.is_floating_point())
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from planner.errors import FingerprintMismatchError
 from planner.graph import cut_tensors, group_units
+from planner.meta import empty_parameters, trace_meta
 from planner.model import load_model
 from planner.trace import trace_model
 from runtime.engine import Recompute
@@ -64,6 +65,34 @@ def test_stages_forward_pass_through_tensors(starts: list[int]) -> None:
     assert [t.shape for t in programs[1].example_inputs] == [torch.Size([3, 4])] * len(
         programs[1].inputs
     )
+
+
+class Transposed(nn.Module):
+    """A transposed view crosses the cut (as attention's ``q.transpose(1, 2)`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x).view(x.shape[0], 2, 3).transpose(0, 1)
+        return self.b(h).sum(0)
+
+
+def test_receive_buffers_are_contiguous_for_a_model_on_meta() -> None:
+    """Regression: a stage built from meta values got a strided receive buffer, and gloo's
+    ``irecv`` refused it ("input tensor has to be contiguous") at step 0."""
+    x = torch.randn(5, 4)
+    with empty_parameters():
+        model = Transposed()
+    traced = trace_meta(model, (x,))
+    units = group_units(traced)
+    cut = next(k for k, u in enumerate(units) if "a" in u.name) + 1
+    plan = make_plan("t", {}, traced, starts=[0, cut], batch_size=10, microbatches=2)
+    programs = build_stages(plan, traced, units, (x,))
+    assert not programs[0].example_outputs[0].is_meta
+    assert all(t.is_contiguous() for p in programs for t in (*p.example_inputs, *p.example_outputs))
 
 
 @pytest.mark.parametrize(
