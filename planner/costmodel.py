@@ -22,12 +22,25 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
                                       and Concurrent updates)
     T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R + c   (step time)
 
-    M_j = w_j * (2 + k)                            params, grads, k optimizer states
-                                                   (w_j includes copies of shared parameters)
-        + q_j * x_l(b)                             stashed stage inputs, when recomputing
+    M_j = w_j * (2 + k)                  params, grads, k optimizer states
+                                         (w_j includes copies of shared parameters)
+        + m * x_l                        inputs: stage 0's micro-batches of the batch, a later
+                                         stage's receive buffers (the pipeline keeps one per
+                                         micro-batch); a recomputing stage stashes these
+        + (m + q_j) * x_{r+1}            the receive buffers of the output's gradient (one per
+                                         micro-batch) and the outputs held until their backward
         + sum_u a_u(b)        (recompute)          one micro-batch's activations
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
-        (+ q_j * the loss's saved bytes on the last stage)
+        + [j > 0] x_l                    the input's gradient the backward is making
+        + [j = p-1] (q_j (y + a_loss) + 2 y)   the model's outputs held until their backward,
+                                         the loss's saved tensors, and in the backward the
+                                         loss's gradient and the output's
+
+with x_n = 0 and y the model's output bytes per micro-batch.  This is the peak of a steady
+step, at its first backward: the optimizer states exist from the previous step, the gradients
+are being made, every in-flight micro-batch's activations are held.  The optimizer step itself
+adds nothing (fused Adam has no temporaries, :mod:`planner.optim`).  ``benchmarks/memory``
+measures it on 2 CPU ranks.
 
 where U(w) is the plan's optimizer's step time over w parameter bytes, fitted to the profile's
 measurements (:func:`planner.updates.update_cost`), q_j = m for GPipe and min(m, p - j) for
@@ -120,6 +133,7 @@ from planner.unitcosts import UnitCosts, microbatch_choices, unit_costs
 __all__ = [
     "bubble_fraction",
     "contention",
+    "held_bytes",
     "in_flight",
     "lower_bound",
     "recomputes",
@@ -169,24 +183,48 @@ def stage_time(
     return F, B, C
 
 
+def held_bytes(
+    costs: UnitCosts,
+    options: PlanOptions,
+    j: int,
+    p: int,
+    l: np.ndarray | int,
+    r: np.ndarray | int,
+) -> dict[str, np.ndarray]:
+    """M_j less the parameters, gradients and optimizer states, by part, for stage j of p over
+    units l..r (arrays broadcast; see the module docstring).  The solvers' tables and
+    :func:`stage_memory` both read it, so they agree on what fits."""
+    l_arr, r_arr = np.asarray(l), np.asarray(r)
+    m, q = costs.m, in_flight(options.schedule, j, p, costs.m)
+    x_in = costs.x[l_arr].astype(np.float64)
+    x_out = costs.x[r_arr + 1].astype(np.float64)
+    acts = costs.Pa[r_arr + 1] - costs.Pa[l_arr]
+    if not recomputes(options.checkpoint, j, p):
+        acts = q * acts
+    transient = x_in * (j > 0)
+    outputs = q * x_out
+    if j == p - 1:
+        acts = acts + q * costs.loss_a
+        outputs = outputs + q * costs.out
+        transient = transient + 2 * costs.out
+    return {
+        "stashed_inputs": m * x_in,
+        "gradient_buffers": m * x_out,
+        "outputs": outputs,
+        "activations": acts,
+        "transient": transient,
+    }
+
+
 def stage_memory(
     costs: UnitCosts, cluster: Cluster, options: PlanOptions, l: int, r: int, j: int
 ) -> MemoryBreakdown:
     """M_j of stage j covering units l..r, broken down."""
-    p = cluster.n_stages
-    q = in_flight(options.schedule, j, p, costs.m)
     w = int(costs.Pw[r + 1] - costs.Pw[l]) + int(costs.shared_bytes(l, r))
-    acts = int(costs.Pa[r + 1] - costs.Pa[l])
     k = OPTIMIZER_STATES[options.optimizer]
-    if recomputes(options.checkpoint, j, p):
-        stash, act = q * int(costs.x[l]), acts
-    else:
-        stash, act = 0, q * acts
-    if j == p - 1:
-        act += q * int(costs.loss_a)
-    total = w * (2 + k) + stash + act
+    held = {key: int(v) for key, v in held_bytes(costs, options, j, cluster.n_stages, l, r).items()}
     return MemoryBreakdown(
-        params=w, grads=w, optimizer=k * w, stashed_inputs=stash, activations=act, total=total
+        params=w, grads=w, optimizer=k * w, **held, total=w * (2 + k) + sum(held.values())
     )
 
 

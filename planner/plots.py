@@ -42,8 +42,11 @@ _MEMORY_PARTS = [
     ("params", "params", "#4C72B0"),
     ("grads", "grads", "#8172B2"),
     ("optimizer", "optimizer", "#CCB974"),
-    ("stashed_inputs", "stashed inputs", "#64B5CD"),
+    ("stashed_inputs", "inputs", "#64B5CD"),
     ("activations", "activations", "#55A868"),
+    ("gradient_buffers", "gradient buffers", "#937860"),
+    ("outputs", "outputs", "#DA8BC3"),
+    ("transient", "working gradients", "#C44E52"),
 ]
 _PLAN_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860", "#DA8BC3"]
 

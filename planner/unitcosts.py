@@ -20,7 +20,8 @@ l..r is P_v[r + 1] - P_v[l], one subtraction for any stage:
 
 A parameter used by several units is kept as (bytes, ascending user units): a stage that holds
 a user but not the owner holds a copy (:meth:`UnitCosts.shared_bytes`, :func:`holds_user`).
-The loss's forward, backward and saved bytes at b are charged to the last stage.  The formulas
+The loss's forward, backward and saved bytes at b, and the model's output bytes y (the last
+unit's), are charged to the last stage.  The formulas
 that read these tables are in :mod:`planner.costmodel`.
 """
 
@@ -73,6 +74,8 @@ class UnitCosts:
     """Forward and backward seconds of the loss on one micro-batch (last stage only)."""
     loss_a: float = 0.0
     """Bytes the loss saves for backward per micro-batch (kept for every one in flight)."""
+    out: float = 0.0
+    """y: bytes of the model's output (the last unit's) per micro-batch."""
 
     @property
     def n(self) -> int:
@@ -161,6 +164,7 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
         loss_f=loss.forward_s if loss else 0.0,
         loss_g=loss.backward_s if loss else 0.0,
         loss_a=float(loss.saved_bytes) if loss else 0.0,
+        out=float(timings[-1].output_bytes),
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -420,7 +420,8 @@ class PipelineRunner:
 
         On CPU the last warm-up step runs with its allocations tracked
         (:class:`runtime.memory.TensorPeak`): ``record.peak_memory_bytes`` is the bytes of the
-        tensors alive at its start plus the peak of its allocations.  With no warm-up it stays
+        tensors alive at its start (the first stage's batch among them) plus the peak of its
+        allocations.  With no warm-up it stays
         ``None`` (a tracked step runs slower, so it is never a measured one).
         """
         tracked = warmup - 1 if self.device.type == "cpu" and warmup > 0 else None
@@ -429,7 +430,7 @@ class PipelineRunner:
                 on_step(step)
             if step == tracked:
                 tracker = TensorPeak()
-                with tracker.track(self._live_bytes()):
+                with tracker.track(self._live_bytes(inputs if self.is_first else ())):
                     wall, spans, loss = self.timed_step(inputs, target, step)
                 record.peak_memory_bytes = tracker.peak_bytes
             else:
@@ -441,12 +442,14 @@ class PipelineRunner:
                 record.spans.append(spans)
         return record
 
-    def _live_bytes(self) -> int:
-        """Bytes of the stage's parameters, gradients, buffers and optimizer state."""
+    def _live_bytes(self, inputs: Sequence[Tensor] = ()) -> int:
+        """Bytes of the stage's parameters, gradients, buffers and optimizer state, and of
+        ``inputs`` (the first stage's batch, made before the step)."""
         state = [t for s in self.optimizer.state.values() for t in s.values()]
         module = self.stage_module
         return live_bytes(
             [
+                *inputs,
                 *module.parameters(),
                 *(p.grad for p in module.parameters()),
                 *module.buffers(),

@@ -191,13 +191,15 @@ class CpsatModel:
                 drain = drain + at(j + 1, QB, "be") - at(j, QB, "bs") + to_ticks([ob], scale)[0]
                 if j < p - 1:  # the gradient's trip across the cut after stage j
                     drain = drain + at(j + 1, half, "h")
+            # What the stage holds beside its parameters (planner.costmodel.held_bytes): the
+            # inputs of every micro-batch, the gradient buffers and held outputs, activations,
+            # the input's gradient, and on the last stage the model's outputs and the loss's.
             acts = at(j + 1, A, "ae") - at(j, A, "as")
-            if rc:
-                mem = mem + q * at(j, X, "x") + acts
+            mem = mem + (m + (j > 0)) * at(j, X, "x") + (acts if rc else q * acts)
+            if j < p - 1:
+                mem = mem + (m + q) * at(j + 1, X, "xo")
             else:
-                mem = mem + q * acts
-            if j == p - 1:  # the loss's saved tensors, per micro-batch in flight
-                mem = mem + q * int(costs.loss_a)
+                mem = mem + int(q * (costs.loss_a + costs.out) + 2 * costs.out)
             md.add(mem <= caps[j])
         # max_j t_j >= t_floor, and s_j >= (1 - k) t_j when k <= 1 (c_j <= t_j).
         lo_t = floor

@@ -33,7 +33,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.costmodel import contention, in_flight, recomputes, step_time, tied_syncs
+from planner.costmodel import (
+    contention,
+    held_bytes,
+    in_flight,
+    recomputes,
+    step_time,
+    tied_syncs,
+)
 from planner.types import OPTIMIZER_STATES, Cluster, PlanOptions
 from planner.unitcosts import UnitCosts, holds_user
 from planner.updates import UpdateCost, update_tail
@@ -97,6 +104,7 @@ class Instance:
         # DP cannot see, so drain() bounds them by trips[l, j - 1] (see tail()).
         self.trips = longest_sums(self.comm[: n + 1], max(self.p - 2, 0))
         self.policy = options.checkpoint
+        self.options = options
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
         # Stage compute of units l..r: (Q[r + 1] - Q[l]) + the stage's constant.
@@ -144,15 +152,11 @@ class Instance:
         L = np.arange(n + 1)
         j = self.p - 1
         w = costs.Pw[n] - costs.Pw[L] + costs.shared_bytes(L, n - 1)
-        a = costs.Pa[n] - costs.Pa[L]
         self.U_last = self.upd(w)
         # h of the last stage: how long its update outlasts the step's last backward.
         self.h_last = self.tail(j, L, np.full(L.shape, n - 1), self.U_last)
-        if rc_last:
-            mem = w * self.wk + self.q[j] * x + a
-        else:
-            mem = w * self.wk + self.q[j] * a
-        mem = mem + self.q[j] * int(costs.loss_a)
+        held = held_bytes(costs, options, j, self.p, L, np.full(L.shape, n - 1))
+        mem = w * self.wk + sum(held.values())
         ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
         self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + op_last + loss, INF)
@@ -252,7 +256,9 @@ class Instance:
 
     def band(
         self, W: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, float], np.ndarray]]:
+    ) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, float, bool], np.ndarray]
+    ]:
         """(l, a, s, U) of every mid stage l = r - d .. r, d < W, as (n, W) arrays (a: its term
         of S, s: its steady-state slot term, U: its update); memory masks."""
         n, c = self.n, self.c
@@ -267,13 +273,12 @@ class Instance:
         w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
         upd = self.upd(w)
         w = w * self.wk
-        acts = c.Pa[r + 1] - c.Pa[lc]
-        rc = recomputes(self.policy, 0, 2)
-        masks: dict[tuple[int, float], np.ndarray] = {}
+        masks: dict[tuple[int, float, bool], np.ndarray] = {}
         for j in range(self.p - 1):
-            key = (self.q[j], float(self.caps[j]))
+            key = (self.q[j], float(self.caps[j]), j > 0)
             if key not in masks:
-                mem = w + self.q[j] * c.x[lc] + acts if rc else w + self.q[j] * acts
+                held = held_bytes(c, self.options, j, self.p, lc, np.broadcast_to(r, lc.shape))
+                mem = w + sum(held.values())
                 masks[key] = valid & (mem <= self.caps[j])
         return np.where(valid, l, n + 1), a, s, upd, masks
 
@@ -296,8 +301,8 @@ class Instance:
         ok = s <= threshold
         # Per memory mask: stage 0's costs (its update beyond theta is paid in S, as it ends
         # the step) and the later stages'.
-        first: dict[tuple[int, float], np.ndarray] = {}
-        later: dict[tuple[int, float], np.ndarray] = {}
+        first: dict[tuple[int, float, bool], np.ndarray] = {}
+        later: dict[tuple[int, float, bool], np.ndarray] = {}
         for key, mask in masks.items():
             later[key] = np.where(mask & ok, a if mode == "sum" else s, INF)
             first[key] = later[key]
@@ -310,7 +315,7 @@ class Instance:
         # h_j <= theta for j > 0, computed as thetas() does (theta is one of them).
         bounded = self.tail_on and np.isfinite(theta)
         for j in range(p - 1):
-            key = (self.q[j], float(self.caps[j]))
+            key = (self.q[j], float(self.caps[j]), j > 0)
             cost = first[key] if j == 0 else later[key]
             if j > 0 and bounded:
                 cost = np.where(self.tail(j, lc, rows[:, None], upd) <= theta, cost, INF)

@@ -45,9 +45,19 @@ class MemoryBreakdown(FrozenModel):
     grads: int
     optimizer: int
     stashed_inputs: int
-    """In-flight micro-batches times the stage's input bytes (when recomputing)."""
+    """The inputs of every micro-batch: stage 0's share of the batch, a later stage's receive
+    buffers (one per micro-batch); a recomputing stage stashes these."""
     activations: int
-    """Bytes saved for backward: one micro-batch's when recomputing, else all in flight."""
+    """Bytes saved for backward: one micro-batch's when recomputing, else all in flight (the
+    last stage adds the loss's, per micro-batch in flight)."""
+    gradient_buffers: int = 0
+    """The receive buffers of the output's gradient, one per micro-batch (0 on the last stage)."""
+    outputs: int = 0
+    """The stage's outputs held until their backward, per micro-batch in flight (the last
+    stage's are the model's outputs)."""
+    transient: int = 0
+    """Working gradients at the peak: the input's, and on the last stage the loss's and the
+    output's."""
     total: int
 
 

@@ -175,7 +175,20 @@ def test_stage_terms_by_hand() -> None:
     assert s0.memory.stashed_inputs == 4 * prof.input_bytes_per_sample * b
     assert s0.memory.activations == u[0].timings[b].saved_bytes + u[1].timings[b].saved_bytes
     a1 = u[2].timings[b].saved_bytes + u[3].timings[b].saved_bytes
-    assert s1.memory.activations == 4 * a1 and s1.memory.stashed_inputs == 0
+    assert s1.memory.activations == 4 * a1
+    # Beside them: one receive buffer per micro-batch for the input (stage 1) and for the
+    # output's gradient (stage 0), the outputs held until their backward (GPipe: all 4), the
+    # input's gradient, and the model's output y, held and twice in the backward.
+    x, y = cut.bytes_per_sample * b, u[3].timings[b].output_bytes
+    assert s1.memory.stashed_inputs == 4 * x and s0.memory.gradient_buffers == 4 * x
+    assert s0.memory.outputs == 4 * x and s0.memory.transient == 0
+    assert s1.memory.gradient_buffers == 0 and s1.memory.outputs == 4 * y
+    assert s1.memory.transient == x + 2 * y
+    for s in (s0, s1):
+        m = s.memory
+        parts = (m.params, m.grads, m.optimizer, m.stashed_inputs, m.activations,
+                 m.gradient_buffers, m.outputs, m.transient)  # fmt: skip
+        assert m.total == sum(parts)
     times = [s0.time_s, s1.time_s]
     assert plan.step_time_s == pytest.approx(sum(times) + 3 * max(times))
     assert plan.throughput == pytest.approx(8 / plan.step_time_s)
@@ -194,9 +207,9 @@ def test_shared_parameter_held_by_every_stage_that_uses_it() -> None:
     ]
     # The owner (stage 0) counts it once; the head's stage holds a copy; the middle stage none.
     assert [s.memory.params for s in plan.stages] == [own[0], own[1], own[2] + sp.bytes]
-    assert (
-        plan.stages[2].memory.total == 2 * (own[2] + sp.bytes) + plan.stages[2].memory.activations
-    )
+    last = plan.stages[2].memory
+    held = last.stashed_inputs + last.activations + last.outputs + last.transient
+    assert last.total == 2 * (own[2] + sp.bytes) + held
     # A single stage holding both users keeps one copy.
     one = evaluate(prof, Cluster.homogeneous(1, 2**40), PlanOptions(), [], 2, solver="t")
     assert one.stages[0].memory.params == sum(u.param_bytes for u in prof.units)

@@ -51,7 +51,7 @@ def test_stage_memory_stacks_the_breakdown_under_each_limit(plans):
         for r in ax.patches:
             j = int(r.get_gid().rsplit("/", 1)[1])
             tops[j] = max(tops.get(j, 0.0), r.get_y() + r.get_height())
-        assert len(ax.patches) == 5 * plan.n_stages
+        assert len(ax.patches) == 8 * plan.n_stages  # one bar per part of the breakdown
         (limits,) = [c for c in ax.collections if c.get_gid() == "memory-limit"]
         assert isinstance(limits, LineCollection)
         ys = [seg[0][1] for seg in limits.get_segments()]
@@ -68,8 +68,11 @@ def test_stage_memory_stacks_the_breakdown_under_each_limit(plans):
         "params",
         "grads",
         "optimizer",
-        "stashed inputs",
+        "inputs",
         "activations",
+        "gradient buffers",
+        "outputs",
+        "working gradients",
         "device limit",
     }
 
