@@ -338,15 +338,24 @@ class PipelineRunner:
         return groups
 
     def _sync_tied(self) -> None:
+        """Sum each tied parameter's gradient over the stages holding it, in place: one
+        all-reduce per group of stages; a group of several parameters is packed into one
+        buffer and copied back (a temporary of their size), a single one is reduced where it
+        lies (no temporary, as the cost model assumes)."""
         for group, params in self._tied_groups:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            if len(grads) == 1 and grads[0].is_contiguous():
+                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=group)
+                continue
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).clone()
-                offset += n
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     # -- one step --------------------------------------------------------------------------
 
@@ -429,6 +438,9 @@ class PipelineRunner:
             if on_step is not None:
                 on_step(step)
             if step == tracked:
+                # The step would free last step's gradients first; free them before it, as
+                # the profiler does not see the release of memory allocated before it started.
+                self.optimizer.zero_grad(set_to_none=True)
                 tracker = TensorPeak()
                 with tracker.track(self._live_bytes(inputs if self.is_first else ())):
                     wall, spans, loss = self.timed_step(inputs, target, step)
