@@ -32,6 +32,8 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
         + sum_u a_u(b)        (recompute)          one micro-batch's activations
         | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
         + [j > 0] x_l                    the input's gradient the backward is making
+        + [m > 1] max_u big_u            the largest parameter's gradient, made in a temporary
+                                         before it is added to the held one
         + [j = p-1] (q_j (y + a_loss) + 2 y)   the model's outputs held until their backward,
                                          the loss's saved tensors, and in the backward the
                                          loss's gradient and the output's
@@ -202,6 +204,8 @@ def held_bytes(
     if not recomputes(options.checkpoint, j, p):
         acts = q * acts
     transient = x_in * (j > 0)
+    if m > 1:  # later micro-batches' gradients are made, then added to the ones held
+        transient = transient + costs.largest_param(l_arr, r_arr)
     outputs = q * x_out
     if j == p - 1:
         acts = acts + q * costs.loss_a

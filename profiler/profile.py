@@ -295,6 +295,7 @@ def _profile(
                 nodes=p.spec.nodes,
                 params=p.params,
                 param_bytes=p.param_bytes,
+                largest_param_bytes=p.largest_param_bytes,
                 timings=timings[k],
             )
             for k, p in enumerate(pieces)

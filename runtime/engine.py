@@ -343,10 +343,11 @@ class PipelineRunner:
         buffer and copied back (a temporary of their size), a single one is reduced where it
         lies (no temporary, as the cost model assumes)."""
         for group, params in self._tied_groups:
+            grads: list[Tensor] = []
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
+                grads.append(p.grad)
             if len(grads) == 1 and grads[0].is_contiguous():
                 dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=group)
                 continue

@@ -57,6 +57,9 @@ from planner.updates import UpdateCost
 from solvers.bounds import stage_backward, stage_compute, stage_offsets
 from solvers.cpsat_scale import cut_times, to_ticks
 
+#: Distinct parameter sizes the largest-parameter charge tells apart (:meth:`CpsatModel._largest_param`).
+_SIZE_LEVELS = 32
+
 __all__ = ["CpsatModel"]
 
 _KAPPA_SCALE = 1000
@@ -135,6 +138,7 @@ class CpsatModel:
         self._u_top = to_ticks([update.seconds(all_bytes) / slowest * scale], 1.0)[0] + 2
         self._u_top += len(update.pieces) + len(costs.shared)
         A = [int(v) for v in costs.Pa]
+        biggest = [int(v) for v in costs.largest_param(np.arange(n), np.arange(n))]
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
         # (shared parameter index, all-reduce ticks) of every shared parameter: its holders
@@ -200,6 +204,8 @@ class CpsatModel:
                 mem = mem + (m + q) * at(j + 1, X, "xo")
             else:
                 mem = mem + int(q * (costs.loss_a + costs.out) + 2 * costs.out)
+            if m > 1:
+                mem = mem + self._largest_param(j, biggest, at)
             md.add(mem <= caps[j])
         # max_j t_j >= t_floor, and s_j >= (1 - k) t_j when k <= 1 (c_j <= t_j).
         lo_t = floor
@@ -324,6 +330,38 @@ class CpsatModel:
                         self.tail
                         >= ticks + update - drain - (big + ticks) * (2 - held - own[s_idx])
                     )
+
+    def _largest_param(
+        self, j: int, biggest: list[int], at: Callable[[int, list[int], str], Any]
+    ) -> cp_model.IntVar | int:
+        """G_j >= the largest parameter of stage j's units (``UnitCosts.largest_param``).
+
+        With few distinct sizes (at most ``_SIZE_LEVELS``): stage j holds a unit of size >= v
+        iff the first such unit at or after b_j, ``next_v[b_j]``, comes before b_{j+1}; then
+        G_j >= v.  With more, one constraint per unit: G_j >= big_u [stage j holds u], the
+        membership as in :meth:`_copies`.
+        """
+        values = sorted({v for v in biggest if v > 0})
+        if not values:
+            return 0
+        n = len(biggest)
+        g = self.model.new_int_var(0, values[-1], f"g{j}")
+        if len(values) > _SIZE_LEVELS:
+            for u, v in enumerate(biggest):
+                if v > 0:
+                    self.model.add(g >= v * (self._before(j, u) - self._before(j + 1, u)))
+            return g
+        end = self.b[j + 1]
+        for v in values:
+            nxt, first = [n] * (n + 1), n
+            for u in range(n - 1, -1, -1):
+                if biggest[u] >= v:
+                    first = u
+                nxt[u] = first
+            z = self.model.new_bool_var(f"g{j}_{v}")
+            self.model.add(g >= v).only_enforce_if(z)
+            self.model.add(at(j, nxt, f"nx{v}_") >= end).only_enforce_if(~z)
+        return g
 
     def _copies(self, costs: UnitCosts, j: int) -> list[tuple[int, cp_model.LinearExpr]]:
         """(bytes, [stage j holds a copy]) of every shared parameter (cf. shared_bytes): a copy

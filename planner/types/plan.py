@@ -56,8 +56,8 @@ class MemoryBreakdown(FrozenModel):
     """The stage's outputs held until their backward, per micro-batch in flight (the last
     stage's are the model's outputs)."""
     transient: int = 0
-    """Working gradients at the peak: the input's, and on the last stage the loss's and the
-    output's."""
+    """Working gradients at the peak: the input's, the largest parameter's (made before it is
+    added to the held one), and on the last stage the loss's and the output's."""
     total: int
 
 

@@ -86,6 +86,10 @@ class Unit(FrozenModel):
     """Qualified names of the parameters and buffers the unit uses."""
     param_bytes: int = Field(ge=0)
     """w_u: bytes of the parameters the unit owns (a shared parameter counts once, where first used)."""
+    largest_param_bytes: int = Field(default=0, ge=0)
+    """Bytes of the largest parameter the unit uses (owned or shared): from the second
+    micro-batch on, its gradient is made in a temporary before it is added to the one held.
+    0 in profiles made before it was recorded."""
     timings: dict[int, Timing]
     """Measurements keyed by micro-batch size b."""
 

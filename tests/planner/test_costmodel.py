@@ -178,12 +178,17 @@ def test_stage_terms_by_hand() -> None:
     assert s1.memory.activations == 4 * a1
     # Beside them: one receive buffer per micro-batch for the input (stage 1) and for the
     # output's gradient (stage 0), the outputs held until their backward (GPipe: all 4), the
-    # input's gradient, and the model's output y, held and twice in the backward.
+    # input's gradient, the largest parameter's gradient before it is accumulated, and the
+    # model's output y, held and twice in the backward.
     x, y = cut.bytes_per_sample * b, u[3].timings[b].output_bytes
+    big = [max(v.largest_param_bytes for v in pair) for pair in (u[:2], u[2:])]
+    assert min(big) > 0
     assert s1.memory.stashed_inputs == 4 * x and s0.memory.gradient_buffers == 4 * x
-    assert s0.memory.outputs == 4 * x and s0.memory.transient == 0
+    assert s0.memory.outputs == 4 * x and s0.memory.transient == big[0]
     assert s1.memory.gradient_buffers == 0 and s1.memory.outputs == 4 * y
-    assert s1.memory.transient == x + 2 * y
+    assert s1.memory.transient == x + 2 * y + big[1]
+    one = evaluate(prof, cl, opts, [2], 1, solver="t").stages[1].memory  # no accumulation
+    assert one.transient == cut.bytes_per_sample * 8 + 2 * u[3].timings[8].output_bytes
     for s in (s0, s1):
         m = s.memory
         parts = (m.params, m.grads, m.optimizer, m.stashed_inputs, m.activations,
