@@ -9,14 +9,15 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
 ``fqns``
     The module names as the plan names them.  A list of module names per stage.
 ``torchtitan``
-    The direct children of the module that holds the blocks (``W``, e.g. ``model`` of a
-    transformers ``LlamaForCausalLM``) and the items of its block list: ``layers.3``,
-    ``embed_tokens``, ``norm``; modules outside ``W`` keep their names (``lm_head``).  This is
-    what torchtitan's ``_split_module`` keeps per stage (``module_fqns_per_model_part``: a
-    direct child by name, or ``child.i`` of a direct ``ModuleList``/``ModuleDict``; nested lists
-    are not supported).  A transformers decoder (``W`` is ``model`` with ``embed_tokens`` and
-    ``layers``) is named as torchtitan's transformers backend names it: ``tok_embeddings``,
-    ``layers.N``, ``norm``, ``lm_head``, and ``rotary_emb`` on every stage.
+    The model's direct children and the items of its block list (``embed``, ``blocks.3``,
+    ``head``): what torchtitan's ``_split_module`` keeps per stage (``module_fqns_per_model_part``:
+    a direct child by name, or ``child.i`` of a direct ``ModuleList``/``ModuleDict``; nested
+    lists are not supported).  A transformers decoder, whose blocks lie in ``model.layers``, is
+    named as torchtitan's transformers backend flattens it: ``tok_embeddings`` (for
+    ``model.embed_tokens``), ``layers.N``, ``norm``, ``lm_head``, and ``rotary_emb`` on every
+    stage.  Any other model whose block list is not a direct child cannot be named (an error).
+    A block list that is an ``nn.Sequential`` is kept whole by torchtitan; pipeplan does not
+    load the model to check.
 ``deepspeed``
     The same modules, with their full names, as the flat ``layers`` list of ``PipelineModule``;
     the plan is its ``parts``: stage s holds ``layers[parts[s]:parts[s + 1]]``.
@@ -345,14 +346,13 @@ def _torchtitan(
     hf = layout.wrapper == "model" and "embed_tokens" in flat and layout.container == "model.layers"
     if hf:
         names = [[_TITAN_HF_NAMES.get(n, n) for n in ns] + ["rotary_emb"] for ns in names]
-    for n in sorted(flat):
-        parts = n.split(".")
-        if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
-            raise InvalidRequestError(
-                f"torchtitan: {prefix}{n} is neither a direct child of "
-                f"{layout.wrapper or 'the model'} nor an item of its block list, and torchtitan "
-                f"keeps only those per stage; export --to deepspeed or fqns"
-            )
+    elif layout.wrapper:
+        raise InvalidRequestError(
+            f"torchtitan: the block list {layout.container} is not a direct child of the model, "
+            f"and torchtitan keeps only the model's direct children and the items of a direct "
+            f"ModuleList (its transformers backend flattens Llama-like models only); "
+            f"export --to deepspeed or fqns"
+        )
     schedule = {"gpipe": "GPipe", "1f1b": "1F1B"}[plan.schedule]
     text = (
         "[parallelism]\n"
