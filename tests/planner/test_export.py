@@ -406,6 +406,7 @@ GPT_NAMES = ["embed", *(f"blocks.{i}" for i in range(8)), "norm+head"]
         ([0, 2, 5, 9], "Et|t*3|t*4|L", None),
         ([0, 2, 5, 7], "Et|t*3|t*2|t*2L", None),  # uneven middle: the layout only
         ([0], "Et*8L", None),
+        ([0, 5], "Et*4|t*4L", [4, 4]),  # two stages: the pair alone
     ],
 )
 def test_megatron_layout_and_first_last_counts(starts, layout, counts, tmp_path, cli) -> None:
@@ -563,3 +564,57 @@ def test_plans_a_target_cannot_run(names, starts, target, message, tmp_path: Pat
     assert code == 2 and out == "" and "Traceback" not in err
     assert err.startswith("error:") and err.count("\n") == 1 and message in err
     assert not out_file.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# How cuts move
+# --------------------------------------------------------------------------------------------
+
+
+def test_cuts_that_round_onto_each_other_spread_over_the_edges(tmp_path: Path, cli) -> None:
+    """Three cuts inside one block all round to its two edges: they take the legal positions
+    in order instead (the embedding's edge, the block's, the loss's)."""
+    names = ["embed", "blocks.0.a", "blocks.0.b", "blocks.0.c", "blocks.0.d", "blocks.1", "head"]
+    prof = named_profile(names)
+    write_json(tmp_path / "profile.json", prof)
+    plan_file = tmp_path / "plan.json"
+    write_json(plan_file, plan_of(prof, [0, 2, 3, 4]))
+    code, out, err = cli(
+        ["export", str(plan_file), "--to", "megatron", "--profile", str(tmp_path / "profile.json")]
+    )
+    assert code == 0, err
+    assert megatron_args(out.splitlines()[0])["--pipeline-model-parallel-layout"] == "E|t|t|L"
+    assert "megatron cannot cut inside blocks.0" in err and "(3 such cuts)" in err
+    expected = plan_of(prof, [0, 1, 5, 6]).step_time_s
+    assert f"at units [0, 1, 5, 6]: predicted step {expected * 1e3:.4g} ms" in err
+
+
+def test_many_cuts_move_to_their_nearest_edge() -> None:
+    """Past ten cuts to move, each takes its nearest edge (the one before, on a tie) and the
+    2**k roundings are not all priced."""
+    names = ["embed", *(f"blocks.{i}.{x}" for i in range(12) for x in "ab"), "head"]
+    prof = named_profile(names)
+    starts = [0, *(names.index(f"blocks.{i}.b") for i in range(12))]
+    plan = plan_of(prof, starts)
+    result = export_plan(plan, "deepspeed", prof)
+    assert result.adjustment is not None and "(12 such cuts)" in result.adjustment.reason
+    moved = [s.first_unit for s in result.adjustment.plan.stages]
+    assert moved == [0, *(b - 1 for b in starts[1:])]
+    assert result.adjustment.plan.step_time_s == plan_of(prof, moved).step_time_s
+    parts = json.loads(result.text)["parts"]
+    assert parts == [0, 1, *range(2, 13), 14]  # embed; one block per stage; the last two + head
+
+
+def test_fqns_moves_a_cut_inside_a_leaf_module(tmp_path: Path, cli) -> None:
+    names = ["embed", "blocks.0.norm", "blocks.0.norm[pow_1]", "blocks.0.mlp", "head"]
+    prof = named_profile(names)
+    write_json(tmp_path / "profile.json", prof)
+    plan_file = tmp_path / "plan.json"
+    write_json(plan_file, plan_of(prof, [0, 2]))
+    code, out, err = cli(
+        ["export", str(plan_file), "--to", "fqns", "--profile", str(tmp_path / "profile.json")]
+    )
+    assert code == 0 and "fqns cannot cut inside blocks.0.norm" in err
+    price = {b: plan_of(prof, [0, b]).step_time_s for b in (1, 3)}
+    best = min(price, key=price.__getitem__)
+    assert json.loads(out) == [names[:best], [n for n in names[best:] if "[" not in n]]
