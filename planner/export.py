@@ -15,16 +15,21 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
     lists are not supported).  A transformers decoder, whose blocks lie in ``model.layers``, is
     named as torchtitan's transformers backend flattens it: ``tok_embeddings`` (for
     ``model.embed_tokens``), ``layers.N``, ``norm``, ``lm_head``, and ``rotary_emb`` on every
-    stage.  Any other model whose block list is not a direct child cannot be named (an error).
-    A block list that is an ``nn.Sequential`` is kept whole by torchtitan; pipeplan does not
-    load the model to check.
+    stage; a unit before the first layer named ``lm_head`` is the embedding tied to it (a unit
+    is named after the parameters it reads, and a tied one has the head's name).  Any other
+    model whose block list is not a direct child cannot be named (an error).  A block list
+    that is an ``nn.Sequential`` is kept whole by torchtitan; pipeplan does not load the model
+    to check.
 ``deepspeed``
     The same modules, with their full names, as the flat ``layers`` list of ``PipelineModule``;
-    the plan is its ``parts``: stage s holds ``layers[parts[s]:parts[s + 1]]``.
+    the plan is its ``parts``: stage s holds ``layers[parts[s]:parts[s + 1]]``.  A tied module
+    is listed in each stage that uses it, as DeepSpeed's ``TiedLayerSpec`` is.
 ``megatron``
     ``E`` (every unit before the first block), one ``t`` per block, ``L`` (every unit after the
     last block): the ``--pipeline-model-parallel-layout`` string, and the
     ``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts.
+
+A module named in several stages (a tied embedding and head) gets a note on each export.
 
 A cut between two units is expressible when no key lies on both sides of it (parameter-free glue
 has no key and is transparent).  A plan with a cut the target cannot express is moved to the
@@ -281,6 +286,22 @@ def _spread(wanted: list[int], positions: list[int]) -> list[int]:
     return out
 
 
+def _tied_notes(stage_keys: Sequence[Sequence[str]], target: str) -> list[str]:
+    """A line for each module named in several stages: after the cuts moved, only a tied
+    parameter's modules are (the tie's first user is named after whichever module owns it)."""
+    stages: dict[str, list[int]] = {}
+    for j, ks in enumerate(stage_keys):
+        for k in ks:
+            if k not in ("E", "L"):
+                stages.setdefault(k, []).append(j)
+    return [
+        f"{target}: {k} is named in stages {js}: they share a tied parameter, and a stage "
+        f"that only reads it (a tied embedding) is named after the module that owns it"
+        for k, js in stages.items()
+        if len(js) > 1
+    ]
+
+
 def _stage_keys(keys: Sequence[tuple[str, ...]], starts: Sequence[int]) -> list[list[str]]:
     bounds = [*starts, len(keys)]
     return [list(dict.fromkeys(k for ks in keys[a:b] for k in ks)) for a, b in pairwise(bounds)]
@@ -342,9 +363,19 @@ def _torchtitan(
 ) -> tuple[str, list[list[str]]]:
     prefix = layout.wrapper + "." if layout.wrapper else ""
     names = [[k.removeprefix(prefix) for k in ks] for ks in stage_keys]
-    flat = {n for ns in names for n in ns}
-    hf = layout.wrapper == "model" and "embed_tokens" in flat and layout.container == "model.layers"
-    if hf:
+    if layout.wrapper == "model" and layout.container == "model.layers":
+        # Before the first layer a decoder only embeds: a unit there named lm_head reads the
+        # embedding tied to it (units are named after the parameters they read).
+        first = next(
+            j for j, ns in enumerate(names) if any(layout.is_block(k) for k in stage_keys[j])
+        )
+        for j in range(first + 1):
+            block = next((i for i, k in enumerate(stage_keys[j]) if layout.is_block(k)), None)
+            cut = len(names[j]) if block is None else block
+            names[j] = [
+                "embed_tokens" if n == "lm_head" and i < cut else n for i, n in enumerate(names[j])
+            ]
+            names[j] = list(dict.fromkeys(names[j]))
         names = [[_TITAN_HF_NAMES.get(n, n) for n in ns] + ["rotary_emb"] for ns in names]
     elif layout.wrapper:
         raise InvalidRequestError(
@@ -407,9 +438,10 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
         adjustment = Adjustment(reason, closest)
         starts = [0, *cuts]
     stage_keys = _stage_keys(keys, starts)
-    notes: list[str] = []
+    notes = _tied_notes(stage_keys, target)
     if target == "megatron":
-        text, notes = _megatron(stage_keys)
+        text, more = _megatron(stage_keys)
+        notes += more
         out_keys = [
             (["E"] if j == 0 else [])
             + ["t"] * sum(k not in ("E", "L") for k in ks)

@@ -145,6 +145,7 @@ MODELS = {
     "mlp": ("models.mlp:mlp", {"width": 16, "depth": 4, "in_features": 8}, 4, "layers"),
     "resnet": ("models.resnet:resnet", {"width": 4, "blocks": "1,1,1", "image": 8}, 4, "stages"),
     "llama": ("models.zoo:llama", {"n_layers": 3, "d_model": 32, "seq_len": 8}, 4, "model.layers"),
+    "gemma": ("models.zoo:gemma", {"n_layers": 3, "d_model": 32, "seq_len": 8}, 4, "model.layers"),
     "gpt2": ("models.zoo:gpt2", {"n_layers": 3, "d_model": 32, "seq_len": 8}, 4, "transformer.h"),
     "bert": (
         "models.zoo:bert",
@@ -327,6 +328,9 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
         assert any(set(k) != set(ns) for k, ns in zip(kept, names))
         return
     assert [set(k) for k in kept] == [set(ns) for ns in names]  # nothing silently ignored
+    if name in ("llama", "gemma"):  # the embedding first, the head last, RoPE everywhere
+        assert "tok_embeddings" in names[0] and all("lm_head" not in ns for ns in names[:-1])
+        assert all("rotary_emb" in ns for ns in names) and "lm_head" in names[-1]
     want = stage_params(prof, target_plan("torchtitan", err), root, prefix)
     assert [params_of(list(k.values())) for k in kept] == want
 
@@ -457,7 +461,11 @@ def test_stdout_and_file_agree_and_tied_modules_stay_in_both_stages(tmp_path, cl
     code, out, _ = cli(["export", str(plan_file), "--to", "deepspeed"])
     assert code == 0
     code, text, err = export_cli(cli, plan_file, "deepspeed", tmp_path)
-    assert code == 0 and text == out and err == ""
+    assert code == 0 and text == out
+    assert err == (
+        "note: deepspeed: lm_head is named in stages [0, 1]: they share a tied parameter, and a "
+        "stage that only reads it (a tied embedding) is named after the module that owns it\n"
+    )
     body = json.loads(text)
     assert body["parts"] == [0, 3, 6]  # lm_head on both ends, as DeepSpeed's TiedLayerSpec
     assert body["layers"] == [
