@@ -112,6 +112,8 @@ class ModelLayout:
     """The block list with the most items (``model.layers``), ``None`` when there is none."""
     wrapper: str
     """The module holding the block list (``model``; ``""`` for the root)."""
+    containers: tuple[str, ...] = ()
+    """Every block list of two items or more (an encoder's and a decoder's)."""
 
     @classmethod
     def of(cls, unit_names: Sequence[str]) -> ModelLayout:
@@ -123,12 +125,13 @@ class ModelLayout:
                 if item is not None:
                     items.setdefault(_parent(item), set()).add(item)
         container = max(items, key=lambda c: len(items[c]), default=None)
-        return cls(modules, container, _parent(container) if container else "")
+        lists = tuple(c for c in items if len(items[c]) > 1 or c == container)
+        return cls(modules, container, _parent(container) if container else "", lists)
 
     def block_key(self, path: str) -> str:
         """The block-list item holding ``path``, else its module just below the wrapper's level."""
         item = _item(path)
-        if item is not None and _parent(item) == self.container:
+        if item is not None and _parent(item) in self.containers:
             return item
         wrapper = self.wrapper.split(".") if self.wrapper else []
         parts = path.split(".")
@@ -138,7 +141,8 @@ class ModelLayout:
         return ".".join(parts[: common + 1])
 
     def is_block(self, key: str) -> bool:
-        return self.container is not None and _parent(key) == self.container
+        """Whether ``key`` is an item of a block list."""
+        return _parent(key) in self.containers
 
     def keys(self, target: Target) -> list[tuple[str, ...]]:
         """Per unit, the target's keys (see the module docstring)."""
@@ -147,6 +151,12 @@ class ModelLayout:
         blocks = [tuple(dict.fromkeys(self.block_key(p) for p in ps)) for ps in self.modules]
         if target != "megatron":
             return blocks
+        if len(self.containers) > 1:
+            raise InvalidRequestError(
+                f"megatron: the model has {len(self.containers)} block lists "
+                f"({', '.join(self.containers)}) and Megatron's layout lays out one stack of "
+                f"decoder layers; export --to deepspeed or fqns"
+            )
         holding = [u for u, ks in enumerate(blocks) if any(self.is_block(k) for k in ks)]
         if not holding:
             raise InvalidRequestError(
@@ -384,6 +394,14 @@ def _torchtitan(
             f"ModuleList (its transformers backend flattens Llama-like models only); "
             f"export --to deepspeed or fqns"
         )
+    for n in sorted({n for ns in names for n in ns}):
+        parts = n.split(".")
+        if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+            raise InvalidRequestError(
+                f"torchtitan: {n} is neither a direct child of the model nor an item of a "
+                f"direct ModuleList, and torchtitan keeps only those; export --to deepspeed or "
+                f"fqns"
+            )
     schedule = {"gpipe": "GPipe", "1f1b": "1F1B"}[plan.schedule]
     text = (
         "[parallelism]\n"

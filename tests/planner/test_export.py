@@ -527,6 +527,30 @@ def test_bad_plan_files(tmp_path: Path, cli) -> None:
         assert not (tmp_path / "o.json").exists()
 
 
+T5_NAMES = [
+    "shared",
+    "encoder.block.0",
+    "encoder.block.1",
+    "encoder.final_layer_norm",
+    "decoder.block.0",
+    "decoder.block.1",
+    "decoder.final_layer_norm+lm_head",
+]
+
+
+def test_an_encoder_and_a_decoder_are_two_block_lists() -> None:
+    """DeepSpeed cuts between the blocks of either stack, not only between the stacks."""
+    prof = named_profile(T5_NAMES)
+    result = export_plan(plan_of(prof, [0, 2, 5]), "deepspeed")
+    assert result.adjustment is None
+    assert json.loads(result.text)["parts"] == [0, 2, 5, 8]
+    assert result.stage_keys[1] == (
+        "encoder.block.1",
+        "encoder.final_layer_norm",
+        "decoder.block.0",
+    )
+
+
 @pytest.mark.parametrize(
     ("names", "starts", "target", "message"),
     [
@@ -554,6 +578,24 @@ def test_bad_plan_files(tmp_path: Path, cli) -> None:
             (
                 "torchtitan cannot cut inside blocks.1, as the plan does between blocks.1.attn "
                 "and blocks.1.mlp (1 such cut): it keeps whole modules"
+            ),
+        ),
+        (
+            ["embed", "blocks.0", "blocks.1", "blocks.2", "aux.heads.0", "aux.heads.1"],
+            [0, 2],
+            "torchtitan",
+            (
+                "torchtitan: aux.heads.0 is neither a direct child of the model nor an item of a "
+                "direct ModuleList"
+            ),
+        ),
+        (
+            T5_NAMES,
+            [0, 3],
+            "megatron",
+            (
+                "megatron: the model has 2 block lists (encoder.block, decoder.block) and Megatron's "
+                "layout lays out one stack"
             ),
         ),
         (
