@@ -44,7 +44,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise, product
+from itertools import accumulate, pairwise, product
 from typing import Final, Literal
 
 from planner.errors import FingerprintMismatchError, InvalidRequestError
@@ -336,36 +336,82 @@ def megatron_layout(counts: Sequence[tuple[bool, int, bool]]) -> str:
     return "|".join(stages)
 
 
-def _megatron(stage_keys: list[list[str]]) -> tuple[str, list[str]]:
+def _pair_counts(layers: Sequence[int]) -> list[list[int]]:
+    """The layers per stage ``--decoder-first/last-pipeline-num-layers`` can give (first and
+    last > 0, the middle stages equal and > 0) that move the plan's cuts least, in layers."""
+    p, n = len(layers), sum(layers)
+    want = list(accumulate(layers))[:-1]
+    best: int | None = None
+    out: list[list[int]] = []
+    for first in range(1, n):
+        for mid in range(1, n) if p > 2 else [0]:
+            last = n - first - (p - 2) * mid
+            if last < 1:
+                break
+            counts = [first, *[mid] * (p - 2), last]
+            moved = sum(abs(a - b) for a, b in zip(accumulate(counts), want))
+            if best is None or moved < best:
+                best, out = moved, [counts]
+            elif moved == best:
+                out.append(counts)
+    return out
+
+
+def _megatron(
+    stage_keys: list[list[str]],
+    block_starts: Sequence[int],
+    price: Callable[[list[int]], Plan] | None,
+    planned_s: float,
+) -> tuple[str, list[str]]:
+    """The layout line, the first/last line when it says the same, and a note when it cannot:
+    the closest first/last counts, priced when ``price`` is given (``block_starts``: the unit
+    each block starts at)."""
     last = len(stage_keys) - 1
     counts = [
         (j == 0, sum(k not in ("E", "L") for k in ks), j == last) for j, ks in enumerate(stage_keys)
     ]
     p = len(counts)
     layers = [t for _, t, _ in counts]
-    layout = megatron_layout(counts)
     size = f"--pipeline-model-parallel-size {p} --num-layers {sum(layers)}"
-    lines = [f"{size} --pipeline-model-parallel-layout '{layout}'"]
-    notes: list[str] = []
-    middle = layers[1:-1]
+    lines = [f"{size} --pipeline-model-parallel-layout '{megatron_layout(counts)}'"]
     if p == 1:
-        pass
-    elif min(layers) > 0 and len(set(middle)) <= 1:
+        return lines[0] + "\n", []
+    middle = layers[1:-1]
+    if min(layers) > 0 and len(set(middle)) <= 1:
         lines.append(
             f"{size} --decoder-first-pipeline-num-layers {layers[0]} "
             f"--decoder-last-pipeline-num-layers {layers[-1]}"
         )
+        return "\n".join(lines) + "\n", []
+    why = (
+        f"a stage holds no decoder layer ({layers})"
+        if min(layers) == 0
+        else f"the middle stages hold different counts ({middle})"
+    )
+    note = f"megatron: --decoder-first/last-pipeline-num-layers cannot express this plan: {why}"
+    options = _pair_counts(layers)
+    if not options:
+        return lines[0] + "\n", [f"{note}, and there are fewer layers than stages"]
+    choice, cost = options[0], ""
+    if price is not None:
+        priced = []
+        for option in options:
+            cuts = [block_starts[c] for c in list(accumulate(option))[:-1]]
+            priced.append((price(cuts).step_time_s, option))
+        step, choice = min(priced)
+        change = (step / planned_s - 1) * 100 if planned_s > 0 else 0.0
+        cost = (
+            f": predicted step {step * 1e3:.4g} ms vs {planned_s * 1e3:.4g} ms planned "
+            f"({change:+.1f}%)"
+        )
     else:
-        why = (
-            f"a stage holds no decoder layer ({layers})"
-            if min(layers) == 0
-            else f"the middle stages hold different counts ({middle})"
-        )
-        notes.append(
-            f"megatron: --decoder-first/last-pipeline-num-layers cannot express this plan: "
-            f"{why}; use the layout"
-        )
-    return "\n".join(lines) + "\n", notes
+        cost = " (give --profile to price it)"
+    note += (
+        f"; the closest they can is --decoder-first-pipeline-num-layers {choice[0]} "
+        f"--decoder-last-pipeline-num-layers {choice[-1]} ({choice} layers per stage){cost}; "
+        f"the layout above is the plan itself"
+    )
+    return lines[0] + "\n", [note]
 
 
 def _torchtitan(
@@ -458,7 +504,12 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
     stage_keys = _stage_keys(keys, starts)
     notes = _tied_notes(stage_keys, target)
     if target == "megatron":
-        text, more = _megatron(stage_keys)
+        block_starts = [
+            min(u for u, ks in enumerate(keys) if k in ks)
+            for k in dict.fromkeys(k for ks in keys for k in ks if k not in ("E", "L"))
+        ]
+        price = None if profile is None else _pricer(plan, profile)
+        text, more = _megatron(stage_keys, block_starts, price, plan.step_time_s)
         notes += more
         out_keys = [
             (["E"] if j == 0 else [])

@@ -668,3 +668,31 @@ def test_fqns_moves_a_cut_inside_a_leaf_module(tmp_path: Path, cli) -> None:
     price = {b: plan_of(prof, [0, b]).step_time_s for b in (1, 3)}
     best = min(price, key=price.__getitem__)
     assert json.loads(out) == [names[:best], [n for n in names[best:] if "[" not in n]]
+
+
+def test_megatron_prices_the_closest_first_last_pair(tmp_path: Path, cli) -> None:
+    """Layers 1, 3, 2, 2: the pair cannot give an uneven middle. 1, 3, 3, 1 and 2, 2, 2, 2
+    each move one cut by one layer; the cheaper under the cost model is named, with its
+    price, and the layout still says the plan itself."""
+    prof = named_profile(GPT_NAMES)
+    write_json(tmp_path / "profile.json", prof)
+    plan_file = tmp_path / "plan.json"
+    plan = plan_of(prof, [0, 2, 5, 7])
+    write_json(plan_file, plan)
+    code, out, err = cli(["export", str(plan_file), "--to", "megatron"])
+    assert code == 0 and out.count("\n") == 1
+    assert "cannot express this plan: the middle stages hold different counts ([3, 2])" in err
+    assert "--decoder-last-pipeline-num-layers 1 ([1, 3, 3, 1] layers per stage)" in err
+    assert "(give --profile to price it)" in err
+
+    code, out2, err = cli(
+        ["export", str(plan_file), "--to", "megatron", "--profile", str(tmp_path / "profile.json")]
+    )
+    assert code == 0 and out2 == out and err.count("\n") == 1
+    priced = {
+        (1, 3, 3, 1): plan_of(prof, [0, 2, 5, 8]).step_time_s,  # blocks start at unit 1
+        (2, 2, 2, 2): plan_of(prof, [0, 3, 5, 7]).step_time_s,
+    }
+    best = min(priced, key=priced.__getitem__)
+    assert f"({list(best)} layers per stage): predicted step {priced[best] * 1e3:.4g} ms" in err
+    assert f"vs {plan.step_time_s * 1e3:.4g} ms planned" in err
