@@ -277,7 +277,7 @@ def _closest(
     if sum(len(o) > 1 for o in options) > _MAX_ROUNDED:
         options = [o[:1] for o in options]
     candidates = [list(c) for c in product(*options) if all(a < b for a, b in pairwise([0, *c]))]
-    if not candidates:  # the nearest positions collide: take the first P - 1 legal ones in order
+    if not candidates:  # the nearest positions collide: spread the cuts over them in order
         candidates = [_spread(starts[1:], positions)]
     if price is None:
         return candidates[0], reason, None

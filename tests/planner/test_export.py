@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
@@ -696,3 +698,16 @@ def test_megatron_prices_the_closest_first_last_pair(tmp_path: Path, cli) -> Non
     best = min(priced, key=priced.__getitem__)
     assert f"({list(best)} layers per stage): predicted step {priced[best] * 1e3:.4g} ms" in err
     assert f"vs {plan.step_time_s * 1e3:.4g} ms planned" in err
+
+
+def test_console_script(plan_file: Path, tmp_path: Path) -> None:
+    """The entry point in a real process: output on stdout, errors one line, exit 2."""
+    exe = [sys.executable, "-m", "planner.cli", "export", str(plan_file)]
+    ok = subprocess.run([*exe, "--to", "megatron"], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("--pipeline-model-parallel-size 2 --num-layers 8")
+    bad = subprocess.run([*exe, "--to", "xla"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("error: --to 'xla' is not one of")
+    usage = subprocess.run(exe, capture_output=True, text=True, check=False)  # no --to
+    assert usage.returncode == 2 and "--to" in usage.stderr and "Traceback" not in usage.stderr
