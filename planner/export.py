@@ -485,6 +485,11 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             f"the profile's fingerprint {profile.fingerprint} is not the plan's "
             f"({plan.profile_fingerprint}); give the profile the plan was made from"
         )
+    if plan.granularity == "node":
+        raise InvalidRequestError(
+            "the plan's units are graph nodes (profiled with --granularity node), not modules, "
+            "so no framework can name them; profile with --granularity auto and plan again"
+        )
     names = [n for s in plan.stages for n in s.unit_names]
     layout = ModelLayout.of(names)
     keys = layout.keys(target)

@@ -517,6 +517,16 @@ def test_bad_export_options(plan_file: Path, tmp_path: Path, cli, args, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_a_plan_of_graph_nodes_names_no_module(tmp_path: Path, cli) -> None:
+    prof = named_profile(["embedding", "linear", "relu", "linear_1"])
+    plan_file = tmp_path / "plan.json"
+    write_json(plan_file, plan_of(prof.model_copy(update={"granularity": "node"}), [0, 2]))
+    code, out, err = cli(["export", str(plan_file), "--to", "fqns"])
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "(profiled with --granularity node), not modules" in err
+    assert "profile with --granularity auto and plan again" in err
+
+
 def test_bad_plan_files(tmp_path: Path, cli) -> None:
     prof_file = tmp_path / "profile.json"
     write_json(prof_file, synthetic_profile(4, batch_size=8))
