@@ -445,8 +445,69 @@ def test_megatron_layout_and_first_last_counts(starts, layout, counts, tmp_path,
 
 
 def test_megatron_layout_string_is_compact() -> None:
+    # The reference parser first reproduces the examples in parse_str_to_list's own docstring
+    # and comments.
+    assert megatron_parse("Ettt|(tt|)*29,m|L") == [["E", "t", "t", "t"]] + [["t", "t"]] * 29 + [
+        ["m"],
+        ["L"],
+    ]
+    assert megatron_parse("(|tt)*2,E") == [[], ["t", "t"], ["t", "t", "E"]]
     assert megatron_layout([(True, 1, False), (False, 12, True)]) == "Et|t*12L"
     assert megatron_parse("Et|t*12L") == [["E", "t"], ["t"] * 12 + ["L"]]
+
+
+def titan_generate(num_stages: int, num_layers: int) -> list[list[str]]:
+    """torchtitan's transformers backend's ``generate_llm_fqn_per_model_part`` with its
+    default weights (input_weight = output_weight = 1), several stages."""
+    effective = num_layers + 2
+    per, extra = divmod(effective, num_stages)
+    out, layer = [], 0
+    for stage in range(num_stages):
+        count = per + (stage < extra)
+        names = ["tok_embeddings"] if stage == 0 else []
+        take = count - (stage in (0, num_stages - 1))
+        for _ in range(take):
+            if layer < num_layers:
+                names.append(f"layers.{layer}")
+                layer += 1
+        if stage == num_stages - 1:
+            names += ["norm", "lm_head"]
+        out.append([*names, "rotary_emb"])
+    return out
+
+
+def test_torchtitan_speaks_its_own_generator_s_names(real, tmp_path: Path, cli) -> None:
+    """A Llama plan cut where torchtitan's own generator cuts exports to the generator's list."""
+    _, prof = real("llama")
+    names = [u.name for u in prof.units]
+    want = titan_generate(3, 3)
+    assert want == [
+        ["tok_embeddings", "layers.0", "rotary_emb"],
+        ["layers.1", "layers.2", "rotary_emb"],
+        ["norm", "lm_head", "rotary_emb"],
+    ]
+    starts = [
+        0,
+        *(
+            next(i for i, n in enumerate(names) if n.startswith(p))
+            for p in ("model.layers.1", "model.norm")
+        ),
+    ]
+    plan_file = tmp_path / "plan.json"
+    write_json(
+        plan_file,
+        evaluate(
+            prof,
+            Cluster.homogeneous(3, GiB),
+            PlanOptions(microbatches=2),
+            starts[1:],
+            2,
+            solver="dp",
+        ),
+    )
+    code, text, err = export_cli(cli, plan_file, "torchtitan", tmp_path)
+    assert code == 0 and err == ""
+    assert tomllib.loads(text)["parallelism"]["module_fqns_per_model_part"] == want
 
 
 def test_stdout_and_file_agree_and_tied_modules_stay_in_both_stages(tmp_path, cli) -> None:
