@@ -3,6 +3,7 @@
     pipeplan profile MODEL --batch-size B [--device cpu|cuda[:i]] -o profile.json
     pipeplan plan profile.json --stages P --memory 16GiB [--microbatches auto|M] -o plan.json
     pipeplan show plan.json|profile.json
+    pipeplan export plan.json --to torchtitan|megatron|deepspeed|fqns [-o FILE]
 
 Every error a user can cause prints one line ``error: ...`` and exits with status 2; no
 traceback, no partial file.  Commands import their package lazily, so ``pipeplan show`` does
@@ -279,6 +280,61 @@ def compare(
         console.print(table)
     else:
         sys.stdout.write(render(df, fmt))
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def export(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan JSON file.")],
+    to: Annotated[str, typer.Option("--to", help="torchtitan, megatron, deepspeed or fqns.")],
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
+    ] = None,
+    profile_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--profile", help="The plan's profile: prices the closest plan a target can run."
+        ),
+    ] = None,
+) -> None:
+    """Write PLAN in a training framework's own terms (stage module names, layout, parts).
+
+    A cut the target cannot make (inside a block, inside the embedding or the head) moves to
+    the closest plan it can; one line on stderr says why and what that plan costs.
+    """
+    from planner.export import TARGETS, export_plan
+    from planner.io import load_plan, write_text
+
+    if to not in TARGETS:
+        fail(f"--to {to!r} is not one of {', '.join(TARGETS)}")
+    if output is not None:
+        check_output(output)
+    the_plan = load_plan(plan_file)
+    prof = load_profile(profile_file) if profile_file is not None else None
+    result = export_plan(the_plan, to, prof)  # type: ignore[arg-type]
+    if result.adjustment is not None:
+        new, old = result.adjustment.plan, the_plan.step_time_s
+        starts = [s.first_unit for s in new.stages]
+        fits = "" if new.feasible else ", over a device's memory"
+        change = (new.step_time_s / old - 1) * 100 if old > 0 else 0.0
+        err_console.print(
+            f"note: {result.adjustment.reason}; the closest plan it can run starts its stages "
+            f"at units {starts}: predicted step {new.step_time_s * 1e3:.4g} ms vs "
+            f"{old * 1e3:.4g} ms planned ({change:+.1f}%{fits})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if output is None:
+        sys.stdout.write(result.text)
+    else:
+        write_text(output, result.text)
+        console.print(f"{to} -> {output}")
 
 
 # --------------------------------------------------------------------------------------------
