@@ -184,7 +184,7 @@ class CpsatModel:
             q = in_flight(options.schedule, j, p, m)
             copies = self._copies(costs, j)
             held = sum((int(nbytes) * e for nbytes, e in copies), start=0)
-            mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + held)
+            w_j = at(j + 1, W, "we") - at(j, W, "ws") + held
             if update or syncs:  # U_j and the drain D_j before it
                 upd: cp_model.LinearExpr | int = 0
                 if update:
@@ -195,18 +195,22 @@ class CpsatModel:
                 drain = drain + at(j + 1, QB, "be") - at(j, QB, "bs") + to_ticks([ob], scale)[0]
                 if j < p - 1:  # the gradient's trip across the cut after stage j
                     drain = drain + at(j + 1, half, "h")
-            # What the stage holds beside its parameters (planner.costmodel.held_bytes): the
-            # inputs of every micro-batch, the gradient buffers and held outputs, activations,
-            # the input's gradient, and on the last stage the model's outputs and the loss's.
+            # M_j (planner.costmodel.memory_parts) <= cap_j, its max() as one constraint
+            # per branch: the first backward, and a later one with the remade activations or
+            # the largest parameter's gradient temporary.
             acts = at(j + 1, A, "ae") - at(j, A, "as")
-            mem = mem + (m + (j > 0)) * at(j, X, "x") + (acts if rc else q * acts)
-            if j < p - 1:
-                mem = mem + (m + q) * at(j + 1, X, "xo")
-            else:
-                mem = mem + int(q * (costs.loss_a + costs.out) + 2 * costs.out)
+            x_out = at(j + 1, X, "xo") if j < p - 1 else 0
+            last = j == p - 1
+            base = (wk - 1) * w_j + m * at(j, X, "x") + m * x_out + (j > 0) * at(j, X, "x")
+            base = base + (int(2 * costs.out) if last else 0)
+            per_mb = x_out + (0 if rc else acts) + (int(costs.loss_a + costs.out) if last else 0)
+            later = q if options.schedule == "1f1b" and m > q else q - 1
+            remade = acts if rc else 0
+            md.add(base + q * per_mb + remade <= caps[j])
+            md.add(base + w_j + later * per_mb + remade <= caps[j])
             if m > 1:
-                mem = mem + self._largest_param(j, biggest, at)
-            md.add(mem <= caps[j])
+                temp = self._largest_param(j, biggest, at)
+                md.add(base + w_j + later * per_mb + temp <= caps[j])
         # max_j t_j >= t_floor, and s_j >= (1 - k) t_j when k <= 1 (c_j <= t_j).
         lo_t = floor
         if kappa <= 1:

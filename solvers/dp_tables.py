@@ -35,8 +35,8 @@ import numpy as np
 
 from planner.costmodel import (
     contention,
-    held_bytes,
     in_flight,
+    memory_parts,
     recomputes,
     step_time,
     tied_syncs,
@@ -155,8 +155,7 @@ class Instance:
         self.U_last = self.upd(w)
         # h of the last stage: how long its update outlasts the step's last backward.
         self.h_last = self.tail(j, L, np.full(L.shape, n - 1), self.U_last)
-        held = held_bytes(costs, options, j, self.p, L, np.full(L.shape, n - 1))
-        mem = w * self.wk + sum(held.values())
+        mem = sum(memory_parts(costs, options, j, self.p, L, np.full(L.shape, n - 1), w).values())
         ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
         self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + op_last + loss, INF)
@@ -172,7 +171,7 @@ class Instance:
         # longer than w_mem fits the largest cap.
         mids = range(self.p - 1)
         q_min = min((self.q[j] for j in mids), default=1)
-        grow = costs.Pw * self.wk + (costs.Pa if rc_mid else q_min * costs.Pa)
+        grow = costs.Pw * (self.wk - 1) + (costs.Pa if rc_mid else q_min * costs.Pa)
         cap = max((float(caps[j]) for j in mids), default=float(caps[0]))
         r = np.arange(n)
         lo = np.searchsorted(grow, grow[r + 1] - cap - 1e-9 * max(cap, 1.0), side="left")
@@ -272,13 +271,12 @@ class Instance:
         s = np.where(valid, t - self.kappa * busy, INF)
         w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
         upd = self.upd(w)
-        w = w * self.wk
         masks: dict[tuple[int, float, bool], np.ndarray] = {}
         for j in range(self.p - 1):
             key = (self.q[j], float(self.caps[j]), j > 0)
             if key not in masks:
-                held = held_bytes(c, self.options, j, self.p, lc, np.broadcast_to(r, lc.shape))
-                mem = w + sum(held.values())
+                rr = np.broadcast_to(r, lc.shape)
+                mem = sum(memory_parts(c, self.options, j, self.p, lc, rr, w).values())
                 masks[key] = valid & (mem <= self.caps[j])
         return np.where(valid, l, n + 1), a, s, upd, masks
 

@@ -41,8 +41,11 @@ class PlanOptions(FrozenModel):
 
 
 class MemoryBreakdown(FrozenModel):
+    """A stage's memory at its peak (:func:`planner.costmodel.memory_parts`)."""
+
     params: int
     grads: int
+    """0 where the peak comes at the first backward, before any gradient exists."""
     optimizer: int
     stashed_inputs: int
     """The inputs of every micro-batch: stage 0's share of the batch, a later stage's receive
@@ -56,8 +59,9 @@ class MemoryBreakdown(FrozenModel):
     """The stage's outputs held until their backward, per micro-batch in flight (the last
     stage's are the model's outputs)."""
     transient: int = 0
-    """Working gradients at the peak: the input's, the largest parameter's (made before it is
-    added to the held one), and on the last stage the loss's and the output's."""
+    """Working gradients at the peak: the input's, on the last stage the loss's and the
+    output's, and the largest parameter's where it sets the peak (made before it is added to
+    the held one)."""
     total: int
 
 
