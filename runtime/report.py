@@ -200,6 +200,8 @@ def print_comparison(report: RunReport, plan: Plan, console: Console) -> None:
         "err",
         "peak mem",
         "pred mem",
+        "err",
+        "resident",
     ):
         table.add_column(col, justify="right")
     for s, ps in zip(report.stages, plan.stages):
@@ -216,6 +218,8 @@ def print_comparison(report: RunReport, plan: Plan, console: Console) -> None:
             _err(b, ps.backward_s),
             format_bytes(s.peak_memory_bytes) if s.peak_memory_bytes is not None else "-",
             format_bytes(ps.memory.total),
+            _err(s.peak_memory_bytes, ps.memory.total) if s.peak_memory_bytes else "-",
+            format_bytes(s.resident_growth_bytes) if s.resident_growth_bytes is not None else "-",
         )
     console.print(table)
     sim = simulate_plan(plan).makespan_s
