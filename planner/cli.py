@@ -18,7 +18,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -28,7 +28,7 @@ from planner.cli_runtime import calibrate, run
 from planner.errors import InfeasiblePlanError, PipeplanError
 from planner.io import format_bytes, load_any, load_profile, write_json
 from planner.terminal import console, err_console, print_plan, print_profile
-from planner.types import OPTIMIZERS, Plan, PlanOptions, Profile
+from planner.types import OPTIMIZERS, Cluster, Plan, PlanOptions, Profile
 
 __all__ = ["app", "main"]
 
@@ -135,6 +135,10 @@ def plan(
     profile_file: Annotated[Path, typer.Argument(metavar="PROFILE", help="A profile JSON file.")],
     output: Output = Path("plan.json"),
     stages: Annotated[int | None, typer.Option("--stages", "-p", help="Number of stages.")] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(help="Devices N: choose stages p and data-parallel replicas N / p."),
+    ] = None,
     memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 16GiB.")] = None,
     microbatches: Annotated[str, typer.Option(help="auto or a count m.")] = "auto",
     checkpoint: Annotated[str, typer.Option(help="always, except_last or never.")] = "except_last",
@@ -184,16 +188,56 @@ def plan(
         max_units=max_units,
         time_limit_s=time_limit,
     )
-    clus = make_cluster(stages, memory, bandwidth, latency, cluster)
-    try:
-        result = SOLVERS[solver](prof, clus, options)
-    except InfeasiblePlanError as exc:
-        fail(str(exc))
+    if devices is not None:
+        if stages is not None:
+            fail("--devices chooses the stage count; drop --stages")
+        clus = make_cluster(None if cluster else 1, memory, bandwidth, latency, cluster)
+        result = _plan_devices(prof, devices, clus, options, SOLVERS[solver])
+    else:
+        clus = make_cluster(stages, memory, bandwidth, latency, cluster)
+        try:
+            result = SOLVERS[solver](prof, clus, options)
+        except InfeasiblePlanError as exc:
+            fail(str(exc))
     if not record_solve_time:
         result = result.model_copy(update={"solve_time_s": None})
     write_json(output, result)
     print_plan(result)
     console.print(f"-> {output}")
+
+
+def _plan_devices(
+    prof: Profile, devices: int, clus: Cluster, options: PlanOptions, solve: Any
+) -> Plan:
+    """The best plan over pipeline depths for ``devices``; prints the frontier (every depth)."""
+    from solvers.devices import plan_devices
+
+    choices = plan_devices(prof, devices, clus, options, solve)
+    best = choices[0]
+    table = Table(title=f"{devices} devices, global batch {prof.batch_size}")
+    for col in ("stages p", "replicas d", "m", "step", "samples/s", "max stage memory", "note"):
+        table.add_column(col, justify="left" if col == "note" else "right")
+    for c in choices:
+        if c.plan is None:
+            table.add_row(str(c.stages), str(c.replicas), "-", "-", "-", "-", c.reason)
+            continue
+        note = "best" if c is best else f"{c.throughput / best.throughput - 1:+.1%} throughput"
+        mem = max(s.memory.total for s in c.plan.stages)
+        table.add_row(
+            str(c.stages),
+            str(c.replicas),
+            str(c.plan.microbatches),
+            f"{c.plan.step_time_s * 1e3:.4g} ms",
+            f"{c.throughput:.4g}",
+            format_bytes(mem),
+            note,
+        )
+    console.print(table)
+    if best.plan is None:
+        fail(f"no depth fits {devices} devices: " + "; ".join(
+            f"p={c.stages}: {c.reason}" for c in choices
+        ))  # fmt: skip
+    return best.plan
 
 
 # --------------------------------------------------------------------------------------------

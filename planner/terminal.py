@@ -96,6 +96,16 @@ def print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    d = p.cluster.data_parallel
+    if d > 1:
+        alpha, beta = p.cluster.replica_allreduce()
+        console.print(
+            f"{d} data-parallel replicas of this pipeline, {p.batch_size} samples each "
+            f"(global batch {p.batch_size * d}, {p.throughput * d:.1f} samples/s): each stage "
+            f"all-reduces its gradients over them before its update ({alpha * 1e9:.3g} ns/B + "
+            f"{beta * 1e6:.3g} us, in its update time); replica r's stage j on rank "
+            f"layout[r][j] = r * {p.n_stages} + j"
+        )
     if p.batch_dependent_layers:
         console.print(batch_norm_note(p.batch_dependent_layers, p.microbatches))
     note = uncalibrated_note(p.cluster)

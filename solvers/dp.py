@@ -316,7 +316,7 @@ def _partition(
     caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
     best: tuple[tuple[int, ...], int, float] | None = None
     bound = float(np.inf)
-    update = update_cost(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer, cluster)
     insts = [
         (m, Instance(unit_costs(profile, m), cluster, options, caps, update))
         for m in microbatch_choices(profile, options)

@@ -138,6 +138,9 @@ class Plan(FrozenModel):
     """Samples per second: B / step time."""
     feasible: bool
     """Every stage fits its device's memory."""
+    layout: tuple[tuple[int, ...], ...] = ()
+    """With ``cluster.data_parallel`` d > 1: the global ranks of each replica's stages (replica
+    r's stage j on ``layout[r][j]``); empty for one pipeline on ranks 0..p-1."""
     solver: str
     status: Literal["optimal", "feasible", "infeasible", "unknown", "heuristic"]
     gap: float | None = None
