@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from planner.cli_options import Output, check_output, fail
-from planner.io import format_bytes, load_plan, parse_bytes, write_json
+from planner.io import format_bytes, parse_bytes, write_json
 from planner.terminal import batch_norm_note, console, err_console
 from planner.types import OPTIMIZERS
 
@@ -84,12 +84,6 @@ def run(
              f"dict or a sharded checkpoint folder")  # fmt: skip
     if save is not None and save.exists() and not save.is_dir():
         fail(f"--save {save} is a file; pass a folder for the checkpoint's shards")
-    replicas = load_plan(plan_file).cluster.data_parallel
-    if replicas > 1:
-        fail(
-            f"{plan_file} has {replicas} data-parallel replicas; pipeplan run runs one "
-            f"pipeline for now: plan with --stages instead of --devices to run it"
-        )
     p = preflight(
         plan_file,
         model=model,
@@ -101,7 +95,7 @@ def run(
     if device == "cpu":
         from runtime.worker import default_threads
 
-        per_rank = threads or default_threads(p.n_stages)
+        per_rank = threads or default_threads(p.n_stages * p.cluster.data_parallel)
         if p.profiled_threads is not None and p.profiled_threads != per_rank:
             err_console.print(
                 f"[yellow]warning:[/] the profile was measured with {p.profiled_threads} "

@@ -112,14 +112,16 @@ def build_report(
 def gather_report(
     plan: Plan, record: RankRecord, *, backend: str, warmup_steps: int
 ) -> RunReport | None:
-    """Gather every rank's record on rank 0 and build the report there (``None`` elsewhere)."""
+    """Gather every rank's record on rank 0 and build the report there (``None`` elsewhere):
+    the first replica's stages (ranks 0..p-1), whose losses are the global batch's."""
     import torch.distributed as dist
 
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(record, gathered, dst=0)
     if gathered is None:
         return None
-    return build_report(plan, gathered, backend=backend, warmup_steps=warmup_steps)
+    first = gathered[: plan.n_stages]
+    return build_report(plan, first, backend=backend, warmup_steps=warmup_steps)
 
 
 def measured_bubble(report: RunReport) -> float | None:
