@@ -20,7 +20,8 @@ A model too large for one process is never built whole.  Its parameters live on 
    device, and initialises them.  Tensors are swapped in place
    (:func:`torch.utils.swap_tensors`), so every holder sees them, the traced graph and the
    stage modules included, and a tied parameter (one object under two names) stays tied; a
-   plain ``module.to_empty()`` makes two parameters of it.
+   plain ``module.to_empty()`` makes two parameters of it.  :func:`dematerialize` puts the
+   parameters of such modules back on ``meta`` (the profiler measures one unit at a time).
 
 The initialisation contract.  For each module that owns a materialized tensor, in
 ``named_modules`` order, the random generator is seeded from ``(seed, the module's qualified
@@ -54,6 +55,7 @@ from planner.errors import ModelLoadError
 __all__ = [
     "InitFn",
     "MetaInterpreter",
+    "dematerialize",
     "empty_parameters",
     "has_meta",
     "materialize",
@@ -314,3 +316,19 @@ def _check_initialised(module: nn.Module, fresh: dict[int, Tensor], mods: list[s
                     f"init_weights(module) hook, load a checkpoint with --weights, or run "
                     f"with --init full"
                 )
+
+
+def dematerialize(module: nn.Module, mods: Iterable[str]) -> None:
+    """Put the parameters of the modules ``mods`` (qualified names, as :func:`materialize`
+    returns them) back on ``meta``, in place, freeing their storage and gradients; buffers
+    stay as they are (real, and small)."""
+    by_name = dict(module.named_modules(remove_duplicate=False))
+    done: set[int] = set()
+    for mod_name in mods:
+        for p in by_name[mod_name]._parameters.values():
+            if p is None or p.is_meta or id(p) in done:
+                continue
+            done.add(id(p))
+            p.grad = None
+            empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=META)
+            torch.utils.swap_tensors(p, nn.Parameter(empty, p.requires_grad))
