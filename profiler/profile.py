@@ -45,7 +45,7 @@ from planner.refine import DEFAULT_MAX_STAGES, node_costs, refine_units
 from planner.trace import TracedModel, run_eagerly, trace_model
 from planner.types import Cut, CutTensor, Grouping, Profile, SharedParam, Timing, Unit
 from planner.usercode import user_code
-from profiler.device import Clock, device_info, resolve_device
+from profiler.device import Clock, available_bytes, device_info, resolve_device
 from profiler.measure import (
     measure_checkpoint_call,
     measure_update_curve,
@@ -54,13 +54,14 @@ from profiler.measure import (
 )
 from profiler.split import split_units
 from profiler.sweep import measure_sweep
+from profiler.units import activation_estimate, param_bytes
 
 __all__ = [
     "AUTO_MEMORY_FRACTION",
     "DTYPES",
     "METHODS",
+    "auto_method",
     "batch_dependent_layers",
-    "choose_method",
     "default_microbatch_sizes",
     "profile_model",
 ]
@@ -149,7 +150,7 @@ def profile_model(
     """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
 
     ``method`` is ``whole``, ``units`` or ``auto`` (``whole`` where the model's training state
-    fits in half the available memory, else ``units``; :func:`choose_method`).
+    fits in half the available memory, else ``units``; :func:`auto_method`).
 
     ``microbatch_sizes`` defaults to every power of two dividing ``batch_size`` (and
     ``batch_size``).  List or tuple model arguments are recorded as comma-separated strings.
@@ -188,26 +189,16 @@ def profile_model(
         )
 
 
-def choose_method(
-    model: str,
-    model_kwargs: Mapping[str, Any] | None,
-    *,
-    batch_size: int,
-    device: str = "cpu",
-    dtype: str = "float32",
-    tracer: str = "auto",
-) -> tuple[str, int, int]:
-    """``auto``'s choice (module docstring): ``("whole" or "units", training-state bytes,
-    available bytes)``; the model is built on ``meta`` to count."""
-    from profiler.device import available_bytes
-    from profiler.units import build_meta, training_state_bytes
+def auto_method(param_bytes: int, activation_bytes: int, available: int) -> str:
+    """``auto``'s choice: ``whole`` when the training state, 4 x ``param_bytes`` (parameters,
+    gradients, Adam's two states) + ``activation_bytes``, fits in
+    :data:`AUTO_MEMORY_FRACTION` of ``available``, else ``units``.
 
-    dev = resolve_device(device)
-    _, _, example, traced = build_meta(model, model_kwargs, dev, DTYPES[dtype], batch_size, tracer)
-    params, activations = training_state_bytes(traced, example)
-    need = 4 * params + activations
-    free = available_bytes(dev)
-    return ("whole" if need <= AUTO_MEMORY_FRACTION * free else "units"), need, free
+    >>> auto_method(1 << 30, 1 << 30, 16 << 30), auto_method(2 << 30, 1 << 30, 16 << 30)
+    ('whole', 'units')
+    """
+    need = 4 * param_bytes + activation_bytes
+    return "whole" if need <= AUTO_MEMORY_FRACTION * available else "units"
 
 
 @contextlib.contextmanager
@@ -254,10 +245,23 @@ def _profile(
     torch_dtype = DTYPES[dtype]
     if dev.type == "cpu":
         keep_heap()  # the heap the runtime's ranks run with (see planner.allocator)
-    if method == "auto":
-        method = choose_method(
-            model, model_kwargs, batch_size=max(sizes), device=device, dtype=dtype, tracer=tracer
-        )[0]
+    free = available_bytes(dev)
+    weights = 0
+    if method == "auto":  # the parameters first, from the model built on meta: no memory
+        weights = param_bytes(load_model(model, model_kwargs, meta=True).module, torch_dtype)
+        if auto_method(weights, 0, free) == "units":
+            method = "units"
+    spec = None
+    if method != "units":
+        spec = load_model(model, model_kwargs)
+        module = spec.module.to(dev, torch_dtype).train()
+        example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
+        run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
+        traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
+        if method == "auto":  # then the activations, from the traced graph run on meta
+            method = auto_method(weights, activation_estimate(traced, example), free)
+            if method == "units":
+                del spec, module, example, traced
     if method == "units":
         from profiler.units import profile_units
 
@@ -285,11 +289,7 @@ def _profile(
                 progress=start,
             )
 
-    spec = load_model(model, model_kwargs)
-    module = spec.module.to(dev, torch_dtype).train()
-    example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
-    run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
-    traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
+    assert spec is not None
     units, grouping = group(traced, example, granularity, max_stages)
     pieces = split_units(traced, units)
     placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]

@@ -76,7 +76,14 @@ from profiler.measure import (
 from profiler.split import UnitModule, split_units
 from profiler.sweep import OutputFn, measure_sweep
 
-__all__ = ["build_meta", "observe", "profile_units", "training_state_bytes", "unit_signature"]
+__all__ = [
+    "activation_estimate",
+    "build_meta",
+    "observe",
+    "param_bytes",
+    "profile_units",
+    "unit_signature",
+]
 
 
 def _to(value: Any, dev: torch.device, dtype: torch.dtype) -> Any:
@@ -168,15 +175,32 @@ def build_meta(
     return spec, module, example, traced
 
 
-def training_state_bytes(traced: TracedModel, example: Sequence[Any]) -> tuple[int, int]:
-    """(parameter bytes, activation estimate) of a model built on ``meta``: each parameter
-    once, and every compute node's output at the example batch summed (an upper bound on what
-    a forward saves for backward)."""
-    params = {id(p): p for p in traced.gm.parameters()}
-    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    names = {n.name for n in traced.gm.graph.nodes if n.op not in ("placeholder", "output")}
-    values, _ = observe(traced, example, names)
-    return param_bytes, sum(value_bytes(v) for v in values.values())
+class _Sizes(MetaInterpreter):
+    """Sums the bytes of every compute node's output, on ``meta``."""
+
+    total = 0
+
+    def run_node(self, n: Node) -> Any:
+        out = super().run_node(n)
+        if n.op not in ("placeholder", "get_attr", "output"):
+            self.total += value_bytes(out)
+        return out
+
+
+def activation_estimate(traced: TracedModel, example: Sequence[Any]) -> int:
+    """Every compute node's output at the example batch, summed, from a run on ``meta`` (an
+    upper bound on what a forward saves for backward); the model may be real or on ``meta``."""
+    with torch.no_grad():
+        sizes = _Sizes(traced.gm)
+        sizes.run(*example)
+    return sizes.total
+
+
+def param_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``module``'s parameters (each once) in ``dtype`` where floating point."""
+    params = {id(p): p for p in module.parameters()}.values()
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in params)
 
 
 def _digest(t: Tensor) -> str:

@@ -204,3 +204,29 @@ def test_peak_memory_does_not_grow_with_the_number_of_identical_layers() -> None
     control = _peak("build", many, width) - _peak("build", few, width)
     assert control > 0.8 * (many - few) * layer, control
     assert grown < 0.5 * layer, (grown, layer)
+
+
+def test_auto_profiles_whole_passes_only_when_the_training_state_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    import profiler.profile as pp
+    from planner.model import load_model
+    from planner.trace import trace_model
+    from profiler.units import activation_estimate, param_bytes
+
+    name, kwargs = "tests.profiler._unit_models:stack", {"n_layers": 3, "width": 8}
+    spec = load_model(name, kwargs)
+    weights = param_bytes(spec.module, torch.float32)
+    example = spec.batch(2)[0]
+    acts = activation_estimate(trace_model(spec.module, example), example)
+    assert weights == 3 * (8 * 8 + 8) * 4 and acts > 0
+    for free, method in [
+        (2 * (4 * weights + acts), "whole"),  # fits in half
+        (2 * (4 * weights + acts) - 2, "units"),  # the activations tip it over
+        (2 * 4 * weights - 2, "units"),  # the parameters alone do
+    ]:
+        monkeypatch.setattr(pp, "available_bytes", lambda dev, free=free: free)
+        p = profile_model(name, batch_size=2, model_kwargs=kwargs, max_stages=1, **FAST)
+        assert p.method == method, (free, weights, acts)
