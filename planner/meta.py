@@ -151,11 +151,17 @@ def trace_meta(module: nn.Module, example_inputs: tuple[Tensor, ...], tracer: st
     real = {id(f): t for f, t in fakes.values()}
     for table, key, t in _slots(traced.gm):
         table[key] = real.get(id(t), t)
-    for name, value in vars(traced.gm).items():
-        if isinstance(value, Tensor) and id(value) not in real:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    held = [*vars(traced.gm).items(), *traced.gm.named_buffers(), *traced.gm.named_parameters()]
+    for name, value in held:
+        if isinstance(value, FakeTensor) or (
+            isinstance(value, Tensor) and name in vars(traced.gm) and id(value) not in real
+        ):
             raise ModelLoadError(
                 f"the traced graph holds a tensor constant {name!r} made in forward; it has no "
-                f"value on meta: make it a buffer of the model, or run with --init full"
+                f"value on meta: make it a buffer of the model, or build the model for real "
+                f"(pipeplan run --init full, pipeplan profile --method whole)"
             )
     return traced
 
