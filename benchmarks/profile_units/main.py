@@ -2,19 +2,22 @@
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.profile_units.main [--skip-7b] [--skip-compare]
 
-1. **7B profile.**  ``pipeplan profile hf:benchmarks/profile_units/config.json --batch-size 1
-   --seq-len 128 --method units`` (32 layers, hidden 4096, intermediate 11008, 32 heads, vocab
+1. **7B profile.**  ``pipeplan profile hf:benchmarks/profile_units/config.json --batch-size 32
+   --microbatch-sizes 1 --seq-len 128 --method units`` (32 layers, hidden 4096, intermediate 11008, 32 heads, vocab
    32000, float32, micro-batch 1) in a child process: its wall time and its peak resident
    memory (``ru_maxrss`` of that child, from ``os.wait4``).  Goals: at most 10 minutes and
-   6 GiB.
+   6 GiB.  Only micro-batch size 1 is measured; the batch of 32 lets the plans pipeline 32
+   micro-batches (with one, every partition has the same step time).
 2. **Plans.**  ``pipeplan plan --stages P --memory 80GiB`` (Adam, the defaults otherwise) for
    P = 8 and 16, and each stage's predicted memory (parameters, gradients, optimizer state,
    activations) against a hand count made here from ``config.json`` alone, independently of
    the profile: the stage's parameters by formula (below), as many bytes again of gradients,
-   two Adam states, and its units' activations for one micro-batch by formula.
+   two Adam states, and its units' activations by formula, for as many micro-batches as the
+   plan's schedule keeps in flight (:func:`stage_rows`).
 3. **Whole against units** on a model that fits (the bundled GPT at its default size, batch 8,
-   one thread, 3 rounds): both methods, and per unit and micro-batch size the ratio of the
-   units method's forward + backward to the whole method's; median and spread.
+   one thread, 3 rounds): whole, units, whole again, and per unit and micro-batch size the
+   ratio of the units method's forward + backward to the (first) whole method's; median and
+   spread, with the second whole profile's ratio to the first as the host's own drift.
 
 Hand count (float32, 4 bytes; h hidden, i intermediate, V vocab, T tokens, n heads, kv heads):
 
@@ -48,6 +51,8 @@ CONFIG = HERE / "config.json"
 GiB = 1 << 30
 STAGES = (8, 16)
 SEQ = 128
+#: The mini-batch the plans split into micro-batches of 1 (m = 32); only size 1 is profiled.
+BATCH = 32
 
 
 def _pipeplan(*args: str) -> tuple[float, int]:
@@ -63,17 +68,24 @@ def _pipeplan(*args: str) -> tuple[float, int]:
 
 
 def hand_count(config: dict[str, Any], seq: int = SEQ) -> dict[str, dict[str, int]]:
-    """Bytes of parameters and of one micro-batch's (one sample's) saved activations, by part
-    of the model (``layer``, ``embed``, ``head``), from the config alone (module docstring)."""
+    """Bytes of parameters, of one micro-batch's (one sample's) saved activations and of its
+    input, by part of the model (``layer``, ``embed``, ``head``; the head's activations include
+    the loss's), from the config alone (module docstring)."""
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     n = config["num_attention_heads"]
     kv = config.get("num_key_value_heads", n)
+    hd = h // n
     f = 4
-    layer = 2 * h * h + 2 * h * (h * kv // n) + 3 * h * i + 2 * h
+    layer = 2 * h * h + 2 * h * (hd * kv) + 3 * h * i + 2 * h
+    hidden = f * seq * (h + 2 * hd)  # the hidden state, and rotary cos and sin
     return {
-        "layer": {"params": f * layer, "activations": f * seq * (11 * h + 4 * i + n * seq)},
-        "embed": {"params": f * v * h, "activations": 8 * seq},
-        "head": {"params": f * (v * h + h), "activations": f * seq * (2 * h + v)},
+        "layer": {
+            "params": f * layer,
+            "activations": f * seq * (11 * h + 4 * i + n * seq),
+            "input": hidden,
+        },
+        "embed": {"params": f * v * h, "activations": 8 * seq, "input": 8 * seq},
+        "head": {"params": f * (v * h + h), "activations": f * seq * (2 * h + v), "input": hidden},
     }
 
 
@@ -84,22 +96,29 @@ def _part(unit: str) -> str:
 
 
 def stage_rows(plan: dict[str, Any], hand: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
-    """Per stage: the plan's memory and the hand count (GiB)."""
+    """Per stage: the plan's memory and the hand count (GiB).  The hand count takes the plan's
+    choices (micro-batches m, schedule, which stages recompute) and its own bytes: 4 x the
+    parameters, and q micro-batches in flight (GPipe: m; 1F1B: min(m, p - j)) of the stage's
+    activations, or, on a recomputing stage, of its input plus one micro-batch's activations."""
+    p, m = len(plan["stages"]), plan["microbatches"]
     rows = []
     for st in plan["stages"]:
+        j = st["index"]
+        q = m if plan["schedule"] == "gpipe" else min(m, p - j)
         parts = [_part(u) for u in st["unit_names"]]
-        params = sum(hand[p]["params"] for p in parts)
-        acts = sum(hand[p]["activations"] for p in parts)
+        params = sum(hand[x]["params"] for x in parts)
+        acts = sum(hand[x]["activations"] for x in parts)
+        held = q * hand[parts[0]]["input"] + acts if st["recompute"] else q * acts
         mem = st["memory"]
         rows.append({
-            "stage": st["index"],
+            "stage": j,
             "units": f"{st['unit_names'][0]} .. {st['unit_names'][-1]}",
             "layers": parts.count("layer"),
             "recompute": st["recompute"],
             "plan": {k: mem[k] / GiB for k in
                      ("params", "grads", "optimizer", "activations", "stashed_inputs", "total")},
             "hand": {"params": params / GiB, "grads": params / GiB, "optimizer": 2 * params / GiB,
-                     "activations": acts / GiB, "total": (4 * params + acts) / GiB},
+                     "activations": held / GiB, "total": (4 * params + held) / GiB},
         })  # fmt: skip
     return rows
 
@@ -107,8 +126,9 @@ def stage_rows(plan: dict[str, Any], hand: dict[str, dict[str, int]]) -> list[di
 def profile_7b(out: Path) -> dict[str, Any]:
     profile = out / "llama7b.profile.json"
     wall, rss = _pipeplan(
-        "profile", f"hf:{CONFIG.relative_to(ROOT)}", "--batch-size", "1", "--seq-len", str(SEQ),
-        "--method", "units", "--no-progress", "-o", str(profile),
+        "profile", f"hf:{CONFIG.relative_to(ROOT)}", "--batch-size", str(BATCH),
+        "--microbatch-sizes", "1", "--seq-len", str(SEQ), "--method", "units", "--no-progress",
+        "-o", str(profile),
     )  # fmt: skip
     data = json.loads(profile.read_text())
     measured = [u["name"] for u in data["units"] if u.get("measured_as") is None]
@@ -144,8 +164,9 @@ def compare(threads: int = 1) -> dict[str, Any]:
 
     opts: dict[str, Any] = {"batch_size": 8, "rounds": 3, "threads": threads, "progress": False}
     torch.manual_seed(0)
-    got = {m: profile_model("models.gpt:gpt", method=m, **opts) for m in ("whole", "units")}
-    whole, units = got["whole"], got["units"]
+    whole = profile_model("models.gpt:gpt", method="whole", **opts)
+    units = profile_model("models.gpt:gpt", method="units", **opts)
+    again = profile_model("models.gpt:gpt", method="whole", **opts)  # the host's drift
     ratios: dict[str, list[float]] = {}
     rows = []
     for uw, uu in zip(whole.units, units.units):
@@ -155,6 +176,13 @@ def compare(threads: int = 1) -> dict[str, Any]:
             ratios.setdefault(str(b), []).append(r)
             rows.append({"unit": uw.name, "b": b, "measured_as": uu.measured_as, "ratio": r})
     every = [r for rs in ratios.values() for r in rs]
+    drift: dict[str, list[float]] = {}
+    for ua, ub in zip(whole.units, again.units):
+        for b in whole.microbatch_sizes:
+            ta, tb = ua.timings[b], ub.timings[b]
+            drift.setdefault(str(b), []).append(
+                (tb.forward_s + tb.backward_s) / (ta.forward_s + ta.backward_s)
+            )
 
     def stats(xs: list[float]) -> dict[str, float]:
         q1, med, q3 = np.percentile(xs, [25, 50, 75])
@@ -169,8 +197,9 @@ def compare(threads: int = 1) -> dict[str, Any]:
         "units": len(whole.units),
         "measured": sum(u.measured_as is None for u in units.units),
         "by_size": {b: stats(rs) for b, rs in ratios.items()},
+        "whole_again_by_size": {b: stats(rs) for b, rs in drift.items()},
         "all": stats(every),
-        "sum_ratio": {b: total(units, b) / total(whole, b) for b in whole.microbatch_sizes},
+        "sum_ratio": {str(b): total(units, b) / total(whole, b) for b in whole.microbatch_sizes},
         "update_adam_ratio": units.update_s["adam"] / whole.update_s["adam"],
         "rows": rows,
     }
@@ -202,7 +231,10 @@ def _print(results: dict[str, Any]) -> None:
         for b, s in cmp_["by_size"].items():
             print(f"b={b}: median {s['median']:.2f}, IQR {s['q1']:.2f}-{s['q3']:.2f}, "
                   f"range {s['min']:.2f}-{s['max']:.2f} (n={s['n']}); "
-                  f"sum {cmp_['sum_ratio'][int(b)]:.2f}")  # fmt: skip
+                  f"sum {cmp_['sum_ratio'][str(b)]:.2f}")  # fmt: skip
+            d = cmp_["whole_again_by_size"][b]
+            print(f"     whole again / whole: median {d['median']:.2f}, "
+                  f"IQR {d['q1']:.2f}-{d['q3']:.2f}")  # fmt: skip
 
 
 def main() -> None:
