@@ -38,7 +38,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from planner.allocator import keep_heap
-from planner.errors import InvalidRequestError
+from planner.errors import InvalidRequestError, PipeplanError
 from planner.graph import UnitSpec, cut_tensors, group_units
 from planner.model import load_model
 from planner.refine import DEFAULT_MAX_STAGES, node_costs, refine_units
@@ -248,7 +248,10 @@ def _profile(
     free = available_bytes(dev)
     weights = 0
     if method == "auto":  # the parameters first, from the model built on meta: no memory
-        weights = param_bytes(load_model(model, model_kwargs, meta=True).module, torch_dtype)
+        try:
+            weights = param_bytes(load_model(model, model_kwargs, meta=True).module, torch_dtype)
+        except PipeplanError:  # a model that cannot be built on meta: count it built for real
+            weights = -1
         if auto_method(weights, 0, free) == "units":
             method = "units"
     spec = None
@@ -259,6 +262,7 @@ def _profile(
         run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
         traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
         if method == "auto":  # then the activations, from the traced graph run on meta
+            weights = weights if weights >= 0 else param_bytes(module, torch_dtype)
             method = auto_method(weights, activation_estimate(traced, example), free)
             if method == "units":
                 del spec, module, example, traced

@@ -220,9 +220,11 @@ def unit_signature(
     piece: UnitModule,
     values: Mapping[int, Mapping[str, Any]],
     feeds_output: bool,
+    owned: Sequence[Tensor] = (),
 ) -> str:
     """The identity of a unit (step 2 of the module docstring): equal for units that are the
-    same; ``values`` holds the observed values of its inputs at every micro-batch size."""
+    same; ``values`` holds the observed values of its inputs at every micro-batch size,
+    ``owned`` the parameters it owns (a shared one it does not own is not its to update)."""
     gm = traced.gm
     tensors = dict(
         [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
@@ -231,6 +233,7 @@ def unit_signature(
     for name in piece.params:
         t = tensors[name]
         desc = [list(t.shape), str(t.dtype), isinstance(t, nn.Parameter), bool(t.requires_grad)]
+        desc.append(any(t is o for o in owned))
         if not isinstance(t, nn.Parameter) and not t.is_meta:
             desc.append(_digest(t))
         params.append(desc)
@@ -389,7 +392,10 @@ def profile_units(
         values[b].update(zip(placeholders, real))
 
     feeds = [bool(output_reads & set(p.outputs)) for p in pieces]
-    signatures = [unit_signature(traced, p, values, f) for p, f in zip(pieces, feeds)]
+    owned = _owned(pieces, traced)
+    signatures = [
+        unit_signature(traced, p, values, f, own) for p, f, own in zip(pieces, feeds, owned)
+    ]
     first: dict[str, int] = {}
     measured_as = [first.setdefault(s, k) for k, s in enumerate(signatures)]
     distinct = [k for k, rep in enumerate(measured_as) if rep == k]
@@ -400,7 +406,6 @@ def profile_units(
 
     clock = Clock(dev)
     call_s = measure_checkpoint_call(dev, clock=clock, warmup=warmup, repeats=20 * repeats * rounds)
-    owned = _owned(pieces, traced)
     timings: dict[int, dict[int, Timing]] = {}
     loss_runs: dict[int, list[Timing]] = {b: [] for b in sizes}
     updates: dict[int, dict[OptimizerName, float]] = {}
