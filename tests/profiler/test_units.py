@@ -230,3 +230,20 @@ def test_auto_profiles_whole_passes_only_when_the_training_state_fits(
         monkeypatch.setattr(pp, "available_bytes", lambda dev, free=free: free)
         p = profile_model(name, batch_size=2, model_kwargs=kwargs, max_stages=1, **FAST)
         assert p.method == method, (free, weights, acts)
+
+
+def test_the_command_line_takes_the_method_and_says_what_it_measured(
+    cli: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "p.json"
+    argv = ["profile", "tests.profiler._unit_models:stack", "-b", "2", "--microbatch-sizes", "2"]
+    argv += ["--model-arg", "n_layers=4", "--model-arg", "width=8", "--max-stages", "1"]
+    argv += ["--warmup", "0", "--repeats", "1", "--no-progress", "-o", str(out)]
+    code, text, err = cli([*argv, "--method", "units"])
+    assert code == 0, err
+    assert "(units, 3 measured, 1 copied)" in " ".join(text.split())
+    assert [u.measured_as for u in load_profile(out).units] == [None, None, 1, None]
+    code, text, _ = cli(["show", str(out)])
+    assert code == 0 and "2 (= 1)" in text and "3 units measured, 1 copied" in text
+    code, _, err = cli([*argv, "--method", "layers"])
+    assert code == 2 and "method 'layers' is not one of auto, whole, units" in err
