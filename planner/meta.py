@@ -324,12 +324,18 @@ def _check_initialised(module: nn.Module, fresh: dict[int, Tensor], mods: list[s
                 )
 
 
-def dematerialize(module: nn.Module, mods: Iterable[str]) -> None:
+def dematerialize(module: nn.Module, mods: Iterable[str], *also: nn.Module) -> None:
     """Put the parameters of the modules ``mods`` (qualified names, as :func:`materialize`
     returns them) back on ``meta``, in place, freeing their storage and gradients; buffers
-    stay as they are (real, and small)."""
+    stay as they are (real, and small).
+
+    A parameter that something outside Python still holds (a view of it kept alive by
+    autograd, as a mixture-of-experts layer's transposed expert weights can be) cannot be
+    swapped: it is replaced by a new ``meta`` parameter in every module of ``module`` and
+    ``also`` that holds it, and its storage is freed once that holder lets go."""
     by_name = dict(module.named_modules(remove_duplicate=False))
     done: set[int] = set()
+    stuck: dict[int, nn.Parameter] = {}
     for mod_name in mods:
         for p in by_name[mod_name]._parameters.values():
             if p is None or p.is_meta or id(p) in done:
@@ -337,4 +343,14 @@ def dematerialize(module: nn.Module, mods: Iterable[str]) -> None:
             done.add(id(p))
             p.grad = None
             empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=META)
-            torch.utils.swap_tensors(p, nn.Parameter(empty, p.requires_grad))
+            new = nn.Parameter(empty, p.requires_grad)
+            try:
+                torch.utils.swap_tensors(p, new)
+            except RuntimeError:
+                new.__dict__.update(p.__dict__)
+                stuck[id(p)] = new
+    if stuck:
+        for root in (module, *also):
+            for table, key, t in list(_slots(root)):
+                if id(t) in stuck:
+                    table[key] = stuck[id(t)]

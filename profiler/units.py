@@ -50,9 +50,10 @@ same.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
+from planner.errors import PipeplanError, UnitMeasureError
 from planner.graph import _module_info, cut_tensors
 from planner.meta import MetaInterpreter, dematerialize, materialize, trace_meta
 from planner.model import ModelSpec, load_model
@@ -322,6 +324,38 @@ class _SumLoss(nn.Module):
         return torch.stack([s.float() for s in sums]).sum()
 
 
+@contextlib.contextmanager
+def _failure(k: int, piece: UnitModule, values: Mapping[str, Any]) -> Iterator[None]:
+    """Turn an error of unit ``k`` measured alone into :class:`UnitMeasureError` naming it and
+    its integer inputs known only by shape (the likely cause: values such as a mixture of
+    experts' routing, computed from parameters in an earlier unit, made up as zeros here)."""
+    try:
+        yield
+    except PipeplanError:
+        raise
+    except Exception as exc:
+        shaped = [
+            n
+            for n in piece.inputs
+            if any(
+                isinstance(t, Tensor) and t.is_meta and not t.is_floating_point()
+                for t in tree_leaves(values[n])
+            )
+        ]
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        hint = (
+            f"; its integer inputs {', '.join(shaped)} come from parameters in an earlier unit "
+            f"and are known here only by their shape (made up as zeros)"
+            if shaped
+            else ""
+        )
+        raise UnitMeasureError(
+            f"unit {k} ({piece.spec.name}) failed when measured alone: {cause}{hint}; profile "
+            f"with --method whole, or with fewer units (--max-stages) so such values stay "
+            f"inside one"
+        ) from exc
+
+
 def _owned(pieces: Sequence[UnitModule], traced: TracedModel) -> list[list[Tensor]]:
     """The parameters each unit owns (uses first), by unit."""
     tensors = dict(traced.gm.named_parameters(remove_duplicate=False))
@@ -437,18 +471,19 @@ def profile_units(
 
                         loss = _SumLoss()
                     inputs = {n: _realize(values[b][n], dev, gen) for n in names}
-                    result = measure_sweep(
-                        [piece],
-                        inputs,
-                        loss,
-                        out_fn,
-                        clock=clock,
-                        warmup=warmup,
-                        repeats=repeats,
-                        exclude=exclude,
-                        call_s=call_s,
-                        frozen=frozenset(n for n in inputs if n in placeholders),
-                    )
+                    with _failure(k, piece, values[b]):
+                        result = measure_sweep(
+                            [piece],
+                            inputs,
+                            loss,
+                            out_fn,
+                            clock=clock,
+                            warmup=warmup,
+                            repeats=repeats,
+                            exclude=exclude,
+                            call_s=call_s,
+                            frozen=frozenset(n for n in inputs if n in placeholders),
+                        )
                     runs[b].append(result.units[0])
                     if feeds[k]:
                         loss_runs[b].append(result.loss)
@@ -461,7 +496,7 @@ def profile_units(
         finally:
             for t in traced.gm.parameters():
                 t.grad = None
-            dematerialize(module, mods)
+            dematerialize(module, mods, traced.gm, *(p.module for p in pieces))
         timings[k] = {b: _merge(ts) for b, ts in runs.items()}
 
     unit_bytes = [sum(t.numel() * t.element_size() for t in own) for own in owned]

@@ -247,3 +247,16 @@ def test_the_command_line_takes_the_method_and_says_what_it_measured(
     assert code == 0 and "2 (= 1)" in text and "3 units measured, 1 copied" in text
     code, _, err = cli([*argv, "--method", "layers"])
     assert code == 2 and "method 'layers' is not one of auto, whole, units" in err
+
+
+def test_a_mixture_of_experts_profiles_by_layer_and_says_why_not_when_routing_is_cut() -> None:
+    """Mixtral's experts keep transposed views of their weights alive past the sweep (the
+    parameters are replaced, not swapped, to free them); its routing indices, computed from
+    the router's weights, are only shapes to a unit measured alone."""
+    from planner.errors import UnitMeasureError
+
+    layers = profile_model("models.zoo:mixtral", batch_size=2, method="units", max_stages=1, **FAST)
+    whole = profile_model("models.zoo:mixtral", batch_size=2, method="whole", max_stages=1, **FAST)
+    assert _bytes(layers) == _bytes(whole)
+    with pytest.raises(UnitMeasureError, match=r"mlp\.experts.*integer inputs .* --method whole"):
+        profile_model("models.zoo:mixtral", batch_size=2, method="units", **FAST)
