@@ -4,7 +4,8 @@
 built with its parameters on ``meta`` (:func:`planner.model.load_model` ``meta=True``; buffers
 stay real), traced on fake tensors (:func:`planner.meta.trace_meta`: the graph and fingerprint
 of the real model) and grouped into units as the whole-pass profiler groups them (the cost
-estimate of :func:`planner.refine.node_costs` runs on ``meta``).  Then, at every micro-batch
+estimate of :func:`planner.refine.node_costs` runs on fake tensors of the device, so the
+units are the same).  Then, at every micro-batch
 size b:
 
 1. **Values.**  The graph runs once on the real batch of ``make_batch(b)`` with an
@@ -14,18 +15,22 @@ size b:
    model makes them; activations have their shapes, dtypes and strides.  The cut table
    (bytes of every tensor live across a cut) and the model's input bytes come from these.
 2. **Identity.**  Units that are the same are measured once (:func:`unit_signature`): same
-   module classes node by node, the same parameter and buffer shapes, dtypes and (for real
-   buffers) values, the same input shapes and dtypes at every size, the same traced
+   module classes node by node, the same parameter and buffer shapes, dtypes, ownership (a
+   tied weight a unit uses but does not own is not its to update) and (for real buffers)
+   values, the same input shapes and dtypes at every size, the same traced
    sub-graph (ops, targets, argument structure and constants, node names replaced by
    positions, leaf modules by their class and ``extra_repr``), and the same producers of the
    inputs whose values are known without parameters (a layer reading the sliding-window mask
-   is not merged with one reading the full causal mask).  A unit whose outputs the model's
-   output reads is never merged with one whose outputs it does not (its loss is measured).
+   is not merged with one reading the full causal mask; the first layer, which reads the
+   model's input and so computes no input gradient, is not merged with the others).  A unit
+   whose outputs the model's output reads is never merged with one whose outputs it does not
+   (its loss is measured).
 3. **Measurement.**  Each distinct unit, in order, has the modules owning its parameters
    materialized alone on the device (:func:`planner.meta.materialize`: initialised per module
    from the seed, as a pipeline rank initialises them), is fed its inputs (real values where
    known, the batch's token ids included; seeded normal floats, and zeros for integers and
-   booleans, where only the shape is known) and measured by :func:`profiler.sweep.
+   booleans, where only the shape is known: a unit that fails on them raises
+   :class:`~planner.errors.UnitMeasureError`) and measured by :func:`profiler.sweep.
    measure_sweep` exactly as a whole-pass profile measures a unit inside the model: forward,
    backward, the same recomputing, saved bytes, output bytes, ``rounds`` x ``repeats`` after
    ``warmup``.  Its inputs other than the model's own are differentiated, as in a whole pass.
