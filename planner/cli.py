@@ -79,6 +79,14 @@ def profile(
         int,
         typer.Option(help="Refine auto units for up to this many stages (no unit > 1/P)."),
     ] = 8,
+    method: Annotated[
+        str,
+        typer.Option(
+            help="whole: whole training passes of the real model; units: built on meta, each "
+            "distinct unit materialized alone and measured once; auto: whole if the training "
+            "state (4 x params + activations) fits in half the available memory, else units."
+        ),
+    ] = "auto",
 ) -> None:
     """Trace MODEL, group it into units and measure every unit at several micro-batch sizes.
 
@@ -117,10 +125,14 @@ def profile(
         threads=threads,
         rounds=rounds,
         max_stages=max_stages,
+        method=method,
     )
     write_json(output, prof)
+    copied = sum(u.measured_as is not None for u in prof.units)
     console.print(
-        f"profiled {prof.model}: {prof.n_units} units ({prof.tracer}), "
+        f"profiled {prof.model} ({prof.method}"
+        + (f", {prof.n_units - copied} measured, {copied} copied" if prof.method == "units" else "")
+        + f"): {prof.n_units} units ({prof.tracer}), "
         f"micro-batch sizes {list(prof.microbatch_sizes)} -> {output}"
     )
 

@@ -92,6 +92,9 @@ class Unit(FrozenModel):
     0 in profiles made before it was recorded."""
     timings: dict[int, Timing]
     """Measurements keyed by micro-batch size b."""
+    measured_as: int | None = Field(default=None, ge=0)
+    """The unit whose measurement ``timings`` copies (``--method units``: an identical unit,
+    measured once, :mod:`profiler.units`); ``None``: measured itself."""
 
 
 class CutTensor(FrozenModel):
@@ -184,6 +187,10 @@ class Profile(FrozenModel):
     they see one micro-batch at a time (see ``pipeplan run --batch-norm``)."""
     grouping: Grouping | None = None
     """How ``auto`` grouped the units (``None`` for other granularities and older profiles)."""
+    method: Literal["whole", "units"] = "whole"
+    """How the units were measured: inside whole training passes of the real model
+    (:mod:`profiler.sweep`), or each distinct unit alone, materialized from a model built on
+    ``meta`` (:mod:`profiler.units`).  Older profiles are ``whole``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -200,6 +207,14 @@ class Profile(FrozenModel):
             if list(sp.units) != sorted(set(sp.units)) or not 0 <= sp.units[0] <= sp.units[-1] < n:
                 raise ValueError(
                     f"shared parameter {sp.name}: units {sp.units} must be ascending in 0..{n - 1}"
+                )
+        for u in self.units:
+            if u.measured_as is not None and (
+                u.measured_as >= u.index or self.units[u.measured_as].measured_as is not None
+            ):
+                raise ValueError(
+                    f"unit {u.index} ({u.name}) is measured as unit {u.measured_as}, which must "
+                    f"be an earlier unit measured itself"
                 )
         for size in self.microbatch_sizes:
             if size <= 0 or self.batch_size % size:
