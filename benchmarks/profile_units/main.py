@@ -96,29 +96,38 @@ def _part(unit: str) -> str:
 
 
 def stage_rows(plan: dict[str, Any], hand: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
-    """Per stage: the plan's memory and the hand count (GiB).  The hand count takes the plan's
-    choices (micro-batches m, schedule, which stages recompute) and its own bytes: 4 x the
-    parameters, and q micro-batches in flight (GPipe: m; 1F1B: min(m, p - j)) of the stage's
-    activations, or, on a recomputing stage, of its input plus one micro-batch's activations."""
+    """Per stage: the plan's memory at its peak and the hand count (GiB).  The hand count
+    takes the plan's choices (m, schedule, which stages recompute, and whether the peak is the
+    first backward, where no gradient exists yet: the plan's ``grads`` is then 0) and its own
+    bytes: the parameters, Adam's two states, the gradients at the peak, and the activations
+    the peak holds: a recomputing stage one micro-batch's, another stage those of the q
+    micro-batches in flight (GPipe: m; one fewer at a later backward)."""
     p, m = len(plan["stages"]), plan["microbatches"]
     rows = []
     for st in plan["stages"]:
         j = st["index"]
         q = m if plan["schedule"] == "gpipe" else min(m, p - j)
+        mem = st["memory"]
+        first = mem["grads"] == 0
+        later = q if plan["schedule"] == "1f1b" and m > q else q - 1
         parts = [_part(u) for u in st["unit_names"]]
         params = sum(hand[x]["params"] for x in parts)
         acts = sum(hand[x]["activations"] for x in parts)
-        held = q * hand[parts[0]]["input"] + acts if st["recompute"] else q * acts
-        mem = st["memory"]
+        held = acts if st["recompute"] else (q if first else later) * acts
+        grads = 0 if first else params
+        other = sum(mem.get(k, 0) for k in
+                    ("stashed_inputs", "gradient_buffers", "outputs", "transient"))  # fmt: skip
         rows.append({
             "stage": j,
             "units": f"{st['unit_names'][0]} .. {st['unit_names'][-1]}",
             "layers": parts.count("layer"),
             "recompute": st["recompute"],
-            "plan": {k: mem[k] / GiB for k in
-                     ("params", "grads", "optimizer", "activations", "stashed_inputs", "total")},
-            "hand": {"params": params / GiB, "grads": params / GiB, "optimizer": 2 * params / GiB,
-                     "activations": held / GiB, "total": (4 * params + held) / GiB},
+            "peak": "first backward" if first else "later backward",
+            "plan": {**{k: mem[k] / GiB for k in
+                        ("params", "grads", "optimizer", "activations", "total")},
+                     "other": other / GiB},
+            "hand": {"params": params / GiB, "grads": grads / GiB, "optimizer": 2 * params / GiB,
+                     "activations": held / GiB, "total": (3 * params + grads + held) / GiB},
         })  # fmt: skip
     return rows
 
@@ -213,17 +222,18 @@ def _print(results: dict[str, Any]) -> None:
               f" GiB, {big['units']} units, measured {big['measured']}")  # fmt: skip
         for p, plan in big["plans"].items():
             print(f"\n{p} stages (m = {plan['microbatches']}, {plan['schedule']}), GiB plan / hand")
-            print("| stage | units | layers | params | grads | Adam | activations | total |")
-            print("|---:|---|---:|---:|---:|---:|---:|---:|")
+            print("| stage | units | layers | peak at | params | grads | Adam | activations "
+                  "| buffers, outputs, working (plan) | total |")  # fmt: skip
+            print("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|")
             for r in plan["stages"]:
                 pl, hd = r["plan"], r["hand"]
-                acts = pl["activations"] + pl["stashed_inputs"]
                 print(
-                    f"| {r['stage']} | {r['units']} | {r['layers']} "
+                    f"| {r['stage']} | {r['units']} | {r['layers']} | {r['peak']} "
                     f"| {pl['params']:.2f} / {hd['params']:.2f} "
                     f"| {pl['grads']:.2f} / {hd['grads']:.2f} "
                     f"| {pl['optimizer']:.2f} / {hd['optimizer']:.2f} "
-                    f"| {acts:.3f} / {hd['activations']:.3f} "
+                    f"| {pl['activations']:.3f} / {hd['activations']:.3f} "
+                    f"| {pl['other']:.3f} "
                     f"| {pl['total']:.2f} / {hd['total']:.2f} |"
                 )
     cmp_ = results.get("compare")
