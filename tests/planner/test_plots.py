@@ -154,3 +154,26 @@ def test_compare_cli_draws_the_comparison(plans, tmp_path, capsys):
     assert run("--plot", str(tmp_path / "cmp.gif")) == 2
     _, err = capsys.readouterr()
     assert "must end in .png, .svg or .pdf" in err and not (tmp_path / "cmp.gif").exists()
+
+
+def test_device_frontier_marks_the_best_depth() -> None:
+    from planner.evaluate import evaluate
+    from planner.synthetic import synthetic_profile
+    from solvers.devices import replica_profile
+
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=2)
+    plans = []
+    for p, d in ((1, 4), (2, 2), (4, 1)):
+        share = replica_profile(prof, d)
+        clus = Cluster.homogeneous(p, 2**30).model_copy(update={"data_parallel": d})
+        plans.append(evaluate(share, clus, PlanOptions(), list(range(1, p)), 2, solver="t"))
+    fig = plots.device_frontier(plans)
+    top, bottom = fig.axes
+    best = [line for line in top.lines if line.get_gid() == "frontier-best"]
+    rates = [pl.throughput * pl.cluster.data_parallel for pl in plans]
+    want = plans[rates.index(max(rates))]
+    assert len(best) == 1 and best[0].get_xdata()[0] == want.n_stages
+    assert {line.get_gid() for line in top.lines} >= {"frontier/1", "frontier/2", "frontier/4"}
+    assert "4 devices" in top.get_title()
+    with pytest.raises(ValueError, match="no plans"):
+        plots.device_frontier([])
