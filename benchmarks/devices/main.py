@@ -13,29 +13,21 @@ ratio.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import machine, models_parser, pipeplan
+
 HERE = Path(__file__).parent
-PIPEPLAN = [sys.executable, "-c", "from planner.cli import main; main()"]
 
 #: name -> (model, model arguments, global batch).
 MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
     "gpt": ("models.gpt:gpt", {"n_layers": 4}, 16),
     "zoo llama": ("models.zoo:llama", {"n_layers": 4, "d_model": 128, "seq_len": 64}, 16),
 }
-
-
-def _cli(*args: str) -> None:
-    proc = subprocess.run([*PIPEPLAN, *args], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"pipeplan {' '.join(args[:2])} failed: {proc.stderr[-2000:]}")
 
 
 def run_case(name: str, work: Path, rounds: int) -> dict[str, Any]:
@@ -47,7 +39,7 @@ def run_case(name: str, work: Path, rounds: int) -> dict[str, Any]:
     model, kwargs, batch = MODELS[name]
     profile = work / "profile.json"
     margs = [a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")]
-    _cli("profile", model, *margs, "--batch-size", str(batch), "--threads", "1",
+    pipeplan("profile", model, *margs, "--batch-size", str(batch), "--threads", "1",
          "-o", str(profile))  # fmt: skip
     prof = load_profile(profile)
     choices = {
@@ -65,7 +57,7 @@ def run_case(name: str, work: Path, rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         for p in (2, 1):
             report = work / f"report{p}.json"
-            _cli("run", str(plans[p]), "--warmup", "2", "--steps", "5", "--threads", "1",
+            pipeplan("run", str(plans[p]), "--warmup", "2", "--steps", "5", "--threads", "1",
                  "--quiet", "--report", str(report))  # fmt: skip
             measured[p].append(load_report(report).step_time_s)
     ratios = [a / b for a, b in zip(measured[2], measured[1], strict=True)]
@@ -99,12 +91,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    from benchmarks.common import machine
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap = models_parser(__doc__ or "", MODELS, HERE)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("-o", "--output", default=str(HERE / "results.json"))
     args = ap.parse_args()
     rows = []
     for name in args.models:

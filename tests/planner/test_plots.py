@@ -175,5 +175,6 @@ def test_device_frontier_marks_the_best_depth() -> None:
     assert len(best) == 1 and best[0].get_xdata()[0] == want.n_stages
     assert {line.get_gid() for line in top.lines} >= {"frontier/1", "frontier/2", "frontier/4"}
     assert "4 devices" in top.get_title()
+    assert "limit 1.00 GiB" in [t.get_text() for t in bottom.get_legend().get_texts()]
     with pytest.raises(ValueError, match="no plans"):
         plots.device_frontier([])
