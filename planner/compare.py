@@ -1,9 +1,10 @@
 """Side-by-side comparison of plans: one row per plan, rendered as a table, CSV, JSON or Markdown.
 
 Columns: ``name`` (the file or label), ``solver``, ``status``, ``feasible``, ``m``, ``stages``,
-``stage_ms`` and ``stage_mem`` (per-stage t_j in milliseconds and M_j in bytes, joined by
+``replicas`` (data-parallel copies of the pipeline), ``stage_ms`` and ``stage_mem`` (per-stage t_j in milliseconds and M_j in bytes, joined by
 ``/``), ``slowest_ms`` (max_j t_j), ``bubble`` (bubble fraction), ``step_ms`` (predicted step
-time) and ``ratio`` (step time over the best *feasible* plan's; NaN when no plan is feasible).
+time), ``samples_s`` (samples per second of all replicas together) and ``ratio`` (step time
+over the best *feasible* plan's; NaN when no plan is feasible).
 Plans of different profiles or clusters can be compared, but the ratio is only meaningful for
 one profile on one cluster.  O(sum of stages).
 """
@@ -32,11 +33,13 @@ COLUMNS = [
     "feasible",
     "m",
     "stages",
+    "replicas",
     "stage_ms",
     "stage_mem",
     "slowest_ms",
     "bubble",
     "step_ms",
+    "samples_s",
     "ratio",
 ]
 
@@ -69,11 +72,13 @@ def compare_frame(plans: Sequence[Plan], names: Sequence[str] | None = None) -> 
                 "feasible": p.feasible,
                 "m": p.microbatches,
                 "stages": p.n_stages,
+                "replicas": p.cluster.data_parallel,
                 "stage_ms": "/".join(f"{t * 1e3:.3f}" for t in times),
                 "stage_mem": "/".join(str(s.memory.total) for s in p.stages),
                 "slowest_ms": max(times) * 1e3,
                 "bubble": p.bubble_fraction,
                 "step_ms": p.step_time_s * 1e3,
+                "samples_s": p.throughput * p.cluster.data_parallel,
                 "ratio": p.step_time_s / best if best > 0 else math.nan,
             }
         )

@@ -196,3 +196,16 @@ def test_bad_input_is_one_line(
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert message in proc.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_replicated_plans_show_their_replicas_and_global_throughput() -> None:
+    from solvers.devices import plan_devices
+    from solvers.dp import solve_dp
+
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=3)
+    choices = plan_devices(prof, 4, Cluster.homogeneous(1, 2**40), PlanOptions(), solve_dp)
+    plans = [c.plan for c in choices if c.plan is not None]
+    df = compare_frame(plans)
+    assert list(df["replicas"]) == [c.replicas for c in choices if c.plan is not None]
+    assert list(df["samples_s"]) == pytest.approx([c.throughput for c in choices if c.plan])
+    assert df["samples_s"].iloc[0] == df["samples_s"].max()  # plan_devices puts the best first
