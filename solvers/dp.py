@@ -28,7 +28,7 @@ lowest bound first and dropped once their bound reaches the incumbent (the best 
 time over every m); each split moves a floor or a cap past a value some stage's tail takes, so
 the search ends, in practice after one to a few nodes (most stages drain far longer than they
 update, so R is stage 0's update, or the tied all-reduce and the longer of the end stages').
-Past ``_NODES`` nodes the plan keeps a proven gap.
+Past ``_NODES`` nodes (more on small instances) the plan keeps a proven gap.
 
 Two stages have one cut, which fixes every term: they are enumerated (:func:`_two_stages`),
 exactly, with the contended tail too.  With three or more the relaxed tail is the true one when
@@ -62,8 +62,10 @@ from solvers.dp_threshold import Incumbent, Start, floor, prepare, search
 
 __all__ = ["partition_dp", "solve_dp"]
 
-_NODES = 64
-"""Most tail nodes solved per m; past it the plan keeps a proven gap."""
+_NODES = 16
+_NODE_WORK = 4096
+"""Most tail nodes solved per m: max(_NODES, _NODE_WORK / (n p)), so small instances always
+finish; past it the plan keeps a proven gap."""
 
 
 def _solve(inst: Instance, start: Start, inc: Incumbent, bound: float) -> float:
@@ -78,7 +80,7 @@ def _solve(inst: Instance, start: Start, inc: Incumbent, bound: float) -> float:
     least = INF  # the least bound of the nodes closed
     heap = [(bound, 0, TailNode())]
     made = 1
-    for _ in range(_NODES):
+    for _ in range(max(_NODES, _NODE_WORK // (inst.n * inst.p))):
         if not heap or heap[0][0] >= inc.objective:
             break
         _, _, node = heapq.heappop(heap)
