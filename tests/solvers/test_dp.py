@@ -272,3 +272,14 @@ def test_drain_counts_every_earlier_cut(
     _check_against_brute_force(prof, cluster, options, exact=False)
     found = _partition(prof, cluster, options)
     assert found is not None and found[2] == pytest.approx(brute_force(prof, cluster, options))
+
+
+@pytest.mark.parametrize(
+    "index", range(len(ss.HELD_BACK)), ids=["-".join(map(str, c)) for c in ss.HELD_BACK]
+)
+def test_held_back_instances(index: int) -> None:
+    # Every combination of updates, tied ends, tight memory, policy and schedule: optimal where
+    # proven, within the gap elsewhere, and proven wherever the tail the DP bounds is exact.
+    prof, cluster, options = ss.held_back(index, *ss.HELD_BACK[index])
+    exact = cluster.n_stages <= 2 or not prof.update_s or cluster.link.bandwidth_Bps is None
+    _check_against_brute_force(prof, cluster, options, exact)
