@@ -14,19 +14,23 @@ with c_j = F_j + B_j, k the contention (0 when m = 1 or p = 1), U_j stage j's op
 and D_j = sum_{i<j} (B_i + C_i / 2) the drain before it, subject to M_j <= cap_j on every
 stage.  The objective mixes a sum and two maxima, so a plain prefix DP is not exact.
 
-The tail: branch and bound over its level.  Write r_0 = E_0 and, for the stages j >= 1, rho =
-max_j r_j with r_j = E_j (:meth:`solvers.dp_tables.Instance.tail`; a lower bound where a drain
-or a tied wait is only bounded).  Then R >= g(r_0, rho) = max(r_0, rho) (+ kappa_u min(r_0,
-rho) where updates contend), and g is the tail the DP minimises (the *relaxed* T).  A node
-(floor f, cap c) covers the partitions with f <= rho <= c; charging stage 0 g(r_0, f) in S and
-forbidding r_j > c on every later stage gives, per stage, terms a prefix DP can add up, so the
-node's minimum V is exact (:mod:`solvers.dp_threshold`) and bounds every partition it covers
-from below.  Its minimiser P has its own rho_P <= c: if g(r_0, rho_P) = g(r_0, f), P attains V
-and the node is closed; otherwise the node splits into (f, rho_P^-) and (rho_P, c), both
-bounded by V.  The root is (-inf, inf): stage 0 pays r_0, nothing is capped.  Nodes are taken
+The tail: branch and bound over its level.  Write r_j for stage j's E_j as
+:meth:`solvers.dp_tables.Instance.tail` computes it (a lower bound where a drain or a tied wait
+is only bounded), and for a charged stage k, rho_k = max_{j != k} r_j.  Then R >= max(r_k,
+rho_k), and for k = 0, R >= g(r_0, rho_0) = max(r_0, rho_0) + kappa_u min(r_0, max(rho_0, 0))
+where updates contend (:mod:`solvers.dp_tables`); that is the *relaxed* T the DP minimises.  A
+node (k, floor f, cap c) covers the partitions with f <= rho_k <= c: charging stage k
+max(r_k, f) (g(r_0, f) for k = 0) in S and forbidding r_j > c on every other stage gives, per
+stage, terms a prefix DP can add up, so the node's minimum V is exact (:mod:`solvers.dp_threshold`)
+and bounds every partition it covers from below.  Its minimiser P has rho_k(P) <= c: if its
+relaxed T equals V, the node is closed; otherwise it splits into (k, f, rho_k(P)^-) and
+(k, rho_k(P), c), both bounded by V.  The root charges stage 0 with nothing capped; if it does
+not close, the stage whose tail decides R at its minimiser (a tied LM head's last stage, say)
+becomes the charged one and a new root over every partition starts from the first one's bound,
+so that the tail that decides R counts in full rather than through a floor.  Nodes are taken
 lowest bound first and dropped once their bound reaches the incumbent (the best exact step
 time over every m); each split moves a floor or a cap past a value some stage's tail takes, so
-the search ends, in practice after one to a few nodes (most stages drain far longer than they
+the search ends, in practice after one to three nodes (most stages drain far longer than they
 update, so R is stage 0's update, or the tied all-reduce and the longer of the end stages').
 Past ``_NODES`` nodes (more on small instances) the plan keeps a proven gap.
 

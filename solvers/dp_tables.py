@@ -16,17 +16,21 @@ costs O(p n W) in vectorised numpy.  The band's tables are built once per instan
 widest W asked for so far, and sliced for narrower ones.
 
 The tail.  R = max_j E_j (:mod:`planner.costmodel`), E_j = ready_j + U_j without update
-contention.  The DP charges it through a *tail node* (:class:`TailNode`, floor f, cap c):
+contention.  The DP charges it through a *tail node* (:class:`TailNode`: a charged stage k, a
+floor f and a cap c):
 
-    stage 0 pays  g(r_0, f) = max(r_0, f) + kappa_u min(r_0, max(f, 0))   in its sum term,
-    every stage j >= 1 (the last included) must have r_j <= c,
+    stage k pays  max(r_k, f) in its term of S; for k = 0,
+                  g(r_0, f) = max(r_0, f) + kappa_u min(r_0, max(f, 0)),
+    every other stage j must have r_j <= c,
 
 with r_0 = E_0 (U_0, or A + U_0 when stage 0 holds a tied parameter's copy) and r_j for j >= 1
-stage j's E_j as :meth:`Instance.tail` bounds it from below.  For a partition whose largest
-r_j over j >= 1 is rho, the *relaxed* tail is g(r_0, rho) (:meth:`Instance.relaxed`): a lower
-bound of the true R, equal to it where every r_j is exact and the updates do not contend.
-The node's objective is at most the relaxed objective of every partition with f <= rho <= c,
-so :mod:`solvers.dp` covers all rho with nodes and splits them at the rho of what they find.
+stage j's E_j as :meth:`Instance.tail` bounds it from below; the last stage's charge or cap is
+a vector over its first unit, a mid stage's a table over the band.  For a partition whose
+largest r_j over j >= 1 is rho, the *relaxed* tail is g(r_0, rho) (:meth:`Instance.relaxed`):
+a lower bound of the true R, equal to it where every r_j is exact and the updates do not
+contend.  A node's objective is at most the relaxed objective of every partition whose largest
+tail over the uncharged stages lies in [f, c], so :mod:`solvers.dp` covers all of them with
+nodes and splits them at the level of what they find.
 
 The kappa_u term is the end of two updates that overlap: stage 0's, released at 0, and one with
 rho of work left then; under egalitarian sharing both run at 1 / (1 + kappa_u) until the
