@@ -16,13 +16,13 @@ stage.  The objective mixes a sum and two maxima, so a plain prefix DP is not ex
 
 The tail: branch and bound over its level.  Write r_j for stage j's E_j as
 :meth:`solvers.dp_tables.Instance.tail` computes it (a lower bound where a drain or a tied wait
-is only bounded), and for a charged stage k, rho_k = max_{j != k} r_j.  Then R >= max(r_k,
-rho_k), and for k = 0, R >= g(r_0, rho_0) = max(r_0, rho_0) + kappa_u min(r_0, max(rho_0, 0))
-where updates contend (:mod:`solvers.dp_tables`); that is the *relaxed* T the DP minimises.  A
-node (k, floor f, cap c) covers the partitions with f <= rho_k <= c: charging stage k
-max(r_k, f) (g(r_0, f) for k = 0) in S and forbidding r_j > c on every other stage gives, per
-stage, terms a prefix DP can add up, so the node's minimum V is exact (:mod:`solvers.dp_threshold`)
-and bounds every partition it covers from below.  Its minimiser P has rho_k(P) <= c: if its
+is only bounded), and for a charged stage k, rho_k = max_{j != k} r_j.  Then R >= (1 - k_u)
+max(r_k, rho_k) + k_u sum_j max(r_j, 0), k_u = min(kappa_u, 1) where updates contend and no
+parameter is tied, else 0 (:mod:`solvers.dp_tables`); that is the *relaxed* T the DP
+minimises.  A node (k, floor f, cap c) covers the partitions with f <= rho_k <= c: charging
+stage k (1 - k_u) max(r_k, f), every stage k_u max(r_j, 0), in S and forbidding r_j > c on
+every other stage gives, per stage, terms a prefix DP can add up, so the node's minimum V is
+exact (:mod:`solvers.dp_threshold`) and bounds every partition it covers from below.  Its minimiser P has rho_k(P) <= c: if its
 relaxed T equals V, the node is closed; otherwise it splits into (k, f, rho_k(P)^-) and
 (k, rho_k(P), c), both bounded by V.  The root charges stage 0 with nothing capped; if it does
 not close, the stage whose tail decides R at its minimiser (a tied LM head's last stage, say)

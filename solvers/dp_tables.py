@@ -16,27 +16,30 @@ costs O(p n W) in vectorised numpy.  The band's tables are built once per instan
 widest W asked for so far, and sliced for narrower ones.
 
 The tail.  R = max_j E_j (:mod:`planner.costmodel`), E_j = ready_j + U_j without update
-contention.  The DP charges it through a *tail node* (:class:`TailNode`: a charged stage k, a
+contention.  With r_0 = E_0 (U_0, or A + U_0 when stage 0 holds a tied parameter's copy) and
+r_j for j >= 1 stage j's E_j as :meth:`Instance.tail` bounds it from below, the *relaxed* tail
+(:meth:`Instance.relaxed`) is
+
+    (1 - k_u) max_j r_j + k_u sum_j max(r_j, 0),    k_u = min(kappa_u, 1),
+
+a lower bound of the true R, equal to it where every r_j is exact and the updates do not
+contend.  The k_u part: without tied parameters every update but stage 0's starts before stage
+0's last backward ends (time 0), with at least max(r_j, 0) of work left then, and stage 0's
+starts at 0 with r_0; from then on they share the devices (rate 1 / (1 + kappa_u (a - 1)) for
+a under way), which ends the last at exactly max + kappa_u (sum - max) of the work left
+(:func:`planner.updates.shared_ends`), no less than the bound, and more work only delays it.
+With tied parameters holders start later, and k_u = 0.
+
+The DP charges the relaxed tail through a *tail node* (:class:`TailNode`: a charged stage k, a
 floor f and a cap c):
 
-    stage k pays  max(r_k, f) in its term of S; for k = 0,
-                  g(r_0, f) = max(r_0, f) + kappa_u min(r_0, max(f, 0)),
-    every other stage j must have r_j <= c,
+    every stage j pays  k_u max(r_j, 0)  in its term of S, stage k also (1 - k_u) max(r_k, f),
+    every stage j != k must have r_j <= c,
 
-with r_0 = E_0 (U_0, or A + U_0 when stage 0 holds a tied parameter's copy) and r_j for j >= 1
-stage j's E_j as :meth:`Instance.tail` bounds it from below; the last stage's charge or cap is
-a vector over its first unit, a mid stage's a table over the band.  For a partition whose
-largest r_j over j >= 1 is rho, the *relaxed* tail is g(r_0, rho) (:meth:`Instance.relaxed`):
-a lower bound of the true R, equal to it where every r_j is exact and the updates do not
-contend.  A node's objective is at most the relaxed objective of every partition whose largest
+the last stage's terms and cap as a vector over its first unit, a mid stage's as a table over
+the band.  A node's objective is at most the relaxed objective of every partition whose largest
 tail over the uncharged stages lies in [f, c], so :mod:`solvers.dp` covers all of them with
 nodes and splits them at the level of what they find.
-
-The kappa_u term is the end of two updates that overlap: stage 0's, released at 0, and one with
-rho of work left then; under egalitarian sharing both run at 1 / (1 + kappa_u) until the
-shorter ends, so the later ends at max + kappa_u min (:func:`planner.updates.shared_ends`), and
-further updates only delay it.  It is charged only where every release before stage 0's is
-known to come earlier (no tied parameters); elsewhere kappa_u is left out of the bound.
 
 Tied gradients.  A stage holding a copy of a shared parameter that spans stages waits for its
 all-reduce (A seconds), which starts when its first holder s finishes: r_j = U_j + A - D_s.
@@ -191,7 +194,9 @@ class Instance:
         # kappa_u in the relaxed tail: only without tied parameters (see the module doc); two
         # stages are enumerated with the exact tail instead (dp._two_stages).
         self.kappa_u = (
-            cluster.update_contention if self.p > 2 and self.tail_on and not self.syncs else 0.0
+            min(cluster.update_contention, 1.0)
+            if self.p > 2 and self.tail_on and not self.syncs
+            else 0.0
         )
         # Whether r_j is exact for every stage and the relaxed tail the true one: one shared
         # parameter owned by unit 0 or on 2 stages, no update contention, and for p > 2 no
@@ -287,41 +292,49 @@ class Instance:
             h = np.where(copy | owns, np.maximum(h, upd + seconds - d), h)
         return h
 
-    def charge(self, r0: np.ndarray | float, floor: float) -> np.ndarray:
-        """g(r_0, floor): stage 0's tail charge when the other stages' tail is >= ``floor``."""
-        r0 = np.asarray(r0, dtype=np.float64)
-        out = np.maximum(r0, floor)
-        if self.kappa_u and floor > 0:
-            out = out + self.kappa_u * np.minimum(r0, floor)
-        return np.asarray(out)
+    def share(self, r: np.ndarray | float) -> np.ndarray:
+        """kappa_u max(r, 0): what a stage's tail adds to the relaxed tail beyond the longest."""
+        return np.asarray(self.kappa_u * np.maximum(r, 0.0))
+
+    def charge(self, r: np.ndarray | float, floor: float) -> np.ndarray:
+        """The charged stage's part of the longest tail, (1 - kappa_u) max(r, floor)."""
+        return np.asarray((1.0 - self.kappa_u) * np.maximum(r, floor))
 
     def stage0(self, node: TailNode, mode: str = "sum") -> np.ndarray:
-        """What stage 0 adds under ``node``, by its last unit r: its charge when charged (in
-        the sum only), else 0 where it meets the cap and inf where not."""
+        """What stage 0 adds under ``node``, by its last unit r: in the sum, its share and its
+        charge when charged; inf where it breaks the cap when not."""
         if not self.tail_on or self.p == 1:
             return np.zeros(self.n)
-        if node.charged == 0:
-            return self.charge(self.r0, node.floor) if mode == "sum" else np.zeros(self.n)
-        return np.where(self.r0 <= node.cap, 0.0, INF)
+        out = np.zeros(self.n)
+        if mode == "sum":
+            out = out + self.share(self.r0)
+            if node.charged == 0:
+                out = out + self.charge(self.r0, node.floor)
+        if node.charged != 0:
+            out = np.where(self.r0 <= node.cap, out, INF)
+        return out
 
     def last(self, node: TailNode) -> np.ndarray:
-        """The last stage's term of S over its first unit L under ``node``: its charge added
-        when charged, inf where it does not fit or breaks the cap."""
+        """The last stage's term of S over its first unit L under ``node``: its share and,
+        when charged, its charge added; inf where it does not fit or breaks the cap."""
         if self.p == 1 or not self.tail_on:
             return self.a_last
+        out = self.a_last + self.share(self.h_last)
         if node.charged == self.p - 1:
-            return self.a_last + np.maximum(self.h_last, node.floor)
+            return out + self.charge(self.h_last, node.floor)
         if not np.isfinite(node.cap):
-            return self.a_last
-        return np.where(self.h_last <= node.cap, self.a_last, INF)
+            return out
+        return np.where(self.h_last <= node.cap, out, INF)
 
     def least_charge(self, node: TailNode) -> float:
-        """A lower bound of what the charged stage adds to S, outside the last stage's term."""
-        if not self.tail_on or self.p == 1 or node.charged == self.p - 1:
+        """A lower bound of what the stages' tails add to S, outside the last stage's term."""
+        if not self.tail_on or self.p == 1:
             return 0.0
         if node.charged == 0:
             return float(np.min(self.stage0(node)))
-        return max(node.floor, 0.0)
+        if node.charged == self.p - 1:
+            return 0.0
+        return float(self.charge(0.0, node.floor))
 
     def _stages(self, starts: tuple[int, ...]) -> tuple[list[float], list[float], list[float]]:
         """(c_j, t_j, U_j) of every stage of a partition (U_j of the mid stages only)."""
@@ -358,12 +371,13 @@ class Instance:
 
     def relaxed(self, starts: tuple[int, ...]) -> float:
         """The objective the DP bounds for a partition: T(m) with the relaxed tail
-        g(r_0, max_{j>0} r_j) (a lower bound of the true T(m) where ``self.exact`` is False)."""
+        (1 - kappa_u) max_j r_j + kappa_u sum_j max(r_j, 0) (a lower bound of the true T(m)
+        where ``self.exact`` is False)."""
         base = self._base(starts)
         if self.p == 1 or not self.tail_on:
             return base
         r = self.tails(starts)
-        return base + float(self.charge(r[0], float(np.max(r[1:]))))
+        return base + float(self.charge(float(np.max(r)), -INF) + np.sum(self.share(r)))
 
     def objective(self, starts: tuple[int, ...], node: TailNode) -> float:
         """A partition's objective under ``node`` (inf where it breaks the node's cap)."""
@@ -374,9 +388,7 @@ class Instance:
         k = node.charged
         if float(np.max(np.delete(r, k))) > node.cap:
             return INF
-        if k == 0:
-            return base + float(self.charge(r[0], node.floor))
-        return base + max(float(r[k]), node.floor)
+        return base + float(self.charge(float(r[k]), node.floor) + np.sum(self.share(r)))
 
     def closes(self, starts: tuple[int, ...], node: TailNode) -> tuple[bool, float]:
         """(whether the partition's relaxed objective equals its objective under ``node``,
@@ -384,8 +396,6 @@ class Instance:
         r = self.tails(starts)
         k = node.charged
         rho = float(np.max(np.delete(r, k)))
-        if k == 0:
-            return bool(self.charge(r[0], rho) <= self.charge(r[0], node.floor)), rho
         return rho <= max(float(r[k]), node.floor), rho
 
     def width(self, threshold: float) -> int:
@@ -460,7 +470,7 @@ class Instance:
         return [(rr[cc < W], cc[cc < W]) for rr, cc in per_j]
 
     def mid_tail(self, k: int, W: int) -> np.ndarray:
-        """r_k of every band cell as mid stage k (-inf outside the band)."""
+        """r_k of every band cell as mid stage k (0 outside the band)."""
         band = self.band(W)
         full = self._band
         assert full is not None
@@ -468,7 +478,7 @@ class Instance:
             lc = np.minimum(full.lidx, self.n - 1)
             rows = np.broadcast_to(np.arange(self.n)[:, None], lc.shape)
             self._mid_tails[k] = np.where(
-                full.lidx <= self.n, self.tail(k, lc, rows, full.upd), -INF
+                full.lidx <= self.n, self.tail(k, lc, rows, full.upd), 0.0
             )
         return self._mid_tails[k][:, : band.a.shape[1]]
 
@@ -509,9 +519,11 @@ class Instance:
                 dp = np.concatenate([[INF], first, [INF]])
                 continue
             cand = dp[band.lidx] + c if mode == "sum" else np.maximum(dp[band.lidx], c)
+            if tail and mode == "sum" and self.kappa_u:
+                cand = cand + self.share(self.mid_tail(j, W))
             if tail and j == node.charged:
                 if mode == "sum":
-                    cand = cand + np.maximum(self.mid_tail(j, W), node.floor)
+                    cand = cand + self.charge(self.mid_tail(j, W), node.floor)
             elif capped:
                 rr, cc = blocked[j]
                 cand[rr, cc] = INF
