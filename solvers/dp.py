@@ -29,9 +29,11 @@ not close, the stage whose tail decides R at its minimiser (a tied LM head's las
 becomes the charged one and a new root over every partition starts from the first one's bound,
 so that the tail that decides R counts in full rather than through a floor.  Nodes are taken
 lowest bound first and dropped once their bound reaches the incumbent (the best exact step
-time over every m); each split moves a floor or a cap past a value some stage's tail takes, so
-the search ends, in practice after one to three nodes (most stages drain far longer than they
-update, so R is stage 0's update, or the tied all-reduce and the longer of the end stages').
+time over every m) or the least relaxed T of a plan found (where the relaxation falls short,
+the relaxed optimum is then known, and it is the bound); each split moves a floor or a cap
+past a value some stage's tail takes, so the search ends, in practice after one to three nodes
+(most stages drain far longer than they update, so R is stage 0's update, or the tied
+all-reduce and the longer of the end stages').
 Past ``_NODES`` nodes (more on small instances) the plan keeps a proven gap.
 
 Two stages have one cut, which fixes every term: they are enumerated (:func:`_two_stages`),
@@ -66,7 +68,7 @@ from solvers.dp_threshold import Incumbent, Start, floor, prepare, search
 
 __all__ = ["partition_dp", "solve_dp"]
 
-_NODES = 16
+_NODES = 64
 _NODE_WORK = 4096
 """Most tail nodes solved per m: max(_NODES, _NODE_WORK / (n p)), so small instances always
 finish; past it the plan keeps a proven gap."""
@@ -82,15 +84,17 @@ def _solve(inst: Instance, start: Start, inc: Incumbent, bound: float) -> float:
         search(inst, TailNode(), start, inc)  # exact: without a tail, T is the node's objective
         return inc.objective
     least = INF  # the least bound of the nodes closed
+    relaxed = INF  # the least relaxed objective of a plan found: no node above it matters
     heap = [(bound, 0, TailNode())]
     made = 1
     for _ in range(max(_NODES, _NODE_WORK // (inst.n * inst.p))):
-        if not heap or heap[0][0] >= inc.objective:
+        if not heap or heap[0][0] >= min(inc.objective, relaxed):
             break
         _, _, node = heapq.heappop(heap)
         found = search(inst, node, start, inc)
         if found is None:  # nothing it covers beats the incumbent
             continue
+        relaxed = min(relaxed, inst.relaxed(found.starts))
         closed, rho = inst.closes(found.starts, node)
         if closed:
             least = min(least, found.objective)
@@ -110,7 +114,7 @@ def _solve(inst: Instance, start: Start, inc: Incumbent, bound: float) -> float:
             heapq.heappush(heap, (found.objective, made, child))
             made += 1
     open_bound = heap[0][0] if heap else INF
-    return min(least, open_bound, inc.objective)
+    return min(least, open_bound, relaxed, inc.objective)
 
 
 def _two_stages(inst: Instance, inc: Incumbent) -> float:
