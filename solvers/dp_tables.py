@@ -95,8 +95,8 @@ def longest_sums(comm: np.ndarray, k_max: int) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class TailNode:
     """Partitions whose tail over the stages other than ``charged`` is at most ``cap``, charged
-    as if it were at least ``floor``: the charged stage k pays max(r_k, floor) in S (stage 0:
-    g(r_0, floor)), every other stage must keep r_j <= cap (see the module doc)."""
+    as if it were at least ``floor``: the charged stage k pays (1 - k_u) max(r_k, floor) in S,
+    every other stage must keep r_j <= cap (see the module doc)."""
 
     floor: float = -INF
     cap: float = INF
