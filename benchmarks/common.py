@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
 
-__all__ = ["machine"]
+__all__ = ["machine", "models_parser", "pipeplan"]
+
+_PIPEPLAN = [sys.executable, "-c", "from planner.cli import main; main()"]
+
+
+def pipeplan(*args: str) -> None:
+    """Run ``pipeplan ARGS`` in a subprocess; raise with its error output if it fails."""
+    proc = subprocess.run([*_PIPEPLAN, *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pipeplan {' '.join(args[:2])} failed: {proc.stderr[-2000:]}")
+
+
+def models_parser(doc: str, models: Iterable[str], here: Path) -> argparse.ArgumentParser:
+    """A benchmark's arguments: ``--models`` (a subset of ``models``) and ``-o`` (results)."""
+    names = list(models)
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=names, choices=names)
+    ap.add_argument("-o", "--output", default=str(here / "results.json"))
+    return ap
 
 
 def machine() -> dict[str, str]:

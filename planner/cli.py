@@ -3,6 +3,7 @@
     pipeplan profile MODEL --batch-size B [--device cpu|cuda[:i]] -o profile.json
     pipeplan plan profile.json --stages P --memory 16GiB [--microbatches auto|M] -o plan.json
     pipeplan show plan.json|profile.json
+    pipeplan export plan.json --to torchtitan|megatron|deepspeed|fqns [-o FILE]
 
 Every error a user can cause prints one line ``error: ...`` and exits with status 2; no
 traceback, no partial file.  Commands import their package lazily, so ``pipeplan show`` does
@@ -17,7 +18,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -27,7 +28,7 @@ from planner.cli_runtime import calibrate, run
 from planner.errors import InfeasiblePlanError, PipeplanError
 from planner.io import format_bytes, load_any, load_profile, write_json
 from planner.terminal import console, err_console, print_plan, print_profile
-from planner.types import OPTIMIZERS, Plan, PlanOptions, Profile
+from planner.types import OPTIMIZERS, Cluster, Plan, PlanOptions, Profile
 
 __all__ = ["app", "main"]
 
@@ -78,6 +79,14 @@ def profile(
         int,
         typer.Option(help="Refine auto units for up to this many stages (no unit > 1/P)."),
     ] = 8,
+    method: Annotated[
+        str,
+        typer.Option(
+            help="whole: whole training passes of the real model; units: built on meta, each "
+            "distinct unit materialized alone and measured once; auto: whole if the training "
+            "state (4 x params + activations) fits in half the available memory, else units."
+        ),
+    ] = "auto",
 ) -> None:
     """Trace MODEL, group it into units and measure every unit at several micro-batch sizes.
 
@@ -116,10 +125,14 @@ def profile(
         threads=threads,
         rounds=rounds,
         max_stages=max_stages,
+        method=method,
     )
     write_json(output, prof)
+    copied = sum(u.measured_as is not None for u in prof.units)
     console.print(
-        f"profiled {prof.model}: {prof.n_units} units ({prof.tracer}), "
+        f"profiled {prof.model} ({prof.method}"
+        + (f", {prof.n_units - copied} measured, {copied} copied" if prof.method == "units" else "")
+        + f"): {prof.n_units} units ({prof.tracer}), "
         f"micro-batch sizes {list(prof.microbatch_sizes)} -> {output}"
     )
 
@@ -134,6 +147,10 @@ def plan(
     profile_file: Annotated[Path, typer.Argument(metavar="PROFILE", help="A profile JSON file.")],
     output: Output = Path("plan.json"),
     stages: Annotated[int | None, typer.Option("--stages", "-p", help="Number of stages.")] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(help="Devices N: choose stages p and data-parallel replicas N / p."),
+    ] = None,
     memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 16GiB.")] = None,
     microbatches: Annotated[str, typer.Option(help="auto or a count m.")] = "auto",
     checkpoint: Annotated[str, typer.Option(help="always, except_last or never.")] = "except_last",
@@ -183,16 +200,56 @@ def plan(
         max_units=max_units,
         time_limit_s=time_limit,
     )
-    clus = make_cluster(stages, memory, bandwidth, latency, cluster)
-    try:
-        result = SOLVERS[solver](prof, clus, options)
-    except InfeasiblePlanError as exc:
-        fail(str(exc))
+    if devices is not None:
+        if stages is not None:
+            fail("--devices chooses the stage count; drop --stages")
+        clus = make_cluster(None if cluster else 1, memory, bandwidth, latency, cluster)
+        result = _plan_devices(prof, devices, clus, options, SOLVERS[solver])
+    else:
+        clus = make_cluster(stages, memory, bandwidth, latency, cluster)
+        try:
+            result = SOLVERS[solver](prof, clus, options)
+        except InfeasiblePlanError as exc:
+            fail(str(exc))
     if not record_solve_time:
         result = result.model_copy(update={"solve_time_s": None})
     write_json(output, result)
     print_plan(result)
     console.print(f"-> {output}")
+
+
+def _plan_devices(
+    prof: Profile, devices: int, clus: Cluster, options: PlanOptions, solve: Any
+) -> Plan:
+    """The best plan over pipeline depths for ``devices``; prints the frontier (every depth)."""
+    from solvers.devices import plan_devices
+
+    choices = plan_devices(prof, devices, clus, options, solve)
+    best = choices[0]
+    table = Table(title=f"{devices} devices, global batch {prof.batch_size}")
+    for col in ("stages p", "replicas d", "m", "step", "samples/s", "max stage memory", "note"):
+        table.add_column(col, justify="left" if col == "note" else "right")
+    for c in choices:
+        if c.plan is None:
+            table.add_row(str(c.stages), str(c.replicas), "-", "-", "-", "-", c.reason)
+            continue
+        note = "best" if c is best else f"{c.throughput / best.throughput - 1:+.1%} throughput"
+        mem = max(s.memory.total for s in c.plan.stages)
+        table.add_row(
+            str(c.stages),
+            str(c.replicas),
+            str(c.plan.microbatches),
+            f"{c.plan.step_time_s * 1e3:.4g} ms",
+            f"{c.throughput:.4g}",
+            format_bytes(mem),
+            note,
+        )
+    console.print(table)
+    if best.plan is None:
+        fail(f"no depth fits {devices} devices: " + "; ".join(
+            f"p={c.stages}: {c.reason}" for c in choices
+        ))  # fmt: skip
+    return best.plan
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,6 +336,61 @@ def compare(
         console.print(table)
     else:
         sys.stdout.write(render(df, fmt))
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def export(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan JSON file.")],
+    to: Annotated[str, typer.Option("--to", help="torchtitan, megatron, deepspeed or fqns.")],
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
+    ] = None,
+    profile_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--profile", help="The plan's profile: prices the closest plan a target can run."
+        ),
+    ] = None,
+) -> None:
+    """Write PLAN in a training framework's own terms (stage module names, layout, parts).
+
+    A cut the target cannot make (inside a block, inside the embedding or the head) moves to
+    the closest plan it can; one line on stderr says why and what that plan costs.
+    """
+    from planner.export import TARGETS, export_plan
+    from planner.io import load_plan, write_text
+
+    if to not in TARGETS:
+        fail(f"--to {to!r} is not one of {', '.join(TARGETS)}")
+    if output is not None:
+        check_output(output)
+    the_plan = load_plan(plan_file)
+    prof = load_profile(profile_file) if profile_file is not None else None
+    result = export_plan(the_plan, to, prof)  # type: ignore[arg-type]
+    if result.adjustment is not None:
+        new, old = result.adjustment.plan, the_plan.step_time_s
+        starts = [s.first_unit for s in new.stages]
+        fits = "" if new.feasible else ", over a device's memory"
+        change = (new.step_time_s / old - 1) * 100 if old > 0 else 0.0
+        err_console.print(
+            f"note: {result.adjustment.reason}; the closest plan it can run starts its stages "
+            f"at units {starts}: predicted step {new.step_time_s * 1e3:.4g} ms vs "
+            f"{old * 1e3:.4g} ms planned ({change:+.1f}%{fits})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if output is None:
+        sys.stdout.write(result.text)
+    else:
+        write_text(output, result.text)
+        console.print(f"{to} -> {output}")
 
 
 # --------------------------------------------------------------------------------------------

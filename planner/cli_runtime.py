@@ -95,7 +95,7 @@ def run(
     if device == "cpu":
         from runtime.worker import default_threads
 
-        per_rank = threads or default_threads(p.n_stages)
+        per_rank = threads or default_threads(p.n_stages * p.cluster.data_parallel)
         if p.profiled_threads is not None and p.profiled_threads != per_rank:
             err_console.print(
                 f"[yellow]warning:[/] the profile was measured with {p.profiled_threads} "

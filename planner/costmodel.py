@@ -22,12 +22,35 @@ and backward, less what one checkpoint call adds by itself, (c_F, c_B) =
                                       and Concurrent updates)
     T(m) = sum_j t_j + (m - 1) * (max_j (t_j - k c_j) + k * sum_j c_j) + R + c   (step time)
 
-    M_j = w_j * (2 + k)                            params, grads, k optimizer states
-                                                   (w_j includes copies of shared parameters)
-        + q_j * x_l(b)                             stashed stage inputs, when recomputing
-        + sum_u a_u(b)        (recompute)          one micro-batch's activations
-        | q_j * sum_u a_u(b)  (no recompute)       all in-flight micro-batches' activations
-        (+ q_j * the loss's saved bytes on the last stage)
+    M_j = w_j (1 + k)                    params and k optimizer states (w_j includes copies
+                                         of shared parameters)
+        + m x_l + m x_{r+1}              buffers: the inputs of every micro-batch (stage 0's
+                                         share of the batch, a later stage's receive buffers,
+                                         one per micro-batch: a recomputing stage stashes
+                                         these) and the receive buffers of the output's
+                                         gradient (x_n = 0)
+        + W_j                            one backward's working gradients: [j > 0] x_l, the
+                                         input's, and on the last stage 2 y, the loss's and
+                                         the output's
+        + max(q_j H_j + A_j,             the first backward: no gradient exists yet
+              w_j + q'_j H_j + max(A_j, G_j))   a later one: the gradients exist
+
+    H_j = x_{r+1} + [no recompute] sum_u a_u(b) + [j = p-1] (y + a_loss)
+                                         held per micro-batch in flight until its backward:
+                                         the stage's outputs, its activations, and on the last
+                                         stage the model's outputs and the loss's saved tensors
+    A_j = [recompute] sum_u a_u(b)       the activations a recomputing stage remakes
+    G_j = [m > 1] max_u big_u            the largest parameter's gradient, made in a temporary
+                                         before it is added to the held one
+    q'_j = q_j for 1F1B with m > q_j (a forward follows each backward), else q_j - 1
+
+with y the model's output bytes per micro-batch.  The gradients are set to ``None`` at the
+start of every step, so the first backward runs before any exists: under GPipe the peak comes
+either there, with every in-flight micro-batch's activations, or at a later backward, with the
+gradients and one micro-batch fewer.  A recomputing stage's remade activations are freed as its
+backward goes, before the temporary of the first unit's parameter (the embedding) appears, so
+the two count as a max.  The optimizer's step adds nothing (fused Adam has no temporaries,
+:mod:`planner.optim`).  ``benchmarks/memory`` measures it on 2 CPU ranks.
 
 where U(w) is the plan's optimizer's step time over w parameter bytes, fitted to the profile's
 measurements (:func:`planner.updates.update_cost`), q_j = m for GPipe and min(m, p - j) for
@@ -122,6 +145,7 @@ __all__ = [
     "contention",
     "in_flight",
     "lower_bound",
+    "memory_parts",
     "recomputes",
     "stage_memory",
     "stage_time",
@@ -169,25 +193,57 @@ def stage_time(
     return F, B, C
 
 
+def memory_parts(
+    costs: UnitCosts,
+    options: PlanOptions,
+    j: int,
+    p: int,
+    l: np.ndarray | int,
+    r: np.ndarray | int,
+    w: np.ndarray | float,
+) -> dict[str, np.ndarray]:
+    """M_j by part at its peak, for stage j of p over units l..r holding ``w`` parameter bytes
+    (shared copies included; arrays broadcast; see the module docstring).  The parts sum to
+    M_j; ``grads`` is 0 where the peak comes before the first gradient exists.  The solvers'
+    tables and :func:`stage_memory` both read it, so they agree on what fits."""
+    l_arr, r_arr, w_arr = np.asarray(l), np.asarray(r), np.asarray(w, dtype=np.float64)
+    m, q = costs.m, in_flight(options.schedule, j, p, costs.m)
+    later = q if options.schedule == "1f1b" and m > q else q - 1
+    x_in = costs.x[l_arr].astype(np.float64)
+    x_out = costs.x[r_arr + 1].astype(np.float64)
+    acts = costs.Pa[r_arr + 1] - costs.Pa[l_arr]
+    rc = recomputes(options.checkpoint, j, p)
+    last = j == p - 1
+    held_acts = (0.0 if rc else acts) + (costs.loss_a if last else 0.0)  # per micro-batch
+    held_out = x_out + (costs.out if last else 0.0)
+    remade = acts if rc else 0.0 * acts
+    temp = costs.largest_param(l_arr, r_arr) if m > 1 else 0.0 * acts
+    first = q * (held_acts + held_out) + remade
+    second = w_arr + later * (held_acts + held_out) + np.maximum(remade, temp)
+    at_first = first >= second
+    n_held = np.where(at_first, q, later)
+    return {
+        "params": w_arr + 0.0 * acts,
+        "grads": np.where(at_first, 0.0, w_arr),
+        "optimizer": OPTIMIZER_STATES[options.optimizer] * w_arr + 0.0 * acts,
+        "stashed_inputs": m * x_in,
+        "gradient_buffers": m * x_out,
+        "activations": n_held * held_acts + np.where(at_first | (remade >= temp), remade, 0.0),
+        "outputs": n_held * held_out,
+        "transient": x_in * (j > 0)
+        + (2 * costs.out if last else 0.0)
+        + np.where(at_first | (remade >= temp), 0.0, temp),
+    }
+
+
 def stage_memory(
     costs: UnitCosts, cluster: Cluster, options: PlanOptions, l: int, r: int, j: int
 ) -> MemoryBreakdown:
-    """M_j of stage j covering units l..r, broken down."""
-    p = cluster.n_stages
-    q = in_flight(options.schedule, j, p, costs.m)
+    """M_j of stage j covering units l..r, broken down at its peak."""
     w = int(costs.Pw[r + 1] - costs.Pw[l]) + int(costs.shared_bytes(l, r))
-    acts = int(costs.Pa[r + 1] - costs.Pa[l])
-    k = OPTIMIZER_STATES[options.optimizer]
-    if recomputes(options.checkpoint, j, p):
-        stash, act = q * int(costs.x[l]), acts
-    else:
-        stash, act = 0, q * acts
-    if j == p - 1:
-        act += q * int(costs.loss_a)
-    total = w * (2 + k) + stash + act
-    return MemoryBreakdown(
-        params=w, grads=w, optimizer=k * w, stashed_inputs=stash, activations=act, total=total
-    )
+    parts = memory_parts(costs, options, j, cluster.n_stages, l, r, w)
+    ints = {key: int(v) for key, v in parts.items()}
+    return MemoryBreakdown(**ints, total=sum(ints.values()))
 
 
 def contention(cluster: Cluster, m: int) -> float:

@@ -72,6 +72,11 @@ class StageFailedError(PipeplanError, RuntimeError):
         self.bad_request = bad_request
 
 
+class UnitMeasureError(PipeplanError, RuntimeError):
+    """A unit measured alone (``pipeplan profile --method units``) failed on the inputs made
+    for it; the message names the unit and its inputs known only by their shape."""
+
+
 class UserCodeError(PipeplanError, RuntimeError):
     """The user's code raised: the model callable, ``make_batch``, the loss or ``forward``.
 

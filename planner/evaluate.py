@@ -81,7 +81,7 @@ def build_stages(
             f"boundaries {list(boundaries)} do not split {n} units into {p} non-empty stages"
         )
     costs = unit_costs(profile, m)
-    update = update_cost(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer, cluster)
     stages = []
     for j, l in enumerate(starts):
         r = (starts[j + 1] if j + 1 < p else n) - 1

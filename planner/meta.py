@@ -20,7 +20,8 @@ A model too large for one process is never built whole.  Its parameters live on 
    device, and initialises them.  Tensors are swapped in place
    (:func:`torch.utils.swap_tensors`), so every holder sees them, the traced graph and the
    stage modules included, and a tied parameter (one object under two names) stays tied; a
-   plain ``module.to_empty()`` makes two parameters of it.
+   plain ``module.to_empty()`` makes two parameters of it.  :func:`dematerialize` puts the
+   parameters of such modules back on ``meta`` (the profiler measures one unit at a time).
 
 The initialisation contract.  For each module that owns a materialized tensor, in
 ``named_modules`` order, the random generator is seeded from ``(seed, the module's qualified
@@ -54,6 +55,7 @@ from planner.errors import ModelLoadError
 __all__ = [
     "InitFn",
     "MetaInterpreter",
+    "dematerialize",
     "empty_parameters",
     "has_meta",
     "materialize",
@@ -149,11 +151,17 @@ def trace_meta(module: nn.Module, example_inputs: tuple[Tensor, ...], tracer: st
     real = {id(f): t for f, t in fakes.values()}
     for table, key, t in _slots(traced.gm):
         table[key] = real.get(id(t), t)
-    for name, value in vars(traced.gm).items():
-        if isinstance(value, Tensor) and id(value) not in real:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    held = [*vars(traced.gm).items(), *traced.gm.named_buffers(), *traced.gm.named_parameters()]
+    for name, value in held:
+        if isinstance(value, FakeTensor) or (
+            isinstance(value, Tensor) and name in vars(traced.gm) and id(value) not in real
+        ):
             raise ModelLoadError(
                 f"the traced graph holds a tensor constant {name!r} made in forward; it has no "
-                f"value on meta: make it a buffer of the model, or run with --init full"
+                f"value on meta: make it a buffer of the model, or build the model for real "
+                f"(pipeplan run --init full, pipeplan profile --method whole)"
             )
     return traced
 
@@ -314,3 +322,35 @@ def _check_initialised(module: nn.Module, fresh: dict[int, Tensor], mods: list[s
                     f"init_weights(module) hook, load a checkpoint with --weights, or run "
                     f"with --init full"
                 )
+
+
+def dematerialize(module: nn.Module, mods: Iterable[str], *also: nn.Module) -> None:
+    """Put the parameters of the modules ``mods`` (qualified names, as :func:`materialize`
+    returns them) back on ``meta``, in place, freeing their storage and gradients; buffers
+    stay as they are (real, and small).
+
+    A parameter that something outside Python still holds (a view of it kept alive by
+    autograd, as a mixture-of-experts layer's transposed expert weights can be) cannot be
+    swapped: it is replaced by a new ``meta`` parameter in every module of ``module`` and
+    ``also`` that holds it, and its storage is freed once that holder lets go."""
+    by_name = dict(module.named_modules(remove_duplicate=False))
+    done: set[int] = set()
+    stuck: dict[int, nn.Parameter] = {}
+    for mod_name in mods:
+        for p in by_name[mod_name]._parameters.values():
+            if p is None or p.is_meta or id(p) in done:
+                continue
+            done.add(id(p))
+            p.grad = None
+            empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=META)
+            new = nn.Parameter(empty, p.requires_grad)
+            try:
+                torch.utils.swap_tensors(p, new)
+            except RuntimeError:
+                new.__dict__.update(p.__dict__)
+                stuck[id(p)] = new
+    if stuck:
+        for root in (module, *also):
+            for table, key, t in list(_slots(root)):
+                if id(t) in stuck:
+                    table[key] = stuck[id(t)]

@@ -9,6 +9,7 @@ notebook display it.  Figures are built from the package's data types only:
     stage_memory(plans)                 M_j stacked by kind against each device's limit
     compare_figure(plans)               stage_times above stage_memory (``compare --plot``)
     microbatch_sweep(profile, ...)      step time and bubble against m, with GPipe's ideal
+    device_frontier(plans)              throughput against pipeline depth for N devices
 
 Drawn artists carry a ``gid`` naming what they show (``"stage-time/0/2"`` = plan 0, stage 2;
 ``"slowest/0"``; ``"memory-limit"``; ``"ideal-bubble"``), so tests and users can find them.
@@ -32,6 +33,7 @@ from planner.types import Cluster, Plan, PlanOptions, Profile
 
 __all__ = [
     "compare_figure",
+    "device_frontier",
     "microbatch_sweep",
     "plan_names",
     "stage_memory",
@@ -42,8 +44,11 @@ _MEMORY_PARTS = [
     ("params", "params", "#4C72B0"),
     ("grads", "grads", "#8172B2"),
     ("optimizer", "optimizer", "#CCB974"),
-    ("stashed_inputs", "stashed inputs", "#64B5CD"),
+    ("stashed_inputs", "inputs", "#64B5CD"),
     ("activations", "activations", "#55A868"),
+    ("gradient_buffers", "gradient buffers", "#937860"),
+    ("outputs", "outputs", "#DA8BC3"),
+    ("transient", "working gradients", "#C44E52"),
 ]
 _PLAN_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860", "#DA8BC3"]
 
@@ -304,4 +309,39 @@ def microbatch_sweep(
     limits = sorted({d.memory_bytes for d in cluster.devices})
     memory = "/".join(format_bytes(b) for b in limits)
     top.set_title(f"{profile.model}: p={p}, B={profile.batch_size}, memory {memory} per device")
+    return fig
+
+
+def device_frontier(plans: Sequence[Plan], devices: int | None = None) -> Figure:
+    """Global samples per second against pipeline depth p, one point per plan (each plan's
+    replicas d = ``plan.cluster.data_parallel``; throughput ``plan.throughput * d``), the best
+    marked; and each plan's largest stage memory against the device's limit below.  Points
+    carry gids ``"frontier/p"``; the best ``"frontier-best"``."""
+    if not plans:
+        raise ValueError("no plans to draw; pass the best plan of each depth")
+    ps = np.array([p.n_stages for p in plans])
+    rates = np.array([p.throughput * p.cluster.data_parallel for p in plans])
+    mems = np.array([max(s.memory.total for s in p.stages) for p in plans], dtype=float)
+    limit = float(plans[0].stages[0].memory_limit)
+    scale, unit = _byte_scale(max(float(mems.max()), limit))
+    fig = new_figure((7, 5))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    order = np.argsort(ps)
+    top.plot(ps[order], rates[order], "-", color="#4C72B0")
+    for p, rate in zip(ps, rates):
+        top.plot([p], [rate], "o", color="#4C72B0", gid=f"frontier/{p}")
+    best = int(np.argmax(rates))
+    top.plot([ps[best]], [rates[best]], "*", ms=16, color="#C44E52", gid="frontier-best",
+             label=f"best: p = {ps[best]}, d = {plans[best].cluster.data_parallel}")  # fmt: skip
+    n = devices or int(ps[best] * plans[best].cluster.data_parallel)
+    top.set_ylabel("samples / s")
+    top.set_title(f"{n} devices: pipeline depth p, data-parallel replicas {n} / p")
+    top.legend(loc="best")
+    bottom.bar(ps, mems / scale, 0.6, color="#55A868", label="largest stage")
+    bottom.axhline(limit / scale, color="black", ls="--", label=f"limit {format_bytes(int(limit))}")
+    bottom.set_ylabel(f"memory ({unit})")
+    bottom.set_xlabel("pipeline stages p")
+    bottom.set_xscale("log", base=2)
+    bottom.set_xticks(sorted(set(ps.tolist())), [str(v) for v in sorted(set(ps.tolist()))])
+    bottom.legend(loc="best")
     return fig

@@ -33,16 +33,20 @@ record and never re-estimates.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Interpreter, Node
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.graph import CUT, UnitSpec, compute_nodes, group_units
+from planner.meta import has_meta
 from planner.trace import TracedModel
 
 __all__ = ["DEFAULT_MAX_STAGES", "node_costs", "refine_units"]
@@ -75,15 +79,60 @@ class _Costs(Interpreter):
         return out
 
 
+class _FakeCosts(_Costs):
+    """:class:`_Costs` with the ``meta`` parameters of a model built on ``meta``
+    (:mod:`planner.meta`) replaced by fake tensors of the inputs' device: the same kernels as
+    the real model (``meta`` ones choose others: attention's math path), so the same counts."""
+
+    def __init__(self, traced: TracedModel, mode: FlopCounterMode, device: torch.device) -> None:
+        super().__init__(traced, mode)
+        self.device = device
+        self.fakes: dict[int, Tensor] = {}
+
+    def _fake(self, value: Any) -> Any:
+        def one(t: Any) -> Any:
+            if not isinstance(t, Tensor) or not t.is_meta:
+                return t
+            if id(t) not in self.fakes:
+                self.fakes[id(t)] = torch.empty_strided(
+                    t.shape, t.stride(), dtype=t.dtype, device=self.device
+                )
+            return self.fakes[id(t)]
+
+        return tree_map(one, value)
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._fake(super().get_attr(target, args, kwargs))
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        sub = self.fetch_attr(target)
+        state = {
+            k: self._fake(v)
+            for k, v in [*sub.named_parameters(), *sub.named_buffers()]  # type: ignore[union-attr]
+        }
+        return torch.func.functional_call(sub, state, tuple(args), kwargs)  # type: ignore[arg-type]
+
+
 def node_costs(traced: TracedModel, example_inputs: Sequence[Any]) -> dict[str, int]:
     """Estimated cost of every compute node on ``example_inputs`` (see the module docstring).
 
-    Runs the graph once without gradients; the model's buffers are left as they were.
+    Runs the graph once without gradients; the model's buffers are left as they were.  A
+    model with parameters on ``meta`` (:mod:`planner.meta`) runs on fake tensors of the
+    inputs' device, which give the same counts without memory.
     """
-    saved = [(b, b.detach().clone()) for b in traced.gm.buffers()]
+    saved = [(b, b.detach().clone()) for b in traced.gm.buffers() if not b.is_meta]
+    fake = has_meta(traced.gm)
+    device = next(
+        (x.device for x in example_inputs if isinstance(x, Tensor) and not x.is_meta),
+        torch.device("cpu"),
+    )
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as mode:
-            interp = _Costs(traced, mode)
+        with contextlib.ExitStack() as stack:
+            if fake:
+                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(torch.no_grad())
+            mode = stack.enter_context(FlopCounterMode(display=False))
+            interp = _FakeCosts(traced, mode, device) if fake else _Costs(traced, mode)
             interp.run(*example_inputs)
     finally:
         with torch.no_grad():

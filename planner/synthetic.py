@@ -66,6 +66,7 @@ def synthetic_profile(
     depth = np.linspace(0.0, 1.0, n_units)
     act_per_sample = (rng.lognormal(0.0, spread, n_units) * (2.0 - depth) * 2**16).astype(int)
     params = (rng.lognormal(0.0, spread, n_units) * (0.5 + depth) * 2**20).astype(int)
+    largest = (params * np.random.default_rng([seed, 2]).uniform(0.2, 1.0, n_units)).astype(int)
     units = []
     for u in range(n_units):
         timings = {}
@@ -87,6 +88,7 @@ def synthetic_profile(
                 nodes=(f"node{u}",),
                 params=(f"p{u}",),
                 param_bytes=int(params[u]),
+                largest_param_bytes=int(largest[u]),
                 timings=timings,
             )
         )

@@ -96,6 +96,16 @@ def print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    d = p.cluster.data_parallel
+    if d > 1:
+        alpha, beta = p.cluster.replica_allreduce()
+        console.print(
+            f"{d} data-parallel replicas of this pipeline, {p.batch_size} samples each "
+            f"(global batch {p.batch_size * d}, {p.throughput * d:.1f} samples/s): each stage "
+            f"all-reduces its gradients over them before its update ({alpha * 1e9:.3g} ns/B + "
+            f"{beta * 1e6:.3g} us, in its update time); replica r's stage j on rank "
+            f"layout[r][j] = r * {p.n_stages} + j"
+        )
     if p.batch_dependent_layers:
         console.print(batch_norm_note(p.batch_dependent_layers, p.microbatches))
     note = uncalibrated_note(p.cluster)
@@ -121,7 +131,7 @@ def print_profile(p: Profile) -> None:
         cut = p.cuts[u.index].bytes_per_sample if u.index < len(p.cuts) else 0
         table.add_row(
             str(u.index),
-            u.name,
+            u.name if u.measured_as is None else f"{u.name} (= {u.measured_as})",
             f"{t.forward_s * 1e3:.3f}",
             f"{t.backward_s * 1e3:.3f}",
             format_bytes(t.saved_bytes),
@@ -140,6 +150,12 @@ def print_profile(p: Profile) -> None:
         console.print(
             f"units: {g.base_units} blocks and glue, refined to {p.n_units} for up to "
             f"{g.max_stages} stages" + (f" (split: {opened}{more})" if g.expanded else "")
+        )
+    if p.method == "units":
+        copied = sum(u.measured_as is not None for u in p.units)
+        console.print(
+            f"measured unit by unit (--method units): {p.n_units - copied} units measured, "
+            f"{copied} copied from an identical one (= its index)"
         )
     if p.batch_dependent_layers:
         console.print(batch_norm_note(p.batch_dependent_layers, 1).split("; ")[0])

@@ -8,6 +8,7 @@ measurements at b into arrays over the units u = 0..n-1 (seconds on a device of 
     r_u - c_B        backward under checkpointing (recompute included), less the call's own
                      backward; (c_F, c_B) = ``Profile.checkpoint_call_s``, both clipped at 0
     a_u              bytes saved for backward by one micro-batch
+    big_u            bytes of the unit's largest parameter (a range-max table over units)
     w_u              parameter bytes (a shared parameter counted on its first user, the owner)
     x_k, msgs_k      bytes and tensors live before unit k (x_0 the model's inputs, x_n = 0)
 
@@ -20,7 +21,8 @@ l..r is P_v[r + 1] - P_v[l], one subtraction for any stage:
 
 A parameter used by several units is kept as (bytes, ascending user units): a stage that holds
 a user but not the owner holds a copy (:meth:`UnitCosts.shared_bytes`, :func:`holds_user`).
-The loss's forward, backward and saved bytes at b are charged to the last stage.  The formulas
+The loss's forward, backward and saved bytes at b, and the model's output bytes y (the last
+unit's), are charged to the last stage.  The formulas
 that read these tables are in :mod:`planner.costmodel`.
 """
 
@@ -73,6 +75,23 @@ class UnitCosts:
     """Forward and backward seconds of the loss on one micro-batch (last stage only)."""
     loss_a: float = 0.0
     """Bytes the loss saves for backward per micro-batch (kept for every one in flight)."""
+    out: float = 0.0
+    """y: bytes of the model's output (the last unit's) per micro-batch."""
+    big: np.ndarray | None = None
+    """Sparse table of the units' largest parameters: ``big[i][u]`` is the largest over units
+    u .. u + 2^i - 1 (:meth:`largest_param`)."""
+
+    def largest_param(self, l: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
+        """Bytes of the largest parameter units l..r use (arrays broadcast; 0 where l > r)."""
+        l_arr, r_arr = np.asarray(l), np.asarray(r)
+        if self.big is None:
+            return np.zeros(np.broadcast(l_arr, r_arr).shape)
+        span = np.maximum(r_arr - l_arr + 1, 1)
+        level = np.floor(np.log2(span)).astype(np.int64)
+        lo = np.clip(l_arr, 0, self.n - 1)
+        hi = np.clip(r_arr - (1 << level) + 1, 0, self.n - 1)
+        out = np.maximum(self.big[level, lo], self.big[level, hi])
+        return np.where(r_arr >= l_arr, out, 0.0)
 
     @property
     def n(self) -> int:
@@ -161,7 +180,21 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
         loss_f=loss.forward_s if loss else 0.0,
         loss_g=loss.backward_s if loss else 0.0,
         loss_a=float(loss.saved_bytes) if loss else 0.0,
+        out=float(timings[-1].output_bytes),
+        big=_sparse_max(np.array([u.largest_param_bytes for u in profile.units], dtype=np.float64)),
     )
+
+
+def _sparse_max(v: np.ndarray) -> np.ndarray:
+    """Rows i = 0..floor(log2 n): row i holds the max of v over u .. u + 2^i - 1 (clipped)."""
+    rows = [v]
+    width = 1
+    while 2 * width <= len(v):
+        prev = rows[-1]
+        shifted = np.concatenate([prev[width:], np.full(width, -np.inf)])
+        rows.append(np.maximum(prev, shifted))
+        width *= 2
+    return np.vstack(rows)
 
 
 def microbatch_choices(profile: Profile, options: PlanOptions) -> list[int]:

@@ -41,7 +41,8 @@ from itertools import combinations, pairwise
 
 import numpy as np
 
-from planner.types import Profile, TiedSync
+from planner.errors import InvalidRequestError
+from planner.types import Cluster, Profile, TiedSync
 
 __all__ = ["UpdateCost", "fit_update_cost", "shared_ends", "update_cost", "update_tail"]
 
@@ -116,10 +117,29 @@ def fit_update_cost(points: Sequence[tuple[float, float]]) -> UpdateCost:
     return UpdateCost(tuple(pieces))
 
 
-def update_cost(profile: Profile, optimizer: str) -> UpdateCost:
+def update_cost(profile: Profile, optimizer: str, cluster: Cluster | None = None) -> UpdateCost:
     """U(w) of one ``optimizer`` step: fitted to ``Profile.update_curve`` when measured, else
     ``Profile.update_s`` spread evenly over the model's parameter bytes (free without either).
-    A stage pays U of its bytes, shared copies included (each holder updates its copy)."""
+    A stage pays U of its bytes, shared copies included (each holder updates its copy).
+
+    With ``cluster.data_parallel`` d > 1 the stage first sums its gradients over the d replicas
+    (:meth:`Cluster.replica_allreduce`, alpha w + beta on a device of speed v): each piece gains
+    (alpha v, beta v), so that U(w) / v is the all-reduce and the update, one after the other.
+    The devices must then have one speed."""
+    base = _fitted(profile, optimizer)
+    if cluster is None or cluster.data_parallel == 1:
+        return base
+    if not cluster.uniform_speed:
+        raise InvalidRequestError(
+            "data-parallel replicas need devices of one speed; give every device the same speed"
+        )
+    v = cluster.devices[0].speed
+    alpha, beta = cluster.replica_allreduce()
+    pieces = base.pieces or ((0.0, 0.0),)
+    return UpdateCost(tuple((s + alpha * v, c + beta * v) for s, c in pieces))
+
+
+def _fitted(profile: Profile, optimizer: str) -> UpdateCost:
     curve = profile.update_curve.get(optimizer)  # type: ignore[call-overload]
     if curve:
         return fit_update_cost(curve)

@@ -110,3 +110,18 @@ class Clock:
             return None
         self.sync()
         return max(0, int(torch.cuda.max_memory_allocated(self.dev)) - base)
+
+
+def available_bytes(dev: torch.device) -> int:
+    """Memory available for a profile on ``dev``: CUDA's free device memory, or the host's
+    ``MemAvailable`` (``/proc/meminfo``; physical memory where there is none)."""
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

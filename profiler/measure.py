@@ -98,6 +98,7 @@ def measure_update_curve(
     repeats: int,
     points: int = 6,
     seed: int = 0,
+    restore: bool = True,
 ) -> dict[OptimizerName, tuple[tuple[int, float], ...]]:
     """(bytes, median seconds) of one step of every optimizer in :data:`planner.optim.OPTIMIZERS`
     over the parameters of units 0..k, for the ``points`` prefixes whose bytes come nearest
@@ -105,7 +106,8 @@ def measure_update_curve(
 
     Gradients are seeded; on a CPU, :data:`FLUSH_BYTES` are written before every timed step.
     The first steps allocate the optimizer's state, so at least one warm-up step always runs.
-    The parameters are restored afterwards.
+    The parameters are restored afterwards (with ``restore``, from a copy); their gradients
+    are cleared.
     """
     seen: set[int] = set()
     prefixes: list[list[Tensor]] = []
@@ -116,12 +118,9 @@ def measure_update_curve(
     sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in prefixes]
     if not sizes or sizes[-1] == 0:
         return {}
-    chosen = sorted({
-        int(np.searchsorted(sizes, sizes[-1] * (i + 1) / points - 1e-9, side="left"))
-        for i in range(points)
-    })  # fmt: skip
+    chosen = curve_points(sizes, points)
     params = prefixes[-1]
-    saved = [t.detach().clone() for t in params]
+    saved = [t.detach().clone() for t in params] if restore else []
     g = torch.Generator().manual_seed(seed)
     for t in params:
         t.grad = torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
@@ -143,16 +142,62 @@ def measure_update_curve(
         with torch.no_grad():
             for t, v in zip(params, saved):
                 t.copy_(v)
+            for t in params:
                 t.grad = None
     return {name: tuple(pts) for name, pts in out.items()}
 
 
+def curve_points(sizes: Sequence[int], points: int) -> list[int]:
+    """Indices of the ascending prefix ``sizes`` nearest above 1/points, 2/points, .., all of
+    the last: the prefixes an update curve is measured or summed at.
+
+    >>> curve_points([10, 20, 30, 40], 2)
+    [1, 3]
+    """
+    return sorted({
+        int(np.searchsorted(sizes, sizes[-1] * (i + 1) / points - 1e-9, side="left"))
+        for i in range(points)
+    })  # fmt: skip
+
+
+def summed_update_curve(
+    unit_bytes: Sequence[int],
+    unit_seconds: Sequence[dict[OptimizerName, float]],
+    step_s: dict[OptimizerName, float] | None = None,
+    points: int = 6,
+) -> dict[OptimizerName, tuple[tuple[int, float], ...]]:
+    """An update curve (as :func:`measure_update_curve`) from per-unit steps measured alone, at
+    the same growing prefixes of units 0..k: one step's fixed cost ``step_s`` (a step over one
+    element) plus each unit's step net of it, summed (a stage steps once, not once per unit).
+
+    >>> summed_update_curve([4, 4], [{"sgd": 1.5}, {"sgd": 2.5}], {"sgd": 0.5}, points=2)
+    {'sgd': ((4, 1.5), (8, 3.5))}
+    """
+    sizes = list(np.cumsum(unit_bytes))
+    if not sizes or sizes[-1] == 0:
+        return {}
+    fixed = step_s or {}
+    names = sorted({name for s in unit_seconds for name in s})
+    out: dict[OptimizerName, tuple[tuple[int, float], ...]] = {}
+    for name in names:
+        c = fixed.get(name, 0.0)
+        net = np.cumsum([max(s.get(name, 0.0) - c, 0.0) for s in unit_seconds])
+        out[name] = tuple((int(sizes[k]), c + float(net[k])) for k in curve_points(sizes, points))
+    return out
+
+
 def measure_updates(
-    params: Sequence[Tensor], *, clock: Clock, warmup: int, repeats: int, seed: int = 0
+    params: Sequence[Tensor],
+    *,
+    clock: Clock,
+    warmup: int,
+    repeats: int,
+    seed: int = 0,
+    restore: bool = True,
 ) -> dict[OptimizerName, float]:
     """Median seconds of one step of every optimizer over ``params`` (cold cache on a CPU):
     the last point of :func:`measure_update_curve` with all of them as one unit."""
     curve = measure_update_curve(
-        [params], clock=clock, warmup=warmup, repeats=repeats, points=1, seed=seed
+        [params], clock=clock, warmup=warmup, repeats=repeats, points=1, seed=seed, restore=restore
     )
     return {name: pts[-1][1] for name, pts in curve.items() if pts}

@@ -1,5 +1,19 @@
 """Profile a model: trace it, group it into units, and measure every unit at every micro-batch size.
 
+Two methods (``method``, ``pipeplan profile --method``):
+
+- ``whole`` (below): the real model, whole training passes.  It needs the whole model's
+  training state in memory.
+- ``units`` (:mod:`profiler.units`): the model built on ``meta``, each distinct unit
+  materialized alone and measured once; for models that do not fit.
+- ``auto`` (the default) takes ``whole`` when the model's training state fits in
+  :data:`AUTO_MEMORY_FRACTION` of the memory available on the device, else ``units``:
+  4 x parameter bytes (parameters, gradients, Adam's two states) + an activation estimate
+  (every compute node's output at the largest micro-batch size, summed, from a run on
+  ``meta``) <= 0.5 x available (CUDA: free device memory; CPU: ``MemAvailable``).
+
+The ``whole`` method:
+
 For each micro-batch size b the model runs whole training passes on a seeded batch of size b,
 unit by unit, and every unit is timed inside them (:mod:`profiler.sweep`): forward in order,
 the loss, backward in reverse, and the same again with every unit recomputing.  The cut table
@@ -24,14 +38,14 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from planner.allocator import keep_heap
-from planner.errors import InvalidRequestError
-from planner.graph import cut_tensors, group_units
+from planner.errors import InvalidRequestError, PipeplanError
+from planner.graph import UnitSpec, cut_tensors, group_units
 from planner.model import load_model
 from planner.refine import DEFAULT_MAX_STAGES, node_costs, refine_units
-from planner.trace import run_eagerly, trace_model
+from planner.trace import TracedModel, run_eagerly, trace_model
 from planner.types import Cut, CutTensor, Grouping, Profile, SharedParam, Timing, Unit
 from planner.usercode import user_code
-from profiler.device import Clock, device_info, resolve_device
+from profiler.device import Clock, available_bytes, device_info, resolve_device
 from profiler.measure import (
     measure_checkpoint_call,
     measure_update_curve,
@@ -40,8 +54,24 @@ from profiler.measure import (
 )
 from profiler.split import split_units
 from profiler.sweep import measure_sweep
+from profiler.units import activation_estimate, param_bytes
 
-__all__ = ["DTYPES", "batch_dependent_layers", "default_microbatch_sizes", "profile_model"]
+__all__ = [
+    "AUTO_MEMORY_FRACTION",
+    "DTYPES",
+    "METHODS",
+    "auto_method",
+    "batch_dependent_layers",
+    "default_microbatch_sizes",
+    "profile_model",
+]
+
+#: ``method`` names accepted by :func:`profile_model`.
+METHODS = ("auto", "whole", "units")
+
+#: ``auto`` profiles whole passes when the training state fits in this share of the memory
+#: available (the rest: the profiler's own copies, the allocator, other processes).
+AUTO_MEMORY_FRACTION = 0.5
 
 #: ``dtype`` names accepted by :func:`profile_model`.
 DTYPES: dict[str, torch.dtype] = {
@@ -115,8 +145,12 @@ def profile_model(
     threads: int | None = None,
     rounds: int = 1,
     max_stages: int = DEFAULT_MAX_STAGES,
+    method: str = "auto",
 ) -> Profile:
     """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
+
+    ``method`` is ``whole``, ``units`` or ``auto`` (``whole`` where the model's training state
+    fits in half the available memory, else ``units``; :func:`auto_method`).
 
     ``microbatch_sizes`` defaults to every power of two dividing ``batch_size`` (and
     ``batch_size``).  List or tuple model arguments are recorded as comma-separated strings.
@@ -134,6 +168,8 @@ def profile_model(
         raise InvalidRequestError(f"--max-stages {max_stages} must be at least 1")
     if threads is not None and threads < 1:
         raise InvalidRequestError(f"threads {threads} must be at least 1")
+    if method not in METHODS:
+        raise InvalidRequestError(f"method {method!r} is not one of {', '.join(METHODS)}")
     with _threads(threads):
         return _profile(
             model,
@@ -149,7 +185,20 @@ def profile_model(
             progress,
             rounds,
             max_stages,
+            method,
         )
+
+
+def auto_method(param_bytes: int, activation_bytes: int, available: int) -> str:
+    """``auto``'s choice: ``whole`` when the training state, 4 x ``param_bytes`` (parameters,
+    gradients, Adam's two states) + ``activation_bytes``, fits in
+    :data:`AUTO_MEMORY_FRACTION` of ``available``, else ``units``.
+
+    >>> auto_method(1 << 30, 1 << 30, 16 << 30), auto_method(2 << 30, 1 << 30, 16 << 30)
+    ('whole', 'units')
+    """
+    need = 4 * param_bytes + activation_bytes
+    return "whole" if need <= AUTO_MEMORY_FRACTION * available else "units"
 
 
 @contextlib.contextmanager
@@ -180,6 +229,7 @@ def _profile(
     progress: bool,
     rounds: int = 1,
     max_stages: int = DEFAULT_MAX_STAGES,
+    method: str = "whole",
 ) -> Profile:
     sizes = _check_sizes(batch_size, microbatch_sizes)
     if dtype not in DTYPES:
@@ -195,19 +245,56 @@ def _profile(
     torch_dtype = DTYPES[dtype]
     if dev.type == "cpu":
         keep_heap()  # the heap the runtime's ranks run with (see planner.allocator)
+    free = available_bytes(dev)
+    weights = 0
+    if method == "auto":  # the parameters first, from the model built on meta: no memory
+        try:
+            weights = param_bytes(load_model(model, model_kwargs, meta=True).module, torch_dtype)
+        except PipeplanError:  # a model that cannot be built on meta: count it built for real
+            weights = -1
+        if auto_method(weights, 0, free) == "units":
+            method = "units"
+    spec = None
+    if method != "units":
+        spec = load_model(model, model_kwargs)
+        module = spec.module.to(dev, torch_dtype).train()
+        example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
+        run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
+        traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
+        if method == "auto":  # then the activations, from the traced graph run on meta
+            weights = weights if weights >= 0 else param_bytes(module, torch_dtype)
+            method = auto_method(weights, activation_estimate(traced, example), free)
+            if method == "units":
+                del spec, module, example, traced
+    if method == "units":
+        from profiler.units import profile_units
 
-    spec = load_model(model, model_kwargs)
-    module = spec.module.to(dev, torch_dtype).train()
-    example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
-    run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
-    traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
-    grouping = None
-    if granularity == "auto":
-        base = len(group_units(traced, granularity))
-        units, opened = refine_units(traced, node_costs(traced, example), max_stages, granularity)
-        grouping = Grouping(max_stages=max_stages, base_units=base, expanded=opened)
-    else:
-        units = group_units(traced, granularity)
+        with _progress(progress) as bar:
+
+            def start(description: str, total: int) -> Callable[[str], None]:
+                task = bar.add_task(description, total=total)
+                return lambda text: bar.update(task, description=text, advance=1)
+
+            return profile_units(
+                model,
+                sizes=sizes,
+                batch_size=batch_size,
+                model_kwargs=model_kwargs,
+                recorded_kwargs=kwargs,
+                dev=dev,
+                dtype=dtype,
+                torch_dtype=torch_dtype,
+                granularity=granularity,
+                tracer=tracer,
+                warmup=warmup,
+                repeats=repeats,
+                rounds=rounds,
+                max_stages=max_stages,
+                progress=start,
+            )
+
+    assert spec is not None
+    units, grouping = group(traced, example, granularity, max_stages)
     pieces = split_units(traced, units)
     placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
@@ -265,14 +352,6 @@ def _profile(
     timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
     loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
     b_max = max(sizes)
-    cuts = []
-    for k, names in enumerate(cut_tensors(traced, units)):
-        tensors = tuple(
-            CutTensor(node=n, bytes_per_sample=-(-value_bytes(biggest[n]) // b_max)) for n in names
-        )
-        cuts.append(
-            Cut(after=k, tensors=tensors, bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
-        )
     return Profile(
         model=model,
         model_kwargs=kwargs,
@@ -287,7 +366,7 @@ def _profile(
         warmup=warmup,
         repeats=repeats,
         rounds=rounds,
-        input_bytes_per_sample=-(-sum(value_bytes(biggest[n]) for n in placeholders) // b_max),
+        input_bytes_per_sample=per_sample(biggest, placeholders, b_max),
         units=tuple(
             Unit(
                 index=k,
@@ -295,11 +374,12 @@ def _profile(
                 nodes=p.spec.nodes,
                 params=p.params,
                 param_bytes=p.param_bytes,
+                largest_param_bytes=p.largest_param_bytes,
                 timings=timings[k],
             )
             for k, p in enumerate(pieces)
         ),
-        cuts=tuple(cuts),
+        cuts=cut_table(traced, units, biggest, b_max),
         shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
         loss=loss_timings,
         update_s=update_s,
@@ -309,6 +389,39 @@ def _profile(
         batch_dependent_layers=batch_dependent_layers(spec.module),
         grouping=grouping,
     )
+
+
+def group(
+    traced: TracedModel, example: Sequence[Any], granularity: str, max_stages: int
+) -> tuple[list[UnitSpec], Grouping | None]:
+    """The units of ``granularity`` (``auto``: refined for ``max_stages`` on the cost estimate
+    of ``example``, :mod:`planner.refine`) and, for ``auto``, how they were grouped."""
+    if granularity != "auto":
+        return group_units(traced, granularity), None
+    base = len(group_units(traced, granularity))
+    units, opened = refine_units(traced, node_costs(traced, example), max_stages, granularity)
+    return units, Grouping(max_stages=max_stages, base_units=base, expanded=opened)
+
+
+def per_sample(values: Mapping[str, Any], names: Sequence[str], b: int) -> int:
+    """Bytes of the values ``names`` at micro-batch size ``b``, per sample (rounded up)."""
+    return -(-sum(value_bytes(values[n]) for n in names) // b)
+
+
+def cut_table(
+    traced: TracedModel, units: list[UnitSpec], values: Mapping[str, Any], b: int
+) -> tuple[Cut, ...]:
+    """The cuts between ``units``: every tensor live across each, its bytes per sample from
+    ``values`` (by node name) at micro-batch size ``b``."""
+    cuts = []
+    for k, names in enumerate(cut_tensors(traced, units)):
+        tensors = tuple(
+            CutTensor(node=n, bytes_per_sample=per_sample(values, [n], b)) for n in names
+        )
+        cuts.append(
+            Cut(after=k, tensors=tensors, bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
+        )
+    return tuple(cuts)
 
 
 def _source_sha256(model: str) -> str | None:

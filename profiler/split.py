@@ -31,6 +31,8 @@ class UnitModule:
     """Parameters and buffers it uses, by their first qualified name in the model."""
     param_bytes: int
     """Bytes of the parameters it owns (uses first)."""
+    largest_param_bytes: int = 0
+    """Bytes of the largest parameter it uses, owned or not."""
 
 
 def _tensors_used(gm: GraphModule, spec: UnitSpec) -> list[tuple[str, Tensor]]:
@@ -72,13 +74,17 @@ def split_units(traced: TracedModel, units: list[UnitSpec]) -> list[UnitModule]:
             if any(u.op == "output" or where[u.name] != k for u in node.users):
                 outputs.append(name)
         names: dict[str, None] = {}
-        nbytes = 0
+        nbytes = largest = 0
         for qualname, t in _tensors_used(gm, spec):
             names.setdefault(canonical.get(id(t), qualname))
+            if isinstance(t, nn.Parameter):
+                largest = max(largest, t.numel() * t.element_size())
             if id(t) not in owned:
                 owned.add(id(t))
                 if isinstance(t, nn.Parameter):
                     nbytes += t.numel() * t.element_size()
         module = subgraph_module(traced, spec.nodes, tuple(inputs), outputs)
-        out.append(UnitModule(spec, module, tuple(inputs), tuple(outputs), tuple(names), nbytes))
+        out.append(
+            UnitModule(spec, module, tuple(inputs), tuple(outputs), tuple(names), nbytes, largest)
+        )
     return out

@@ -299,6 +299,7 @@ def measure_sweep(
     repeats: int,
     exclude: set[int],
     call_s: tuple[float, float] = (0.0, 0.0),
+    frozen: frozenset[str] | None = None,
 ) -> SweepResult:
     """Time every unit and the loss over ``warmup + repeats`` rounds of passes (a plain one, a
     recomputing one, and all the units under one checkpoint); see the module docstring.
@@ -306,9 +307,11 @@ def measure_sweep(
     ``inputs`` maps the model's input nodes to their values (they get no gradient);
     ``exclude`` holds the storages of parameters and buffers (not counted as saved);
     ``call_s`` is what one checkpoint call adds by itself, forward and backward
-    (:func:`profiler.measure.measure_checkpoint_call`).
+    (:func:`profiler.measure.measure_checkpoint_call`).  ``frozen`` names the inputs that get
+    no gradient (default: all of them; a unit measured alone differentiates the activations it
+    reads, :mod:`profiler.units`).
     """
-    frozen = frozenset(inputs)
+    frozen = frozenset(inputs) if frozen is None else frozen
     record = [_Samples() for _ in range(len(pieces) + 1)]
     values = _run_pass(
         pieces,

@@ -48,7 +48,7 @@ from runtime.engine_fit import (
     slope_per_microbatch,
     solo_overhead,
 )
-from runtime.linkbench import fit_link, message_sizes, time_allreduce, time_pingpong
+from runtime.linkbench import fit_link, message_sizes, ring_link, time_allreduce, time_pingpong
 from runtime.update_contention import measure_update_contention
 
 __all__ = ["calibrate", "measure"]
@@ -226,8 +226,10 @@ def calibrate(
     memory = memory_bytes if memory_bytes is not None else int(results[0]["memory"])
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
+    replica = ring_link(allreduce, nproc) if nproc > 1 else None
     cluster = Cluster(
-        devices=devices, link=link, allreduce=allreduce, op_overhead_s=overhead,
+        devices=devices, link=link, allreduce=allreduce, replica_link=replica,
+        op_overhead_s=overhead,
         solo_op_overhead_s=solo, step_overhead_s=step_cost or 0.0, contention=kappa,
         update_contention=kappa_u,
     )  # fmt: skip

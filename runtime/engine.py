@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from planner.checkpoint import CheckpointReader, load_checkpoint, write_index, write_shard
@@ -166,13 +167,17 @@ class PipelineRunner:
         seed: int = 0,
         weights: str | None = None,
     ) -> None:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world != plan.n_stages:
+        world, ranks = dist.get_world_size(), plan.n_stages * plan.cluster.data_parallel
+        if world != ranks:
             raise InvalidRequestError(
-                f"plan has {plan.n_stages} stages but the world size is {world}; "
-                f"launch one rank per stage (--nproc-per-node {plan.n_stages})"
+                f"plan has {plan.n_stages} stages x {plan.cluster.data_parallel} replicas but "
+                f"the world size is {world}; launch one rank per stage and replica "
+                f"(--nproc-per-node {ranks})"
             )
         check_schedule(plan)
+        self.replicas = plan.cluster.data_parallel
+        self.replica, rank = divmod(dist.get_rank(), plan.n_stages)  # rank r p + j
+        self.pp_group, self.dp_group = _mesh_groups(plan, device)
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
         self.loss_fn = spec.loss
@@ -232,6 +237,7 @@ class PipelineRunner:
             device,
             input_args=to_dev(mine.example_inputs),
             output_args=to_dev(mine.example_outputs),
+            group=self.pp_group,
         )
         stage.timer, stage.fault, stage.step_index = self.timer, fault, 0
         self.stage = stage
@@ -315,11 +321,13 @@ class PipelineRunner:
             for name, t in owned.items()
             if id(t) in by_id and first.get(self.names.get(id(t), name), self.rank) == self.rank
         }
-        size = write_shard(directory, self.rank, self.plan.n_stages, mine)
-        gathered: list[Any] = [None] * self.plan.n_stages
-        dist.all_gather_object(gathered, (sorted(mine), size))
-        if self.rank == 0:
-            write_index(directory, [keys for keys, _ in gathered], sum(b for _, b in gathered))
+        if self.replica == 0:  # the replicas hold the same weights
+            size = write_shard(directory, self.rank, self.plan.n_stages, mine)
+            gathered: list[Any] = [None] * self.plan.n_stages
+            dist.all_gather_object(gathered, (sorted(mine), size), group=self.pp_group)
+            if self.rank == 0:
+                keys = [k for k, _ in gathered]
+                write_index(directory, keys, sum(b for _, b in gathered))
         dist.barrier()
 
     # -- tied parameters -------------------------------------------------------------------
@@ -331,22 +339,43 @@ class PipelineRunner:
         for t in self.tied:
             owners.setdefault(t.stages, []).append(t)
         groups = []
+        p = self.plan.n_stages
         for stages, tied in sorted(owners.items()):
-            group = dist.new_group(list(stages))
-            if self.rank in stages:
-                groups.append((group, [by_name[t.name] for t in tied]))
+            for r in range(self.replicas):  # every rank creates every replica's group
+                group = dist.new_group([r * p + j for j in stages])
+                if r == self.replica and self.rank in stages:
+                    groups.append((group, [by_name[t.name] for t in tied]))
         return groups
 
+    def _average_replicas(self) -> None:
+        """Average every gradient over the data-parallel replicas of this stage, in place
+        (one all-reduce per parameter over the mesh's dp group, then / d)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
+            p.grad.div_(self.replicas)
+
     def _sync_tied(self) -> None:
+        """Sum each tied parameter's gradient over the stages holding it, in place: one
+        all-reduce per group of stages; a group of several parameters is packed into one
+        buffer and copied back (a temporary of their size), a single one is reduced where it
+        lies (no temporary, as the cost model assumes)."""
         for group, params in self._tied_groups:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads: list[Tensor] = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            if len(grads) == 1 and grads[0].is_contiguous():
+                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=group)
+                continue
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).clone()
-                offset += n
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     # -- one step --------------------------------------------------------------------------
 
@@ -376,6 +405,8 @@ class PipelineRunner:
         """
         self.optimizer.zero_grad(set_to_none=True)
         self.stage.step_index, self._loss_calls = step, 0
+        if self.replicas > 1:
+            inputs, target = self._share(inputs, target)
         inputs, target = cast_batch(inputs, target, self.dtype, self.device)
         args = inputs if self.is_first else ()
         kwargs: dict[str, Any] = {"return_outputs": False}
@@ -386,9 +417,29 @@ class PipelineRunner:
         if self._tied_groups:
             with self.timer.span("tied", -1):
                 self._sync_tied()
+        if self.dp_group is not None:
+            with self.timer.span("replicas", -1):
+                self._average_replicas()
         if not self.is_last:
             return None
-        return float(torch.stack([loss.detach() for loss in losses]).mean())
+        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        if self.dp_group is not None:  # the global batch's mean over the replicas' shares
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dp_group)
+            loss = loss / self.replicas
+        return float(loss)
+
+    def _share(self, inputs: tuple[Tensor, ...], target: Any) -> tuple[tuple[Tensor, ...], Any]:
+        """This replica's rows of the global batch: replica r takes rows r B/d .. (r+1) B/d."""
+        rows = inputs[0].shape[0]
+        if rows % self.replicas:
+            raise InvalidRequestError(
+                f"a batch of {rows} does not split over {self.replicas} replicas"
+            )
+        n = rows // self.replicas
+        cut = slice(self.replica * n, (self.replica + 1) * n)
+        return tuple(t[cut] for t in inputs), tree_map(
+            lambda t: t[cut] if isinstance(t, Tensor) else t, target
+        )
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -420,7 +471,8 @@ class PipelineRunner:
 
         On CPU the last warm-up step runs with its allocations tracked
         (:class:`runtime.memory.TensorPeak`): ``record.peak_memory_bytes`` is the bytes of the
-        tensors alive at its start plus the peak of its allocations.  With no warm-up it stays
+        tensors alive at its start (the first stage's batch among them) plus the peak of its
+        allocations.  With no warm-up it stays
         ``None`` (a tracked step runs slower, so it is never a measured one).
         """
         tracked = warmup - 1 if self.device.type == "cpu" and warmup > 0 else None
@@ -428,8 +480,11 @@ class PipelineRunner:
             if on_step is not None:
                 on_step(step)
             if step == tracked:
+                # The step would free last step's gradients first; free them before it, as
+                # the profiler does not see the release of memory allocated before it started.
+                self.optimizer.zero_grad(set_to_none=True)
                 tracker = TensorPeak()
-                with tracker.track(self._live_bytes()):
+                with tracker.track(self._live_bytes(inputs if self.is_first else ())):
                     wall, spans, loss = self.timed_step(inputs, target, step)
                 record.peak_memory_bytes = tracker.peak_bytes
             else:
@@ -441,12 +496,14 @@ class PipelineRunner:
                 record.spans.append(spans)
         return record
 
-    def _live_bytes(self) -> int:
-        """Bytes of the stage's parameters, gradients, buffers and optimizer state."""
+    def _live_bytes(self, inputs: Sequence[Tensor] = ()) -> int:
+        """Bytes of the stage's parameters, gradients, buffers and optimizer state, and of
+        ``inputs`` (the first stage's batch, made before the step)."""
         state = [t for s in self.optimizer.state.values() for t in s.values()]
         module = self.stage_module
         return live_bytes(
             [
+                *inputs,
                 *module.parameters(),
                 *(p.grad for p in module.parameters()),
                 *module.buffers(),
@@ -457,3 +514,22 @@ class PipelineRunner:
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This stage's parameters under the model's qualified names."""
         return {self.names[id(p)]: p for p in self.params}  # type: ignore[misc]
+
+
+def _mesh_groups(plan: Plan, device: torch.device) -> tuple[Any, Any]:
+    """(pp group, dp group) of this rank: ``None, None`` for one pipeline (the default group
+    is the pipeline); with d replicas a device mesh of shape (d, p), dimensions (dp, pp), rank
+    r p + j running replica r's stage j (``Plan.layout``)."""
+    d, p = plan.cluster.data_parallel, plan.n_stages
+    if d == 1:
+        return None, None
+    expected = tuple(tuple(r * p + j for j in range(p)) for r in range(d))
+    if plan.layout and plan.layout != expected:
+        raise InvalidRequestError(
+            f"the plan's layout {plan.layout} is not the runtime's (replica r's stage j on rank "
+            f"r * {p} + j); plan again with --devices"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (d, p), mesh_dim_names=("dp", "pp"))
+    return mesh.get_group("pp"), mesh.get_group("dp")

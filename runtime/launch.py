@@ -59,9 +59,10 @@ def preflight(
         raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if have < plan.n_stages:
+        ranks = plan.n_stages * plan.cluster.data_parallel
+        if have < ranks:
             raise InvalidRequestError(
-                f"the plan has {plan.n_stages} stages but this machine has {have} CUDA devices; "
+                f"the plan needs {ranks} ranks but this machine has {have} CUDA devices; "
                 f"run on CPU (--device cpu) or launch across machines with torchrun"
             )
     kwargs: dict[str, Any] = dict(plan.model_kwargs) if model is None else {}
@@ -96,14 +97,14 @@ def check_source(plan: Plan) -> None:
 
 
 def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence[str]) -> list[str]:
-    """The torchrun command line for one machine, one rank per stage."""
+    """The torchrun command line for one machine, one rank per stage and replica."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        str(plan.n_stages),
+        str(plan.n_stages * plan.cluster.data_parallel),
         "--monitor-interval",
         "0.1",
         "-m",
@@ -201,4 +202,9 @@ def launch(
         with open(log_path, "w") as log:
             proc = subprocess.run(cmd, stdout=None, stderr=log, env=env, check=False)
         if proc.returncode != 0:
-            raise failure(run_dir, plan.n_stages, proc.returncode, log_path.read_text())
+            raise failure(
+                run_dir,
+                plan.n_stages * plan.cluster.data_parallel,
+                proc.returncode,
+                log_path.read_text(),
+            )

@@ -123,7 +123,8 @@ def time_pingpong(sizes: list[int], repeats: int, device: str) -> list[tuple[int
 
 
 def time_allreduce(sizes: list[int], repeats: int, device: str) -> list[tuple[int, float]]:
-    """(bytes, seconds) of the runtime's tied-gradient sum on every rank, from a barrier."""
+    """(bytes, seconds) of the runtime's gradient sum on every rank, from a barrier: one
+    in-place all-reduce, as a tied parameter's and a replica's gradients are summed."""
     import torch
     import torch.distributed as dist
 
@@ -137,12 +138,29 @@ def time_allreduce(sizes: list[int], repeats: int, device: str) -> list[tuple[in
             if device != "cpu":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            flat = torch.cat([grad.reshape(-1)])  # as runtime.engine's _sync_tied
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            param.grad = flat[: param.numel()].view_as(param).clone()
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM)  # in place, as runtime.engine's
             if device != "cpu":
                 torch.cuda.synchronize()
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         out.append((size, _low(times)))
     return out
+
+
+def ring_link(allreduce: Link, ranks: int) -> Link:
+    """The link whose ring all-reduce over ``ranks`` ranks takes what ``allreduce`` measured
+    there: a ring sends 2 (n - 1) / n of the bytes and pays 2 (n - 1) latencies
+    (:meth:`planner.types.Cluster.replica_allreduce`), so the measured bandwidth B_a and
+    latency L_a give B = 2 (n - 1) / n B_a and L = L_a / (2 (n - 1)).
+
+    >>> link = ring_link(Link(bandwidth_Bps=1e9, latency_s=1e-4), 2)
+    >>> link.bandwidth_Bps, link.latency_s
+    (1000000000.0, 5e-05)
+    """
+    if ranks < 2:
+        raise InvalidRequestError(f"a ring all-reduce needs at least 2 ranks, got {ranks}")
+    bw = allreduce.bandwidth_Bps
+    return Link(
+        bandwidth_Bps=None if bw is None else bw * 2 * (ranks - 1) / ranks,
+        latency_s=allreduce.latency_s / (2 * (ranks - 1)),
+    )

@@ -112,14 +112,16 @@ def build_report(
 def gather_report(
     plan: Plan, record: RankRecord, *, backend: str, warmup_steps: int
 ) -> RunReport | None:
-    """Gather every rank's record on rank 0 and build the report there (``None`` elsewhere)."""
+    """Gather every rank's record on rank 0 and build the report there (``None`` elsewhere):
+    the first replica's stages (ranks 0..p-1), whose losses are the global batch's."""
     import torch.distributed as dist
 
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(record, gathered, dst=0)
     if gathered is None:
         return None
-    return build_report(plan, gathered, backend=backend, warmup_steps=warmup_steps)
+    first = gathered[: plan.n_stages]
+    return build_report(plan, first, backend=backend, warmup_steps=warmup_steps)
 
 
 def measured_bubble(report: RunReport) -> float | None:
@@ -200,6 +202,8 @@ def print_comparison(report: RunReport, plan: Plan, console: Console) -> None:
         "err",
         "peak mem",
         "pred mem",
+        "err",
+        "resident",
     ):
         table.add_column(col, justify="right")
     for s, ps in zip(report.stages, plan.stages):
@@ -216,6 +220,8 @@ def print_comparison(report: RunReport, plan: Plan, console: Console) -> None:
             _err(b, ps.backward_s),
             format_bytes(s.peak_memory_bytes) if s.peak_memory_bytes is not None else "-",
             format_bytes(ps.memory.total),
+            _err(s.peak_memory_bytes, ps.memory.total) if s.peak_memory_bytes else "-",
+            format_bytes(s.resident_growth_bytes) if s.resident_growth_bytes is not None else "-",
         )
     console.print(table)
     sim = simulate_plan(plan).makespan_s

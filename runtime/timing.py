@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["Span", "SpanKind", "StepTimer"]
 
-SpanKind = Literal["forward", "backward", "loss", "tied", "optimizer"]
+SpanKind = Literal["forward", "backward", "loss", "tied", "replicas", "optimizer"]
 """``tied``: summing tied gradients across ranks; ``optimizer``: the optimizer step (both once
 per step, micro-batch -1)."""
 

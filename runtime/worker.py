@@ -203,10 +203,12 @@ def run(args: argparse.Namespace) -> None:
         device = torch.device("cpu")
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan.n_stages:
+    replicas = plan.cluster.data_parallel
+    if world != plan.n_stages * replicas:
         raise InvalidRequestError(
-            f"{args.plan} has {plan.n_stages} stages but the world size is {world}; "
-            f"launch one rank per stage (e.g. --nproc-per-node {plan.n_stages})"
+            f"{args.plan} has {plan.n_stages} stages x {replicas} replicas but the world size "
+            f"is {world}; launch one rank per stage and replica (e.g. --nproc-per-node "
+            f"{plan.n_stages * replicas})"
         )
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> None:
         weights=args.weights,
     )
     torch.manual_seed(args.seed + 1)
-    inputs, target = spec.batch(plan.batch_size)
+    inputs, target = spec.batch(plan.batch_size * replicas)  # the global batch
 
     def on_step(step: int) -> None:
         if cuda and step == args.warmup:
@@ -238,7 +240,7 @@ def run(args: argparse.Namespace) -> None:
         _progress["step"] = step
 
     record = runner.measure(
-        inputs, target, RankRecord(stage=rank, threads=threads),
+        inputs, target, RankRecord(stage=runner.rank, threads=threads),
         warmup=args.warmup, steps=args.steps, on_step=on_step,
     )  # fmt: skip
     if cuda:

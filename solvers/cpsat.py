@@ -97,7 +97,7 @@ def partition_cpsat(
     if ignore_memory:
         cluster = _unlimited(cluster)
     caps = [d.memory_bytes for d in cluster.devices]
-    update = update_cost(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer, cluster)
     order = []
     for m in ms:
         c = unit_costs(profile, m)

@@ -57,6 +57,9 @@ from planner.updates import UpdateCost
 from solvers.bounds import stage_backward, stage_compute, stage_offsets
 from solvers.cpsat_scale import cut_times, to_ticks
 
+#: Distinct parameter sizes the largest-parameter charge tells apart (:meth:`CpsatModel._largest_param`).
+_SIZE_LEVELS = 32
+
 __all__ = ["CpsatModel"]
 
 _KAPPA_SCALE = 1000
@@ -135,6 +138,7 @@ class CpsatModel:
         self._u_top = to_ticks([update.seconds(all_bytes) / slowest * scale], 1.0)[0] + 2
         self._u_top += len(update.pieces) + len(costs.shared)
         A = [int(v) for v in costs.Pa]
+        biggest = [int(v) for v in costs.largest_param(np.arange(n), np.arange(n))]
         X = [int(v) for v in costs.x]
         wk = 2 + OPTIMIZER_STATES[options.optimizer]
         # (shared parameter index, all-reduce ticks) of every shared parameter: its holders
@@ -180,7 +184,7 @@ class CpsatModel:
             q = in_flight(options.schedule, j, p, m)
             copies = self._copies(costs, j)
             held = sum((int(nbytes) * e for nbytes, e in copies), start=0)
-            mem = wk * (at(j + 1, W, "we") - at(j, W, "ws") + held)
+            w_j = at(j + 1, W, "we") - at(j, W, "ws") + held
             if update or syncs:  # U_j and the drain D_j before it
                 upd: cp_model.LinearExpr | int = 0
                 if update:
@@ -191,14 +195,22 @@ class CpsatModel:
                 drain = drain + at(j + 1, QB, "be") - at(j, QB, "bs") + to_ticks([ob], scale)[0]
                 if j < p - 1:  # the gradient's trip across the cut after stage j
                     drain = drain + at(j + 1, half, "h")
+            # M_j (planner.costmodel.memory_parts) <= cap_j, its max() as one constraint
+            # per branch: the first backward, and a later one with the remade activations or
+            # the largest parameter's gradient temporary.
             acts = at(j + 1, A, "ae") - at(j, A, "as")
-            if rc:
-                mem = mem + q * at(j, X, "x") + acts
-            else:
-                mem = mem + q * acts
-            if j == p - 1:  # the loss's saved tensors, per micro-batch in flight
-                mem = mem + q * int(costs.loss_a)
-            md.add(mem <= caps[j])
+            x_out = at(j + 1, X, "xo") if j < p - 1 else 0
+            last = j == p - 1
+            base = (wk - 1) * w_j + m * at(j, X, "x") + m * x_out + (j > 0) * at(j, X, "x")
+            base = base + (int(2 * costs.out) if last else 0)
+            per_mb = x_out + (0 if rc else acts) + (int(costs.loss_a + costs.out) if last else 0)
+            later = q if options.schedule == "1f1b" and m > q else q - 1
+            remade = acts if rc else 0
+            md.add(base + q * per_mb + remade <= caps[j])
+            md.add(base + w_j + later * per_mb + remade <= caps[j])
+            if m > 1:
+                temp = self._largest_param(j, biggest, at)
+                md.add(base + w_j + later * per_mb + temp <= caps[j])
         # max_j t_j >= t_floor, and s_j >= (1 - k) t_j when k <= 1 (c_j <= t_j).
         lo_t = floor
         if kappa <= 1:
@@ -322,6 +334,38 @@ class CpsatModel:
                         self.tail
                         >= ticks + update - drain - (big + ticks) * (2 - held - own[s_idx])
                     )
+
+    def _largest_param(
+        self, j: int, biggest: list[int], at: Callable[[int, list[int], str], Any]
+    ) -> cp_model.IntVar | int:
+        """G_j >= the largest parameter of stage j's units (``UnitCosts.largest_param``).
+
+        With few distinct sizes (at most ``_SIZE_LEVELS``): stage j holds a unit of size >= v
+        iff the first such unit at or after b_j, ``next_v[b_j]``, comes before b_{j+1}; then
+        G_j >= v.  With more, one constraint per unit: G_j >= big_u [stage j holds u], the
+        membership as in :meth:`_copies`.
+        """
+        values = sorted({v for v in biggest if v > 0})
+        if not values:
+            return 0
+        n = len(biggest)
+        g = self.model.new_int_var(0, values[-1], f"g{j}")
+        if len(values) > _SIZE_LEVELS:
+            for u, v in enumerate(biggest):
+                if v > 0:
+                    self.model.add(g >= v * (self._before(j, u) - self._before(j + 1, u)))
+            return g
+        end = self.b[j + 1]
+        for v in values:
+            nxt, first = [n] * (n + 1), n
+            for u in range(n - 1, -1, -1):
+                if biggest[u] >= v:
+                    first = u
+                nxt[u] = first
+            z = self.model.new_bool_var(f"g{j}_{v}")
+            self.model.add(g >= v).only_enforce_if(z)
+            self.model.add(at(j, nxt, f"nx{v}_") >= end).only_enforce_if(~z)
+        return g
 
     def _copies(self, costs: UnitCosts, j: int) -> list[tuple[int, cp_model.LinearExpr]]:
         """(bytes, [stage j holds a copy]) of every shared parameter (cf. shared_bytes): a copy

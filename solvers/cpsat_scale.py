@@ -40,7 +40,7 @@ def reference_time(
 ) -> float:
     """R: the largest sum of stage times any partition can have, over the candidate m."""
     s_min = min(d.speed for d in cluster.devices)
-    update = update_cost(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer, cluster)
     shared = sum(sp.bytes * len(sp.units) for sp in profile.shared_params)
     worst = update.seconds(sum(u.param_bytes for u in profile.units) + shared) / s_min
     worst += sum(cluster.allreduce_s(sp.bytes) for sp in profile.shared_params)

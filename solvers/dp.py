@@ -143,7 +143,7 @@ def _partition(
     _check_supported(cluster, options)
     check_request(profile, cluster, options)
     caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
-    update = update_cost(profile, options.optimizer)
+    update = update_cost(profile, options.optimizer, cluster)
     insts = [
         Instance(unit_costs(profile, m), cluster, options, caps, update)
         for m in microbatch_choices(profile, options)

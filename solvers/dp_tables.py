@@ -59,7 +59,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costmodel import contention, in_flight, recomputes, step_time, tied_syncs
+from planner.costmodel import (
+    contention,
+    in_flight,
+    memory_parts,
+    recomputes,
+    step_time,
+    tied_syncs,
+)
 from planner.types import OPTIMIZER_STATES, Cluster, PlanOptions
 from planner.unitcosts import UnitCosts, holds_user
 from planner.updates import UpdateCost, update_tail
@@ -117,8 +124,8 @@ class Band:
     """U: its optimizer update."""
     r1: np.ndarray
     """Its tail as stage 1, the largest it has as any stage j >= 1 (-inf outside the band)."""
-    masks: dict[tuple[int, float], np.ndarray]
-    """Per (micro-batches in flight, memory cap): where it fits."""
+    masks: dict[tuple[int, float, bool], np.ndarray]
+    """Per (micro-batches in flight, memory cap, a stage after the first): where it fits."""
 
     def narrow(self, W: int) -> Band:
         """The first W columns."""
@@ -163,6 +170,7 @@ class Instance:
         # DP cannot see, so drain() bounds them by trips[l, j - 1] (see tail()).
         self.trips = longest_sums(self.comm[: n + 1], max(self.p - 2, 0))
         self.policy = options.checkpoint
+        self.options = options
         rc_mid = recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
         # Stage compute of units l..r: (Q[r + 1] - Q[l]) + the stage's constant.
@@ -209,20 +217,15 @@ class Instance:
         if self.p > 2 and self.tail_on and float(np.max(self.trips[:, -1])) > 0:
             self.exact = False
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
-        self.keys = [(self.q[j], float(caps[j])) for j in range(self.p)]
+        self.keys = [(self.q[j], float(caps[j]), j > 0) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
         L = np.arange(n + 1)
         j = self.p - 1
         w = costs.Pw[n] - costs.Pw[L] + costs.shared_bytes(L, n - 1)
-        a = costs.Pa[n] - costs.Pa[L]
         self.U_last = self.upd(w)
         # r of the last stage: how long its update outlasts the step's last backward.
         self.h_last = self.tail(j, L, np.full(L.shape, n - 1), self.U_last)
-        if rc_last:
-            mem = w * self.wk + self.q[j] * x + a
-        else:
-            mem = w * self.wk + self.q[j] * a
-        mem = mem + self.q[j] * int(costs.loss_a)
+        mem = sum(memory_parts(costs, options, j, self.p, L, np.full(L.shape, n - 1), w).values())
         ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
         self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + op_last + loss, INF)
@@ -243,7 +246,7 @@ class Instance:
         # longer than w_mem fits the largest cap.
         mids = range(self.p - 1)
         q_min = min((self.q[j] for j in mids), default=1)
-        grow = costs.Pw * self.wk + (costs.Pa if rc_mid else q_min * costs.Pa)
+        grow = costs.Pw * (self.wk - 1) + (costs.Pa if rc_mid else q_min * costs.Pa)
         cap = max((float(caps[j]) for j in mids), default=float(caps[0]))
         lo = np.searchsorted(grow, grow[r + 1] - cap - 1e-9 * max(cap, 1.0), side="left")
         self.w_mem = int(max(1, np.max(r - np.minimum(lo, r) + 1)))
@@ -434,14 +437,12 @@ class Instance:
         w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
         upd = self.upd(w)
         r1 = np.where(valid, self.tail(1, lc, np.broadcast_to(r, lc.shape), upd), -INF)
-        w = w * self.wk
-        acts = c.Pa[r + 1] - c.Pa[lc]
-        rc = recomputes(self.policy, 0, 2)
-        masks: dict[tuple[int, float], np.ndarray] = {}
+        masks: dict[tuple[int, float, bool], np.ndarray] = {}
         for j in range(self.p - 1):
             key = self.keys[j]
             if key not in masks:
-                mem = w + self.q[j] * c.x[lc] + acts if rc else w + self.q[j] * acts
+                rr = np.broadcast_to(r, lc.shape)
+                mem = sum(memory_parts(c, self.options, j, self.p, lc, rr, w).values())
                 masks[key] = valid & (mem <= self.caps[j])
         return Band(np.where(valid, l, n + 1), a, s, upd, r1, masks)
 

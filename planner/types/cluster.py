@@ -102,7 +102,26 @@ class Cluster(FrozenModel):
     (:mod:`planner.costmodel`).  Measured by ``pipeplan calibrate`` from Adam steps timed alone
     and on two ranks at once."""
 
+    data_parallel: int = Field(default=1, ge=1)
+    """d: replicas of this pipeline, each on its own devices and taking 1 / d of the global
+    batch.  Each stage's gradients are summed over its d copies (a ring all-reduce on
+    ``replica_link``) after its last backward, before its update."""
+    replica_link: Link | None = None
+    """The link between replicas; ``None``: ``link``."""
+
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    def replica_allreduce(self) -> tuple[float, float]:
+        """(alpha, beta): a ring all-reduce of w > 0 gradient bytes over the d replicas takes
+        alpha w + beta seconds, 2 (d - 1) / d w / bandwidth + 2 (d - 1) latency (each rank
+        sends and receives 2 (d - 1) chunks of w / d); (0, 0) for one replica."""
+        d = self.data_parallel
+        if d == 1:
+            return 0.0, 0.0
+        link = self.replica_link or self.link
+        bw = link.bandwidth_Bps
+        alpha = 0.0 if bw is None else 2.0 * (d - 1) / d / bw
+        return alpha, 2.0 * (d - 1) * (link.latency_s + link.overhead_s)
 
     @classmethod
     def homogeneous(

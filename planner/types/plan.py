@@ -41,13 +41,27 @@ class PlanOptions(FrozenModel):
 
 
 class MemoryBreakdown(FrozenModel):
+    """A stage's memory at its peak (:func:`planner.costmodel.memory_parts`)."""
+
     params: int
     grads: int
+    """0 where the peak comes at the first backward, before any gradient exists."""
     optimizer: int
     stashed_inputs: int
-    """In-flight micro-batches times the stage's input bytes (when recomputing)."""
+    """The inputs of every micro-batch: stage 0's share of the batch, a later stage's receive
+    buffers (one per micro-batch); a recomputing stage stashes these."""
     activations: int
-    """Bytes saved for backward: one micro-batch's when recomputing, else all in flight."""
+    """Bytes saved for backward: one micro-batch's when recomputing, else all in flight (the
+    last stage adds the loss's, per micro-batch in flight)."""
+    gradient_buffers: int = 0
+    """The receive buffers of the output's gradient, one per micro-batch (0 on the last stage)."""
+    outputs: int = 0
+    """The stage's outputs held until their backward, per micro-batch in flight (the last
+    stage's are the model's outputs)."""
+    transient: int = 0
+    """Working gradients at the peak: the input's, on the last stage the loss's and the
+    output's, and the largest parameter's where it sets the peak (made before it is added to
+    the held one)."""
     total: int
 
 
@@ -124,6 +138,9 @@ class Plan(FrozenModel):
     """Samples per second: B / step time."""
     feasible: bool
     """Every stage fits its device's memory."""
+    layout: tuple[tuple[int, ...], ...] = ()
+    """With ``cluster.data_parallel`` d > 1: the global ranks of each replica's stages (replica
+    r's stage j on ``layout[r][j]``); empty for one pipeline on ranks 0..p-1."""
     solver: str
     status: Literal["optimal", "feasible", "infeasible", "unknown", "heuristic"]
     gap: float | None = None

@@ -86,8 +86,15 @@ class Unit(FrozenModel):
     """Qualified names of the parameters and buffers the unit uses."""
     param_bytes: int = Field(ge=0)
     """w_u: bytes of the parameters the unit owns (a shared parameter counts once, where first used)."""
+    largest_param_bytes: int = Field(default=0, ge=0)
+    """Bytes of the largest parameter the unit uses (owned or shared): from the second
+    micro-batch on, its gradient is made in a temporary before it is added to the one held.
+    0 in profiles made before it was recorded."""
     timings: dict[int, Timing]
     """Measurements keyed by micro-batch size b."""
+    measured_as: int | None = Field(default=None, ge=0)
+    """The unit whose measurement ``timings`` copies (``--method units``: an identical unit,
+    measured once, :mod:`profiler.units`); ``None``: measured itself."""
 
 
 class CutTensor(FrozenModel):
@@ -180,6 +187,10 @@ class Profile(FrozenModel):
     they see one micro-batch at a time (see ``pipeplan run --batch-norm``)."""
     grouping: Grouping | None = None
     """How ``auto`` grouped the units (``None`` for other granularities and older profiles)."""
+    method: Literal["whole", "units"] = "whole"
+    """How the units were measured: inside whole training passes of the real model
+    (:mod:`profiler.sweep`), or each distinct unit alone, materialized from a model built on
+    ``meta`` (:mod:`profiler.units`).  Older profiles are ``whole``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -196,6 +207,14 @@ class Profile(FrozenModel):
             if list(sp.units) != sorted(set(sp.units)) or not 0 <= sp.units[0] <= sp.units[-1] < n:
                 raise ValueError(
                     f"shared parameter {sp.name}: units {sp.units} must be ascending in 0..{n - 1}"
+                )
+        for u in self.units:
+            if u.measured_as is not None and (
+                u.measured_as >= u.index or self.units[u.measured_as].measured_as is not None
+            ):
+                raise ValueError(
+                    f"unit {u.index} ({u.name}) is measured as unit {u.measured_as}, which must "
+                    f"be an earlier unit measured itself"
                 )
         for size in self.microbatch_sizes:
             if size <= 0 or self.batch_size % size:

@@ -42,6 +42,26 @@ def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
     assert code == 0 and "unit11" in out
 
 
+def test_plan_for_devices_prints_the_frontier_and_writes_the_best(
+    tmp_path: Path, profile_file: Path, cli
+) -> None:
+    out_file = tmp_path / "plan.json"
+    options = "--devices 4 --memory 1GiB --bandwidth 1GB/s --latency 5us"
+    code, out, _ = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0, out
+    plan = load_plan(out_file)
+    d = plan.cluster.data_parallel
+    assert plan.n_stages * d == 4 and plan.batch_size * d == 16
+    assert plan.layout == tuple(tuple(r * plan.n_stages + j for j in range(plan.n_stages))
+                                for r in range(d))  # fmt: skip
+    assert "4 devices, global batch 16" in out and "best" in out
+    for p in (1, 2, 4):  # one row per depth
+        assert any(line.split("│")[1].strip() == str(p) for line in out.splitlines()
+                   if line.count("│") > 3)  # fmt: skip
+    assert d > 1  # replicas win on this profile and link
+    assert f"{d} data-parallel replicas of this pipeline" in out
+
+
 def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, cli) -> None:
     cli(cli_argv("plan", profile_file, tmp_path / "a.json", "--stages 4 --memory 256MiB"))
     cli(cli_argv("plan", profile_file, tmp_path / "b.json", "--stages 4 --memory 256MiB"))
@@ -99,6 +119,9 @@ BAD = [
     (["--stages", "3", "--memory", "1GiB", "--bandwidth", "fast"], "bandwidth 'fast'"),
     (["--stages", "3", "--memory", "1GiB", "--pin", "x"], "--pin 'x'"),
     (["--stages", "3"], "give --stages and --memory"),
+    (["--devices", "4", "--stages", "2", "--memory", "1GiB"], "--devices chooses the stage"),
+    (["--devices", "0", "--memory", "1GiB"], "--devices 0 must be at least 1"),
+    (["--devices", "4", "--memory", "1KiB"], "no depth fits 4 devices: p=1:"),
 ]
 
 

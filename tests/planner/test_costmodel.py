@@ -170,12 +170,42 @@ def test_stage_terms_by_hand() -> None:
     assert s1.backward_s == pytest.approx(t[2].backward_s + t[3].backward_s)
     assert s0.comm_s == pytest.approx(comm)
     assert s1.comm_s == 0.0 and not s1.recompute
-    w0 = u[0].param_bytes + u[1].param_bytes
-    assert s0.memory.params == w0 and s0.memory.optimizer == 2 * w0
-    assert s0.memory.stashed_inputs == 4 * prof.input_bytes_per_sample * b
-    assert s0.memory.activations == u[0].timings[b].saved_bytes + u[1].timings[b].saved_bytes
-    a1 = u[2].timings[b].saved_bytes + u[3].timings[b].saved_bytes
-    assert s1.memory.activations == 4 * a1 and s1.memory.stashed_inputs == 0
+    # Memory at each stage's peak, by hand (GPipe, m = 4, Adam: k = 2).
+    w = [u[0].param_bytes + u[1].param_bytes, u[2].param_bytes + u[3].param_bytes]
+    a = [u[0].timings[b].saved_bytes + u[1].timings[b].saved_bytes,
+         u[2].timings[b].saved_bytes + u[3].timings[b].saved_bytes]  # fmt: skip
+    big = [max(v.largest_param_bytes for v in pair) for pair in (u[:2], u[2:])]
+    x0, x, y = (
+        prof.input_bytes_per_sample * b,
+        cut.bytes_per_sample * b,
+        u[3].timings[b].output_bytes,
+    )
+    loss_a = prof.loss[b].saved_bytes if b in prof.loss else 0
+    # Stage 0 recomputes: it holds its 4 outputs; at the first backward it remakes one
+    # micro-batch's activations, at a later one the gradients exist, 3 outputs are held, and
+    # the larger of the remade activations and the largest parameter's temporary.
+    first0 = 4 * x + a[0]
+    later0 = w[0] + 3 * x + max(a[0], big[0])
+    m0 = s0.memory
+    assert (m0.params, m0.optimizer) == (w[0], 2 * w[0])
+    assert (m0.stashed_inputs, m0.gradient_buffers) == (4 * x0, 4 * x)  # inputs, receive buffers
+    assert m0.total == 3 * w[0] + 4 * x0 + 4 * x + max(first0, later0)
+    assert m0.grads == (0 if first0 >= later0 else w[0])
+    # Stage 1 keeps every micro-batch's activations and outputs (the model's, y); its backward
+    # works on the input's gradient and the loss's and output's (2 y).
+    held = a[1] + loss_a + y
+    first1, later1 = 4 * held, w[1] + 3 * held + big[1]
+    m1 = s1.memory
+    assert (m1.stashed_inputs, m1.gradient_buffers) == (4 * x, 0)
+    assert m1.total == 3 * w[1] + 4 * x + x + 2 * y + max(first1, later1)
+    assert m1.outputs == (4 if first1 >= later1 else 3) * y
+    one = evaluate(prof, cl, opts, [2], 1, solver="t").stages[1].memory  # no accumulation
+    assert one.transient == cut.bytes_per_sample * 8 + 2 * u[3].timings[8].output_bytes
+    for s in (s0, s1):
+        m = s.memory
+        parts = (m.params, m.grads, m.optimizer, m.stashed_inputs, m.activations,
+                 m.gradient_buffers, m.outputs, m.transient)  # fmt: skip
+        assert m.total == sum(parts)
     times = [s0.time_s, s1.time_s]
     assert plan.step_time_s == pytest.approx(sum(times) + 3 * max(times))
     assert plan.throughput == pytest.approx(8 / plan.step_time_s)
@@ -194,9 +224,9 @@ def test_shared_parameter_held_by_every_stage_that_uses_it() -> None:
     ]
     # The owner (stage 0) counts it once; the head's stage holds a copy; the middle stage none.
     assert [s.memory.params for s in plan.stages] == [own[0], own[1], own[2] + sp.bytes]
-    assert (
-        plan.stages[2].memory.total == 2 * (own[2] + sp.bytes) + plan.stages[2].memory.activations
-    )
+    last = plan.stages[2].memory
+    held = last.stashed_inputs + last.activations + last.outputs + last.transient
+    assert last.total == (own[2] + sp.bytes) + last.grads + held
     # A single stage holding both users keeps one copy.
     one = evaluate(prof, Cluster.homogeneous(1, 2**40), PlanOptions(), [], 2, solver="t")
     assert one.stages[0].memory.params == sum(u.param_bytes for u in prof.units)
@@ -227,7 +257,11 @@ def test_loss_charged_to_the_last_stage() -> None:
     assert last.forward_s == pytest.approx(plain.stages[1].forward_s + loss.forward_s)
     assert last.backward_s == pytest.approx(plain.stages[1].backward_s + loss.backward_s)
     # Its saved tensors stay alive for every micro-batch in flight.
-    assert last.memory.activations == plain.stages[1].memory.activations + 4 * loss.saved_bytes
+    # at the peak: 4 of them at the first backward, 3 at a later one (the gradients exist).
+    a1 = sum(u.timings[b].saved_bytes for u in prof.units[2:])
+    n_held = 4 if last.memory.grads == 0 else 3
+    assert last.memory.activations == n_held * (a1 + loss.saved_bytes)
+    assert plain.stages[1].memory.activations in (4 * a1, 3 * a1)
 
 
 def test_plan_records_simulated_makespan() -> None:

@@ -202,3 +202,22 @@ def test_meta_interpreter_gives_the_real_shapes_without_values() -> None:
 def test_module_seeds_depend_on_the_seed_and_the_name() -> None:
     assert module_seed(0, "a") == module_seed(0, "a")
     assert len({module_seed(0, "a"), module_seed(1, "a"), module_seed(0, "b")}) == 3
+
+
+class _ConstantFromBuffer(nn.Module):
+    """fx evaluates ``~self.keep`` while tracing: a tensor constant computed from a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("keep", torch.ones(4, dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).masked_fill(~self.keep, 0.0)
+
+
+def test_a_constant_made_in_forward_from_a_buffer_is_refused_not_left_fake() -> None:
+    with empty_parameters():
+        module = _ConstantFromBuffer()
+    with pytest.raises(ModelLoadError, match="tensor constant '_tensor_constant0'"):
+        trace_meta(module, (torch.randn(2, 4),))

@@ -51,7 +51,7 @@ def test_stage_memory_stacks_the_breakdown_under_each_limit(plans):
         for r in ax.patches:
             j = int(r.get_gid().rsplit("/", 1)[1])
             tops[j] = max(tops.get(j, 0.0), r.get_y() + r.get_height())
-        assert len(ax.patches) == 5 * plan.n_stages
+        assert len(ax.patches) == 8 * plan.n_stages  # one bar per part of the breakdown
         (limits,) = [c for c in ax.collections if c.get_gid() == "memory-limit"]
         assert isinstance(limits, LineCollection)
         ys = [seg[0][1] for seg in limits.get_segments()]
@@ -68,8 +68,11 @@ def test_stage_memory_stacks_the_breakdown_under_each_limit(plans):
         "params",
         "grads",
         "optimizer",
-        "stashed inputs",
+        "inputs",
         "activations",
+        "gradient buffers",
+        "outputs",
+        "working gradients",
         "device limit",
     }
 
@@ -151,3 +154,27 @@ def test_compare_cli_draws_the_comparison(plans, tmp_path, capsys):
     assert run("--plot", str(tmp_path / "cmp.gif")) == 2
     _, err = capsys.readouterr()
     assert "must end in .png, .svg or .pdf" in err and not (tmp_path / "cmp.gif").exists()
+
+
+def test_device_frontier_marks_the_best_depth() -> None:
+    from planner.evaluate import evaluate
+    from planner.synthetic import synthetic_profile
+    from solvers.devices import replica_profile
+
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=2)
+    plans = []
+    for p, d in ((1, 4), (2, 2), (4, 1)):
+        share = replica_profile(prof, d)
+        clus = Cluster.homogeneous(p, 2**30).model_copy(update={"data_parallel": d})
+        plans.append(evaluate(share, clus, PlanOptions(), list(range(1, p)), 2, solver="t"))
+    fig = plots.device_frontier(plans)
+    top, bottom = fig.axes
+    best = [line for line in top.lines if line.get_gid() == "frontier-best"]
+    rates = [pl.throughput * pl.cluster.data_parallel for pl in plans]
+    want = plans[rates.index(max(rates))]
+    assert len(best) == 1 and best[0].get_xdata()[0] == want.n_stages
+    assert {line.get_gid() for line in top.lines} >= {"frontier/1", "frontier/2", "frontier/4"}
+    assert "4 devices" in top.get_title()
+    assert "limit 1.00 GiB" in [t.get_text() for t in bottom.get_legend().get_texts()]
+    with pytest.raises(ValueError, match="no plans"):
+        plots.device_frontier([])

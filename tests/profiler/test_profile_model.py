@@ -80,6 +80,9 @@ def test_tied_embedding_counts_once(gpt_profile: Profile) -> None:
     embed, head = gpt_profile.units[0], gpt_profile.units[-1]
     assert "embed.tok.weight" in embed.params and "embed.tok.weight" in head.params
     assert head.param_bytes == 2 * 32 * 4  # only the final LayerNorm
+    # ... yet the head's largest parameter is the embedding it reads, whose gradient it makes.
+    assert embed.largest_param_bytes == head.largest_param_bytes == 512 * 32 * 4
+    assert gpt_profile.units[1].largest_param_bytes == 32 * 128 * 4  # a block's MLP weight
 
 
 def test_json_round_trip(gpt_profile: Profile, tmp_path: Path) -> None:

@@ -41,8 +41,10 @@ def make_plan(
     schedule: str = "gpipe",
     dtype: str = "float64",
     optimizer: str = "sgd",
+    replicas: int = 1,
 ) -> Plan:
-    """A plan whose stages start at units ``starts`` (first 0), with made-up costs."""
+    """A plan whose stages start at units ``starts`` (first 0), with made-up costs; with
+    ``replicas`` d, each of d pipelines takes ``batch_size / d`` of the global batch."""
     units = group_units(traced)
     n, p = len(units), len(starts)
     mem = MemoryBreakdown(
@@ -75,13 +77,13 @@ def make_plan(
         graph_fingerprint=traced.fingerprint,
         tracer=traced.tracer,
         dtype=dtype,
-        batch_size=batch_size,
+        batch_size=batch_size // replicas,
         microbatches=microbatches,
-        microbatch_size=batch_size // microbatches,
+        microbatch_size=batch_size // replicas // microbatches,
         schedule=schedule,  # type: ignore[arg-type]
         checkpoint=checkpoint,  # type: ignore[arg-type]
         optimizer=optimizer,  # type: ignore[arg-type]
-        cluster=Cluster.homogeneous(p, 1 << 30),
+        cluster=Cluster.homogeneous(p, 1 << 30).model_copy(update={"data_parallel": replicas}),
         stages=tuple(stages),
         step_time_s=3e-3 * (p + microbatches - 1),
         bubble_fraction=(p - 1) / (microbatches + p - 1),
@@ -97,7 +99,7 @@ def build(model: dict[str, Any], job: dict[str, Any]) -> tuple[ModelSpec, Traced
     dtype = getattr(torch, model.get("dtype", "float64"))
     spec = load_model(model["model"], model["kwargs"])
     spec.module.to(dtype)
-    inputs, _ = spec.batch(job["batch_size"] // job["microbatches"])
+    inputs, _ = spec.batch(job["batch_size"] // job["microbatches"] // model.get("replicas", 1))
     inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
     return spec, trace_model(spec.module, inputs)
 
@@ -123,6 +125,7 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             checkpoint=cfg["checkpoint"],
             schedule=cfg["schedule"],
             dtype=model.get("dtype", "float64"),
+            replicas=model.get("replicas", 1),
         )
         runner = PipelineRunner(
             plan,

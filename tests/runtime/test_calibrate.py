@@ -96,6 +96,10 @@ def test_calibrate_takes_the_median_of_launches(
     # The tied-gradient all-reduce: the median launch's times, interpolated.
     assert cluster.allreduce is not None
     assert cluster.allreduce_s(65536) == pytest.approx(2.0 * (1e-4 + 65536 / 1e9))
+    # The replicas' ring all-reduce over the 2 ranks reproduces that measurement.
+    two = cluster.model_copy(update={"data_parallel": 2})
+    alpha, beta = two.replica_allreduce()
+    assert alpha * 2**20 + beta == pytest.approx(2.0 * (1e-4 + 2**20 / 1e9), rel=0.05)
     trip = 2 * cluster.link.transfer_s(4 * 256 * MICRO)
     assert cluster.op_overhead_s == pytest.approx((2e-3 - trip) / 2)
     assert cluster.contention == 0.0

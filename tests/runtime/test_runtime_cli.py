@@ -79,6 +79,34 @@ def test_run_writes_report_and_trace(plans: dict[int, Path], tmp_path: Path) -> 
     }
 
 
+def test_run_a_replicated_plan(tmp_path: Path) -> None:
+    """One stage, two data-parallel replicas: two ranks, the global batch's loss, one copy of
+    the weights saved."""
+    spec = load_model(*GPT)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan_file, report, saved = tmp_path / "plan.json", tmp_path / "r.json", tmp_path / "w"
+    plan = make_plan(*GPT, traced, starts=[0], batch_size=8, microbatches=2, dtype="float32",
+                     replicas=2)  # fmt: skip
+    write_json(plan_file, plan)
+    args = [str(plan_file), "--steps", "2", "--warmup", "1", "--lr", "0", "--seed", "3"]
+    code, out, err, _ = _run([*args, "--report", str(report), "--save", str(saved)])
+    assert "measured vs predicted" in out
+    assert code == 0, err
+    rep = load_report(report)
+    assert len(rep.stages) == 1 and len(rep.losses) == 3
+    whole = load_model(*GPT, meta=True).module
+    from planner.meta import materialize
+
+    materialize(whole, [n for n, _ in whole.named_parameters()], torch.device("cpu"), seed=3)
+    inputs, target = spec.batch(8)
+    expected = float(spec.loss(whole(*inputs), target))
+    assert rep.losses[0] == pytest.approx(expected, rel=1e-5)  # the global batch, not a share
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
+
+
 def test_a_stage_that_raises_stops_every_rank(plans: dict[int, Path], tmp_path: Path) -> None:
     # An Adam plan run without --optimizer trains with Adam: no mismatch warning.
     adam = tmp_path / "adam.json"
@@ -134,4 +162,4 @@ def test_worker_rejects_a_world_size_other_than_the_stage_count(
     with pytest.raises(SystemExit) as exc:
         worker.main([str(plans[2])])
     assert exc.value.code == 2
-    assert "has 2 stages but the world size is 3" in capsys.readouterr().err
+    assert "has 2 stages x 1 replicas but the world size is 3" in capsys.readouterr().err

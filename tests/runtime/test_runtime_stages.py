@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _runtime_jobs import make_plan
+from rich.console import Console
 from torch import Tensor, nn
 
 from planner.errors import FingerprintMismatchError
@@ -18,7 +19,13 @@ from planner.model import load_model
 from planner.trace import trace_model
 from runtime.engine import Recompute
 from runtime.launch import failure
-from runtime.report import RankRecord, build_report, chrome_trace, measured_bubble
+from runtime.report import (
+    RankRecord,
+    build_report,
+    chrome_trace,
+    measured_bubble,
+    print_comparison,
+)
 from runtime.stages import build_stages, check_plan, tied_parameters
 from runtime.timing import Span, StepTimer
 
@@ -195,6 +202,28 @@ def test_report_medians_trace_and_bubble() -> None:
     measured = [e for e in trace if e["ph"] == "X" and e["pid"] < 1000]
     assert {e["pid"] for e in measured} == {0, 1} and len(measured) == 8
     assert any(e["pid"] >= 1000 for e in trace if e["ph"] == "X")  # predicted timeline
+
+
+def test_comparison_table_shows_measured_memory_against_predicted() -> None:
+    spec = load_model(*GPT)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan = make_plan(GPT[0], GPT[1], traced, starts=[0, 3], batch_size=4, microbatches=2)
+    spans = [Span("forward", 0, 0.0, 0.1), Span("backward", 0, 0.2, 0.3)]
+    predicted = plan.stages[0].memory.total
+    records = [
+        RankRecord(0, 1, walls=[1.0], spans=[spans], peak_memory_bytes=predicted * 11 // 10,
+                   resident_growth_bytes=300 << 20),
+        RankRecord(1, 1, walls=[1.0], spans=[spans], losses=[1.0]),
+    ]  # fmt: skip
+    report = build_report(plan, records, backend="gloo", warmup_steps=0)
+    console = Console(width=200, record=True)
+    print_comparison(report, plan, console)
+    lines = console.export_text().splitlines()
+    header = [c.strip() for c in next(x for x in lines if "┃" in x).split("┃")]
+    first, second = ([c.strip() for c in x.split("│")] for x in lines if "│" in x)
+    col = header.index("resident")
+    assert first[col - 1] == "+10.0%" and first[col] == "300.00 MiB"
+    assert second[col - 3] == "-" and second[col - 1] == "-" and second[col] == "-"
 
 
 def _error(run_dir: Path, stage: int, message: str, peer: bool, time: float) -> None:

@@ -1,0 +1,89 @@
+"""Planning for N devices: depth p times replicas N / p, against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from planner.errors import InvalidRequestError
+from planner.evaluate import evaluate
+from planner.synthetic import synthetic_profile
+from planner.types import Cluster, Link, PlanOptions, Profile
+from planner.unitcosts import microbatch_choices
+from solvers.devices import layout, plan_devices, replica_profile
+from solvers.dp import solve_dp
+
+LINK = Link(bandwidth_Bps=2e8, latency_s=2e-4)
+
+
+def _brute_force(profile: Profile, devices: int, memory: int, options: PlanOptions) -> float:
+    """The best global throughput over every depth, partition and m."""
+    best = 0.0
+    for p in (p for p in range(1, devices + 1) if devices % p == 0 and p <= profile.n_units):
+        d = devices // p
+        if profile.batch_size % d:
+            continue
+        share = replica_profile(profile, d)
+        clus = Cluster.homogeneous(p, memory, LINK).model_copy(update={"data_parallel": d})
+        for m in microbatch_choices(share, options):
+            for cuts in itertools.combinations(range(1, profile.n_units), p - 1):
+                plan = evaluate(share, clus, options, cuts, m, solver="brute")
+                if plan.feasible:
+                    best = max(best, plan.throughput * d)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("squeeze", [None, 0.6])
+def test_the_best_depth_is_the_brute_force_optimum(seed: int, squeeze: float | None) -> None:
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=seed, tied=True)
+    options = PlanOptions()
+    one = solve_dp(prof, Cluster.homogeneous(1, 2**40))
+    memory = 2**40 if squeeze is None else int(one.stages[0].memory.total * squeeze)
+    want = _brute_force(prof, 4, memory, options)
+    choices = plan_devices(prof, 4, Cluster.homogeneous(1, memory, LINK), options, solve_dp)
+    assert [c.stages for c in choices if c.plan is None] == sorted(
+        c.stages for c in choices if c.plan is None
+    )
+    assert {(c.stages, c.replicas) for c in choices} == {(1, 4), (2, 2), (4, 1)}
+    best = choices[0]
+    assert best.plan is not None
+    assert best.throughput == pytest.approx(want, rel=1e-9)
+    assert all(best.throughput >= c.throughput for c in choices)
+    assert best.plan.layout == layout(best.stages, best.replicas)
+    assert best.plan.cluster.data_parallel == best.replicas
+    assert best.plan.batch_size * best.replicas == prof.batch_size
+
+
+def test_each_stage_pays_the_ring_all_reduce_of_its_gradients_before_its_update() -> None:
+    prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2, 4], seed=1)
+    share = replica_profile(prof, 2)
+    assert (share.batch_size, share.microbatch_sizes) == (4, (2, 4))
+    one = Cluster.homogeneous(2, 2**40, LINK)
+    two = one.model_copy(update={"data_parallel": 2})
+    alpha, beta = two.replica_allreduce()
+    assert alpha == pytest.approx(2 * 1 / 2 / 2e8) and beta == pytest.approx(2 * 2e-4)
+    base = evaluate(share, one, PlanOptions(), [2], 2, solver="t")
+    dp = evaluate(share, two, PlanOptions(), [2], 2, solver="t")
+    for a, b in zip(base.stages, dp.stages, strict=True):
+        assert b.update_s == pytest.approx(a.update_s + alpha * b.memory.params + beta)
+    assert dp.step_time_s > base.step_time_s
+    assert one.replica_allreduce() == (0.0, 0.0)
+
+
+def test_bad_requests() -> None:
+    prof = synthetic_profile(4, batch_size=6, microbatch_sizes=[1, 2, 3, 6], seed=1)
+    clus = Cluster.homogeneous(1, 2**40)
+    with pytest.raises(InvalidRequestError, match="--devices 0"):
+        plan_devices(prof, 0, clus, PlanOptions(), solve_dp)
+    mixed = Cluster.homogeneous(2, 2**40)
+    mixed = mixed.model_copy(
+        update={"devices": (mixed.devices[0], mixed.devices[1].model_copy(update={"speed": 2.0}))}
+    )
+    with pytest.raises(InvalidRequestError, match="identical devices"):
+        plan_devices(prof, 2, mixed, PlanOptions(), solve_dp)
+    choices = {c.stages: c for c in plan_devices(prof, 8, clus, PlanOptions(), solve_dp)}
+    assert "does not split over 4 replicas" in choices[2].reason  # 6 samples, 4 replicas
+    assert "more stages than the 4 units" in choices[8].reason
+    assert choices[8].throughput == 0.0
