@@ -2,34 +2,60 @@
 
 :class:`Instance` holds, for one m, everything :mod:`solvers.dp` searches over: the prefix
 sums that give a stage's compute, backward and communication in O(1), the last stage as a
-vector over its first unit, the memory masks of every mid stage, and the tail h_j of a
-stage (its update's excess over its drain, or its wait for a tied all-reduce).  The
-search itself (thresholds, tail bounds, the choice of m) lives in :mod:`solvers.dp`.
+vector over its first unit, the memory masks of every mid stage, and the tail r_j of a stage
+(its update's excess over its drain, or its wait for a tied all-reduce).  :meth:`run_mid` is
+one prefix DP over the first p - 1 stages; the searches that call it (thresholds, tail nodes,
+the choice of m) live in :mod:`solvers.dp_threshold` and :mod:`solvers.dp`.
 
 Every DP is *banded*: s_j = (1 - k) c_j + C_j grows with the stage's length when k < 1, so
 under threshold M a stage ending at unit r can start no earlier than lo_M(r) (k >= 1 drops this
-band), and the DP looks only at the W = max_r (r - lo_M(r) + 1) last start positions.  Memory bounds W too: parameters, gradients,
-optimizer state and activations only grow with a stage, so no stage longer than that monotone
-part allows under the largest memory cap can fit.  One DP costs O(p n W) in vectorised numpy;
-the number of DPs is O(k log n) for k plateaus, small in practice since S varies only through
-communication and the last stage's recomputation.
+band), and the DP looks only at the W = max_r (r - lo_M(r) + 1) last start positions.  Memory
+bounds W too: parameters, gradients, optimizer state and activations only grow with a stage, so
+no stage longer than that monotone part allows under the largest memory cap can fit.  One DP
+costs O(p n W) in vectorised numpy.  The band's tables are built once per instance, at the
+widest W asked for so far, and sliced for narrower ones.
+
+The tail.  R = max_j E_j (:mod:`planner.costmodel`), E_j = ready_j + U_j without update
+contention.  With r_0 = E_0 (U_0, or A + U_0 when stage 0 holds a tied parameter's copy) and
+r_j for j >= 1 stage j's E_j as :meth:`Instance.tail` bounds it from below, the *relaxed* tail
+(:meth:`Instance.relaxed`) is
+
+    (1 - k_u) max_j r_j + k_u sum_j max(r_j, 0),    k_u = min(kappa_u, 1),
+
+a lower bound of the true R, equal to it where every r_j is exact and the updates do not
+contend.  The k_u part: without tied parameters every update but stage 0's starts before stage
+0's last backward ends (time 0), with at least max(r_j, 0) of work left then, and stage 0's
+starts at 0 with r_0; from then on they share the devices (rate 1 / (1 + kappa_u (a - 1)) for
+a under way), which ends the last at exactly max + kappa_u (sum - max) of the work left
+(:func:`planner.updates.shared_ends`), no less than the bound, and more work only delays it.
+With tied parameters holders start later, and k_u = 0.
+
+The DP charges the relaxed tail through a *tail node* (:class:`TailNode`: a charged stage k, a
+floor f and a cap c):
+
+    every stage j pays  k_u max(r_j, 0)  in its term of S, stage k also (1 - k_u) max(r_k, f),
+    every stage j != k must have r_j <= c,
+
+the last stage's terms and cap as a vector over its first unit, a mid stage's as a table over
+the band.  A node's objective is at most the relaxed objective of every partition whose largest
+tail over the uncharged stages lies in [f, c], so :mod:`solvers.dp` covers all of them with
+nodes and splits them at the level of what they find.
 
 Tied gradients.  A stage holding a copy of a shared parameter that spans stages waits for its
-all-reduce (A seconds), which starts when its first holder s finishes: h_j = U_j + A - D_s.
+all-reduce (A seconds), which starts when its first holder s finishes: r_j = U_j + A - D_s.
 D_s = 0 when the parameter's owner is unit 0 or stage 0 (j = 1), and D_s = D_j on the owner's
 own stage, so with one shared parameter owned by unit 0 (a tied embedding and LM head), or on
-two stages, h_j stays per-stage and the DP exact.  Otherwise D_j stands in for the unknown
-D_s <= D_j, and several shared parameters count the largest A alone: the DP then minimises a
-lower bound of T(m), re-evaluates its plans exactly, and reports the least relaxed value as the
-bound (status ``feasible`` with a gap when it falls short).  The same holds when updates that
-overlap slow each other (``Cluster.update_contention`` > 0, see :mod:`planner.costmodel`):
-max_j h_j ignores the sharing, a lower bound of the tail, exact again only for p = 2, whose
-cuts are enumerated with the contended tail.  And the same holds for the drain D_j of a stage
-j >= 2 on a link that costs time: it includes the gradient's trips across the j - 1 cuts before
-the stage's own, which :meth:`Instance.drain` can only bound.
+two stages, r_j is exact.  Otherwise D_j stands in for the unknown D_s <= D_j, and several
+shared parameters count the largest A alone: a lower bound.  The same holds for the drain D_j
+of a stage j >= 2 on a link that costs time: it includes the gradient's trips across the j - 1
+cuts before the stage's own, which :meth:`Instance.drain` can only bound from above.  Where the
+bound is not tight at the plan found, the result says so with a gap (``Instance.exact`` tells
+whether it can ever fall short).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -71,6 +97,46 @@ def longest_sums(comm: np.ndarray, k_max: int) -> np.ndarray:
             best[at] = value
         out[l, 1:] = np.cumsum(best)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class TailNode:
+    """Partitions whose tail over the stages other than ``charged`` is at most ``cap``, charged
+    as if it were at least ``floor``: the charged stage k pays (1 - k_u) max(r_k, floor) in S,
+    every other stage must keep r_j <= cap (see the module doc)."""
+
+    floor: float = -INF
+    cap: float = INF
+    charged: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    """Every mid stage l = r - d .. r, d < W, as (n, W) arrays over (r, d)."""
+
+    lidx: np.ndarray
+    """Its first unit l, or n + 1 where the cell is no stage (d > r, or r = n - 1)."""
+    a: np.ndarray
+    """Its term of S: t + (m - 1) k c (inf outside the band)."""
+    s: np.ndarray
+    """Its steady-state slot term t - k c (inf outside the band)."""
+    upd: np.ndarray
+    """U: its optimizer update."""
+    r1: np.ndarray
+    """Its tail as stage 1, the largest it has as any stage j >= 1 (-inf outside the band)."""
+    masks: dict[tuple[int, float, bool], np.ndarray]
+    """Per (micro-batches in flight, memory cap, a stage after the first): where it fits."""
+
+    def narrow(self, W: int) -> Band:
+        """The first W columns."""
+        return Band(
+            self.lidx[:, :W],
+            self.a[:, :W],
+            self.s[:, :W],
+            self.upd[:, :W],
+            self.r1[:, :W],
+            {k: v[:, :W] for k, v in self.masks.items()},
+        )
 
 
 class Instance:
@@ -132,28 +198,32 @@ class Instance:
             for nbytes, users in costs.shared
         ]
         self.cluster = cluster
-        # Exact when the all-reduce's first holder is known to drain last-but-none (D = 0):
-        # one shared parameter owned by unit 0 or on 2 stages; else a lower bound (see tail).
+        self.tail_on = bool(self.update) or bool(self.syncs)
+        # kappa_u in the relaxed tail: only without tied parameters (see the module doc); two
+        # stages are enumerated with the exact tail instead (dp._two_stages).
+        self.kappa_u = (
+            min(cluster.update_contention, 1.0)
+            if self.p > 2 and self.tail_on and not self.syncs
+            else 0.0
+        )
+        # Whether r_j is exact for every stage and the relaxed tail the true one: one shared
+        # parameter owned by unit 0 or on 2 stages, no update contention, and for p > 2 no
+        # trips before a stage's own cut (a free link).
         self.exact = len(self.syncs) == 0 or (
             len(self.syncs) == 1 and (self.syncs[0][0] == 0 or self.p <= 2)
         )
-        self.tail_on = bool(self.update) or bool(self.syncs)
-        # Updates that overlap slow each other (kappa_u): max_j h_j is then a lower bound of
-        # the contended tail.  p = 2 is enumerated with the exact tail (dp._two_stages).
         if cluster.update_contention > 0 and self.p > 2 and self.tail_on:
             self.exact = False
-        # The earlier cuts' trips in D_j are bounded, not known, once p > 2 (see drain()).
         if self.p > 2 and self.tail_on and float(np.max(self.trips[:, -1])) > 0:
             self.exact = False
-        self.relaxed_min = INF
-        self.floor_vec: np.ndarray | None = None  # _floors' result, computed once
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
+        self.keys = [(self.q[j], float(caps[j]), j > 0) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
         L = np.arange(n + 1)
         j = self.p - 1
         w = costs.Pw[n] - costs.Pw[L] + costs.shared_bytes(L, n - 1)
         self.U_last = self.upd(w)
-        # h of the last stage: how long its update outlasts the step's last backward.
+        # r of the last stage: how long its update outlasts the step's last backward.
         self.h_last = self.tail(j, L, np.full(L.shape, n - 1), self.U_last)
         mem = sum(memory_parts(costs, options, j, self.p, L, np.full(L.shape, n - 1), w).values())
         ok = (mem <= caps[j]) & (L < n)
@@ -166,6 +236,11 @@ class Instance:
         if self.p == 1:  # a single stage: its update U_0 ends the step
             self.a_last = self.a_last + self.U_last
         self.s_last = self.t_last * (1.0 - self.kappa)
+        # Stage 0 over units 0..r, by r: its tail r_0 (its update, after a tied all-reduce
+        # when it holds a spanning shared parameter).
+        r = np.arange(n)
+        zero = np.zeros(n, dtype=np.int64)
+        self.r0 = self.tail(0, zero, r, self.upd(costs.Pw[r + 1] + costs.shared_bytes(zero, r)))
         # Memory bounds a mid stage's length too: its parameters, gradients, optimizer state
         # and activations only grow with it (stash and shared copies only add), so no stage
         # longer than w_mem fits the largest cap.
@@ -173,9 +248,12 @@ class Instance:
         q_min = min((self.q[j] for j in mids), default=1)
         grow = costs.Pw * (self.wk - 1) + (costs.Pa if rc_mid else q_min * costs.Pa)
         cap = max((float(caps[j]) for j in mids), default=float(caps[0]))
-        r = np.arange(n)
         lo = np.searchsorted(grow, grow[r + 1] - cap - 1e-9 * max(cap, 1.0), side="left")
         self.w_mem = int(max(1, np.max(r - np.minimum(lo, r) + 1)))
+        self.r0_min = float(np.min(self.r0))
+        self._band: Band | None = None
+        self._blocked: dict[float, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
+        self._mid_tails: dict[int, np.ndarray] = {}
 
     def upd(self, nbytes: np.ndarray | float) -> np.ndarray:
         """U of a stage holding ``nbytes`` of parameters on this instance's devices."""
@@ -189,7 +267,7 @@ class Instance:
         cuts before unit l, so their trips sum to at most the j - 1 longest of those, halved
         (``trips[l, j - 1] / 2``).  That makes D_j exact for j <= 1, and for j >= 2 where the
         longest trips lie on the plan's cuts (one trip length on every cut, say), and an upper
-        bound otherwise (``self.exact`` is then False): h_j = U_j - D_j is bounded from below,
+        bound otherwise (``self.exact`` is then False): r_j = U_j - D_j is bounded from below,
         and the DP's objective with it from below too."""
         l_arr = np.asarray(l)
         if j == 0:
@@ -198,12 +276,13 @@ class Instance:
         return self.QB[l_arr] + j * self.ob + cut
 
     def tail(self, j: int, l: np.ndarray, r: np.ndarray, upd: np.ndarray) -> np.ndarray:
-        """h_j of stage j over units l..r with update ``upd``: U_j - D_j, or for a stage that
+        """r_j of stage j over units l..r with update ``upd``: U_j - D_j, or for a stage that
         holds a spanning tied parameter, U_j + A - D_s with s its first holder.
 
         D_s = 0 when the owner (first user) is unit 0 or sits on stage 0 (j = 1); D_s = D_j
         when stage j owns it.  Otherwise D_s <= D_j is unknown here and D_j is used, a lower
-        bound (``self.exact`` is then False and the result carries the bound).
+        bound (``self.exact`` is then False and the result carries the bound).  r_j does not
+        grow with j (D_j does not shrink), so r_1 bounds every later stage's.
         """
         l_arr, r_arr = np.asarray(l), np.asarray(r)
         own = self.drain(j, l_arr)
@@ -216,17 +295,49 @@ class Instance:
             h = np.where(copy | owns, np.maximum(h, upd + seconds - d), h)
         return h
 
-    def relaxed(self, starts: tuple[int, ...]) -> float:
-        """The objective the DP minimises for a partition: T(m) with the tail of :meth:`tail`
-        (a lower bound of the true T(m) where ``self.exact`` is False)."""
-        busy, times, upd = self._stages(starts)
-        ends = [*starts[1:], self.n]
-        h = [
-            float(self.tail(j, np.array(l), np.array(e - 1), np.array(u)))
-            for j, (l, e, u) in enumerate(zip(starts[:-1], ends, upd))
-        ]
-        h.append(float(self.h_last[starts[-1]]))
-        return step_time(times, self.m, busy, self.kappa) + max(0.0, *h) + self.step_cost
+    def share(self, r: np.ndarray | float) -> np.ndarray:
+        """kappa_u max(r, 0): what a stage's tail adds to the relaxed tail beyond the longest."""
+        return np.asarray(self.kappa_u * np.maximum(r, 0.0))
+
+    def charge(self, r: np.ndarray | float, floor: float) -> np.ndarray:
+        """The charged stage's part of the longest tail, (1 - kappa_u) max(r, floor)."""
+        return np.asarray((1.0 - self.kappa_u) * np.maximum(r, floor))
+
+    def stage0(self, node: TailNode, mode: str = "sum") -> np.ndarray:
+        """What stage 0 adds under ``node``, by its last unit r: in the sum, its share and its
+        charge when charged; inf where it breaks the cap when not."""
+        if not self.tail_on or self.p == 1:
+            return np.zeros(self.n)
+        out = np.zeros(self.n)
+        if mode == "sum":
+            out = out + self.share(self.r0)
+            if node.charged == 0:
+                out = out + self.charge(self.r0, node.floor)
+        if node.charged != 0:
+            out = np.where(self.r0 <= node.cap, out, INF)
+        return out
+
+    def last(self, node: TailNode) -> np.ndarray:
+        """The last stage's term of S over its first unit L under ``node``: its share and,
+        when charged, its charge added; inf where it does not fit or breaks the cap."""
+        if self.p == 1 or not self.tail_on:
+            return self.a_last
+        out = self.a_last + self.share(self.h_last)
+        if node.charged == self.p - 1:
+            return out + self.charge(self.h_last, node.floor)
+        if not np.isfinite(node.cap):
+            return out
+        return np.where(self.h_last <= node.cap, out, INF)
+
+    def least_charge(self, node: TailNode) -> float:
+        """A lower bound of what the stages' tails add to S, outside the last stage's term."""
+        if not self.tail_on or self.p == 1:
+            return 0.0
+        if node.charged == 0:
+            return float(np.min(self.stage0(node)))
+        if node.charged == self.p - 1:
+            return 0.0
+        return float(self.charge(0.0, node.floor))
 
     def _stages(self, starts: tuple[int, ...]) -> tuple[list[float], list[float], list[float]]:
         """(c_j, t_j, U_j) of every stage of a partition (U_j of the mid stages only)."""
@@ -242,6 +353,54 @@ class Instance:
         times.append(busy[-1])
         return busy, times, upd
 
+    def tails(self, starts: tuple[int, ...]) -> np.ndarray:
+        """r_j of every stage of a partition, as the tables compute them."""
+        if self.p == 1:
+            return np.array([self.r0[self.n - 1]])
+        ends = [*starts[1:], self.n]
+        _, _, upd = self._stages(starts)
+        out = [float(self.r0[ends[0] - 1])]
+        for j in range(1, self.p - 1):
+            l, e = starts[j], ends[j]
+            out.append(float(self.tail(j, np.array(l), np.array(e - 1), np.array(upd[j]))))
+        out.append(float(self.h_last[starts[-1]]))
+        return np.array(out)
+
+    def _base(self, starts: tuple[int, ...]) -> float:
+        """T(m) without the tail."""
+        busy, times, _ = self._stages(starts)
+        base = step_time(times, self.m, busy, self.kappa) + self.step_cost
+        return base + float(self.U_last[0]) if self.p == 1 else base
+
+    def relaxed(self, starts: tuple[int, ...]) -> float:
+        """The objective the DP bounds for a partition: T(m) with the relaxed tail
+        (1 - kappa_u) max_j r_j + kappa_u sum_j max(r_j, 0) (a lower bound of the true T(m)
+        where ``self.exact`` is False)."""
+        base = self._base(starts)
+        if self.p == 1 or not self.tail_on:
+            return base
+        r = self.tails(starts)
+        return base + float(self.charge(float(np.max(r)), -INF) + np.sum(self.share(r)))
+
+    def objective(self, starts: tuple[int, ...], node: TailNode) -> float:
+        """A partition's objective under ``node`` (inf where it breaks the node's cap)."""
+        base = self._base(starts)
+        if self.p == 1 or not self.tail_on:
+            return base
+        r = self.tails(starts)
+        k = node.charged
+        if float(np.max(np.delete(r, k))) > node.cap:
+            return INF
+        return base + float(self.charge(float(r[k]), node.floor) + np.sum(self.share(r)))
+
+    def closes(self, starts: tuple[int, ...], node: TailNode) -> tuple[bool, float]:
+        """(whether the partition's relaxed objective equals its objective under ``node``,
+        rho: the largest tail of the stages other than the charged one)."""
+        r = self.tails(starts)
+        k = node.charged
+        rho = float(np.max(np.delete(r, k)))
+        return rho <= max(float(r[k]), node.floor), rho
+
     def width(self, threshold: float) -> int:
         """Longest mid stage (in units) whose s can be <= threshold and that can fit."""
         if not np.isfinite(threshold) or self.n < 2 or self.kappa >= 1.0:
@@ -253,13 +412,19 @@ class Instance:
         lo = np.searchsorted(self.Qmid, need - 1e-12 * max(1.0, abs(threshold)), side="left")
         return int(min(self.n, self.w_mem, int(np.max(r - np.minimum(lo, r) + 1))))
 
-    def band(
-        self, W: int
-    ) -> tuple[
-        np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, float, bool], np.ndarray]
-    ]:
-        """(l, a, s, U) of every mid stage l = r - d .. r, d < W, as (n, W) arrays (a: its term
-        of S, s: its steady-state slot term, U: its update); memory masks."""
+    def band(self, W: int) -> Band:
+        """The band of width W (built at the widest width asked for, sliced for less)."""
+        W = max(1, min(W, self.n))
+        if self._band is None or self._band.a.shape[1] < W:
+            have = 0 if self._band is None else self._band.a.shape[1]
+            self._band = self._build_band(min(self.n, max(W, have + have // 2)))
+            self._blocked.clear()
+            self._mid_tails.clear()
+        if self._band.a.shape[1] == W:
+            return self._band
+        return self._band.narrow(W)
+
+    def _build_band(self, W: int) -> Band:
         n, c = self.n, self.c
         r = np.arange(n)[:, None]
         l = r - np.arange(W)[None, :]
@@ -271,85 +436,106 @@ class Instance:
         s = np.where(valid, t - self.kappa * busy, INF)
         w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
         upd = self.upd(w)
+        r1 = np.where(valid, self.tail(1, lc, np.broadcast_to(r, lc.shape), upd), -INF)
         masks: dict[tuple[int, float, bool], np.ndarray] = {}
         for j in range(self.p - 1):
-            key = (self.q[j], float(self.caps[j]), j > 0)
+            key = self.keys[j]
             if key not in masks:
                 rr = np.broadcast_to(r, lc.shape)
                 mem = sum(memory_parts(c, self.options, j, self.p, lc, rr, w).values())
                 masks[key] = valid & (mem <= self.caps[j])
-        return np.where(valid, l, n + 1), a, s, upd, masks
+        return Band(np.where(valid, l, n + 1), a, s, upd, r1, masks)
+
+    def blocked(self, cap: float, W: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per mid stage j, the band cells (rows, columns < W) whose tail as stage j exceeds
+        ``cap``: few, since r_j <= r_1 and r_1 <= cap almost everywhere."""
+        band = self.band(W)
+        full = self._band
+        assert full is not None
+        width = full.a.shape[1]
+        if cap not in self._blocked or self._blocked[cap][0] != width:
+            rows, cols = np.nonzero(full.r1 > cap)
+            per_j = [(rows[:0], cols[:0])]
+            if len(rows):
+                l, u = full.lidx[rows, cols], full.upd[rows, cols]
+                for j in range(1, self.p - 1):
+                    over = self.tail(j, l, rows, u) > cap
+                    per_j.append((rows[over], cols[over]))
+            else:
+                per_j *= self.p - 1
+            self._blocked[cap] = (width, per_j)
+        per_j = self._blocked[cap][1]
+        if band.a.shape[1] == width:
+            return per_j
+        W = band.a.shape[1]
+        return [(rr[cc < W], cc[cc < W]) for rr, cc in per_j]
+
+    def mid_tail(self, k: int, W: int) -> np.ndarray:
+        """r_k of every band cell as mid stage k (0 outside the band)."""
+        band = self.band(W)
+        full = self._band
+        assert full is not None
+        if k not in self._mid_tails or self._mid_tails[k].shape != full.r1.shape:
+            lc = np.minimum(full.lidx, self.n - 1)
+            rows = np.broadcast_to(np.arange(self.n)[:, None], lc.shape)
+            self._mid_tails[k] = np.where(
+                full.lidx <= self.n, self.tail(k, lc, rows, full.upd), 0.0
+            )
+        return self._mid_tails[k][:, : band.a.shape[1]]
 
     def run_mid(
-        self, threshold: float, mode: str, theta: float = 0.0
+        self, threshold: float, mode: str, node: TailNode | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """V[L] = min-sum (or min-max) over the first p - 1 stages covering 0..L-1, s <= threshold,
-        every stage j > 0 with U_j - D_j <= theta.
+        under ``node``: its charged stage pays its charge (in the sum only), every other stage
+        meets its cap.
 
         Returns V (length n + 1) and the back-pointers ``choice[j, r]`` = length - 1 of stage j
         when it ends at unit r.
         """
         n, p = self.n, self.p
+        node = node or TailNode()
         dp = np.full(n + 2, INF)  # dp[k]: units 0..k-1 covered; slot n + 1 stays inf
         dp[0] = 0.0 if mode == "sum" else -INF  # s_j < 0 when k > 1
         choice = np.zeros((max(p - 1, 0), n), dtype=np.int64)
         if p == 1:
             return dp[: n + 1], choice
-        lidx, a, s, upd, masks = self.band(self.width(threshold))
-        ok = s <= threshold
-        # Per memory mask: stage 0's costs (its update beyond theta is paid in S, as it ends
-        # the step) and the later stages'.
-        first: dict[tuple[int, float, bool], np.ndarray] = {}
-        later: dict[tuple[int, float, bool], np.ndarray] = {}
-        for key, mask in masks.items():
-            later[key] = np.where(mask & ok, a if mode == "sum" else s, INF)
-            first[key] = later[key]
-        lc = np.minimum(lidx, n)
+        W = self.width(threshold)
+        band = self.band(W)
+        ok = band.s <= threshold
+        term = band.a if mode == "sum" else band.s
+        cost = {key: np.where(mask & ok, term, INF) for key, mask in band.masks.items()}
+        tail = self.tail_on and p > 2
+        capped = tail and np.isfinite(node.cap)
+        blocked = self.blocked(node.cap, W) if capped else []
         rows = np.arange(n)
-        if mode == "sum" and self.tail_on:
-            h0 = self.tail(0, lc, rows[:, None], upd)
-            for key in masks:
-                first[key] = later[key] + np.maximum(h0 - theta, 0.0)
-        # h_j <= theta for j > 0, computed as thetas() does (theta is one of them).
-        bounded = self.tail_on and np.isfinite(theta)
         for j in range(p - 1):
-            key = (self.q[j], float(self.caps[j]), j > 0)
-            cost = first[key] if j == 0 else later[key]
-            if j > 0 and bounded:
-                cost = np.where(self.tail(j, lc, rows[:, None], upd) <= theta, cost, INF)
-            cand = dp[lidx] + cost if mode == "sum" else np.maximum(dp[lidx], cost)
+            c = cost[self.keys[j]]
+            if j == 0:  # only stage 0's cells (l = 0) are reachable: one column per row
+                d = np.minimum(rows, band.a.shape[1] - 1)
+                first = np.where(d == rows, c[rows, d], INF)
+                if tail:
+                    first = first + self.stage0(node, mode)
+                choice[0] = rows
+                dp = np.concatenate([[INF], first, [INF]])
+                continue
+            cand = dp[band.lidx] + c if mode == "sum" else np.maximum(dp[band.lidx], c)
+            if tail and mode == "sum" and self.kappa_u:
+                cand = cand + self.share(self.mid_tail(j, W))
+            if tail and j == node.charged:
+                if mode == "sum":
+                    cand = cand + self.charge(self.mid_tail(j, W), node.floor)
+            elif capped:
+                rr, cc = blocked[j]
+                cand[rr, cc] = INF
             choice[j] = np.argmin(cand, axis=1)
-            new = np.full(n + 2, INF)
-            new[1 : n + 1] = cand[rows, choice[j]]
-            dp = new
+            dp = np.concatenate([[INF], cand[rows, choice[j]], [INF]])
         return dp[: n + 1], choice
-
-    def last(self, theta: float) -> np.ndarray:
-        """The last stage's term of the objective under theta, over its first unit L: a_last
-        plus theta itself (R <= max(U_0, theta)), inf where its update outlasts theta."""
-        if self.p == 1 or not self.tail_on:
-            return self.a_last
-        return np.where(self.h_last <= theta, self.a_last + theta, INF)
-
-    def thetas(self) -> np.ndarray:
-        """Every positive U_j - D_j a stage j > 0 can have, ascending (the tails worth trying)."""
-        if self.p == 1 or not self.tail_on:
-            return np.zeros(0)
-        lidx, _, _, upd, _ = self.band(self.w_mem)
-        lc = np.minimum(lidx, self.n)
-        rows = np.arange(self.n)[:, None]
-        vals = [self.h_last[np.isfinite(self.t_last)]]
-        for j in range(1, self.p - 1):
-            h = self.tail(j, lc, rows, upd)
-            vals.append(h[lidx <= self.n])
-        out = np.concatenate(vals)
-        return np.unique(out[out > 0])
 
     def candidates(self, lo: float, hi: float) -> np.ndarray:
         """Sorted distinct mid-stage steady-state terms s in [lo, hi]."""
-        _, _, s, _, _ = self.band(self.width(hi))
-        vals = s[(s >= lo) & (s <= hi)]
-        return np.unique(vals)
+        s = self.band(self.width(hi)).s
+        return np.unique(s[(s >= lo) & (s <= hi)])
 
     def starts(self, choice: np.ndarray, L: int) -> tuple[int, ...]:
         out = [L]

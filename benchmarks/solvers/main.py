@@ -1,6 +1,6 @@
 """Solver benchmark: planning time of the DP and CP-SAT, and the baselines' plan quality.
 
-    python benchmarks/solvers/main.py [--time-limit 20] [--sizes 100,500,1000,2000]
+    python -m benchmarks.solvers.main [--time-limit 20] [--sizes 100,500,1000,2000]
                                       [--stages 4,16,64] [--out benchmarks/solvers/results.json]
 
 Part 1 (speed): synthetic profiles (log-normal unit times, spread 0.5, heavy first and last
@@ -11,6 +11,12 @@ time limit, its status (optimal, or feasible with a gap) recorded.
 Part 2 (quality): each baseline's predicted step time over the optimum (the DP's), at the DP's
 micro-batch count, for several synthetic profiles and stage counts, with the closed-form lower
 bound ``S + (m - 1) max(S / p, max_u t_u)`` over the optimum alongside.
+
+Part 3 (versus, ``--only versus``): the DP at an earlier commit (``--base``, by default the one
+before the tail search became a branch and bound) beside this tree's, on the issue's instances
+with the optimizer update charged, in ``--repeats`` interleaved rounds
+(:mod:`benchmarks.solvers.versus`): median times, their ratio and its spread, and both
+solvers' status.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.solvers.versus import versus
 from planner.costmodel import lower_bound
 from planner.errors import PipeplanError
 from planner.evaluate import evaluate
@@ -150,25 +157,61 @@ def main() -> None:
     ap.add_argument(
         "--skip-cpsat-above", type=int, default=10**9, help="skip CP-SAT when n*p exceeds this"
     )
-    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("results.json"))
-    ap.add_argument("--only", choices=["speed", "quality"], default=None)
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default: results.json, or versus.json for versus"
+    )
+    ap.add_argument("--only", choices=["speed", "quality", "versus"], default=None)
+    ap.add_argument("--base", default="cfde80d", help="the commit whose DP --only versus times")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --only versus")
+    ap.add_argument(
+        "--instances", default=None, help="--only versus: comma-separated instance indices"
+    )
     args = ap.parse_args()
     info = machine()
     print(json.dumps(info), flush=True)
     out: dict[str, Any] = {"machine": info}
     try:
-        if args.only != "quality":
+        if args.only == "versus":
+            only = None if args.instances is None else [int(i) for i in args.instances.split(",")]
+            out["versus"] = versus(args.base, args.repeats, only)
+        if args.only is None or args.only == "speed":
             out["speed"] = speed(
                 [int(s) for s in args.sizes.split(",")],
                 [int(s) for s in args.stages.split(",")],
                 args.time_limit,
                 args.skip_cpsat_above,
             )
-        if args.only != "speed":
+        if args.only is None or args.only == "quality":
             out["quality"] = quality([int(s) for s in args.quality_stages.split(",")])
     except PipeplanError as exc:
         sys.exit(f"error: {exc}")
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    name = "versus.json" if args.only == "versus" else "results.json"
+    (args.out or Path(__file__).with_name(name)).write_text(json.dumps(out, indent=2) + "\n")
+    if "versus" in out:
+        print(
+            markdown(
+                out["versus"],
+                [
+                    "instance",
+                    "base_s",
+                    "new_s",
+                    "speedup",
+                    "speedup_min",
+                    "speedup_max",
+                    "base_status",
+                    "new_status",
+                    "new_over_base_step",
+                ],
+                {
+                    "base_s": ".2f",
+                    "new_s": ".3f",
+                    "speedup": ".1f",
+                    "speedup_min": ".1f",
+                    "speedup_max": ".1f",
+                    "new_over_base_step": ".6f",
+                },
+            )
+        )
     if "speed" in out:
         print(
             markdown(

@@ -1,20 +1,27 @@
-"""Pieces of the random instances that test_cpsat and test_dp draw (Hypothesis strategies)."""
+"""Pieces of the random instances that test_cpsat and test_dp draw (Hypothesis strategies), and
+the held-back instances both check against brute force."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
+import numpy as np
 from hypothesis import strategies as st
 
+from planner.evaluate import evaluate
 from planner.synthetic import synthetic_profile
 from planner.types import (
     CheckpointPolicy,
+    Cluster,
     Device,
+    Link,
     OptimizerName,
     PlanOptions,
     Profile,
     ScheduleName,
 )
+from planner.unitcosts import microbatch_choices
 
 SEEDS = st.integers(0, 10**6)
 SPREADS = st.sampled_from([0.1, 0.5, 1.5])
@@ -63,3 +70,49 @@ def draw_options(
         optimizer=draw(optimizers),
         **_drawn(draw, fields),
     )
+
+
+HELD_BACK = [
+    (update, tied, tight, policy, schedule)
+    for update in (0.0, 3e-8)
+    for tied in (False, True)
+    for tight in (False, True)
+    for policy in ("always", "except_last", "never")
+    for schedule in ("gpipe", "1f1b")
+]
+"""Every combination of the terms the solvers model: (Adam seconds per byte, tied first and
+last units, memory that rules out about half the partitions, checkpoint policy, schedule)."""
+
+
+def held_back(
+    index: int, update: float, tied: bool, tight: bool, policy: str, schedule: str
+) -> tuple[Profile, Cluster, PlanOptions]:
+    """Held-back instance ``index`` of ``HELD_BACK``: 7 units on 3 or 4 stages (alternately),
+    m in {1, 4}, a slow link on every other one, engine and checkpoint-call costs."""
+    p = 3 + index % 2
+    prof = synthetic_profile(
+        7,
+        batch_size=8,
+        microbatch_sizes=[2, 8],
+        seed=100 + index,
+        heavy_ends=True,
+        tied=tied,
+        loss=True,
+        update_s_per_byte=update,
+        checkpoint_call_s=(3e-5, 6e-5),
+    )
+    options = PlanOptions.model_validate(
+        {"checkpoint": policy, "schedule": schedule, "optimizer": "adam"}
+    )
+    link = Link(bandwidth_Bps=1e8, latency_s=1e-4) if index % 4 < 2 else Link()
+    cluster = Cluster.homogeneous(p, 2**50, link, op_overhead_s=2e-4)
+    if tight:  # the median over every partition and m of its largest stage's memory
+        peaks = [
+            max(
+                s.memory.total for s in evaluate(prof, cluster, options, cuts, m, solver="x").stages
+            )
+            for m in microbatch_choices(prof, options)
+            for cuts in itertools.combinations(range(1, 7), p - 1)
+        ]
+        cluster = Cluster.homogeneous(p, int(np.median(peaks)), link, op_overhead_s=2e-4)
+    return prof, cluster, options

@@ -372,3 +372,16 @@ def test_cpsat_drain_counts_every_earlier_cut(
     want = brute_force(prof, cluster, options)
     assert got.status == "optimal" and want is not None
     _assert_close(got.step_time_s, want, error_bound_s(prof, cluster, options))
+
+
+@pytest.mark.parametrize(
+    "index", range(len(ss.HELD_BACK)), ids=["-".join(map(str, c)) for c in ss.HELD_BACK]
+)
+def test_held_back_instances(index: int) -> None:
+    # The DP's held-back instances: CP-SAT's plan is the brute-force optimum wherever it
+    # proves optimality (so it agrees with the DP's wherever both prove it).
+    inst = ss.held_back(index, *ss.HELD_BACK[index])
+    got = _check_beside_brute_force(inst)
+    want = solve_dp(*inst) if got is not None else None
+    if got is not None and want is not None and got.status == want.status == "optimal":
+        _assert_close(got.step_time_s, want.step_time_s, error_bound_s(*inst))

@@ -190,16 +190,16 @@ def test_large_instance_agrees_with_threshold_free_reference() -> None:
 
 
 def test_a_capped_tail_search_keeps_a_proven_gap(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Later stages holding most of the parameters behind a short stage 0: the updates' tail
-    # bound theta has candidates to search (3 stages: 2 are enumerated instead).  With none
-    # allowed the plan is only "feasible", and its gap bounds how far it can be from the
-    # optimum that the full search finds.
-    prof = synthetic_profile(6, batch_size=8, seed=4, heavy_ends=True, update_s_per_byte=3e-8)
+    # Updates as long as several stages' backward: the root tail node (stage 0 charged, the
+    # other stages' tails free) does not close (3 stages: 2 are enumerated instead).  With no
+    # node beyond it the plan is only "feasible", and its gap bounds how far it can be from
+    # the optimum that the full search finds.
+    prof = synthetic_profile(8, batch_size=8, seed=0, heavy_ends=True, update_s_per_byte=3e-8)
     cluster = Cluster.homogeneous(3, 2**40)
     full = solve_dp(prof, cluster)
     assert full.status == "optimal"
-    monkeypatch.setattr("solvers.dp._TAIL_RUNS", 0)
-    monkeypatch.setattr("solvers.dp._TAIL_WORK", 0)
+    monkeypatch.setattr("solvers.dp._NODES", 1)
+    monkeypatch.setattr("solvers.dp._NODE_WORK", 0)
     capped = solve_dp(prof, cluster)
     assert capped.status == "feasible" and capped.gap is not None and capped.gap > 0
     assert capped.step_time_s >= full.step_time_s
@@ -272,3 +272,14 @@ def test_drain_counts_every_earlier_cut(
     _check_against_brute_force(prof, cluster, options, exact=False)
     found = _partition(prof, cluster, options)
     assert found is not None and found[2] == pytest.approx(brute_force(prof, cluster, options))
+
+
+@pytest.mark.parametrize(
+    "index", range(len(ss.HELD_BACK)), ids=["-".join(map(str, c)) for c in ss.HELD_BACK]
+)
+def test_held_back_instances(index: int) -> None:
+    # Every combination of updates, tied ends, tight memory, policy and schedule: optimal where
+    # proven, within the gap elsewhere, and proven wherever the tail the DP bounds is exact.
+    prof, cluster, options = ss.held_back(index, *ss.HELD_BACK[index])
+    exact = cluster.n_stages <= 2 or not prof.update_s or cluster.link.bandwidth_Bps is None
+    _check_against_brute_force(prof, cluster, options, exact)
