@@ -496,14 +496,22 @@ class PipelineRunner:
                 record.spans.append(spans)
         return record
 
+    def _pipeline_buffers(self) -> list[Tensor]:
+        """The pipeline's receive buffers, one per micro-batch for the stage's inputs and for
+        its output's gradient: made at the first step and kept."""
+        infos = [*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values()]
+        return [i.buffer for info in infos for i in info if getattr(i, "buffer", None) is not None]
+
     def _live_bytes(self, inputs: Sequence[Tensor] = ()) -> int:
-        """Bytes of the stage's parameters, gradients, buffers and optimizer state, and of
-        ``inputs`` (the first stage's batch, made before the step)."""
+        """Bytes of the stage's parameters, gradients, buffers and optimizer state, of the
+        pipeline's receive buffers, and of ``inputs`` (the first stage's batch, made before
+        the step)."""
         state = [t for s in self.optimizer.state.values() for t in s.values()]
         module = self.stage_module
         return live_bytes(
             [
                 *inputs,
+                *self._pipeline_buffers(),
                 *module.parameters(),
                 *(p.grad for p in module.parameters()),
                 *module.buffers(),
