@@ -8,7 +8,8 @@ Each round gives the ratio of the two measured step times (p = 2 over p = 1, bot
 batch); the table gives the median ratio and its spread over rounds beside the predicted
 ratio.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.devices.main     # about 10 minutes on 2 cores
+    pipeplan calibrate --nproc 2 --launches 1 -o cluster.json     # the links and the engine
+    PYTHONPATH=. .venv/bin/python -m benchmarks.devices.main --cluster cluster.json
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
 }
 
 
-def run_case(name: str, work: Path, rounds: int) -> dict[str, Any]:
-    from planner.io import load_profile, load_report, write_json
+def run_case(name: str, work: Path, rounds: int, cluster: Path | None) -> dict[str, Any]:
+    from planner.io import load_cluster, load_profile, load_report, write_json
     from planner.types import Cluster, PlanOptions
     from solvers.devices import plan_devices
     from solvers.dp import solve_dp
@@ -42,10 +43,9 @@ def run_case(name: str, work: Path, rounds: int) -> dict[str, Any]:
     pipeplan("profile", model, *margs, "--batch-size", str(batch), "--threads", "1",
          "-o", str(profile))  # fmt: skip
     prof = load_profile(profile)
-    choices = {
-        c.stages: c
-        for c in plan_devices(prof, 2, Cluster.homogeneous(1, 64 << 30), PlanOptions(), solve_dp)
-    }
+    clus = load_cluster(cluster) if cluster else Cluster.homogeneous(1, 64 << 30)
+    one = clus.model_copy(update={"devices": clus.devices[:1]})
+    choices = {c.stages: c for c in plan_devices(prof, 2, one, PlanOptions(), solve_dp)}
     plans = {}
     for p in (1, 2):
         plan = choices[p].plan
@@ -58,7 +58,7 @@ def run_case(name: str, work: Path, rounds: int) -> dict[str, Any]:
         for p in (2, 1):
             report = work / f"report{p}.json"
             pipeplan("run", str(plans[p]), "--warmup", "2", "--steps", "5", "--threads", "1",
-                 "--quiet", "--report", str(report))  # fmt: skip
+                 "--report", str(report))  # fmt: skip
             measured[p].append(load_report(report).step_time_s)
     ratios = [a / b for a, b in zip(measured[2], measured[1], strict=True)]
     return {
@@ -93,13 +93,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = models_parser(__doc__ or "", MODELS, HERE)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cluster", type=Path, help="plan with this cluster file (calibrate's)")
     args = ap.parse_args()
     rows = []
     for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append(run_case(name, Path(tmp), args.rounds))
+            rows.append(run_case(name, Path(tmp), args.rounds, args.cluster))
         print(json.dumps(rows[-1]), flush=True)
-    out = {"machine": machine(), "rows": rows}
+    out = {"machine": machine(), "cluster": str(args.cluster), "rows": rows}
     Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
     print(table(rows))
 
