@@ -46,4 +46,4 @@ def test_profile_plan_run_with_defaults(name: str, tmp_path: Path) -> None:
                     cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "r.json").exists()
-    assert "profiled models.zoo:llama:" in prof.stdout or name != "llama"  # no emoji
+    assert "profiled models.zoo:llama (whole):" in prof.stdout or name != "llama"  # no emoji
