@@ -172,9 +172,14 @@ def failure(run_dir: Path, n_ranks: int, returncode: int, log: str) -> StageFail
     if len(died) == 1:
         stage = died[0]
         code = f" with exit code {codes[stage]}" if stage in codes else ""
+        native = next(
+            (" ".join(line.split())[:300] for line in log.splitlines()
+             if "what():" in line or "terminate called" in line),
+            None,
+        )  # fmt: skip
+        why = f": {native}" if native else " (killed, os._exit or out of memory?)"
         return StageFailedError(
-            f"stage {stage} died{code} without a Python error (killed, os._exit or out of "
-            f"memory?){consequence(stage)}"
+            f"stage {stage} died{code} without a Python error{why}{consequence(stage)}"
         )
     if errors:
         e = min(errors, key=lambda e: e.get("time", 0))

@@ -253,6 +253,17 @@ def test_failure_names_the_stage_that_failed_first(tmp_path: Path) -> None:
     assert "stages [0, 2] stopped" in msg
 
 
+def test_a_rank_that_aborts_in_native_code_shows_why(tmp_path: Path) -> None:
+    native = "terminate called after throwing an instance of 'gloo::IoException'\n"
+    native += "  what():  [pair.cc:589] Connection closed by peer [127.0.0.1]:1234\n"
+    _error(tmp_path, 0, "Connection reset by peer", True, 1.0)
+    _error(tmp_path, 2, "Connection closed by peer", True, 2.0)
+    msg = str(failure(tmp_path, 3, 1, native + SUMMARY))
+    assert msg.startswith("stage 1 died with exit code -9 (SIGKILL) without a Python error: ")
+    assert "terminate called after throwing an instance of 'gloo::IoException'" in msg
+    assert "(killed, os._exit" not in msg
+
+
 def test_the_same_error_on_every_rank_is_not_blamed_on_stage_0(tmp_path: Path) -> None:
     for stage in range(2):  # e.g. building the stages runs the model once on every rank
         _error(tmp_path, stage, "stage 1, unit 'emb': IndexError", False, 1.0 + stage)
