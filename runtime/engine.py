@@ -348,13 +348,36 @@ class PipelineRunner:
         return groups
 
     def _average_replicas(self) -> None:
-        """Average every gradient over the data-parallel replicas of this stage, in place
-        (one all-reduce per parameter over the mesh's dp group, then / d)."""
+        """Average every gradient over the data-parallel replicas of this stage: gradients
+        packed into buckets of about ``_BUCKET_BYTES`` (as DDP's), one all-reduce per bucket
+        over the mesh's dp group, then / d, copied back.  One call per parameter cost gloo
+        about 1 ms each (69 ms for the bundled GPT's 50 parameters, against 1.5 ms of bytes);
+        a bucket is the only temporary, at most ``_BUCKET_BYTES``."""
+        bucket: list[Tensor] = []
+        size = 0
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
-            p.grad.div_(self.replicas)
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= _BUCKET_BYTES:
+                self._reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, grads: list[Tensor]) -> None:
+        if len(grads) == 1 and grads[0].is_contiguous():
+            dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.dp_group)
+            grads[0].div_(self.replicas)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        flat.div_(self.replicas)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _sync_tied(self) -> None:
         """Sum each tied parameter's gradient over the stages holding it, in place: one
@@ -522,6 +545,10 @@ class PipelineRunner:
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This stage's parameters under the model's qualified names."""
         return {self.names[id(p)]: p for p in self.params}  # type: ignore[misc]
+
+
+#: The data-parallel gradient buckets' size (DDP's default, 25 MiB).
+_BUCKET_BYTES = 25 << 20
 
 
 def _mesh_groups(plan: Plan, device: torch.device) -> tuple[Any, Any]:
