@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	mkdir -p out
-	$(VENV)/bin/pipeplan profile models.gpt:gpt --batch-size 32 -o out/gpt.profile.json
+	$(VENV)/bin/pipeplan profile pipeplan.models.gpt:gpt --batch-size 32 -o out/gpt.profile.json
 	$(VENV)/bin/pipeplan plan out/gpt.profile.json --stages 4 --memory 256MiB -o out/gpt.plan.json
 	$(VENV)/bin/pipeplan show out/gpt.plan.json
 
@@ -28,9 +28,9 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check planner profiler solvers runtime models benchmarks tests
+	$(VENV)/bin/ruff check pipeplan benchmarks tests
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy planner profiler solvers runtime models benchmarks
+	$(VENV)/bin/mypy pipeplan benchmarks
 
 clean:
 	rm -rf $(VENV) out

@@ -16,10 +16,10 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 #: Modules a notebook needs beyond the planner itself; a missing one skips that notebook.
 NEEDS: dict[str, tuple[str, ...]] = {
-    "compare_plans": ("profiler", "planner.compare"),
-    "devices": ("profiler", "solvers.devices"),
+    "compare_plans": ("profiler", "pipeplan.planner.compare"),
+    "devices": ("profiler", "pipeplan.solvers.devices"),
     "microbatches": ("profiler",),
-    "predicted_vs_measured": ("profiler", "runtime.launch"),
+    "predicted_vs_measured": ("profiler", "pipeplan.runtime.launch"),
 }
 
 #: Seconds a notebook may take, all cells together.

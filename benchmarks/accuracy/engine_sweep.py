@@ -18,9 +18,9 @@ import statistics
 
 import numpy as np
 
-from runtime.calibrate import measure
-from runtime.engine_fit import MICRO, fit_engine, slope_per_microbatch
-from runtime.linkbench import fit_link
+from pipeplan.runtime.calibrate import measure
+from pipeplan.runtime.engine_fit import MICRO, fit_engine, slope_per_microbatch
+from pipeplan.runtime.linkbench import fit_link
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node P -m benchmarks.accuracy.job --out results.json plan1.json ...
 
-Every rank builds a :class:`runtime.engine.PipelineRunner` per plan (same model, same number of
+Every rank builds a :class:`pipeplan.runtime.engine.PipelineRunner` per plan (same model, same number of
 stages) and then, for each of ``--rounds`` rounds, runs every plan for ``--warmup`` + ``--steps``
 steps, so slow phases of a noisy machine spread over all plans.  Rank 0 writes one RunReport per
 (plan, round).
@@ -17,12 +17,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from planner.allocator import keep_heap
-from planner.io import load_plan
-from planner.model import load_model
-from runtime.engine import PipelineRunner
-from runtime.report import RankRecord, gather_report
-from runtime.worker import default_threads
+from pipeplan.planner.allocator import keep_heap
+from pipeplan.planner.io import load_plan
+from pipeplan.planner.model import load_model
+from pipeplan.runtime.engine import PipelineRunner
+from pipeplan.runtime.report import RankRecord, gather_report
+from pipeplan.runtime.worker import default_threads
 
 
 def main() -> None:

@@ -36,22 +36,22 @@ from pathlib import Path
 
 import pandas as pd
 
-from planner.compare import to_markdown
-from planner.evaluate import evaluate
-from planner.io import load_cluster, write_json
-from planner.types import CheckpointPolicy, Cluster, Plan, PlanOptions, Profile
-from profiler import profile_model
-from runtime.calibrate import calibrate
-from solvers.dp import solve_dp
+from pipeplan.planner.compare import to_markdown
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.io import load_cluster, write_json
+from pipeplan.planner.types import CheckpointPolicy, Cluster, Plan, PlanOptions, Profile
+from pipeplan.profiler import profile_model
+from pipeplan.runtime.calibrate import calibrate
+from pipeplan.solvers.dp import solve_dp
 
 ROOT = Path(__file__).resolve().parents[2]
 
 #: name, model, kwargs, batch size
 MODELS = [
-    ("mlp", "models.mlp:mlp", {"width": 512, "depth": 8, "in_features": 512}, 128),
-    ("resnet", "models.resnet:resnet", {"width": 16}, 32),
-    ("gpt", "models.gpt:gpt", {"vocab": 4096, "n_layers": 4}, 16),
-    ("hf-gpt2", "models.hf:gpt2", {}, 16),
+    ("mlp", "pipeplan.models.mlp:mlp", {"width": 512, "depth": 8, "in_features": 512}, 128),
+    ("resnet", "pipeplan.models.resnet:resnet", {"width": 16}, 32),
+    ("gpt", "pipeplan.models.gpt:gpt", {"vocab": 4096, "n_layers": 4}, 16),
+    ("hf-gpt2", "pipeplan.models.hf:gpt2", {}, 16),
 ]
 MS = (1, 2, 4, 8)
 POLICIES: dict[int, tuple[CheckpointPolicy, ...]] = {

@@ -2,7 +2,7 @@
 of the whole model (p = 1, d = 2), measured on 2 CPU ranks beside the planner's prediction.
 
 For each model: profile once with 1 thread per rank, then take the best plan of each depth
-from :func:`solvers.devices.plan_devices` (what ``pipeplan plan --devices 2`` prints), and run
+from :func:`pipeplan.solvers.devices.plan_devices` (what ``pipeplan plan --devices 2`` prints), and run
 the two plans alternately, ``--rounds`` times each (``pipeplan run --warmup 2 --steps 5``).
 Each round gives the ratio of the two measured step times (p = 2 over p = 1, both the global
 batch); the table gives the median ratio and its spread over rounds beside the predicted
@@ -26,16 +26,16 @@ HERE = Path(__file__).parent
 
 #: name -> (model, model arguments, global batch).
 MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
-    "gpt": ("models.gpt:gpt", {"n_layers": 4}, 16),
-    "zoo llama": ("models.zoo:llama", {"n_layers": 4, "d_model": 128, "seq_len": 64}, 16),
+    "gpt": ("pipeplan.models.gpt:gpt", {"n_layers": 4}, 16),
+    "zoo llama": ("pipeplan.models.zoo:llama", {"n_layers": 4, "d_model": 128, "seq_len": 64}, 16),
 }
 
 
 def run_case(name: str, work: Path, rounds: int, cluster: Path | None) -> dict[str, Any]:
-    from planner.io import load_cluster, load_profile, load_report, write_json
-    from planner.types import Cluster, PlanOptions
-    from solvers.devices import plan_devices
-    from solvers.dp import solve_dp
+    from pipeplan.planner.io import load_cluster, load_profile, load_report, write_json
+    from pipeplan.planner.types import Cluster, PlanOptions
+    from pipeplan.solvers.devices import plan_devices
+    from pipeplan.solvers.dp import solve_dp
 
     model, kwargs, batch = MODELS[name]
     profile = work / "profile.json"

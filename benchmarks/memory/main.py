@@ -5,7 +5,7 @@ For each model: profile once (``pipeplan profile``), then for each policy and sc
 stages with unlimited memory (``pipeplan plan --stages 2 --memory 64GiB``) and run it
 (``pipeplan run --warmup 2 --steps 1``).  A CPU rank's measured peak is the bytes of its live
 tensors at the start of the tracked warm-up step plus the peak of that step's allocations
-(``runtime.memory``).  Prints one JSON line per run and the Markdown table, and writes
+(``pipeplan.runtime.memory``).  Prints one JSON line per run and the Markdown table, and writes
 ``results.json``.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.memory.main     # about 30 minutes on 2 cores
@@ -26,19 +26,19 @@ SMALL = {"n_layers": 4, "d_model": 128, "vocab": 4096, "seq_len": 64}
 
 #: name -> (model, kwargs, batch size).
 MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
-    "gpt": ("models.gpt:gpt", {}, 16),
-    "mlp": ("models.mlp:mlp", {}, 64),
-    "resnet": ("models.resnet:resnet", {}, 16),
-    "zoo llama": ("models.zoo:llama", SMALL, 8),
-    "zoo gpt2": ("models.zoo:gpt2", SMALL, 8),
-    "zoo bert": ("models.zoo:bert", SMALL, 8),
+    "gpt": ("pipeplan.models.gpt:gpt", {}, 16),
+    "mlp": ("pipeplan.models.mlp:mlp", {}, 64),
+    "resnet": ("pipeplan.models.resnet:resnet", {}, 16),
+    "zoo llama": ("pipeplan.models.zoo:llama", SMALL, 8),
+    "zoo gpt2": ("pipeplan.models.zoo:gpt2", SMALL, 8),
+    "zoo bert": ("pipeplan.models.zoo:bert", SMALL, 8),
 }
 POLICIES = ("never", "except_last", "always")
 SCHEDULES = ("gpipe", "1f1b")
 
 
 def run_case(name: str, work: Path) -> list[dict[str, Any]]:
-    from planner.io import load_plan, load_report
+    from pipeplan.planner.io import load_plan, load_report
 
     model, kwargs, batch = MODELS[name]
     profile = work / f"{name.replace(' ', '_')}.profile.json"
@@ -71,7 +71,7 @@ def run_case(name: str, work: Path) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    from planner.io import format_bytes
+    from pipeplan.planner.io import format_bytes
 
     lines = [
         "| model | schedule | policy | stage | predicted | measured | error |",

@@ -2,19 +2,19 @@
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.overhead.main [--rounds 20] [--steps 5] [--warmup 1]
 
-Model ``models.mlp:mlp`` (width 1024, depth 8, 1024 inputs, 10 classes), batch 256, SGD, one
+Model ``pipeplan.models.mlp:mlp`` (width 1024, depth 8, 1024 inputs, 10 classes), batch 256, SGD, one
 thread per process.  A step is the whole training step: zero the gradients, forward, loss,
 backward, optimizer step.  Every step is timed from outside with ``time.perf_counter`` after a
 barrier; on two ranks the step time is the slower rank's.
 
 (a) 1 rank: a 1-stage plan (m = 1, no recomputation) run by
-    :class:`runtime.engine.PipelineRunner` (``timed_step``, exactly what ``pipeplan run`` does
+    :class:`pipeplan.runtime.engine.PipelineRunner` (``timed_step``, exactly what ``pipeplan run`` does
     per step) against a plain PyTorch loop on an identical model.
 (b) 2 ranks: the 2-stage DP plan at m = 4 with ``--checkpoint never`` (so both sides do the same
     computation) run by ``PipelineRunner``, against the same cut hand-built with
     ``torch.distributed.pipelining``: ``PipelineStage`` + ``ScheduleGPipe`` on
     ``nn.Sequential`` slices of the model (``hand``), and on the plan's own stage modules from
-    ``runtime.stages.build_stages`` with no pipeplan timers or wrappers (``hand+fx``).
+    ``pipeplan.runtime.stages.build_stages`` with no pipeplan timers or wrappers (``hand+fx``).
 
 The arms alternate inside one process (one torchrun job per part): ``--rounds`` rounds, each
 running every arm for ``--warmup`` + ``--steps`` steps, the arm order reversed every other
@@ -40,7 +40,7 @@ from typing import Any
 from benchmarks.common import machine
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL, KWARGS, BATCH, M = "models.mlp:mlp", {"width": 1024, "depth": 8}, 256, 4
+MODEL, KWARGS, BATCH, M = "pipeplan.models.mlp:mlp", {"width": 1024, "depth": 8}, 256, 4
 LR = 1e-3
 
 
@@ -49,10 +49,10 @@ LR = 1e-3
 
 def make_plans(out: Path) -> tuple[Path, Path]:
     """A 1-stage plan (m = 1) and a 2-stage DP plan (m = M, no recomputation)."""
-    from planner.io import write_json
-    from planner.types import Cluster, PlanOptions
-    from profiler import profile_model
-    from solvers import SOLVERS
+    from pipeplan.planner.io import write_json
+    from pipeplan.planner.types import Cluster, PlanOptions
+    from pipeplan.profiler import profile_model
+    from pipeplan.solvers import SOLVERS
 
     prof = profile_model(
         MODEL, batch_size=BATCH, model_kwargs=KWARGS, threads=1, progress=False,
@@ -184,12 +184,12 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    from planner.graph import group_units
-    from planner.io import load_plan
-    from planner.model import load_model
-    from planner.trace import trace_model
-    from runtime.engine import PipelineRunner
-    from runtime.stages import build_stages
+    from pipeplan.planner.graph import group_units
+    from pipeplan.planner.io import load_plan
+    from pipeplan.planner.model import load_model
+    from pipeplan.planner.trace import trace_model
+    from pipeplan.runtime.engine import PipelineRunner
+    from pipeplan.runtime.stages import build_stages
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -169,13 +169,13 @@ def compare(threads: int = 1) -> dict[str, Any]:
     """Whole against units on the bundled GPT: per-unit ratios of forward + backward."""
     import torch
 
-    from profiler import profile_model
+    from pipeplan.profiler import profile_model
 
     opts: dict[str, Any] = {"batch_size": 8, "rounds": 3, "threads": threads, "progress": False}
     torch.manual_seed(0)
-    whole = profile_model("models.gpt:gpt", method="whole", **opts)
-    units = profile_model("models.gpt:gpt", method="units", **opts)
-    again = profile_model("models.gpt:gpt", method="whole", **opts)  # the host's drift
+    whole = profile_model("pipeplan.models.gpt:gpt", method="whole", **opts)
+    units = profile_model("pipeplan.models.gpt:gpt", method="units", **opts)
+    again = profile_model("pipeplan.models.gpt:gpt", method="whole", **opts)  # the host's drift
     ratios: dict[str, list[float]] = {}
     drift: dict[str, list[float]] = {}
     rows = []
@@ -200,7 +200,7 @@ def compare(threads: int = 1) -> dict[str, Any]:
         return (total(whole, b) + total(again, b)) / 2
 
     return {
-        "model": "models.gpt:gpt (defaults)",
+        "model": "pipeplan.models.gpt:gpt (defaults)",
         "options": opts,
         "units": len(whole.units),
         "measured": sum(u.measured_as is None for u in units.units),

@@ -7,9 +7,9 @@
    (micro-batch count chosen by the DP), then ``uniform``, ``params`` and ``torchgpipe`` at the
    DP's m.  Plans with the same partition (and m) are run once and reported under every name.
 3. One torchrun job per model, 2 ranks, ``--threads 1``: every distinct plan gets a
-   :class:`runtime.engine.PipelineRunner` (the engine ``pipeplan run`` uses), then the plans
+   :class:`pipeplan.runtime.engine.PipelineRunner` (the engine ``pipeplan run`` uses), then the plans
    run round-robin, ``--rounds`` rounds of ``--warmup`` + ``--steps`` steps each, and every
-   (plan, round) becomes a :class:`planner.types.RunReport` (``runtime.report.build_report``).
+   (plan, round) becomes a :class:`pipeplan.planner.types.RunReport` (``pipeplan.runtime.report.build_report``).
 4. Per plan: predicted step time (the simulated makespan of the plan's stage times; the
    closed form T(m), the solvers' objective, beside it), measured step time (median over rounds
    of each round's median), measured / predicted, measured / the DP plan's measured, the
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: name -> (model, model kwargs, batch size).  Each step is ~50-250 ms on one EPYC core.
 MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
     "gpt (vocab 16384, 8 blocks)": (
-        "models.gpt:gpt", {"vocab": 16384, "n_layers": 8}, 8,
+        "pipeplan.models.gpt:gpt", {"vocab": 16384, "n_layers": 8}, 8,
     ),
     "uneven CNN": ("benchmarks.quality.models:uneven", {}, 32),
     "uneven MLP": ("benchmarks.quality.models:uneven_mlp", {}, 128),
@@ -62,10 +62,10 @@ def _partition(plan: Any) -> tuple[Any, ...]:
 
 def make_plans(name: str, out: Path, cluster: Any, repeats: int) -> dict[str, Path]:
     """Profile one model, plan it with the DP and every baseline; solver -> plan file."""
-    from planner.io import write_json
-    from planner.types import PlanOptions
-    from profiler import profile_model
-    from solvers import SOLVERS
+    from pipeplan.planner.io import write_json
+    from pipeplan.planner.types import PlanOptions
+    from pipeplan.profiler import profile_model
+    from pipeplan.solvers import SOLVERS
 
     model, kwargs, batch = MODELS[name]
     prof = profile_model(
@@ -99,8 +99,8 @@ def run_model(plan_files: list[Path], out: Path, rounds: int, steps: int, warmup
 
 
 def summarize(name: str, plans: dict[str, Path], out: Path) -> dict[str, Any]:
-    from planner.io import load_plan, load_report
-    from planner.simulate import simulate_plan
+    from pipeplan.planner.io import load_plan, load_report
+    from pipeplan.planner.simulate import simulate_plan
 
     loaded = {s: load_plan(p) for s, p in plans.items()}
     keys = {s: _partition(p) for s, p in loaded.items()}
@@ -226,7 +226,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 def driver(args: argparse.Namespace) -> None:
-    from planner.io import load_cluster
+    from pipeplan.planner.io import load_cluster
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +252,7 @@ def driver(args: argparse.Namespace) -> None:
     for name in args.models or list(MODELS):
         plans = make_plans(name, out, cluster, args.profile_repeats)
         distinct: dict[tuple[Any, ...], Path] = {}
-        from planner.io import load_plan
+        from pipeplan.planner.io import load_plan
 
         for path in plans.values():
             distinct.setdefault(_partition(load_plan(path)), path)
@@ -290,11 +290,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from planner.allocator import keep_heap
-    from planner.io import load_plan, write_json
-    from planner.model import load_model
-    from runtime.engine import PipelineRunner
-    from runtime.report import RankRecord, gather_report
+    from pipeplan.planner.allocator import keep_heap
+    from pipeplan.planner.io import load_plan, write_json
+    from pipeplan.planner.model import load_model
+    from pipeplan.runtime.engine import PipelineRunner
+    from pipeplan.runtime.report import RankRecord, gather_report
 
     keep_heap()  # as pipeplan run's ranks do
     torch.set_num_threads(1)

@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.solvers.versus import versus
-from planner.costmodel import lower_bound
-from planner.errors import PipeplanError
-from planner.evaluate import evaluate
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Link, PlanOptions, Profile
-from solvers import SOLVERS
-from solvers.cpsat import partition_cpsat
-from solvers.dp import partition_dp
+from pipeplan.planner.costmodel import lower_bound
+from pipeplan.planner.errors import PipeplanError
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.solvers import SOLVERS
+from pipeplan.solvers.cpsat import partition_cpsat
+from pipeplan.solvers.dp import partition_dp
 
 LINK = Link(bandwidth_Bps=1e10, latency_s=1e-5)
 MEMORY = 2**50

@@ -1,6 +1,6 @@
 """An earlier commit's DP beside this tree's, on the same instances, timed in interleaved rounds.
 
-The earlier solver is read from git (every ``solvers/dp*.py`` at ``rev``) into a package of its
+The earlier solver is read from git (every ``pipeplan/solvers/dp*.py`` at ``rev``) into a package of its
 own, ``base_solvers``, so both run in one process on the same profiles; it shares this tree's
 ``planner`` (the cost model both minimise).  Each round times the earlier solver and then this
 one on every instance, so that a busy host slows both alike; the medians over the rounds, their
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Link, PlanOptions, Profile
-from solvers.dp import _partition
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.solvers.dp import _partition
 
 ROOT = Path(__file__).resolve().parents[2]
 LINK = Link(bandwidth_Bps=1e10, latency_s=1e-5)
@@ -63,7 +63,7 @@ def load_base(rev: str) -> Partition:
                 text=True,
             ).stdout
             (pkg / Path(name).name).write_text(
-                src.replace("from solvers.dp", "from base_solvers.dp")
+                src.replace("from pipeplan.solvers.dp", "from base_solvers.dp")
             )
     sys.path.insert(0, str(pkg.parent))
     module = importlib.import_module("base_solvers.dp")

@@ -33,22 +33,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "zoo"))  
 #: (name, model, kwargs); the zoo's models at their defaults.
 MODELS: list[tuple[str, str, dict[str, Any]]] = [
     ("sequential (wrapper, 25 layers)", "_user_models:sequential", {}),
-    ("gpt", "models.gpt:gpt", {}),
-    ("resnet", "models.resnet:resnet", {}),
-    ("mlp", "models.mlp:mlp", {}),
-    ("hf gpt2", "models.hf:gpt2", {}),
-    ("hf llama", "models.hf:llama", {}),
-    *[(f"zoo {n}", f"models.zoo:{n}", {}) for n in ("llama", "bert", "t5", "vit", "mixtral")],
+    ("gpt", "pipeplan.models.gpt:gpt", {}),
+    ("resnet", "pipeplan.models.resnet:resnet", {}),
+    ("mlp", "pipeplan.models.mlp:mlp", {}),
+    ("hf gpt2", "pipeplan.models.hf:gpt2", {}),
+    ("hf llama", "pipeplan.models.hf:llama", {}),
+    *[
+        (f"zoo {n}", f"pipeplan.models.zoo:{n}", {})
+        for n in ("llama", "bert", "t5", "vit", "mixtral")
+    ],
 ]
 STAGES = (2, 4, 8)
 
 
 def measure(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Units under ``auto`` and the DP plans' balance for ``STAGES``."""
-    from planner.errors import PipeplanError
-    from planner.types import Cluster, PlanOptions
-    from profiler import profile_model
-    from solvers import SOLVERS
+    from pipeplan.planner.errors import PipeplanError
+    from pipeplan.planner.types import Cluster, PlanOptions
+    from pipeplan.profiler import profile_model
+    from pipeplan.solvers import SOLVERS
 
     options: dict[str, Any] = {
         "warmup": 1,

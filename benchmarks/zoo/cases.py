@@ -1,4 +1,4 @@
-"""The zoo the suite runs: every ``models.zoo`` architecture and the bundled models, tiny."""
+"""The zoo the suite runs: every ``pipeplan.models.zoo`` architecture and the bundled models, tiny."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 #: name -> (model, kwargs).  Sizes are tiny: the suite checks behaviour, not speed.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     **{
-        name: (f"models.zoo:{name}", {"n_layers": 2, "d_model": 16, "vocab": 64, "seq_len": 8})
+        name: (f"pipeplan.models.zoo:{name}", {"n_layers": 2, "d_model": 16, "vocab": 64, "seq_len": 8})
         for name in (
             "gpt2",
             "llama",
@@ -26,10 +26,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "vit",
         )
     },
-    "gpt": ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8}),
-    "resnet": ("models.resnet:resnet", {"width": 4, "blocks": "1,1", "image": 8}),
-    "mlp": ("models.mlp:mlp", {"width": 8, "depth": 4, "in_features": 6, "classes": 3}),
-    "hf-llama": ("models.hf:llama", {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2,
+    "gpt": ("pipeplan.models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8}),
+    "resnet": ("pipeplan.models.resnet:resnet", {"width": 4, "blocks": "1,1", "image": 8}),
+    "mlp": ("pipeplan.models.mlp:mlp", {"width": 8, "depth": 4, "in_features": 6, "classes": 3}),
+    "hf-llama": ("pipeplan.models.hf:llama", {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2,
                                      "n_kv_heads": 1, "seq_len": 8}),
 }  # fmt: skip
 

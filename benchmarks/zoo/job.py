@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.io import load_plan
-from planner.model import load_model
-from runtime.engine import PipelineRunner
+from pipeplan.planner.io import load_plan
+from pipeplan.planner.model import load_model
+from pipeplan.runtime.engine import PipelineRunner
 
 
 def _run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from benchmarks.zoo.cases import BATCH, CASES, FLOAT32, MICROBATCHES, STEPS, TOLERANCE
-from planner.io import write_json
-from planner.model import load_model
-from planner.types import Cluster, Plan, PlanOptions, Profile
+from pipeplan.planner.io import write_json
+from pipeplan.planner.model import load_model
+from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 
 __all__ = ["ZooRun", "compare", "dtype_of", "reference", "run_zoo"]
 
@@ -50,7 +50,7 @@ def dtype_of(name: str) -> str:
 
 
 def _plan(profile: Profile, stages: int, m: int | None) -> Plan:
-    from solvers import SOLVERS
+    from pipeplan.solvers import SOLVERS
 
     cluster = Cluster.homogeneous(stages, 1 << 30)
     return SOLVERS["dp"](profile, cluster, PlanOptions(microbatches=m, optimizer="sgd"))
@@ -58,7 +58,7 @@ def _plan(profile: Profile, stages: int, m: int | None) -> Plan:
 
 def run_zoo(out: Path, names: list[str] | None = None) -> ZooRun:
     """Profile and plan every case, then run all 2-stage plans in one 2-rank launch."""
-    from profiler import profile_model
+    from pipeplan.profiler import profile_model
 
     run = ZooRun()
     cases = {}

@@ -8,9 +8,9 @@ import pytest
 
 from benchmarks.accuracy.main import _simulated
 from benchmarks.accuracy.noise import across_runs, split_halves, summary
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, PlanOptions
-from solvers.dp import solve_dp
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.solvers.dp import solve_dp
 
 
 def test_reevaluating_a_plan_with_its_own_profile_gives_its_prediction() -> None:

@@ -7,20 +7,32 @@ import sys
 import pytest
 import torch
 
-from planner.errors import ModelLoadError, UserCodeError
-from planner.model import load_model
+from pipeplan.planner.errors import ModelLoadError, UserCodeError
+from pipeplan.planner.model import load_model
 
 SMALL = {
-    "models.gpt:gpt": {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
-    "models.resnet:resnet": {"width": 4, "blocks": "1,1", "image": 8},
-    "models.mlp:mlp": {"width": 16, "depth": 3, "in_features": 8},
-    "models.hf:gpt2": {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
+    "pipeplan.models.gpt:gpt": {
+        "vocab": 64,
+        "d_model": 16,
+        "n_layers": 2,
+        "n_heads": 2,
+        "seq_len": 8,
+    },
+    "pipeplan.models.resnet:resnet": {"width": 4, "blocks": "1,1", "image": 8},
+    "pipeplan.models.mlp:mlp": {"width": 16, "depth": 3, "in_features": 8},
+    "pipeplan.models.hf:gpt2": {
+        "vocab": 64,
+        "d_model": 16,
+        "n_layers": 2,
+        "n_heads": 2,
+        "seq_len": 8,
+    },
 }
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_batches_are_seeded_and_losses_are_batch_means(name: str) -> None:
-    if name.startswith("models.hf"):
+    if name.startswith("pipeplan.models.hf"):
         pytest.importorskip("transformers")
     spec = load_model(name, SMALL[name])
     (x,), y = spec.batch(4)
@@ -33,7 +45,7 @@ def test_batches_are_seeded_and_losses_are_batch_means(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_float64(name: str) -> None:
-    if name.startswith("models.hf"):
+    if name.startswith("pipeplan.models.hf"):
         pytest.importorskip("transformers")
     spec = load_model(name, SMALL[name])
     (x,), y = spec.batch(2)
@@ -44,15 +56,17 @@ def test_float64(name: str) -> None:
 
 
 def test_gpt_ties_head_to_embedding_by_default() -> None:
-    tied = load_model("models.gpt:gpt", SMALL["models.gpt:gpt"]).module
+    tied = load_model("pipeplan.models.gpt:gpt", SMALL["pipeplan.models.gpt:gpt"]).module
     assert tied.head.proj.weight is tied.embed.tok.weight
-    untied = load_model("models.gpt:gpt", {**SMALL["models.gpt:gpt"], "tie_weights": False}).module
+    untied = load_model(
+        "pipeplan.models.gpt:gpt", {**SMALL["pipeplan.models.gpt:gpt"], "tie_weights": False}
+    ).module
     assert untied.head.proj.weight is not untied.embed.tok.weight
 
 
 def test_same_seed_same_weights() -> None:
-    a = load_model("models.mlp:mlp", SMALL["models.mlp:mlp"]).module
-    b = load_model("models.mlp:mlp", SMALL["models.mlp:mlp"]).module
+    a = load_model("pipeplan.models.mlp:mlp", SMALL["pipeplan.models.mlp:mlp"]).module
+    b = load_model("pipeplan.models.mlp:mlp", SMALL["pipeplan.models.mlp:mlp"]).module
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
 
@@ -60,14 +74,14 @@ def test_same_seed_same_weights() -> None:
 def test_bad_knobs_are_rejected() -> None:
     """A knob the model refuses is the user's error: one line naming the model's check."""
     with pytest.raises(
-        UserCodeError, match=r"raised ValueError: .*d_model.*\(models/gpt\.py:\d+\)"
+        UserCodeError, match=r"raised ValueError: .*d_model.*\(pipeplan/models/gpt\.py:\d+\)"
     ):
-        load_model("models.gpt:gpt", {"d_model": 10, "n_heads": 4})
+        load_model("pipeplan.models.gpt:gpt", {"d_model": 10, "n_heads": 4})
     with pytest.raises(UserCodeError, match="blocks"):
-        load_model("models.resnet:resnet", {"blocks": "2,x"})
+        load_model("pipeplan.models.resnet:resnet", {"blocks": "2,x"})
 
 
 def test_hf_without_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ModelLoadError, match="transformers"):
-        load_model("models.hf:llama")
+        load_model("pipeplan.models.hf:llama")

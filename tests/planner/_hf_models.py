@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from planner.hf_source import no_dropout
+from pipeplan.planner.hf_source import no_dropout
 
 
 def _build(arch: str, config_class: str, **sizes: Any) -> Any:

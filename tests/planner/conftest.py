@@ -8,10 +8,10 @@ from collections.abc import Callable
 import pytest
 from matplotlib.figure import Figure
 
-from planner.evaluate import evaluate
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Device, Plan, PlanOptions, Profile
-from solvers.dp import solve_dp
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Device, Plan, PlanOptions, Profile
+from pipeplan.solvers.dp import solve_dp
 
 MiB = 2**20
 

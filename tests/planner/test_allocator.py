@@ -3,7 +3,7 @@ import platform
 
 import pytest
 
-from planner import allocator
+from pipeplan.planner import allocator
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

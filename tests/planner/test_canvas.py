@@ -1,11 +1,11 @@
-"""planner.canvas: the figures of both plotting modules stay out of pyplot's way."""
+"""pipeplan.planner.canvas: the figures of both plotting modules stay out of pyplot's way."""
 
 from __future__ import annotations
 
 import matplotlib
 
-from planner import plots, timeline_plots
-from planner.canvas import new_figure
+from pipeplan.planner import plots, timeline_plots
+from pipeplan.planner.canvas import new_figure
 
 
 def test_figures_leave_pyplot_alone(plans):

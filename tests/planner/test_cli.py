@@ -11,9 +11,9 @@ import pytest
 import torch
 from _cli_argv import cli_argv
 
-from planner.io import load_plan, write_json
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Link
+from pipeplan.planner.io import load_plan, write_json
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, cli) ->
 
 def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
     """The installed entry point: real exit codes and stderr, no traceback."""
-    exe = [sys.executable, "-m", "planner.cli"]
+    exe = [sys.executable, "-m", "pipeplan.planner.cli"]
     ok = subprocess.run(
         [*exe, *cli_argv("plan", profile_file, tmp_path / "p.json", "--stages 2 --memory 1GiB")],
         capture_output=True,
@@ -192,7 +192,7 @@ def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli
     (pkg / "__init__.py").write_text("")
     (pkg / "nets.py").write_text(
         "import torch\n"
-        "from planner.model import ModelSpec\n"
+        "from pipeplan.planner.model import ModelSpec\n"
         "def build(width: int = 8) -> ModelSpec:\n"
         "    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))\n"
         "    return ModelSpec(net, lambda b: (torch.randn(b, width), torch.randn(b, width)),\n"
@@ -231,34 +231,37 @@ def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
         "-b 8 --model-arg width=32 --model-arg in_features=32 --model-arg depth=3 --threads 1"
         " --repeats 1 --warmup 0 --no-progress"
     )
-    code, out, err = cli(cli_argv("profile", "models.mlp:mlp", prof, options))
+    code, out, err = cli(cli_argv("profile", "pipeplan.models.mlp:mlp", prof, options))
     assert code == 0, err
     assert "5 units" in out or "units" in out
     plan_file = tmp_path / "plan.json"
     code, _, err = cli(cli_argv("plan", prof, plan_file, "--stages 2 --memory 1GiB"))
     assert code == 0, err
     plan = load_plan(plan_file)
-    assert plan.model == "models.mlp:mlp" and plan.model_kwargs["width"] == 32
+    assert plan.model == "pipeplan.models.mlp:mlp" and plan.model_kwargs["width"] == 32
     code, out, _ = cli(["show", str(prof)])
     assert code == 0 and "fingerprint" in out
 
 
 BAD_PROFILE = [
-    (["models.nothing:here", "-b", "8"], "cannot import 'models.nothing'"),
-    (["models.mlp:nope", "-b", "8"], "has no attribute 'nope'"),
+    (["pipeplan.models.nothing:here", "-b", "8"], "cannot import 'pipeplan.models.nothing'"),
+    (["pipeplan.models.mlp:nope", "-b", "8"], "has no attribute 'nope'"),
     (["not-a-model-name", "-b", "8"], "package.module:callable"),
-    (["models.mlp:mlp", "-b", "6", "--microbatch-sizes", "4"], "does not divide batch size 6"),
-    (["models.mlp:mlp", "-b", "0"], "--batch-size 0"),
-    (["models.mlp:mlp", "-b", "8", "--microbatch-sizes", "a,b"], "--microbatch-sizes"),
-    (["models.mlp:mlp", "-b", "8", "--granularity", "fine"], "granularity"),
+    (
+        ["pipeplan.models.mlp:mlp", "-b", "6", "--microbatch-sizes", "4"],
+        "does not divide batch size 6",
+    ),
+    (["pipeplan.models.mlp:mlp", "-b", "0"], "--batch-size 0"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--microbatch-sizes", "a,b"], "--microbatch-sizes"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--granularity", "fine"], "granularity"),
     pytest.param(
-        ["models.mlp:mlp", "-b", "8", "--device", "cuda"],
+        ["pipeplan.models.mlp:mlp", "-b", "8", "--device", "cuda"],
         "cuda",
         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
     ),
-    (["models.mlp:mlp", "-b", "8", "--model-arg", "width"], "KEY=VALUE"),
-    (["models.mlp:mlp", "-b", "8", "--model-arg", "colour=3"], "check --model-arg"),
-    (["models.mlp:mlp", "-b", "8", "--dtype", "int3"], "int3"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--model-arg", "width"], "KEY=VALUE"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--model-arg", "colour=3"], "check --model-arg"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--dtype", "int3"], "int3"),
 ]
 
 
@@ -273,7 +276,7 @@ def test_bad_profile_input(tmp_path: Path, cli, args: list[str], message: str) -
 
 
 def test_uncalibrated_note_names_only_what_is_not_charged() -> None:
-    from planner.terminal import uncalibrated_note
+    from pipeplan.planner.terminal import uncalibrated_note
 
     bare = Cluster.homogeneous(2, 2**30)
     note = uncalibrated_note(bare)

@@ -13,13 +13,13 @@ import pandas as pd
 import pytest
 from _cli_argv import cli_argv
 
-from planner.cli import main
-from planner.compare import FORMATS, compare_frame, render, to_markdown
-from planner.errors import InvalidRequestError
-from planner.io import load_plan, write_json
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Plan, PlanOptions
-from solvers import SOLVERS
+from pipeplan.planner.cli import main
+from pipeplan.planner.compare import FORMATS, compare_frame, render, to_markdown
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.io import load_plan, write_json
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Plan, PlanOptions
+from pipeplan.solvers import SOLVERS
 
 SOLVER_NAMES = ("dp", "cpsat", "uniform", "params", "torchgpipe")
 
@@ -185,7 +185,7 @@ def test_bad_input_is_one_line(
     if "plan" == argv[0]:
         argv += ["-o", str(tmp_path / "out.json")]
     proc = subprocess.run(
-        [sys.executable, "-m", "planner.cli", *argv],
+        [sys.executable, "-m", "pipeplan.planner.cli", *argv],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -199,8 +199,8 @@ def test_bad_input_is_one_line(
 
 
 def test_replicated_plans_show_their_replicas_and_global_throughput() -> None:
-    from solvers.devices import plan_devices
-    from solvers.dp import solve_dp
+    from pipeplan.solvers.devices import plan_devices
+    from pipeplan.solvers.dp import solve_dp
 
     prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=3)
     choices = plan_devices(prof, 4, Cluster.homogeneous(1, 2**40), PlanOptions(), solve_dp)

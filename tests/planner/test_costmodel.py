@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import in_flight, recomputes, step_time
-from planner.evaluate import evaluate
-from planner.simulate import operation_order, simulate, simulate_plan
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Link, PlanOptions, TiedSync
-from planner.updates import shared_ends, update_tail
+from pipeplan.planner.costmodel import in_flight, recomputes, step_time
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.simulate import operation_order, simulate, simulate_plan
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions, TiedSync
+from pipeplan.planner.updates import shared_ends, update_tail
 
 floats = st.floats(1e-4, 1.0, allow_nan=False)
 schedules = st.sampled_from(["gpipe", "1f1b"])

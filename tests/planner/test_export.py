@@ -38,13 +38,13 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from planner.evaluate import evaluate
-from planner.export import ModelLayout, _legal_cuts, export_plan, megatron_layout
-from planner.io import load_plan, write_json
-from planner.model import NamedInputs, load_model
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Plan, PlanOptions, Profile
-from profiler import profile_model
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.export import ModelLayout, _legal_cuts, export_plan, megatron_layout
+from pipeplan.planner.io import load_plan, write_json
+from pipeplan.planner.model import NamedInputs, load_model
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
+from pipeplan.profiler import profile_model
 
 GiB = 2**30
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+: reads torchtitan's TOML fragment
@@ -139,18 +139,38 @@ def deepspeed_owner(parts: list[int], layer: int) -> int:
 #: name -> (model, kwargs, --max-stages, its block list): small enough to profile in seconds.
 MODELS = {
     "gpt": (
-        "models.gpt:gpt",
+        "pipeplan.models.gpt:gpt",
         {"vocab": 64, "d_model": 16, "n_layers": 4, "seq_len": 8},
         4,
         "blocks",
     ),
-    "mlp": ("models.mlp:mlp", {"width": 16, "depth": 4, "in_features": 8}, 4, "layers"),
-    "resnet": ("models.resnet:resnet", {"width": 4, "blocks": "1,1,1", "image": 8}, 4, "stages"),
-    "llama": ("models.zoo:llama", {"n_layers": 3, "d_model": 32, "seq_len": 8}, 4, "model.layers"),
-    "gemma": ("models.zoo:gemma", {"n_layers": 3, "d_model": 32, "seq_len": 8}, 4, "model.layers"),
-    "gpt2": ("models.zoo:gpt2", {"n_layers": 3, "d_model": 32, "seq_len": 8}, 4, "transformer.h"),
+    "mlp": ("pipeplan.models.mlp:mlp", {"width": 16, "depth": 4, "in_features": 8}, 4, "layers"),
+    "resnet": (
+        "pipeplan.models.resnet:resnet",
+        {"width": 4, "blocks": "1,1,1", "image": 8},
+        4,
+        "stages",
+    ),
+    "llama": (
+        "pipeplan.models.zoo:llama",
+        {"n_layers": 3, "d_model": 32, "seq_len": 8},
+        4,
+        "model.layers",
+    ),
+    "gemma": (
+        "pipeplan.models.zoo:gemma",
+        {"n_layers": 3, "d_model": 32, "seq_len": 8},
+        4,
+        "model.layers",
+    ),
+    "gpt2": (
+        "pipeplan.models.zoo:gpt2",
+        {"n_layers": 3, "d_model": 32, "seq_len": 8},
+        4,
+        "transformer.h",
+    ),
     "bert": (
-        "models.zoo:bert",
+        "pipeplan.models.zoo:bert",
         {"n_layers": 3, "d_model": 32, "seq_len": 8},
         4,
         "bert.encoder.layer",
@@ -773,7 +793,7 @@ def test_megatron_prices_the_closest_first_last_pair(tmp_path: Path, cli) -> Non
 
 def test_console_script(plan_file: Path, tmp_path: Path) -> None:
     """The entry point in a real process: output on stdout, errors one line, exit 2."""
-    exe = [sys.executable, "-m", "planner.cli", "export", str(plan_file)]
+    exe = [sys.executable, "-m", "pipeplan.planner.cli", "export", str(plan_file)]
     ok = subprocess.run([*exe, "--to", "megatron"], capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("--pipeline-model-parallel-size 2 --num-layers 8")

@@ -1,4 +1,4 @@
-"""planner.graph: tracing, unit grouping and cut tensors on every bundled model."""
+"""pipeplan.planner.graph: tracing, unit grouping and cut tensors on every bundled model."""
 
 from __future__ import annotations
 
@@ -9,15 +9,27 @@ import pytest
 import torch
 from torch import nn
 
-from planner.errors import InvalidRequestError, TraceError
-from planner.graph import UnitSpec, compute_nodes, cut_tensors, group_units, subgraph_module
-from planner.model import load_model
-from planner.trace import TracedModel, trace_model
+from pipeplan.planner.errors import InvalidRequestError, TraceError
+from pipeplan.planner.graph import (
+    UnitSpec,
+    compute_nodes,
+    cut_tensors,
+    group_units,
+    subgraph_module,
+)
+from pipeplan.planner.model import load_model
+from pipeplan.planner.trace import TracedModel, trace_model
 
 SMALL = {
-    "models.gpt:gpt": {"vocab": 128, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8},
-    "models.resnet:resnet": {"width": 4, "blocks": "1,2", "image": 8},
-    "models.mlp:mlp": {"width": 16, "depth": 4, "in_features": 8},
+    "pipeplan.models.gpt:gpt": {
+        "vocab": 128,
+        "d_model": 16,
+        "n_layers": 3,
+        "n_heads": 2,
+        "seq_len": 8,
+    },
+    "pipeplan.models.resnet:resnet": {"width": 4, "blocks": "1,2", "image": 8},
+    "pipeplan.models.mlp:mlp": {"width": 16, "depth": 4, "in_features": 8},
 }
 HF = {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "seq_len": 8}
 
@@ -31,7 +43,7 @@ def _traced(name: str, kwargs: dict[str, object], batch: int = 3) -> tuple[Trace
 @pytest.fixture(scope="module")
 def llama() -> tuple[TracedModel, tuple]:
     pytest.importorskip("transformers")
-    return _traced("models.hf:llama", HF)
+    return _traced("pipeplan.models.hf:llama", HF)
 
 
 def check_partition(traced: TracedModel, units: list[UnitSpec]) -> None:
@@ -54,7 +66,7 @@ def test_bundled_models_trace_with_fx_and_group(name: str, granularity: str) -> 
 
 
 def test_auto_units_are_the_blocks() -> None:
-    gpt, _ = _traced("models.gpt:gpt", SMALL["models.gpt:gpt"])
+    gpt, _ = _traced("pipeplan.models.gpt:gpt", SMALL["pipeplan.models.gpt:gpt"])
     assert [u.name for u in group_units(gpt)] == [
         "embed",
         "blocks.0",
@@ -62,7 +74,7 @@ def test_auto_units_are_the_blocks() -> None:
         "blocks.2",
         "head",
     ]
-    resnet, _ = _traced("models.resnet:resnet", SMALL["models.resnet:resnet"])
+    resnet, _ = _traced("pipeplan.models.resnet:resnet", SMALL["pipeplan.models.resnet:resnet"])
     names = [u.name for u in group_units(resnet)]
     assert names[1:4] == ["stages.0.0", "stages.1.0", "stages.1.1"] and names[0] == "stem"
 
@@ -73,13 +85,15 @@ def test_hf_model_falls_back_to_export(llama: tuple[TracedModel, tuple]) -> None
     units = group_units(traced)
     check_partition(traced, units)
     assert [u.name for u in units][1:3] == ["model.layers.0", "model.layers.1"]
-    spec = load_model("models.hf:llama", HF)
+    spec = load_model("pipeplan.models.hf:llama", HF)
     (other,), _ = spec.batch(5)  # the batch dimension is dynamic
     torch.testing.assert_close(traced.gm(other), spec.module(other))
 
 
 def test_units_chained_equal_the_model() -> None:
-    traced, inputs = _traced("models.resnet:resnet", SMALL["models.resnet:resnet"])
+    traced, inputs = _traced(
+        "pipeplan.models.resnet:resnet", SMALL["pipeplan.models.resnet:resnet"]
+    )
     units = group_units(traced, "node")
     cuts = cut_tensors(traced, units)
     placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
@@ -94,7 +108,7 @@ def test_units_chained_equal_the_model() -> None:
 
 
 def test_cut_inside_a_residual_block_carries_the_skip() -> None:
-    traced, _ = _traced("models.resnet:resnet", SMALL["models.resnet:resnet"])
+    traced, _ = _traced("pipeplan.models.resnet:resnet", SMALL["pipeplan.models.resnet:resnet"])
     units = group_units(traced, "node")
     cuts = cut_tensors(traced, units)
     k = next(i for i, u in enumerate(units) if u.nodes[-1] == "stages_0_0_conv1")
@@ -103,20 +117,20 @@ def test_cut_inside_a_residual_block_carries_the_skip() -> None:
 
 
 def test_tied_weight_never_crosses_a_cut() -> None:
-    traced, _ = _traced("models.gpt:gpt", SMALL["models.gpt:gpt"])
+    traced, _ = _traced("pipeplan.models.gpt:gpt", SMALL["pipeplan.models.gpt:gpt"])
     units = group_units(traced, "node")
     ops = {n.name: n.op for n in traced.gm.graph.nodes}
     assert all(ops[x] != "get_attr" for cut in cut_tensors(traced, units) for x in cut)
 
 
 def test_fingerprint_ignores_batch_and_dtype_and_process() -> None:
-    name, kwargs = "models.gpt:gpt", SMALL["models.gpt:gpt"]
+    name, kwargs = "pipeplan.models.gpt:gpt", SMALL["pipeplan.models.gpt:gpt"]
     a, _ = _traced(name, kwargs, batch=2)
     b, _ = _traced(name, kwargs, batch=7)
     spec = load_model(name, kwargs)
     c = trace_model(spec.module.double(), spec.batch(2)[0])
     code = (
-        "from planner.model import load_model; from planner.trace import trace_model; "
+        "from pipeplan.planner.model import load_model; from pipeplan.planner.trace import trace_model; "
         f"s = load_model({name!r}, {kwargs!r}); print(trace_model(s.module, s.batch(4)[0]).fingerprint)"
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -126,7 +140,7 @@ def test_fingerprint_ignores_batch_and_dtype_and_process() -> None:
 
 
 def test_bad_granularity_names_the_choices() -> None:
-    traced, _ = _traced("models.mlp:mlp", SMALL["models.mlp:mlp"])
+    traced, _ = _traced("pipeplan.models.mlp:mlp", SMALL["pipeplan.models.mlp:mlp"])
     for bad in ("blocks", "depth:0", "depth:x"):
         with pytest.raises(InvalidRequestError, match=r"auto, top, depth:N, node"):
             group_units(traced, bad)

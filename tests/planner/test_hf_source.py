@@ -14,10 +14,10 @@ import torch
 
 tf = pytest.importorskip("transformers")
 
-from planner.errors import ModelLoadError
-from planner.hf_source import DROPOUT_KEYS, default_head, file_sha256
-from planner.model import ModelSpec, NamedInputs, load_model
-from profiler import profile_model
+from pipeplan.planner.errors import ModelLoadError
+from pipeplan.planner.hf_source import DROPOUT_KEYS, default_head, file_sha256
+from pipeplan.planner.model import ModelSpec, NamedInputs, load_model
+from pipeplan.profiler import profile_model
 
 
 def _save(tmp_path: Path, config: Any, drop_architectures: bool = False) -> Path:

@@ -7,11 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from planner.errors import FileFormatError, InvalidRequestError
-from planner.io import dumps, load_any, load_plan, load_profile, parse_bytes, parse_rate, write_json
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Plan, Profile
-from solvers.dp import solve_dp
+from pipeplan.planner.errors import FileFormatError, InvalidRequestError
+from pipeplan.planner.io import (
+    dumps,
+    load_any,
+    load_plan,
+    load_profile,
+    parse_bytes,
+    parse_rate,
+    write_json,
+)
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Plan, Profile
+from pipeplan.solvers.dp import solve_dp
 
 
 @pytest.fixture
@@ -65,7 +73,7 @@ def test_corrupt_and_missing(tmp_path: Path) -> None:
 
 def test_atomic_write_leaves_no_partial_file(tmp_path: Path, profile: Profile, monkeypatch) -> None:
     target = tmp_path / "p.json"
-    from planner import io
+    from pipeplan.planner import io
 
     def boom(*args, **kwargs):
         raise OSError("disk full")

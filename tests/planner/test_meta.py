@@ -1,4 +1,4 @@
-"""planner.meta: a model built on meta traces to the real graph, and a stage materialized alone
+"""pipeplan.planner.meta: a model built on meta traces to the real graph, and a stage materialized alone
 gets exactly the values the whole model gets; the known traps each have a test (tied weights
 after ``to_empty``, rotary tables after ``to_empty``, tensors made with an explicit device,
 parameters nothing initialises)."""
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from planner.errors import ModelLoadError
-from planner.meta import (
+from pipeplan.planner.errors import ModelLoadError
+from pipeplan.planner.meta import (
     MetaInterpreter,
     empty_parameters,
     has_meta,
@@ -20,11 +20,14 @@ from planner.meta import (
     owners,
     trace_meta,
 )
-from planner.model import ModelSpec, load_model
-from planner.trace import trace_model
+from pipeplan.planner.model import ModelSpec, load_model
+from pipeplan.planner.trace import trace_model
 
-GPT = ("models.gpt:gpt", {"vocab": 64, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8})
-LLAMA = ("models.zoo:llama", {})
+GPT = (
+    "pipeplan.models.gpt:gpt",
+    {"vocab": 64, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8},
+)
+LLAMA = ("pipeplan.models.zoo:llama", {})
 
 
 def _names(module: nn.Module) -> list[str]:

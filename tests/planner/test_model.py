@@ -14,10 +14,10 @@ pytest.importorskip("transformers")
 
 from _hf_models import BARE
 
-from planner.errors import ModelLoadError, UserCodeError
-from planner.model import NamedInputs, load_model
-from planner.trace import trace_model
-from profiler import profile_model
+from pipeplan.planner.errors import ModelLoadError, UserCodeError
+from pipeplan.planner.model import NamedInputs, load_model
+from pipeplan.planner.trace import trace_model
+from pipeplan.profiler import profile_model
 
 FAST = {"warmup": 0, "repeats": 1, "progress": False}
 SOURCE = (Path(__file__).parent / "_hf_models.py").read_text().splitlines()

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.errors import ModelLoadError, UserCodeError
-from planner.hf_source import default_spec, file_sha256
-from planner.io import load_plan, load_profile
-from planner.model import NamedInputs, load_model
+from pipeplan.planner.errors import ModelLoadError, UserCodeError
+from pipeplan.planner.hf_source import default_spec, file_sha256
+from pipeplan.planner.io import load_plan, load_profile
+from pipeplan.planner.model import NamedInputs, load_model
 
 FAST = ["--warmup", "0", "--repeats", "1", "--no-progress"]
 HERE = Path(__file__).parent

@@ -1,4 +1,4 @@
-"""Figures of planner.plots (plan comparisons): open them and check what they draw."""
+"""Figures of pipeplan.planner.plots (plan comparisons): open them and check what they draw."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
-from planner import frames, plots
-from planner.types import Cluster, PlanOptions
+from pipeplan.planner import frames, plots
+from pipeplan.planner.types import Cluster, PlanOptions
 
 MiB = 2**20
 
@@ -131,8 +131,8 @@ def test_microbatch_sweep_marks_infeasible_m(profile):
 
 def test_compare_cli_draws_the_comparison(plans, tmp_path, capsys):
     """`pipeplan compare a.json b.json --plot out.png`; a bad suffix is one line and exit 2."""
-    from planner.cli import main
-    from planner.io import write_json
+    from pipeplan.planner.cli import main
+    from pipeplan.planner.io import write_json
 
     files = []
     for name, plan in zip(("dp", "uniform"), plans):
@@ -157,9 +157,9 @@ def test_compare_cli_draws_the_comparison(plans, tmp_path, capsys):
 
 
 def test_device_frontier_marks_the_best_depth() -> None:
-    from planner.evaluate import evaluate
-    from planner.synthetic import synthetic_profile
-    from solvers.devices import replica_profile
+    from pipeplan.planner.evaluate import evaluate
+    from pipeplan.planner.synthetic import synthetic_profile
+    from pipeplan.solvers.devices import replica_profile
 
     prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=2)
     plans = []

@@ -1,4 +1,4 @@
-"""Units that adapt (planner.refine): heavy units are split, down to graph nodes if needed; at
+"""Units that adapt (pipeplan.planner.refine): heavy units are split, down to graph nodes if needed; at
 least P units; regular models keep one unit per block; the choice is recorded and rebuilt."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from planner.graph import group_units
-from planner.refine import node_costs, refine_units
-from planner.trace import TracedModel, trace_model
+from pipeplan.planner.graph import group_units
+from pipeplan.planner.refine import node_costs, refine_units
+from pipeplan.planner.trace import TracedModel, trace_model
 
 
 class Wrapper(nn.Module):

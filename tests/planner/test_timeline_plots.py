@@ -1,13 +1,13 @@
-"""Figures of planner.timeline_plots and the frames of planner.frames they draw."""
+"""Figures of pipeplan.planner.timeline_plots and the frames of pipeplan.planner.frames they draw."""
 
 from __future__ import annotations
 
 import pytest
 from matplotlib.patches import Rectangle
 
-from planner import frames, timeline_plots
-from planner.simulate import simulate, simulate_plan
-from planner.types import RunReport, StageMeasurement
+from pipeplan.planner import frames, timeline_plots
+from pipeplan.planner.simulate import simulate, simulate_plan
+from pipeplan.planner.types import RunReport, StageMeasurement
 
 
 def test_gantt_has_a_row_per_device_and_a_block_per_operation(plans, renders):

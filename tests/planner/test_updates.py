@@ -7,13 +7,13 @@ import itertools
 import numpy as np
 import pytest
 
-from planner.evaluate import evaluate
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, PlanOptions, Profile
-from planner.unitcosts import microbatch_choices
-from planner.updates import UpdateCost, fit_update_cost, update_cost
-from solvers.cpsat import solve_cpsat
-from solvers.dp import solve_dp
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, PlanOptions, Profile
+from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.planner.updates import UpdateCost, fit_update_cost, update_cost
+from pipeplan.solvers.cpsat import solve_cpsat
+from pipeplan.solvers.dp import solve_dp
 
 
 def test_fit_interpolates_a_convex_curve_at_its_sizes() -> None:

@@ -1,4 +1,4 @@
-"""profiler.profile_model on the bundled models: fields, units, cuts, tied weights, errors."""
+"""pipeplan.profiler.profile_model on the bundled models: fields, units, cuts, tied weights, errors."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.errors import InvalidRequestError
-from planner.io import load_profile, write_json
-from planner.model import load_model
-from planner.types import Profile
-from profiler import default_microbatch_sizes, profile_model
-from profiler.device import Clock
-from profiler.measure import measure_updates
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.io import load_profile, write_json
+from pipeplan.planner.model import load_model
+from pipeplan.planner.types import Profile
+from pipeplan.profiler import default_microbatch_sizes, profile_model
+from pipeplan.profiler.device import Clock
+from pipeplan.profiler.measure import measure_updates
 
 FAST = {"warmup": 1, "repeats": 2, "progress": False}
 GPT = {"vocab": 512, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}
@@ -24,12 +24,14 @@ MLP = {"width": 64, "depth": 3, "in_features": 32}
 @pytest.fixture(scope="module")
 def gpt_profile() -> Profile:
     # max_stages=2: units refined for 2 stages only (every block is under half the model).
-    return profile_model("models.gpt:gpt", batch_size=8, model_kwargs=GPT, max_stages=2, **FAST)
+    return profile_model(
+        "pipeplan.models.gpt:gpt", batch_size=8, model_kwargs=GPT, max_stages=2, **FAST
+    )
 
 
 def test_every_field_is_filled(gpt_profile: Profile) -> None:
     p = gpt_profile
-    assert p.model == "models.gpt:gpt" and p.model_kwargs == GPT
+    assert p.model == "pipeplan.models.gpt:gpt" and p.model_kwargs == GPT
     assert p.tracer == "fx" and len(p.graph_fingerprint) == 16
     assert p.device.kind == "cpu" and p.device.threads == 1
     assert p.torch_version == torch.__version__ and p.dtype == "float32"
@@ -41,7 +43,7 @@ def test_every_field_is_filled(gpt_profile: Profile) -> None:
 
 
 def test_optimizer_updates_are_timed() -> None:
-    p = profile_model("models.mlp:mlp", batch_size=4, model_kwargs=MLP, **FAST)
+    p = profile_model("pipeplan.models.mlp:mlp", batch_size=4, model_kwargs=MLP, **FAST)
     assert set(p.update_s) == {"sgd", "momentum", "adam"}
     assert all(t > 0 for t in p.update_s.values())
     # The curve: growing prefixes of the units, the last one all of the model's parameters.
@@ -56,7 +58,7 @@ def test_optimizer_updates_are_timed() -> None:
 
 
 def test_timing_the_updates_leaves_the_parameters_alone() -> None:
-    module = load_model("models.mlp:mlp", MLP).module
+    module = load_model("pipeplan.models.mlp:mlp", MLP).module
     params = list(module.parameters())
     before = [t.detach().clone() for t in params]
     times = measure_updates(params, clock=Clock(torch.device("cpu")), warmup=1, repeats=3)
@@ -74,7 +76,7 @@ def test_times_positive_and_saved_bytes_grow_with_microbatch(gpt_profile: Profil
 
 
 def test_tied_embedding_counts_once(gpt_profile: Profile) -> None:
-    module = load_model("models.gpt:gpt", GPT).module
+    module = load_model("pipeplan.models.gpt:gpt", GPT).module
     unique = sum(p.numel() * p.element_size() for p in module.parameters())
     assert sum(u.param_bytes for u in gpt_profile.units) == unique
     embed, head = gpt_profile.units[0], gpt_profile.units[-1]
@@ -93,7 +95,11 @@ def test_json_round_trip(gpt_profile: Profile, tmp_path: Path) -> None:
 
 def test_resnet_cut_inside_a_block_carries_the_skip() -> None:
     p = profile_model(
-        "models.resnet:resnet", batch_size=2, model_kwargs=RESNET, granularity="depth:4", **FAST
+        "pipeplan.models.resnet:resnet",
+        batch_size=2,
+        model_kwargs=RESNET,
+        granularity="depth:4",
+        **FAST,
     )
     k = next(i for i, u in enumerate(p.units) if u.name == "stages.0.0.conv1")
     main = p.units[k].timings[2].output_bytes // 2
@@ -103,7 +109,7 @@ def test_resnet_cut_inside_a_block_carries_the_skip() -> None:
 
 def test_float64_and_explicit_sizes() -> None:
     p = profile_model(
-        "models.mlp:mlp",
+        "pipeplan.models.mlp:mlp",
         batch_size=6,
         model_kwargs=MLP,
         microbatch_sizes=[3, 6],
@@ -118,7 +124,9 @@ def test_float64_and_explicit_sizes() -> None:
 def test_hf_model_profiles_through_export() -> None:
     pytest.importorskip("transformers")
     kwargs = {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
-    p = profile_model("models.hf:gpt2", batch_size=2, model_kwargs=kwargs, max_stages=2, **FAST)
+    p = profile_model(
+        "pipeplan.models.hf:gpt2", batch_size=2, model_kwargs=kwargs, max_stages=2, **FAST
+    )
     assert p.tracer == "export" and p.n_units == 4
 
 
@@ -126,21 +134,21 @@ def test_microbatch_size_must_divide_batch() -> None:
     with pytest.raises(
         InvalidRequestError, match=r"micro-batch size 3 does not divide batch size 8"
     ):
-        profile_model("models.mlp:mlp", batch_size=8, microbatch_sizes=[2, 3], **FAST)
+        profile_model("pipeplan.models.mlp:mlp", batch_size=8, microbatch_sizes=[2, 3], **FAST)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_cuda_without_cuda_is_a_clear_error() -> None:
     with pytest.raises(InvalidRequestError, match="CUDA is not available"):
-        profile_model("models.mlp:mlp", batch_size=2, device="cuda", **FAST)
+        profile_model("pipeplan.models.mlp:mlp", batch_size=2, device="cuda", **FAST)
 
 
 def test_bad_arguments() -> None:
     with pytest.raises(InvalidRequestError, match="dtype 'int8'"):
-        profile_model("models.mlp:mlp", batch_size=2, dtype="int8", **FAST)
+        profile_model("pipeplan.models.mlp:mlp", batch_size=2, dtype="int8", **FAST)
     with pytest.raises(InvalidRequestError, match="granularity 'layers'"):
         profile_model(
-            "models.mlp:mlp", batch_size=2, model_kwargs=MLP, granularity="layers", **FAST
+            "pipeplan.models.mlp:mlp", batch_size=2, model_kwargs=MLP, granularity="layers", **FAST
         )
 
 

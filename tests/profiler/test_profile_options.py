@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.errors import InvalidRequestError
-from profiler import profile_model
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.profiler import profile_model
 
 
 def test_threads_recorded_and_restored() -> None:
     before = torch.get_num_threads()
     prof = profile_model(
-        "models.mlp:mlp",
+        "pipeplan.models.mlp:mlp",
         batch_size=4,
         model_kwargs={"width": 32, "depth": 2, "in_features": 32},
         microbatch_sizes=[4],
@@ -24,13 +24,13 @@ def test_threads_recorded_and_restored() -> None:
     assert prof.device.threads == 1
     assert torch.get_num_threads() == before
     with pytest.raises(InvalidRequestError, match="threads 0"):
-        profile_model("models.mlp:mlp", batch_size=4, threads=0, progress=False)
+        profile_model("pipeplan.models.mlp:mlp", batch_size=4, threads=0, progress=False)
 
 
 def test_rounds_take_the_median_of_round_medians() -> None:
     kwargs = {"width": 32, "depth": 2, "in_features": 32}
     prof = profile_model(
-        "models.mlp:mlp",
+        "pipeplan.models.mlp:mlp",
         batch_size=4,
         model_kwargs=kwargs,
         microbatch_sizes=[2, 4],
@@ -45,12 +45,12 @@ def test_rounds_take_the_median_of_round_medians() -> None:
         assert set(unit.timings) == {2, 4}
         assert all(t.forward_s > 0 and t.forward_spread_s >= 0 for t in unit.timings.values())
     with pytest.raises(InvalidRequestError, match="rounds 0"):
-        profile_model("models.mlp:mlp", batch_size=4, rounds=0, progress=False)
+        profile_model("pipeplan.models.mlp:mlp", batch_size=4, rounds=0, progress=False)
 
 
 def test_merge_is_median_of_rounds() -> None:
-    from planner.types import Timing
-    from profiler.profile import _merge
+    from pipeplan.planner.types import Timing
+    from pipeplan.profiler.profile import _merge
 
     ts = [
         Timing(forward_s=f, backward_s=2 * f, saved_bytes=8, output_bytes=4)
@@ -63,7 +63,7 @@ def test_merge_is_median_of_rounds() -> None:
 
 def test_loss_is_measured_per_size() -> None:
     prof = profile_model(
-        "models.gpt:gpt",
+        "pipeplan.models.gpt:gpt",
         batch_size=4,
         microbatch_sizes=[1, 4],
         warmup=0,
@@ -81,7 +81,7 @@ def test_loss_is_measured_per_size() -> None:
 
 def test_checkpointed_backward_is_measured() -> None:
     prof = profile_model(
-        "models.mlp:mlp",
+        "pipeplan.models.mlp:mlp",
         batch_size=8,
         microbatch_sizes=[8],
         warmup=1,

@@ -1,4 +1,4 @@
-"""profiler.sweep: every unit's backward gets the gradient the whole model gives it, plain or
+"""pipeplan.profiler.sweep: every unit's backward gets the gradient the whole model gives it, plain or
 recomputing, and the timed passes report every unit."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 import torch
 
-from planner.graph import group_units
-from planner.model import ModelSpec, load_model
-from planner.trace import trace_model
-from profiler.device import Clock
-from profiler.measure import storage_keys
-from profiler.profile import _Loss
-from profiler.split import split_units
-from profiler.sweep import _Pass, _run_pass, measure_sweep
+from pipeplan.planner.graph import group_units
+from pipeplan.planner.model import ModelSpec, load_model
+from pipeplan.planner.trace import trace_model
+from pipeplan.profiler.device import Clock
+from pipeplan.profiler.measure import storage_keys
+from pipeplan.profiler.profile import _Loss
+from pipeplan.profiler.split import split_units
+from pipeplan.profiler.sweep import _Pass, _run_pass, measure_sweep
 
 GPT = {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}  # tied head
 RESNET = {"width": 4, "blocks": "1,1", "image": 8}  # skip connections, batch norm
@@ -45,7 +45,7 @@ def _grads(traced: Any) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "model, kwargs", [("models.gpt:gpt", GPT), ("models.resnet:resnet", RESNET)]
+    "model, kwargs", [("pipeplan.models.gpt:gpt", GPT), ("pipeplan.models.resnet:resnet", RESNET)]
 )
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_pass_gives_the_whole_models_gradients(
@@ -76,7 +76,7 @@ def test_the_models_inputs_get_no_gradient() -> None:
 
 
 def test_measure_sweep_times_every_unit_plain_and_recomputing() -> None:
-    _, traced, pieces, inputs, loss, output = _setup("models.gpt:gpt", GPT, 4)
+    _, traced, pieces, inputs, loss, output = _setup("pipeplan.models.gpt:gpt", GPT, 4)
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
     result = measure_sweep(pieces, inputs, loss, output, clock=CPU, warmup=1, repeats=2,
                            exclude=exclude)  # fmt: skip
@@ -102,9 +102,9 @@ def test_an_unused_output_gets_a_zero_gradient() -> None:
 def test_recomputing_times_close_on_one_checkpoint_around_every_unit() -> None:
     """The units' recomputing times, net of one checkpoint call each, sum to what one
     checkpoint around all of them takes (also net of one call)."""
-    from profiler import sweep
+    from pipeplan.profiler import sweep
 
-    _, traced, pieces, inputs, loss, output = _setup("models.gpt:gpt", GPT, 4)
+    _, traced, pieces, inputs, loss, output = _setup("pipeplan.models.gpt:gpt", GPT, 4)
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
     wholes: list[tuple[float, float]] = []
 

@@ -1,4 +1,4 @@
-"""``--method units`` (profiler.units): the same units, cuts and bytes as whole passes, each
+"""``--method units`` (pipeplan.profiler.units): the same units, cuts and bytes as whole passes, each
 distinct unit measured once (identical layers merged, layers differing in behaviour not), and
 peak memory that does not grow with the number of identical layers."""
 
@@ -13,13 +13,16 @@ from typing import Any
 
 import pytest
 
-from planner.io import dumps, load_profile
-from planner.types import Profile
-from profiler import profile_model
+from pipeplan.planner.io import dumps, load_profile
+from pipeplan.planner.types import Profile
+from pipeplan.profiler import profile_model
 
 FAST: dict[str, Any] = {"warmup": 1, "repeats": 2, "progress": False}
-GPT = ("models.gpt:gpt", {"vocab": 64, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8})
-LLAMA = ("models.zoo:llama", {})
+GPT = (
+    "pipeplan.models.gpt:gpt",
+    {"vocab": 64, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8},
+)
+LLAMA = ("pipeplan.models.zoo:llama", {})
 ROOT = Path(__file__).resolve().parents[2]
 ALT = "tests.profiler._unit_models:alternating"
 
@@ -169,8 +172,8 @@ def test_measured_as_round_trips_and_old_profiles_still_load(tmp_path: Path) -> 
 _PEAK = textwrap.dedent(
     """
     import sys
-    from planner.model import load_model
-    from profiler import profile_model
+    from pipeplan.planner.model import load_model
+    from pipeplan.profiler import profile_model
 
     method, n, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kwargs = {"n_layers": n, "width": width}
@@ -216,10 +219,10 @@ def test_auto_profiles_whole_passes_only_when_the_training_state_fits(
 ) -> None:
     import torch
 
-    import profiler.profile as pp
-    from planner.model import load_model
-    from planner.trace import trace_model
-    from profiler.units import activation_estimate, param_bytes
+    import pipeplan.profiler.profile as pp
+    from pipeplan.planner.model import load_model
+    from pipeplan.planner.trace import trace_model
+    from pipeplan.profiler.units import activation_estimate, param_bytes
 
     name, kwargs = "tests.profiler._unit_models:stack", {"n_layers": 3, "width": 8}
     spec = load_model(name, kwargs)
@@ -258,10 +261,14 @@ def test_a_mixture_of_experts_profiles_by_layer_and_says_why_not_when_routing_is
     """Mixtral's experts keep transposed views of their weights alive past the sweep (the
     parameters are replaced, not swapped, to free them); its routing indices, computed from
     the router's weights, are only shapes to a unit measured alone."""
-    from planner.errors import UnitMeasureError
+    from pipeplan.planner.errors import UnitMeasureError
 
-    layers = profile_model("models.zoo:mixtral", batch_size=2, method="units", max_stages=1, **FAST)
-    whole = profile_model("models.zoo:mixtral", batch_size=2, method="whole", max_stages=1, **FAST)
+    layers = profile_model(
+        "pipeplan.models.zoo:mixtral", batch_size=2, method="units", max_stages=1, **FAST
+    )
+    whole = profile_model(
+        "pipeplan.models.zoo:mixtral", batch_size=2, method="whole", max_stages=1, **FAST
+    )
     assert _bytes(layers) == _bytes(whole)
     with pytest.raises(UnitMeasureError, match=r"mlp\.experts.*integer inputs .* --method whole"):
-        profile_model("models.zoo:mixtral", batch_size=2, method="units", **FAST)
+        profile_model("pipeplan.models.zoo:mixtral", batch_size=2, method="units", **FAST)

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from planner.costmodel import recomputes
-from planner.graph import group_units
-from planner.model import ModelSpec, load_model
-from planner.trace import TracedModel, trace_model
-from planner.types import Cluster, MemoryBreakdown, Plan, Stage
+from pipeplan.planner.costmodel import recomputes
+from pipeplan.planner.graph import group_units
+from pipeplan.planner.model import ModelSpec, load_model
+from pipeplan.planner.trace import TracedModel, trace_model
+from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, Stage
 
 POLICIES = ("always", "except_last", "never")
 
@@ -105,7 +105,7 @@ def build(model: dict[str, Any], job: dict[str, Any]) -> tuple[ModelSpec, Traced
 
 
 def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    from runtime.engine import PipelineRunner
+    from pipeplan.runtime.engine import PipelineRunner
 
     spec, traced = build(model, job)
     initial = {k: v.clone() for k, v in spec.module.state_dict().items()}

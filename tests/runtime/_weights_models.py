@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from planner.model import ModelSpec
+from pipeplan.planner.model import ModelSpec
 
 
 class Scaled(nn.Module):

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import runtime.calibrate as calibrate_module
-from planner.cli import main
-from planner.io import load_cluster, write_json
-from runtime.engine_fit import MICRO
-from runtime.linkbench import fit_link
+import pipeplan.runtime.calibrate as calibrate_module
+from pipeplan.planner.cli import main
+from pipeplan.planner.io import load_cluster, write_json
+from pipeplan.runtime.engine_fit import MICRO
+from pipeplan.runtime.linkbench import fit_link
 
 
 def test_calibrate_end_to_end(tmp_path: Path) -> None:

@@ -1,11 +1,11 @@
-"""The schedule engine's cost fit of ``pipeplan calibrate`` (:mod:`runtime.engine_fit`)."""
+"""The schedule engine's cost fit of ``pipeplan calibrate`` (:mod:`pipeplan.runtime.engine_fit`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from planner.errors import InvalidRequestError
-from runtime.engine_fit import engine_overhead, fit_engine, slope_per_microbatch
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.runtime.engine_fit import engine_overhead, fit_engine, slope_per_microbatch
 
 
 def test_fit_engine_clamps_and_falls_back() -> None:

@@ -1,12 +1,12 @@
-"""The link fit of ``pipeplan calibrate`` (:mod:`runtime.linkbench`)."""
+"""The link fit of ``pipeplan calibrate`` (:mod:`pipeplan.runtime.linkbench`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from planner.errors import InvalidRequestError
-from runtime.linkbench import fit_link
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.runtime.linkbench import fit_link
 
 
 def test_fit_recovers_a_linear_link() -> None:

@@ -20,11 +20,11 @@ import pytest
 import torch
 from _runtime_jobs import launch_job, make_plan, reference
 
-from planner.errors import UserCodeError
-from planner.graph import group_units
-from planner.model import load_model
-from planner.trace import trace_model
-from runtime.stages import StageComputeError, build_stages
+from pipeplan.planner.errors import UserCodeError
+from pipeplan.planner.graph import group_units
+from pipeplan.planner.model import load_model
+from pipeplan.planner.trace import trace_model
+from pipeplan.runtime.stages import StageComputeError, build_stages
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 pytestmark = pytest.mark.xdist_group("carry")  # one worker runs the module's torchrun job
@@ -172,15 +172,15 @@ def test_a_failing_stage_names_its_unit_node_and_values() -> None:
 def test_the_profiler_takes_an_optional_argument_and_a_namedtuple_output() -> None:
     """The namedtuple is built by a graph node; its tensor must be a leaf of the pass, or the
     loss's backward would run through the last unit twice."""
-    from profiler import profile_model
+    from pipeplan.profiler import profile_model
 
     p = profile_model("_carry_models:reuse", batch_size=4, warmup=0, repeats=1, progress=False)
     assert p.n_units >= 4 and all(u.timings[4].backward_s > 0 for u in p.units)
 
 
 def test_a_failing_probe_or_loss_names_where_and_what() -> None:
-    from runtime.engine import PipelineRunner
-    from runtime.timing import StepTimer
+    from pipeplan.runtime.engine import PipelineRunner
+    from pipeplan.runtime.timing import StepTimer
 
     spec = load_model("_carry_models:carry", {})
     (x, ids), target = spec.batch(2)
@@ -214,11 +214,13 @@ def test_a_failing_probe_or_loss_names_where_and_what() -> None:
 def test_an_fx_traced_model_output_keeps_its_type() -> None:
     """torch.fx records a ModelOutput as a plain dict; the trace rebuilds it, so the profiler's
     (and the runtime's) loss gets what the model returns."""
-    from profiler import profile_model
+    from pipeplan.profiler import profile_model
 
     spec = load_model("_carry_models:hfout", {})
     inputs, _ = spec.batch(2)
     traced = trace_model(spec.module, inputs)
     assert traced.tracer == "fx" and type(traced.gm(*inputs)) is type(spec.module(*inputs))
     p = profile_model("_carry_models:hfout", batch_size=4, warmup=0, repeats=1, progress=False)
-    assert p.n_units >= 8  # 4 blocks and glue, cut for the default 8 stages (planner.refine)
+    assert (
+        p.n_units >= 8
+    )  # 4 blocks and glue, cut for the default 8 stages (pipeplan.planner.refine)

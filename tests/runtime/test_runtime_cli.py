@@ -15,14 +15,17 @@ import pytest
 import torch
 from _runtime_jobs import make_plan
 
-from planner.cli import main
-from planner.io import load_plan, load_report, write_json
-from planner.model import load_model
-from planner.trace import trace_model
-from runtime import worker
+from pipeplan.planner.cli import main
+from pipeplan.planner.io import load_plan, load_report, write_json
+from pipeplan.planner.model import load_model
+from pipeplan.planner.trace import trace_model
+from pipeplan.runtime import worker
 
-GPT = ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8})
-PIPEPLAN = [sys.executable, "-c", "from planner.cli import main; main()"]
+GPT = (
+    "pipeplan.models.gpt:gpt",
+    {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
+)
+PIPEPLAN = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()"]
 
 
 def _plan(path: Path, starts: list[int]) -> Path:
@@ -95,7 +98,7 @@ def test_run_a_replicated_plan(tmp_path: Path) -> None:
     rep = load_report(report)
     assert len(rep.stages) == 1 and len(rep.losses) == 3
     whole = load_model(*GPT, meta=True).module
-    from planner.meta import materialize
+    from pipeplan.planner.meta import materialize
 
     materialize(whole, [n for n, _ in whole.named_parameters()], torch.device("cpu"), seed=3)
     inputs, target = spec.batch(8)
@@ -127,7 +130,7 @@ def test_a_stage_that_dies_stops_every_rank(plans: dict[int, Path]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "models.mlp:mlp"], "plan was made for graph fingerprint"),
+        (["--model", "pipeplan.models.mlp:mlp"], "plan was made for graph fingerprint"),
         (["--model-arg", "n_layers=5"], "plan was made for graph fingerprint"),
         (["--model", "no_such_module:model"], "cannot import 'no_such_module'"),
         (["--threads", "0"], "--threads 0 must be at least 1"),

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.xdist_group("data_parallel")
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 GPT = {
-    "model": "models.gpt:gpt",
+    "model": "pipeplan.models.gpt:gpt",
     "kwargs": {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
 }
 #: SGD with momentum, not Adam: Adam scales a gradient by its own size, so the key bias's

@@ -4,7 +4,7 @@ The MLP below holds 4 x 385 MiB of training state (parameters, gradients and Ada
 states): 1.5 times the 1 GiB budget each rank is given.  ``pipeplan plan`` splits it into two
 stages that fit the budget, and ``pipeplan run`` trains it with each rank building the model
 on ``meta`` and materializing only its stage.  Each rank's measured peak (its live tensors,
-:mod:`runtime.memory`) stays within its stage's predicted memory plus ``TRACKED_SLACK``, and
+:mod:`pipeplan.runtime.memory`) stays within its stage's predicted memory plus ``TRACKED_SLACK``, and
 its resident growth (everything the process maps: tensors, the heap around them, the graph,
 the communication buffers) within the prediction plus ``RESIDENT_OVERHEAD`` and well under the
 whole model's training state.
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.io import load_plan, load_report
+from pipeplan.planner.io import load_plan, load_report
 
 pytestmark = pytest.mark.xdist_group("weights")
 
 MiB = 1 << 20
 WIDTH, DEPTH = 4096, 6
-MODEL = ["models.mlp:mlp", "--model-arg", f"width={WIDTH}", "--model-arg", f"depth={DEPTH}",
+MODEL = ["pipeplan.models.mlp:mlp", "--model-arg", f"width={WIDTH}", "--model-arg", f"depth={DEPTH}",
          "--model-arg", f"in_features={WIDTH}"]  # fmt: skip
 #: Parameters, gradients and Adam's two states of the whole model.
 STATE = 4 * 4 * (DEPTH * (WIDTH * WIDTH + WIDTH) + 10 * (WIDTH + 1))
@@ -36,7 +36,7 @@ TRACKED_SLACK = 2 * MiB
 #: What a rank maps beyond its predicted tensors: the heap around the tensors, the traced graph, the process group's buffers and the profiler that tracks the
 #: measured step (40-190 MiB in ``benchmarks/memory``).
 RESIDENT_OVERHEAD = 256 * MiB
-PIPEPLAN = [sys.executable, "-c", "from planner.cli import main; main()"]
+PIPEPLAN = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

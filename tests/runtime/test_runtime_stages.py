@@ -12,24 +12,27 @@ from _runtime_jobs import make_plan
 from rich.console import Console
 from torch import Tensor, nn
 
-from planner.errors import FingerprintMismatchError
-from planner.graph import cut_tensors, group_units
-from planner.meta import empty_parameters, trace_meta
-from planner.model import load_model
-from planner.trace import trace_model
-from runtime.engine import Recompute
-from runtime.launch import failure
-from runtime.report import (
+from pipeplan.planner.errors import FingerprintMismatchError
+from pipeplan.planner.graph import cut_tensors, group_units
+from pipeplan.planner.meta import empty_parameters, trace_meta
+from pipeplan.planner.model import load_model
+from pipeplan.planner.trace import trace_model
+from pipeplan.runtime.engine import Recompute
+from pipeplan.runtime.launch import failure
+from pipeplan.runtime.report import (
     RankRecord,
     build_report,
     chrome_trace,
     measured_bubble,
     print_comparison,
 )
-from runtime.stages import build_stages, check_plan, tied_parameters
-from runtime.timing import Span, StepTimer
+from pipeplan.runtime.stages import build_stages, check_plan, tied_parameters
+from pipeplan.runtime.timing import Span, StepTimer
 
-GPT = ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8})
+GPT = (
+    "pipeplan.models.gpt:gpt",
+    {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
+)
 
 
 class Skip(nn.Module):
@@ -106,7 +109,7 @@ def test_receive_buffers_are_contiguous_for_a_model_on_meta() -> None:
     ("name", "kwargs", "starts"),
     [
         (*GPT, [0, 2, 4]),
-        ("models.resnet:resnet", {"width": 4, "blocks": "1,1", "image": 8}, [0, 1, 3]),
+        ("pipeplan.models.resnet:resnet", {"width": 4, "blocks": "1,1", "image": 8}, [0, 1, 3]),
     ],
 )
 def test_stage_modules_compose_to_the_model(name: str, kwargs: dict, starts: list[int]) -> None:
@@ -281,12 +284,12 @@ def test_stages_built_for_another_device_run_there() -> None:
     tensors on the CPU.  ``meta`` stands in for CUDA here."""
     pytest.importorskip("transformers")
     kwargs = {"vocab": 32, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8}
-    spec = load_model("models.hf:gpt2", kwargs)
+    spec = load_model("pipeplan.models.hf:gpt2", kwargs)
     inputs, _ = spec.batch(2)
     traced = trace_model(spec.module, inputs)
     assert traced.tracer == "export"
     plan = make_plan(
-        "models.hf:gpt2", kwargs, traced, starts=[0, 2, 4], batch_size=4, microbatches=2
+        "pipeplan.models.hf:gpt2", kwargs, traced, starts=[0, 2, 4], batch_size=4, microbatches=2
     )
     meta = torch.device("meta")
     programs = build_stages(plan, traced, group_units(traced), inputs, device=meta)

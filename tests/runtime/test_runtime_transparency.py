@@ -19,22 +19,22 @@ STEPS = 3
 
 MODELS: dict[str, dict[str, Any]] = {
     "gpt": {
-        "model": "models.gpt:gpt",
+        "model": "pipeplan.models.gpt:gpt",
         "kwargs": {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
         "starts": {2: [0, 3], 3: [0, 2, 4]},
     },
     "resnet": {
-        "model": "models.resnet:resnet",
+        "model": "pipeplan.models.resnet:resnet",
         "kwargs": {"width": 4, "blocks": "1,1", "image": 8},
         "starts": {2: [0, 2], 3: [0, 1, 3]},
     },
     "mlp": {
-        "model": "models.mlp:mlp",
+        "model": "pipeplan.models.mlp:mlp",
         "kwargs": {"width": 8, "depth": 4, "in_features": 6, "classes": 3},
         "starts": {2: [0, 2], 3: [0, 2, 3]},
     },
     "hf-gpt2": {
-        "model": "models.hf:gpt2",
+        "model": "pipeplan.models.hf:gpt2",
         "kwargs": {"vocab": 32, "d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8},
         "starts": {2: [0, 2], 3: [0, 2, 4]},
     },

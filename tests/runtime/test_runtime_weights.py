@@ -22,17 +22,20 @@ import torch
 from _runtime_jobs import make_plan
 from safetensors.torch import save_file
 
-from planner.checkpoint import CheckpointReader
-from planner.io import load_report, write_json
-from planner.meta import materialize
-from planner.model import load_model
-from planner.trace import trace_model
+from pipeplan.planner.checkpoint import CheckpointReader
+from pipeplan.planner.io import load_report, write_json
+from pipeplan.planner.meta import materialize
+from pipeplan.planner.model import load_model
+from pipeplan.planner.trace import trace_model
 
 pytestmark = pytest.mark.xdist_group("weights")
 
-GPT = ("models.gpt:gpt", {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8})
+GPT = (
+    "pipeplan.models.gpt:gpt",
+    {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
+)
 BARE = ("_weights_models:bare", {})
-PIPEPLAN = [sys.executable, "-c", "from planner.cli import main; main()"]
+PIPEPLAN = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()"]
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
 
 
@@ -104,7 +107,7 @@ def test_each_rank_reads_only_its_stage_and_trains_from_the_checkpoint(
     run_dir, report = tmp_path / "run", tmp_path / "report.json"
     run_dir.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "runtime.worker", str(plan), "--steps", "1", "--warmup", "0", "--lr", "0",
+           "-m", "pipeplan.runtime.worker", str(plan), "--steps", "1", "--warmup", "0", "--lr", "0",
            "--quiet", "--weights", str(ckpt), "--run-dir", str(run_dir), "--report", str(report),
            "--save", str(tmp_path / "again")]  # fmt: skip
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180, env=ENV)
@@ -164,7 +167,7 @@ def test_a_parameter_nothing_initialises_stops_the_run_and_init_full_runs_it(
 def test_bad_weight_options_fail_before_launch(
     plan: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    from planner.cli import main
+    from pipeplan.planner.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["run", str(plan), *args])

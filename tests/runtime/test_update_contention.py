@@ -1,11 +1,11 @@
-"""The optimizer-update contention of ``pipeplan calibrate`` (:mod:`runtime.update_contention`)."""
+"""The optimizer-update contention of ``pipeplan calibrate`` (:mod:`pipeplan.runtime.update_contention`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from planner.errors import InvalidRequestError
-from runtime.update_contention import update_contention
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.runtime.update_contention import update_contention
 
 
 def test_update_contention_from_times_alone_and_together() -> None:

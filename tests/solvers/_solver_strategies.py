@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from planner.evaluate import evaluate
-from planner.synthetic import synthetic_profile
-from planner.types import (
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import (
     CheckpointPolicy,
     Cluster,
     Device,
@@ -21,7 +21,7 @@ from planner.types import (
     Profile,
     ScheduleName,
 )
-from planner.unitcosts import microbatch_choices
+from pipeplan.planner.unitcosts import microbatch_choices
 
 SEEDS = st.integers(0, 10**6)
 SPREADS = st.sampled_from([0.1, 0.5, 1.5])

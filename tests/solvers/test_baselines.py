@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.errors import UnsupportedConstraintError
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Link, PlanOptions
-from planner.unitcosts import unit_costs
-from solvers import SOLVERS
-from solvers.baselines import (
+from pipeplan.planner.errors import UnsupportedConstraintError
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions
+from pipeplan.planner.unitcosts import unit_costs
+from pipeplan.solvers import SOLVERS
+from pipeplan.solvers.baselines import (
     baseline_microbatches,
     block_partition,
     minmax_partition,
@@ -22,7 +22,7 @@ from solvers.baselines import (
     solve_uniform,
     uniform_partition,
 )
-from solvers.dp import partition_dp, solve_dp
+from pipeplan.solvers.dp import partition_dp, solve_dp
 
 BASELINES = ("uniform", "params", "torchgpipe")
 

@@ -10,14 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.errors import InfeasiblePlanError, InvalidRequestError, UnsupportedConstraintError
-from planner.evaluate import evaluate
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Device, Link, Plan, PlanOptions, Profile
-from planner.unitcosts import microbatch_choices
-from solvers import SOLVERS
-from solvers.cpsat import error_bound_s, partition_cpsat, solve_cpsat
-from solvers.dp import solve_dp
+from pipeplan.planner.errors import (
+    InfeasiblePlanError,
+    InvalidRequestError,
+    UnsupportedConstraintError,
+)
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Device, Link, Plan, PlanOptions, Profile
+from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers import SOLVERS
+from pipeplan.solvers.cpsat import error_bound_s, partition_cpsat, solve_cpsat
+from pipeplan.solvers.dp import solve_dp
 
 
 def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions) -> float | None:

@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 
-from planner.errors import InvalidRequestError
-from planner.evaluate import evaluate
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Link, PlanOptions, Profile
-from planner.unitcosts import microbatch_choices
-from solvers.devices import layout, plan_devices, replica_profile
-from solvers.dp import solve_dp
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers.devices import layout, plan_devices, replica_profile
+from pipeplan.solvers.dp import solve_dp
 
 LINK = Link(bandwidth_Bps=2e8, latency_s=2e-4)
 

@@ -9,12 +9,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.errors import InfeasiblePlanError, InvalidRequestError, UnsupportedConstraintError
-from planner.evaluate import evaluate
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Device, Link, PlanOptions, Profile
-from planner.unitcosts import microbatch_choices
-from solvers.dp import _partition, solve_dp
+from pipeplan.planner.errors import (
+    InfeasiblePlanError,
+    InvalidRequestError,
+    UnsupportedConstraintError,
+)
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
+from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers.dp import _partition, solve_dp
 
 
 def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions) -> float | None:
@@ -198,8 +202,8 @@ def test_a_capped_tail_search_keeps_a_proven_gap(monkeypatch: pytest.MonkeyPatch
     cluster = Cluster.homogeneous(3, 2**40)
     full = solve_dp(prof, cluster)
     assert full.status == "optimal"
-    monkeypatch.setattr("solvers.dp._NODES", 1)
-    monkeypatch.setattr("solvers.dp._NODE_WORK", 0)
+    monkeypatch.setattr("pipeplan.solvers.dp._NODES", 1)
+    monkeypatch.setattr("pipeplan.solvers.dp._NODE_WORK", 0)
     capped = solve_dp(prof, cluster)
     assert capped.status == "feasible" and capped.gap is not None and capped.gap > 0
     assert capped.step_time_s >= full.step_time_s

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.synthetic import synthetic_profile
-from planner.types import Cluster, Device, Link, PlanOptions, Profile
-from planner.unitcosts import unit_costs
-from planner.updates import update_cost
-from solvers.dp_tables import Instance, longest_sums
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
+from pipeplan.planner.unitcosts import unit_costs
+from pipeplan.planner.updates import update_cost
+from pipeplan.solvers.dp_tables import Instance, longest_sums
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

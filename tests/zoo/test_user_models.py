@@ -3,7 +3,7 @@ default options and no code beyond the model callable (the command line, as subp
 
 - a plain ``nn.Sequential`` body behind a wrapper, with one dominant layer (``_user_models``);
 - a model whose ``forward`` returns a dict;
-- an unwrapped ``transformers`` model (``models.zoo:llama``: a ``LlamaForCausalLM`` as it is),
+- an unwrapped ``transformers`` model (``pipeplan.models.zoo:llama``: a ``LlamaForCausalLM`` as it is),
   in float32 and in bfloat16 (gloo carries bfloat16 tensors).
 """
 
@@ -21,14 +21,20 @@ HERE = Path(__file__).parent
 CASES = {
     "sequential": ["_user_models:sequential"],
     "dict_output": ["_user_models:dict_output"],
-    "llama": ["models.zoo:llama", "--model-arg", "d_model=16", "--model-arg", "seq_len=8"],
-    "llama-bfloat16": ["models.zoo:llama", "--model-arg", "d_model=16", "--dtype", "bfloat16"],
+    "llama": ["pipeplan.models.zoo:llama", "--model-arg", "d_model=16", "--model-arg", "seq_len=8"],
+    "llama-bfloat16": [
+        "pipeplan.models.zoo:llama",
+        "--model-arg",
+        "d_model=16",
+        "--dtype",
+        "bfloat16",
+    ],
 }
 
 
 def _pipeplan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.getcwd()])}
-    cmd = [sys.executable, "-c", "from planner.cli import main; main()", *args]
+    cmd = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()", *args]
     return subprocess.run(
         cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
@@ -46,4 +52,6 @@ def test_profile_plan_run_with_defaults(name: str, tmp_path: Path) -> None:
                     cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "r.json").exists()
-    assert "profiled models.zoo:llama (whole):" in prof.stdout or name != "llama"  # no emoji
+    assert (
+        "profiled pipeplan.models.zoo:llama (whole):" in prof.stdout or name != "llama"
+    )  # no emoji

@@ -1,0 +1,430 @@
+"""The ``pipeplan`` command line.
+
+    pipeplan profile MODEL --batch-size B [--device cpu|cuda[:i]] -o profile.json
+    pipeplan plan profile.json --stages P --memory 16GiB [--microbatches auto|M] -o plan.json
+    pipeplan show plan.json|profile.json
+    pipeplan export plan.json --to torchtitan|megatron|deepspeed|fqns [-o FILE]
+
+Every error a user can cause prints one line ``error: ...`` and exits with status 2; no
+traceback, no partial file.  Commands import their package lazily, so ``pipeplan show`` does
+not pay for importing OR-Tools or torch.distributed.  The option checks live in
+``pipeplan.planner.cli_options``, the tables in ``pipeplan.planner.terminal``, and the commands that drive the
+runtime (``run``, ``calibrate``) in ``pipeplan.planner.cli_runtime``; this module registers them all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from pipeplan.planner.cli_options import Output, check_output, fail, make_cluster, parse_pins
+from pipeplan.planner.cli_runtime import calibrate, run
+from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
+from pipeplan.planner.io import format_bytes, load_any, load_profile, write_json
+from pipeplan.planner.terminal import console, err_console, print_plan, print_profile
+from pipeplan.planner.types import OPTIMIZERS, Cluster, Plan, PlanOptions, Profile
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Automatic pipeline-partition planner for PyTorch. Add --debug (or set "
+    "PIPEPLAN_DEBUG=1) to see the traceback behind an error.",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# profile
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def profile(
+    model: Annotated[
+        str, typer.Argument(help="package.module:callable, e.g. pipeplan.models.gpt:gpt")
+    ],
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Mini-batch size B.")],
+    output: Output = Path("profile.json"),
+    device: Annotated[str, typer.Option(help="cpu or cuda[:i].")] = "cpu",
+    microbatch_sizes: Annotated[
+        str | None, typer.Option(help="Comma-separated sizes; default: powers of two dividing B.")
+    ] = None,
+    granularity: Annotated[str, typer.Option(help="auto, top, depth:N or node.")] = "auto",
+    tracer: Annotated[str, typer.Option(help="auto, fx or export.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32, float64, bfloat16 or float16.")] = "float32",
+    warmup: Annotated[int, typer.Option(min=0)] = 2,
+    repeats: Annotated[int, typer.Option(min=1)] = 5,
+    model_arg: Annotated[
+        list[str] | None,
+        typer.Option("--model-arg", help="KEY=VALUE passed to the model callable."),
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads while measuring: use the runtime's per rank.")
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(help="Repeat the whole sweep; median of rounds (robust to bursts).")
+    ] = 1,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(help="Tokens per sample: the model argument seq_len (e.g. for hf:...)."),
+    ] = None,
+    max_stages: Annotated[
+        int,
+        typer.Option(help="Refine auto units for up to this many stages (no unit > 1/P)."),
+    ] = 8,
+    method: Annotated[
+        str,
+        typer.Option(
+            help="whole: whole training passes of the real model; units: built on meta, each "
+            "distinct unit materialized alone and measured once; auto: whole if the training "
+            "state (4 x params + activations) fits in half the available memory, else units."
+        ),
+    ] = "auto",
+) -> None:
+    """Trace MODEL, group it into units and measure every unit at several micro-batch sizes.
+
+    MODEL is package.module:callable, or hf:PATH/config.json for a transformers model built
+    from a local config with random weights (its head from the config's architectures).
+    """
+    from pipeplan.planner.model import parse_model_args
+    from pipeplan.profiler import profile_model
+
+    check_output(output)
+    if batch_size <= 0:
+        fail(f"--batch-size {batch_size} must be positive")
+    sizes = None
+    if microbatch_sizes:
+        try:
+            sizes = [int(s) for s in microbatch_sizes.split(",")]
+        except ValueError:
+            fail(f"--microbatch-sizes {microbatch_sizes!r} must be integers like 1,2,4")
+    kwargs = parse_model_args(model_arg)
+    if seq_len is not None:
+        if seq_len <= 0:
+            fail(f"--seq-len {seq_len} must be positive")
+        kwargs["seq_len"] = seq_len
+    prof = profile_model(
+        model,
+        batch_size=batch_size,
+        model_kwargs=kwargs,
+        microbatch_sizes=sizes,
+        device=device,
+        granularity=granularity,
+        tracer=tracer,
+        dtype=dtype,
+        warmup=warmup,
+        repeats=repeats,
+        progress=progress,
+        threads=threads,
+        rounds=rounds,
+        max_stages=max_stages,
+        method=method,
+    )
+    write_json(output, prof)
+    copied = sum(u.measured_as is not None for u in prof.units)
+    console.print(
+        f"profiled {prof.model} ({prof.method}"
+        + (f", {prof.n_units - copied} measured, {copied} copied" if prof.method == "units" else "")
+        + f"): {prof.n_units} units ({prof.tracer}), "
+        f"micro-batch sizes {list(prof.microbatch_sizes)} -> {output}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def plan(
+    profile_file: Annotated[Path, typer.Argument(metavar="PROFILE", help="A profile JSON file.")],
+    output: Output = Path("plan.json"),
+    stages: Annotated[int | None, typer.Option("--stages", "-p", help="Number of stages.")] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(help="Devices N: choose stages p and data-parallel replicas N / p."),
+    ] = None,
+    memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 16GiB.")] = None,
+    microbatches: Annotated[str, typer.Option(help="auto or a count m.")] = "auto",
+    checkpoint: Annotated[str, typer.Option(help="always, except_last or never.")] = "except_last",
+    schedule: Annotated[str, typer.Option(help="gpipe or 1f1b.")] = "gpipe",
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum or adam.")] = "adam",
+    bandwidth: Annotated[str | None, typer.Option(help="Link bandwidth, e.g. 10GB/s.")] = None,
+    latency: Annotated[str | None, typer.Option(help="Link latency, e.g. 5us.")] = None,
+    cluster: Annotated[Path | None, typer.Option(help="Cluster description JSON.")] = None,
+    solver: Annotated[str, typer.Option(help="dp, cpsat, uniform, params or torchgpipe.")] = "dp",
+    time_limit: Annotated[float | None, typer.Option(help="Seconds (CP-SAT).")] = None,
+    pin: Annotated[list[str] | None, typer.Option(help="UNIT:STAGE (CP-SAT).")] = None,
+    min_units: Annotated[int, typer.Option(help="Fewest units per stage (CP-SAT).")] = 1,
+    max_units: Annotated[int | None, typer.Option(help="Most units per stage (CP-SAT).")] = None,
+    record_solve_time: Annotated[
+        bool, typer.Option(help="Store the solve time (the file is then not reproducible).")
+    ] = False,
+) -> None:
+    """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
+    from pipeplan.solvers import SOLVERS
+
+    check_output(output)
+    prof = load_profile(profile_file)
+    if isinstance(prof, Profile) is False:  # pragma: no cover - load_profile guarantees it
+        fail(f"{profile_file} is not a profile")
+    if solver not in SOLVERS:
+        fail(f"--solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}")
+    m: int | None = None
+    if microbatches != "auto":
+        if not microbatches.isdigit() or int(microbatches) < 1:
+            fail(f"--microbatches {microbatches!r} must be 'auto' or a positive integer")
+        m = int(microbatches)
+    choices = {
+        "--checkpoint": (checkpoint, ("always", "except_last", "never")),
+        "--schedule": (schedule, ("gpipe", "1f1b")),
+        "--optimizer": (optimizer, OPTIMIZERS),
+    }
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            fail(f"{flag} {value!r} is not one of {', '.join(allowed)}")
+    options = PlanOptions(
+        microbatches=m,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        schedule=schedule,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
+        pinned=parse_pins(pin),
+        min_units=max(1, min_units),
+        max_units=max_units,
+        time_limit_s=time_limit,
+    )
+    if devices is not None:
+        if stages is not None:
+            fail("--devices chooses the stage count; drop --stages")
+        clus = make_cluster(None if cluster else 1, memory, bandwidth, latency, cluster)
+        result = _plan_devices(prof, devices, clus, options, SOLVERS[solver])
+    else:
+        clus = make_cluster(stages, memory, bandwidth, latency, cluster)
+        try:
+            result = SOLVERS[solver](prof, clus, options)
+        except InfeasiblePlanError as exc:
+            fail(str(exc))
+    if not record_solve_time:
+        result = result.model_copy(update={"solve_time_s": None})
+    write_json(output, result)
+    print_plan(result)
+    console.print(f"-> {output}")
+
+
+def _plan_devices(
+    prof: Profile, devices: int, clus: Cluster, options: PlanOptions, solve: Any
+) -> Plan:
+    """The best plan over pipeline depths for ``devices``; prints the frontier (every depth)."""
+    from pipeplan.solvers.devices import plan_devices
+
+    choices = plan_devices(prof, devices, clus, options, solve)
+    best = choices[0]
+    table = Table(title=f"{devices} devices, global batch {prof.batch_size}")
+    for col in ("stages p", "replicas d", "m", "step", "samples/s", "max stage memory", "note"):
+        table.add_column(col, justify="left" if col == "note" else "right")
+    for c in choices:
+        if c.plan is None:
+            table.add_row(str(c.stages), str(c.replicas), "-", "-", "-", "-", c.reason)
+            continue
+        note = "best" if c is best else f"{c.throughput / best.throughput - 1:+.1%} throughput"
+        mem = max(s.memory.total for s in c.plan.stages)
+        table.add_row(
+            str(c.stages),
+            str(c.replicas),
+            str(c.plan.microbatches),
+            f"{c.plan.step_time_s * 1e3:.4g} ms",
+            f"{c.throughput:.4g}",
+            format_bytes(mem),
+            note,
+        )
+    console.print(table)
+    if best.plan is None:
+        fail(f"no depth fits {devices} devices: " + "; ".join(
+            f"p={c.stages}: {c.reason}" for c in choices
+        ))  # fmt: skip
+    return best.plan
+
+
+# --------------------------------------------------------------------------------------------
+# show
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def show(
+    file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or run report.")],
+) -> None:
+    """Print a plan or profile as a table."""
+    obj = load_any(file)
+    if isinstance(obj, Plan):
+        print_plan(obj)
+    elif isinstance(obj, Profile):
+        print_profile(obj)
+    else:
+        console.print_json(obj.model_dump_json(by_alias=True))
+
+
+# --------------------------------------------------------------------------------------------
+# run (pipeplan.planner.cli_runtime; registered here to keep the commands' order in --help)
+# --------------------------------------------------------------------------------------------
+
+app.command()(run)
+
+
+# --------------------------------------------------------------------------------------------
+# compare
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def compare(
+    plan_files: Annotated[list[Path], typer.Argument(metavar="PLAN...", help="Plan JSON files.")],
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="table, csv, json or markdown.")
+    ] = "table",
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Also draw stage times and memory to this image (.png, .svg, .pdf)."),
+    ] = None,
+) -> None:
+    """Compare plans side by side: per-stage times, bubble, step time and ratio to the best."""
+    from pipeplan.planner.compare import FORMATS, compare_frame, format_cell, render
+    from pipeplan.planner.io import load_plan, write_text
+
+    if fmt not in FORMATS:
+        fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if output is not None:
+        check_output(output)
+    if plot is not None:
+        check_output(plot)
+        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            fail(f"--plot {plot} must end in .png, .svg or .pdf")
+    plans = [load_plan(path) for path in plan_files]
+    names = [path.stem for path in plan_files]
+    df = compare_frame(plans, names)
+    if plot is not None:
+        from pipeplan.planner.plots import compare_figure
+
+        compare_figure(plans, names).savefig(plot, dpi=120)
+        err_console.print(f"figure -> {plot}")
+    if output is not None:
+        write_text(output, render(df, fmt))
+        console.print(f"{len(plans)} plans -> {output}")
+    elif fmt == "table":
+        table = Table(title=f"{len(plans)} plans")
+        for col in df.columns:
+            left = col in ("name", "stage_ms", "stage_mem")
+            width = (
+                max(len(str(v)) for v in df[col]) if col in ("name", "solver", "status") else None
+            )
+            table.add_column(str(col), justify="left" if left else "right", min_width=width)
+        for rec in df.to_dict(orient="records"):
+            # Per-stage lists wrap at spaces: times to 0.1 ms, memory as 1.5 GiB.
+            rec["stage_ms"] = " ".join(f"{float(t):.1f}" for t in rec["stage_ms"].split("/"))
+            rec["stage_mem"] = " ".join(format_bytes(int(b)) for b in rec["stage_mem"].split("/"))
+            table.add_row(*(format_cell(v) for v in rec.values()))
+        console.print(table)
+    else:
+        sys.stdout.write(render(df, fmt))
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def export(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan JSON file.")],
+    to: Annotated[str, typer.Option("--to", help="torchtitan, megatron, deepspeed or fqns.")],
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
+    ] = None,
+    profile_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--profile", help="The plan's profile: prices the closest plan a target can run."
+        ),
+    ] = None,
+) -> None:
+    """Write PLAN in a training framework's own terms (stage module names, layout, parts).
+
+    A cut the target cannot make (inside a block, inside the embedding or the head) moves to
+    the closest plan it can; one line on stderr says why and what that plan costs.
+    """
+    from pipeplan.planner.export import TARGETS, export_plan
+    from pipeplan.planner.io import load_plan, write_text
+
+    if to not in TARGETS:
+        fail(f"--to {to!r} is not one of {', '.join(TARGETS)}")
+    if output is not None:
+        check_output(output)
+    the_plan = load_plan(plan_file)
+    prof = load_profile(profile_file) if profile_file is not None else None
+    result = export_plan(the_plan, to, prof)  # type: ignore[arg-type]
+    if result.adjustment is not None:
+        new, old = result.adjustment.plan, the_plan.step_time_s
+        starts = [s.first_unit for s in new.stages]
+        fits = "" if new.feasible else ", over a device's memory"
+        change = (new.step_time_s / old - 1) * 100 if old > 0 else 0.0
+        err_console.print(
+            f"note: {result.adjustment.reason}; the closest plan it can run starts its stages "
+            f"at units {starts}: predicted step {new.step_time_s * 1e3:.4g} ms vs "
+            f"{old * 1e3:.4g} ms planned ({change:+.1f}%{fits})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if output is None:
+        sys.stdout.write(result.text)
+    else:
+        write_text(output, result.text)
+        console.print(f"{to} -> {output}")
+
+
+# --------------------------------------------------------------------------------------------
+# calibrate (pipeplan.planner.cli_runtime)
+# --------------------------------------------------------------------------------------------
+
+app.command()(calibrate)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app, turning PipeplanErrors into one line.
+
+    Click runs standalone (usage errors exit 2 with its own message); errors pipeplan raises
+    print ``error: ...`` and exit 2.  ``--debug`` anywhere on the line, or ``PIPEPLAN_DEBUG=1``,
+    also prints the error's traceback, with the user's exception it came from.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("PIPEPLAN_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+    try:
+        app(args=args)
+    except PipeplanError as exc:
+        if debug:
+            err_console.print(
+                "".join(traceback.format_exception(exc)), highlight=False, soft_wrap=True
+            )
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

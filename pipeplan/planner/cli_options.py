@@ -1,0 +1,81 @@
+"""Checking ``pipeplan``'s command-line options, and building what they describe.
+
+A bad option is the user's error: ``fail`` prints one line ``error: ...`` and exits with status 2,
+before any file is written.  ``check_output`` vets an output path, ``parse_pins`` the ``--pin``
+options, and ``make_cluster`` builds the cluster from ``--cluster`` or from
+``--stages/--memory/--bandwidth/--latency`` (raising ``InvalidRequestError``, which the entry
+point prints the same way).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.io import load_cluster, parse_bytes, parse_duration, parse_rate
+from pipeplan.planner.terminal import err_console
+from pipeplan.planner.types import Cluster, Link
+
+__all__ = ["Output", "check_output", "fail", "make_cluster", "parse_pins"]
+
+Output = Annotated[Path, typer.Option("-o", "--output", help="File to write (atomically).")]
+"""The ``-o/--output`` option of the commands that write a file."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: MESSAGE`` on stderr and exit with status 2 (a user's error)."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def check_output(path: Path) -> None:
+    """``fail`` unless ``path`` can be written: not a directory, in a directory that exists."""
+    if path.is_dir():
+        fail(f"output {path} is a directory; give a file name such as {path / 'out.json'}")
+    if not path.parent.exists():
+        fail(f"output directory {path.parent} does not exist; create it first")
+
+
+def parse_pins(pins: list[str] | None) -> dict[int, int]:
+    """``--pin UNIT:STAGE`` options as {unit: stage}; ``fail`` on one that is not two integers."""
+    out: dict[int, int] = {}
+    for pin in pins or []:
+        unit, sep, stage = pin.partition(":")
+        if not sep or not unit.isdigit() or not stage.isdigit():
+            fail(f"--pin {pin!r} must be UNIT:STAGE with integers, e.g. --pin 0:0")
+        out[int(unit)] = int(stage)
+    return out
+
+
+def make_cluster(
+    stages: int | None,
+    memory: str | None,
+    bandwidth: str | None,
+    latency: str | None,
+    cluster_file: Path | None,
+) -> Cluster:
+    """The cluster from --cluster, or from --stages/--memory/--bandwidth/--latency."""
+    if cluster_file is not None:
+        cluster = load_cluster(cluster_file)
+        if stages is not None and stages != cluster.n_stages:
+            raise InvalidRequestError(
+                f"--stages {stages} contradicts {cluster_file} ({cluster.n_stages} devices); "
+                f"drop --stages"
+            )
+        if memory is not None:
+            mem = parse_bytes(memory)
+            devices = tuple(d.model_copy(update={"memory_bytes": mem}) for d in cluster.devices)
+            cluster = cluster.model_copy(update={"devices": devices})
+        return cluster
+    if stages is None or memory is None:
+        raise InvalidRequestError("give --stages and --memory, or a --cluster file")
+    if stages < 1:
+        raise InvalidRequestError(f"--stages {stages} must be at least 1")
+    link = Link(
+        bandwidth_Bps=parse_rate(bandwidth) if bandwidth else None,
+        latency_s=parse_duration(latency) if latency else 0.0,
+    )
+    return Cluster.homogeneous(stages, parse_bytes(memory), link)

@@ -1,0 +1,214 @@
+"""The ``pipeplan`` commands that drive the runtime on this machine: ``run`` and ``calibrate``.
+
+    pipeplan run plan.json [--steps N] [--report report.json] [--trace trace.json]
+    pipeplan calibrate [--nproc P] [--device cpu|cuda] -o cluster.json
+
+Both start torchrun jobs, one rank per stage.  ``pipeplan.planner.cli`` registers them on its app; they
+import the runtime lazily, so other commands do not pay for torch.distributed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipeplan.planner.cli_options import Output, check_output, fail
+from pipeplan.planner.io import format_bytes, parse_bytes, write_json
+from pipeplan.planner.terminal import batch_norm_note, console, err_console
+from pipeplan.planner.types import OPTIMIZERS
+
+__all__ = ["calibrate", "run"]
+
+
+def run(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan JSON file.")],
+    model: Annotated[str | None, typer.Option(help="Default: the plan's model.")] = None,
+    model_arg: Annotated[
+        list[str] | None,
+        typer.Option("--model-arg", help="KEY=VALUE passed to the model callable."),
+    ] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps.")] = 10,
+    warmup: Annotated[int, typer.Option(min=0, help="Unmeasured steps first.")] = 2,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="sgd, momentum or adam; default: the plan's, whose update it timed."),
+    ] = None,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-3,
+    threads: Annotated[int | None, typer.Option(help="CPU threads per rank.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Run report JSON to write.")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Chrome-trace JSON of the last step.")] = None,
+    device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed for the model and the batch.")] = 0,
+    timeout: Annotated[float, typer.Option(help="Process-group timeout, seconds.")] = 300.0,
+    batch_norm: Annotated[
+        str,
+        typer.Option(
+            help="BatchNorm running statistics: deferred (once per step, over the whole batch, "
+            "as the unsplit model) or microbatch (once per micro-batch)."
+        ),
+    ] = "deferred",
+    init: Annotated[
+        str,
+        typer.Option(
+            help="stage: each rank builds the model on meta and materializes only its stage; "
+            "full: each rank builds the whole model."
+        ),
+    ] = "stage",
+    weights: Annotated[
+        Path | None,
+        typer.Option(
+            help="Start from this checkpoint (.safetensors, torch state dict, or sharded "
+            "folder with its index); each rank reads only its stage's tensors."
+        ),
+    ] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(help="Write the trained weights to this folder (sharded safetensors)."),
+    ] = None,
+) -> None:
+    """Run PLAN as a pipeline on this machine (torchrun, one rank per stage); compare with it."""
+    from pipeplan.planner.errors import StageFailedError
+    from pipeplan.runtime.launch import launch, preflight
+
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        fail(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    if batch_norm not in ("deferred", "microbatch"):
+        fail(f"--batch-norm {batch_norm!r} is not deferred or microbatch")
+    if init not in ("stage", "full"):
+        fail(f"--init {init!r} is not stage or full")
+    if weights is not None and not weights.exists():
+        fail(f"--weights {weights} does not exist; pass a .safetensors file, a torch state "
+             f"dict or a sharded checkpoint folder")  # fmt: skip
+    if save is not None and save.exists() and not save.is_dir():
+        fail(f"--save {save} is a file; pass a folder for the checkpoint's shards")
+    p = preflight(
+        plan_file,
+        model=model,
+        model_args=model_arg or [],
+        device=device,
+        threads=threads,
+        outputs=[report, trace],
+    )
+    if device == "cpu":
+        from pipeplan.runtime.worker import default_threads
+
+        per_rank = threads or default_threads(p.n_stages * p.cluster.data_parallel)
+        if p.profiled_threads is not None and p.profiled_threads != per_rank:
+            err_console.print(
+                f"[yellow]warning:[/] the profile was measured with {p.profiled_threads} "
+                f"thread(s) but each rank runs {per_rank}; predictions assume "
+                f"{p.profiled_threads} (profile with --threads {per_rank}, or run with "
+                f"--threads {p.profiled_threads})",
+                highlight=False,
+                soft_wrap=True,
+            )
+    if optimizer is not None and optimizer != p.optimizer:
+        err_console.print(
+            f"[yellow]warning:[/] the plan was made for {p.optimizer} (its memory and update "
+            f"time) but the run uses {optimizer}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if p.batch_dependent_layers:
+        err_console.print(
+            batch_norm_note(p.batch_dependent_layers, p.microbatches, batch_norm),
+            highlight=False,
+            soft_wrap=True,
+        )
+    optimizer = optimizer or p.optimizer
+    args = [f"--batch-norm={batch_norm}", f"--init={init}"]
+    args += [f"--weights={weights.resolve()}"] if weights else []
+    args += [f"--save={save.resolve()}"] if save else []
+    args += [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
+    args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]
+    args += [f"--model={model}"] if model else []
+    args += [f"--model-arg={a}" for a in model_arg or []]
+    args += [f"--threads={threads}"] if threads else []
+    args += [f"--report={report.resolve()}"] if report else []
+    args += [f"--trace={trace.resolve()}"] if trace else []
+    try:
+        launch(p, plan_file.resolve(), args)
+    except StageFailedError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2 if exc.bad_request else 1) from None
+    for path, what in ((report, "report"), (trace, "trace"), (save, "weights")):
+        if path:
+            console.print(f"{what} -> {path}")
+
+
+def calibrate(
+    output: Output = Path("cluster.json"),
+    nproc: Annotated[int, typer.Option(help="Ranks (= stages) to describe.")] = 2,
+    device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
+    max_size: Annotated[str, typer.Option(help="Largest message, e.g. 16MiB.")] = "16MiB",
+    repeats: Annotated[int, typer.Option(help="Round trips per size.")] = 20,
+    launches: Annotated[
+        int, typer.Option(help="Separate torchrun jobs; the cluster takes their medians.")
+    ] = 3,
+    widths: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--width",
+            help="Width of the calibration stages' layers, repeatable "
+            "(default 256, 512, 1024 and 1536); two or more fit the contention, one takes it "
+            "as 0.",
+        ),
+    ] = None,
+    memory: Annotated[
+        str | None, typer.Option(help="Memory per device; default: the GPU's, or RAM / nproc.")
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads per rank; default as pipeplan run.")
+    ] = None,
+) -> None:
+    """Measure the link, the tied-gradient all-reduce, the pipeline engine's cost per operation
+    (on the ranks, and on one rank alone for 1-stage plans), the contention between stages
+    that compute at once and between optimizer updates that run at once; write a cluster
+    file."""
+    from pipeplan.runtime.calibrate import calibrate as run_calibration
+    from pipeplan.runtime.engine_fit import WIDTHS
+
+    check_output(output)
+    if nproc < 2:
+        fail(f"--nproc {nproc}: calibration needs at least 2 ranks")
+    cluster, samples = run_calibration(
+        nproc,
+        device=device,
+        max_bytes=parse_bytes(max_size, "--max-size"),
+        repeats=repeats,
+        launches=launches,
+        widths=tuple(widths) if widths else WIDTHS,
+        memory_bytes=parse_bytes(memory) if memory else None,
+        threads=threads,
+    )
+    write_json(output, cluster)
+    link = cluster.link
+    solo = (
+        "not measured" if cluster.solo_op_overhead_s is None
+        else f"{cluster.solo_op_overhead_s * 1e6:.0f} us"
+    )  # fmt: skip
+    table = Table(title=f"{nproc} ranks, {device}: one-way time per message")
+    for col in ("bytes", "send/recv", "batch_isend_irecv", "model"):
+        table.add_column(col, justify="right")
+    for size, raw, p2p in samples:
+        model = link.transfer_s(size)
+        table.add_row(
+            format_bytes(size),
+            f"{raw * 1e6:.1f} us",
+            f"{p2p * 1e6:.1f} us",
+            f"{model * 1e6:.1f} us",
+        )
+    console.print(table)
+    console.print(
+        f"latency {link.latency_s * 1e6:.1f} us, bandwidth {(link.bandwidth_Bps or 0) / 1e9:.2f} "
+        f"GB/s, per-message overhead {link.overhead_s * 1e6:.1f} us, engine cost "
+        f"{cluster.op_overhead_s * 1e6:.0f} us per forward/backward ({solo} alone) and "
+        f"{cluster.step_overhead_s * 1e6:.0f} us per step, contention "
+        f"{cluster.contention:.2f}, update contention {cluster.update_contention:.2f}, "
+        f"tied-gradient all-reduce "
+        f"{cluster.allreduce_s(2**20) * 1e3:.2f} ms per MiB, "
+        f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"
+    )

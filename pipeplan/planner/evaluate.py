@@ -1,0 +1,209 @@
+"""A partition's stages and Plan under the cost model: what the solvers call before and after.
+
+A solver calls :func:`check_request` before it searches: it rejects requests no partition can
+satisfy (more stages than units, a micro-batch count whose size was not profiled, pins out of
+range, unit limits that cannot cover the model) with the numbers and the fix.  Whatever the
+solver's own model, its answer, stage boundaries and a micro-batch count m, is then evaluated
+exactly by :func:`evaluate`: :func:`build_stages` computes each stage's F_j, B_j, C_j, memory
+M_j and update U_j with the formulas of :mod:`pipeplan.planner.costmodel`, and the Plan records the
+closed-form step time
+
+    T(m) = step_time(t, m, c, k) + R + ``Cluster.step_overhead_s``
+
+(R the updates' tail, :func:`pipeplan.planner.updates.update_tail`) beside the schedule simulator's
+makespan (:mod:`pipeplan.planner.simulate`), the bubble fraction, the throughput B / T(m), the tied
+all-reduces and the lower bound.  A plan with a stage over its device's memory gets the status
+``infeasible``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+from pipeplan.planner.costmodel import (
+    bubble_fraction,
+    contention,
+    lower_bound,
+    recomputes,
+    stage_memory,
+    stage_time,
+    step_time,
+    tied_syncs,
+)
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.simulate import simulate
+from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, Stage, TiedSync
+from pipeplan.planner.unitcosts import unit_costs
+from pipeplan.planner.updates import update_cost, update_tail
+
+__all__ = ["build_stages", "check_request", "evaluate"]
+
+
+def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> None:
+    """Reject requests no solver can satisfy, with the numbers and the fix."""
+    n, p = profile.n_units, cluster.n_stages
+    if p > n:
+        raise InvalidRequestError(
+            f"{p} stages but the profile has only {n} units; use --stages {n} or fewer, "
+            f"or profile again with --max-stages {p} (auto units are refined until there are "
+            f"at least that many, where the graph has the nodes)"
+        )
+    if options.microbatches is not None:
+        unit_costs(profile, options.microbatches)  # raises with the fix
+    for unit, stage in options.pinned.items():
+        if not 0 <= unit < n or not 0 <= stage < p:
+            raise InvalidRequestError(
+                f"pin {unit}->{stage} is out of range (units 0..{n - 1}, stages 0..{p - 1})"
+            )
+    if options.max_units is not None and options.max_units * p < n:
+        raise InvalidRequestError(
+            f"max_units {options.max_units} x {p} stages < {n} units; raise --max-units"
+        )
+    if options.min_units * p > n:
+        raise InvalidRequestError(
+            f"min_units {options.min_units} x {p} stages > {n} units; lower --min-units"
+        )
+
+
+def build_stages(
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    boundaries: Sequence[int],
+    m: int,
+) -> list[Stage]:
+    """Evaluate every stage of the partition whose stages start at 0 and at ``boundaries``."""
+    n, p = profile.n_units, cluster.n_stages
+    starts = [0, *boundaries]
+    if len(starts) != p or any(b <= a for a, b in pairwise(starts)) or starts[-1] >= n:
+        raise InvalidRequestError(
+            f"boundaries {list(boundaries)} do not split {n} units into {p} non-empty stages"
+        )
+    costs = unit_costs(profile, m)
+    update = update_cost(profile, options.optimizer, cluster)
+    stages = []
+    for j, l in enumerate(starts):
+        r = (starts[j + 1] if j + 1 < p else n) - 1
+        F, B, C = stage_time(costs, cluster, options, l, r, j)
+        mem = stage_memory(costs, cluster, options, l, r, j)
+        dev = cluster.devices[j]
+        stages.append(
+            Stage(
+                index=j,
+                device=dev.name,
+                first_unit=l,
+                last_unit=r,
+                unit_names=tuple(u.name for u in profile.units[l : r + 1]),
+                recompute=recomputes(options.checkpoint, j, p),
+                forward_s=F,
+                backward_s=B,
+                comm_s=C,
+                time_s=F + B + C,
+                update_s=update.seconds(mem.params) / dev.speed,
+                memory=mem,
+                memory_limit=dev.memory_bytes,
+                feasible=mem.total <= dev.memory_bytes,
+            )
+        )
+    return stages
+
+
+def _simulated(
+    stages: Sequence[Stage],
+    m: int,
+    schedule: str,
+    kappa: float,
+    syncs: Sequence[TiedSync],
+    step_overhead_s: float,
+    update_contention: float = 0.0,
+) -> float:
+    return simulate(
+        [s.forward_s for s in stages],
+        [s.backward_s for s in stages],
+        [s.comm_s for s in stages],
+        m,
+        schedule=schedule,
+        contention=kappa,
+        update_s=[s.update_s for s in stages],
+        syncs=[(s.stages, s.seconds) for s in syncs],
+        step_overhead_s=step_overhead_s,
+        update_contention=update_contention,
+    ).makespan_s
+
+
+def evaluate(
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    boundaries: Sequence[int],
+    m: int,
+    *,
+    solver: str,
+    status: str | None = None,
+    gap: float | None = None,
+    solve_time_s: float | None = None,
+) -> Plan:
+    """The Plan of a given partition and micro-batch count under this cost model."""
+    stages = build_stages(profile, cluster, options, boundaries, m)
+    times = [s.time_s for s in stages]
+    busy = [s.forward_s + s.backward_s for s in stages]
+    kappa = contention(cluster, m)
+    shared = [(sp.bytes, sp.units) for sp in profile.shared_params]
+    syncs = tied_syncs(shared, cluster, [s.first_unit for s in stages])
+    T = (
+        step_time(times, m, busy, kappa)
+        + update_tail(
+            [s.update_s for s in stages],
+            [s.backward_s for s in stages],
+            [s.comm_s for s in stages],
+            syncs,
+            cluster.update_contention,
+        )
+        + cluster.step_overhead_s
+    )
+    feasible = all(s.feasible for s in stages)
+    if status is None:
+        status = "heuristic"
+    if not feasible:
+        status = "infeasible"
+    return Plan(
+        model=profile.model,
+        model_kwargs=profile.model_kwargs,
+        profile_fingerprint=profile.fingerprint,
+        graph_fingerprint=profile.graph_fingerprint,
+        tracer=profile.tracer,
+        granularity=profile.granularity,
+        dtype=profile.dtype,
+        profiled_threads=profile.device.threads if profile.device.kind == "cpu" else None,
+        batch_size=profile.batch_size,
+        microbatches=m,
+        microbatch_size=profile.batch_size // m,
+        schedule=options.schedule,
+        checkpoint=options.checkpoint,
+        optimizer=options.optimizer,
+        cluster=cluster,
+        stages=tuple(stages),
+        tied_syncs=tuple(syncs),
+        step_time_s=T,
+        simulated_step_time_s=_simulated(
+            stages,
+            m,
+            options.schedule,
+            kappa,
+            syncs,
+            cluster.step_overhead_s,
+            cluster.update_contention,
+        ),
+        bubble_fraction=bubble_fraction(times, m, busy, kappa),
+        throughput=profile.batch_size / T if T > 0 else 0.0,
+        feasible=feasible,
+        solver=solver,
+        status=status,  # type: ignore[arg-type]
+        gap=gap,
+        lower_bound_s=lower_bound(profile, cluster, options),
+        solve_time_s=solve_time_s,
+        model_sha256=profile.model_sha256,
+        batch_dependent_layers=profile.batch_dependent_layers,
+        unit_expansions=profile.grouping.expanded if profile.grouping else (),
+    )

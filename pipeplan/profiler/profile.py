@@ -1,0 +1,513 @@
+"""Profile a model: trace it, group it into units, and measure every unit at every micro-batch size.
+
+Two methods (``method``, ``pipeplan profile --method``):
+
+- ``whole`` (below): the real model, whole training passes.  It needs the whole model's
+  training state in memory.
+- ``units`` (:mod:`pipeplan.profiler.units`): the model built on ``meta``, each distinct unit
+  materialized alone and measured once; for models that do not fit.
+- ``auto`` (the default) takes ``whole`` when the model's training state fits in
+  :data:`AUTO_MEMORY_FRACTION` of the memory available on the device, else ``units``:
+  4 x parameter bytes (parameters, gradients, Adam's two states) + an activation estimate
+  (every compute node's output at the largest micro-batch size, summed, from a run on
+  ``meta``) <= 0.5 x available (CUDA: free device memory; CPU: ``MemAvailable``).
+
+The ``whole`` method:
+
+For each micro-batch size b the model runs whole training passes on a seeded batch of size b,
+unit by unit, and every unit is timed inside them (:mod:`pipeplan.profiler.sweep`): forward in order,
+the loss, backward in reverse, and the same again with every unit recomputing.  The cut table
+comes from the largest size's run: every tensor live across a cut
+(:func:`pipeplan.planner.graph.cut_tensors`) with its bytes divided by b.  Sizes are measured largest
+first, so the warm-up of the largest (slowest) runs also warms the allocator for the rest.
+On a CPU the heap keeps freed memory mapped, as the runtime's ranks do
+(:mod:`pipeplan.planner.allocator`).  Last, every optimizer's step is timed over growing prefixes of
+the units' parameters, the cache cold before each step (``Profile.update_curve``, and
+``Profile.update_s`` over all of them; :mod:`pipeplan.planner.updates`).  What one checkpoint call adds
+by itself (``Profile.checkpoint_call_s``) is timed before the passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeplan.planner.allocator import keep_heap
+from pipeplan.planner.errors import InvalidRequestError, PipeplanError
+from pipeplan.planner.graph import UnitSpec, cut_tensors, group_units
+from pipeplan.planner.model import load_model
+from pipeplan.planner.refine import DEFAULT_MAX_STAGES, node_costs, refine_units
+from pipeplan.planner.trace import TracedModel, run_eagerly, trace_model
+from pipeplan.planner.types import Cut, CutTensor, Grouping, Profile, SharedParam, Timing, Unit
+from pipeplan.planner.usercode import user_code
+from pipeplan.profiler.device import Clock, available_bytes, device_info, resolve_device
+from pipeplan.profiler.measure import (
+    measure_checkpoint_call,
+    measure_update_curve,
+    storage_keys,
+    value_bytes,
+)
+from pipeplan.profiler.split import split_units
+from pipeplan.profiler.sweep import measure_sweep
+from pipeplan.profiler.units import activation_estimate, param_bytes
+
+__all__ = [
+    "AUTO_MEMORY_FRACTION",
+    "DTYPES",
+    "METHODS",
+    "auto_method",
+    "batch_dependent_layers",
+    "default_microbatch_sizes",
+    "profile_model",
+]
+
+#: ``method`` names accepted by :func:`profile_model`.
+METHODS = ("auto", "whole", "units")
+
+#: ``auto`` profiles whole passes when the training state fits in this share of the memory
+#: available (the rest: the profiler's own copies, the allocator, other processes).
+AUTO_MEMORY_FRACTION = 0.5
+
+#: ``dtype`` names accepted by :func:`profile_model`.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def default_microbatch_sizes(batch_size: int) -> tuple[int, ...]:
+    """Every power of two dividing ``batch_size``, and ``batch_size`` itself.
+
+    >>> default_microbatch_sizes(24)
+    (1, 2, 4, 8, 24)
+    """
+    sizes = [1 << i for i in range(batch_size.bit_length()) if batch_size % (1 << i) == 0]
+    return tuple(sorted({*sizes, batch_size}))
+
+
+def _check_sizes(batch_size: int, sizes: Sequence[int] | None) -> tuple[int, ...]:
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise InvalidRequestError(f"batch size must be a positive integer, got {batch_size!r}")
+    if sizes is None:
+        return default_microbatch_sizes(batch_size)
+    out = tuple(sorted(set(sizes)))
+    if not out:
+        raise InvalidRequestError("no micro-batch sizes given; omit them to use the defaults")
+    for b in out:
+        if b <= 0 or batch_size % b:
+            raise InvalidRequestError(
+                f"micro-batch size {b} does not divide batch size {batch_size}; "
+                f"choose among {list(default_microbatch_sizes(batch_size))} or other divisors"
+            )
+    return out
+
+
+def _check_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, str | int | float | bool]:
+    out: dict[str, str | int | float | bool] = {}
+    for key, value in (kwargs or {}).items():
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        if not isinstance(value, (str, int, float, bool)):
+            raise InvalidRequestError(
+                f"model argument {key}={value!r} is a {type(value).__name__}; "
+                f"a profile records only str, int, float and bool arguments"
+            )
+        out[key] = value
+    return out
+
+
+def _to(value: Any, dev: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dev, dtype) if value.is_floating_point() else value.to(dev)
+    return value
+
+
+def profile_model(
+    model: str,
+    *,
+    batch_size: int,
+    model_kwargs: Mapping[str, Any] | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
+    device: str = "cpu",
+    granularity: str = "auto",
+    tracer: str = "auto",
+    dtype: str = "float32",
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+    threads: int | None = None,
+    rounds: int = 1,
+    max_stages: int = DEFAULT_MAX_STAGES,
+    method: str = "auto",
+) -> Profile:
+    """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
+
+    ``method`` is ``whole``, ``units`` or ``auto`` (``whole`` where the model's training state
+    fits in half the available memory, else ``units``; :func:`auto_method`).
+
+    ``microbatch_sizes`` defaults to every power of two dividing ``batch_size`` (and
+    ``batch_size``).  List or tuple model arguments are recorded as comma-separated strings.
+    ``threads`` sets ``torch.set_num_threads`` while measuring on CPU (restored afterwards):
+    profile with the thread count each pipeline rank will use, e.g. 1 for 2 ranks on 2 cores.
+    ``rounds`` repeats the whole sweep over sizes and units; each time is the median of the
+    rounds' medians, so a burst of interference from other processes (which slows whatever runs
+    during it) is outvoted instead of landing on one unit.  ``max_stages`` is the largest stage
+    count the ``auto`` units are refined for (:mod:`pipeplan.planner.refine`): no unit heavier than
+    1 / max_stages of the model where it can be split, and at least max_stages units.
+    """
+    if rounds < 1:
+        raise InvalidRequestError(f"rounds {rounds} must be at least 1")
+    if max_stages < 1:
+        raise InvalidRequestError(f"--max-stages {max_stages} must be at least 1")
+    if threads is not None and threads < 1:
+        raise InvalidRequestError(f"threads {threads} must be at least 1")
+    if method not in METHODS:
+        raise InvalidRequestError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    with _threads(threads):
+        return _profile(
+            model,
+            batch_size,
+            model_kwargs,
+            microbatch_sizes,
+            device,
+            granularity,
+            tracer,
+            dtype,
+            warmup,
+            repeats,
+            progress,
+            rounds,
+            max_stages,
+            method,
+        )
+
+
+def auto_method(param_bytes: int, activation_bytes: int, available: int) -> str:
+    """``auto``'s choice: ``whole`` when the training state, 4 x ``param_bytes`` (parameters,
+    gradients, Adam's two states) + ``activation_bytes``, fits in
+    :data:`AUTO_MEMORY_FRACTION` of ``available``, else ``units``.
+
+    >>> auto_method(1 << 30, 1 << 30, 16 << 30), auto_method(2 << 30, 1 << 30, 16 << 30)
+    ('whole', 'units')
+    """
+    need = 4 * param_bytes + activation_bytes
+    return "whole" if need <= AUTO_MEMORY_FRACTION * available else "units"
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` for the block (nothing when ``None``)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile(
+    model: str,
+    batch_size: int,
+    model_kwargs: Mapping[str, Any] | None,
+    microbatch_sizes: Sequence[int] | None,
+    device: str,
+    granularity: str,
+    tracer: str,
+    dtype: str,
+    warmup: int,
+    repeats: int,
+    progress: bool,
+    rounds: int = 1,
+    max_stages: int = DEFAULT_MAX_STAGES,
+    method: str = "whole",
+) -> Profile:
+    sizes = _check_sizes(batch_size, microbatch_sizes)
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if warmup < 0 or repeats < 1:
+        raise InvalidRequestError(
+            f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}"
+        )
+    if tracer not in ("auto", "fx", "export"):
+        raise InvalidRequestError(f"tracer {tracer!r} is not one of auto, fx, export")
+    kwargs = _check_kwargs(model_kwargs)
+    dev = resolve_device(device)
+    torch_dtype = DTYPES[dtype]
+    if dev.type == "cpu":
+        keep_heap()  # the heap the runtime's ranks run with (see pipeplan.planner.allocator)
+    free = available_bytes(dev)
+    weights = 0
+    if method == "auto":  # the parameters first, from the model built on meta: no memory
+        try:
+            weights = param_bytes(load_model(model, model_kwargs, meta=True).module, torch_dtype)
+        except PipeplanError:  # a model that cannot be built on meta: count it built for real
+            weights = -1
+        if auto_method(weights, 0, free) == "units":
+            method = "units"
+    spec = None
+    if method != "units":
+        spec = load_model(model, model_kwargs)
+        module = spec.module.to(dev, torch_dtype).train()
+        example = tuple(_to(x, dev, torch_dtype) for x in spec.batch(max(sizes))[0])
+        run_eagerly(module, example)  # a bug in forward: the user's file and line, not the tracer's
+        traced = trace_model(module, example, tracer)  # type: ignore[arg-type]
+        if method == "auto":  # then the activations, from the traced graph run on meta
+            weights = weights if weights >= 0 else param_bytes(module, torch_dtype)
+            method = auto_method(weights, activation_estimate(traced, example), free)
+            if method == "units":
+                del spec, module, example, traced
+    if method == "units":
+        from pipeplan.profiler.units import profile_units
+
+        with _progress(progress) as bar:
+
+            def start(description: str, total: int) -> Callable[[str], None]:
+                task = bar.add_task(description, total=total)
+                return lambda text: bar.update(task, description=text, advance=1)
+
+            return profile_units(
+                model,
+                sizes=sizes,
+                batch_size=batch_size,
+                model_kwargs=model_kwargs,
+                recorded_kwargs=kwargs,
+                dev=dev,
+                dtype=dtype,
+                torch_dtype=torch_dtype,
+                granularity=granularity,
+                tracer=tracer,
+                warmup=warmup,
+                repeats=repeats,
+                rounds=rounds,
+                max_stages=max_stages,
+                progress=start,
+            )
+
+    assert spec is not None
+    units, grouping = group(traced, example, granularity, max_stages)
+    pieces = split_units(traced, units)
+    placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
+    clock = Clock(dev)
+
+    runs: list[dict[int, list[Timing]]] = [{b: [] for b in sizes} for _ in pieces]
+    loss_runs: dict[int, list[Timing]] = {b: [] for b in sizes}
+    (output_node,) = [n for n in traced.gm.graph.nodes if n.op == "output"]
+
+    def output(lookup: Callable[[str], Any]) -> Any:
+        flat = torch.fx.node.map_arg(output_node.args[0], lambda n: lookup(n.name))
+        return traced.gm.graph.process_outputs(flat)  # export graphs return it flattened
+
+    call_s = measure_checkpoint_call(dev, clock=clock, warmup=warmup, repeats=20 * repeats * rounds)
+    biggest: dict[str, Any] = {}
+    with _progress(progress) as bar:
+        task = bar.add_task(model, total=rounds * len(sizes))
+        for b in [b for _ in range(rounds) for b in sorted(sizes, reverse=True)]:
+            bar.update(task, description=f"{model} b={b}")
+            batch_inputs, target = spec.batch(b)
+            inputs = tuple(_to(x, dev, torch_dtype) for x in batch_inputs)
+            if len(inputs) != len(placeholders):
+                raise InvalidRequestError(
+                    f"model {model!r} takes {len(placeholders)} inputs but make_batch gave "
+                    f"{len(inputs)}"
+                )
+            result = measure_sweep(
+                pieces,
+                dict(zip(placeholders, inputs)),
+                _Loss(spec.loss, _to(target, dev, torch_dtype)),
+                output,
+                clock=clock,
+                warmup=warmup,
+                repeats=repeats,
+                exclude=exclude,
+                call_s=call_s,
+            )
+            for k, timing in enumerate(result.units):
+                runs[k][b].append(timing)
+            loss_runs[b].append(result.loss)
+            if b == max(sizes):
+                biggest = result.values
+            bar.advance(task)
+        for param in traced.gm.parameters():  # the passes' accumulated gradients
+            param.grad = None
+
+    named = dict(traced.gm.named_parameters())
+    update_curve = measure_update_curve(
+        [[named[n] for n in p.params if n in named] for p in pieces],
+        clock=clock,
+        warmup=warmup,
+        repeats=repeats * rounds,
+    )
+    update_s = {name: pts[-1][1] for name, pts in update_curve.items() if pts}
+    timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
+    loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
+    b_max = max(sizes)
+    return Profile(
+        model=model,
+        model_kwargs=kwargs,
+        tracer=traced.tracer,
+        graph_fingerprint=traced.fingerprint,
+        device=device_info(dev),
+        torch_version=torch.__version__,
+        dtype=dtype,
+        batch_size=batch_size,
+        microbatch_sizes=sizes,
+        granularity=granularity,
+        warmup=warmup,
+        repeats=repeats,
+        rounds=rounds,
+        input_bytes_per_sample=per_sample(biggest, placeholders, b_max),
+        units=tuple(
+            Unit(
+                index=k,
+                name=p.spec.name,
+                nodes=p.spec.nodes,
+                params=p.params,
+                param_bytes=p.param_bytes,
+                largest_param_bytes=p.largest_param_bytes,
+                timings=timings[k],
+            )
+            for k, p in enumerate(pieces)
+        ),
+        cuts=cut_table(traced, units, biggest, b_max),
+        shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
+        loss=loss_timings,
+        update_s=update_s,
+        update_curve=update_curve,
+        checkpoint_call_s=call_s,
+        model_sha256=_source_sha256(model),
+        batch_dependent_layers=batch_dependent_layers(spec.module),
+        grouping=grouping,
+    )
+
+
+def group(
+    traced: TracedModel, example: Sequence[Any], granularity: str, max_stages: int
+) -> tuple[list[UnitSpec], Grouping | None]:
+    """The units of ``granularity`` (``auto``: refined for ``max_stages`` on the cost estimate
+    of ``example``, :mod:`pipeplan.planner.refine`) and, for ``auto``, how they were grouped."""
+    if granularity != "auto":
+        return group_units(traced, granularity), None
+    base = len(group_units(traced, granularity))
+    units, opened = refine_units(traced, node_costs(traced, example), max_stages, granularity)
+    return units, Grouping(max_stages=max_stages, base_units=base, expanded=opened)
+
+
+def per_sample(values: Mapping[str, Any], names: Sequence[str], b: int) -> int:
+    """Bytes of the values ``names`` at micro-batch size ``b``, per sample (rounded up)."""
+    return -(-sum(value_bytes(values[n]) for n in names) // b)
+
+
+def cut_table(
+    traced: TracedModel, units: list[UnitSpec], values: Mapping[str, Any], b: int
+) -> tuple[Cut, ...]:
+    """The cuts between ``units``: every tensor live across each, its bytes per sample from
+    ``values`` (by node name) at micro-batch size ``b``."""
+    cuts = []
+    for k, names in enumerate(cut_tensors(traced, units)):
+        tensors = tuple(
+            CutTensor(node=n, bytes_per_sample=per_sample(values, [n], b)) for n in names
+        )
+        cuts.append(
+            Cut(after=k, tensors=tensors, bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
+        )
+    return tuple(cuts)
+
+
+def _source_sha256(model: str) -> str | None:
+    """The SHA-256 of an ``hf:PATH`` model's config file (``None`` for a Python callable)."""
+    if not model.startswith("hf:"):
+        return None
+    from pathlib import Path
+
+    from pipeplan.planner.hf_source import file_sha256
+
+    path = Path(model[3:])
+    return file_sha256(path / "config.json" if path.is_dir() else path)
+
+
+def batch_dependent_layers(module: torch.nn.Module) -> tuple[str, ...]:
+    """Qualified names of the layers whose output depends on the whole batch (BatchNorm)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return tuple(name for name, m in module.named_modules() if isinstance(m, _BatchNorm))
+
+
+class _Loss(torch.nn.Module):
+    """The model's loss as a module of its output, the target fixed (it needs no gradient)."""
+
+    def __init__(self, loss: Any, target: Any) -> None:
+        super().__init__()
+        self.loss, self.target = loss, target
+
+    def forward(self, output: Any) -> Any:
+        with user_code("the model's loss"):
+            return self.loss(output, self.target)
+
+
+def _merge(rounds: list[Timing]) -> Timing:
+    """One Timing from several rounds: median of the medians; spread = their interquartile range
+    (or the single round's own spread)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    fwd = [t.forward_s for t in rounds]
+    bwd = [t.backward_s for t in rounds]
+    peaks = [t.peak_bytes for t in rounds if t.peak_bytes is not None]
+
+    def iqr(xs: list[float]) -> float:
+        q1, q3 = np.percentile(xs, [25, 75])
+        return float(q3 - q1)
+
+    rec = [t.recompute_backward_s for t in rounds if t.recompute_backward_s is not None]
+    rec_f = [t.recompute_forward_s for t in rounds if t.recompute_forward_s is not None]
+    return rounds[0].model_copy(
+        update={
+            "recompute_backward_s": float(np.median(rec)) if rec else None,
+            "recompute_forward_s": float(np.median(rec_f)) if rec_f else None,
+            "forward_s": float(np.median(fwd)),
+            "backward_s": float(np.median(bwd)),
+            "forward_spread_s": iqr(fwd),
+            "backward_spread_s": iqr(bwd),
+            "peak_bytes": max(peaks) if peaks else None,
+        }
+    )
+
+
+def _shared_params(gm: torch.nn.Module, used: Sequence[Sequence[str]]) -> tuple[SharedParam, ...]:
+    """Parameters used by more than one unit (tied weights), with their bytes and users."""
+    params = dict(gm.named_parameters())
+    users: dict[str, list[int]] = {}
+    for k, names in enumerate(used):
+        for name in names:
+            if name in params:
+                users.setdefault(name, []).append(k)
+    return tuple(
+        SharedParam(
+            name=name,
+            bytes=params[name].numel() * params[name].element_size(),
+            units=tuple(sorted(set(ks))),
+        )
+        for name, ks in sorted(users.items())
+        if len(set(ks)) > 1
+    )
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=not enabled,
+    )

@@ -1,0 +1,18 @@
+"""Execute a plan as a checkpointed GPipe (or 1F1B) pipeline on torch.distributed, and measure it.
+
+    pipeplan run plan.json --steps 20 --report report.json --trace trace.json
+
+starts one rank per stage on this machine (:mod:`pipeplan.runtime.launch`); each rank
+(:mod:`pipeplan.runtime.worker`) cuts the traced model at the plan's boundaries (:mod:`pipeplan.runtime.stages`)
+and runs its stage with ``torch.distributed.pipelining`` (:mod:`pipeplan.runtime.engine`); rank 0
+writes the run report and a Chrome trace (:mod:`pipeplan.runtime.report`).  In a program,
+:class:`PipelineRunner` runs one rank's stage inside an initialised process group.
+"""
+
+from __future__ import annotations
+
+from pipeplan.runtime.engine import PipelineRunner
+from pipeplan.runtime.launch import launch, preflight
+from pipeplan.runtime.stages import build_stages, check_plan
+
+__all__ = ["PipelineRunner", "build_stages", "check_plan", "launch", "preflight"]

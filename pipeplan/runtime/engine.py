@@ -1,0 +1,570 @@
+"""Run one rank's stage of a plan with ``torch.distributed.pipelining``.
+
+Each rank builds every stage module (they share the model's parameters, so this is cheap),
+keeps its own, and hands it to a :class:`~torch.distributed.pipelining.PipelineStage` with
+static metadata from :func:`pipeplan.runtime.stages.build_stages`.  The schedule is
+:class:`~torch.distributed.pipelining.ScheduleGPipe` or
+:class:`~torch.distributed.pipelining.Schedule1F1B` (``plan.schedule``); it splits the batch
+into ``plan.microbatches`` micro-batches and divides the gradients by m, so with a loss that is
+a batch mean the result is the full batch's gradient.
+
+A stage with ``recompute`` runs inside ``torch.utils.checkpoint(use_reentrant=False)``: only
+its inputs are kept per micro-batch and its forward is run again in the backward pass, with
+the RNG state restored and buffer updates (batch-norm statistics) of the rerun undone.
+
+A parameter held by several stages (tied embedding / LM head) gets its gradient summed over
+the ranks that hold it (``all_reduce`` on a group of exactly those ranks) before the optimizer
+steps, so the copies receive the same update and stay equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
+
+from pipeplan.planner.checkpoint import CheckpointReader, load_checkpoint, write_index, write_shard
+from pipeplan.planner.errors import InvalidRequestError, PipeplanError
+from pipeplan.planner.graph import group_units
+from pipeplan.planner.meta import has_meta, materialize, trace_meta
+from pipeplan.planner.model import ModelSpec, NamedInputs
+from pipeplan.planner.optim import make_optimizer
+from pipeplan.planner.trace import TracedModel, trace_model
+from pipeplan.planner.types import Plan
+from pipeplan.planner.usercode import user_error
+from pipeplan.runtime.batchnorm import (
+    BATCH_NORM_MODES,
+    defer_batch_norm,
+    recomputing,
+    restore_batch_norm,
+)
+from pipeplan.runtime.memory import TensorPeak, live_bytes
+from pipeplan.runtime.report import RankRecord
+from pipeplan.runtime.stages import (
+    TiedParameter,
+    build_stages,
+    describe_values,
+    parameter_names,
+    preserved_buffers,
+    tied_parameters,
+)
+from pipeplan.runtime.timing import Span, StepTimer
+
+__all__ = [
+    "PipelineRunner",
+    "Recompute",
+    "cast_batch",
+    "check_schedule",
+]
+
+FaultHook = Callable[[int, int], None]
+"""Called with (step, micro-batch) before each forward; tests use it to make a stage fail."""
+
+
+class Recompute(nn.Module):
+    """Run ``inner`` under non-reentrant activation checkpointing when autograd is on."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def _contexts(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        return contextlib.nullcontext(), _recompute_context(self.inner)
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args)
+        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self._contexts)
+
+
+@contextlib.contextmanager
+def _recompute_context(inner: nn.Module) -> Iterator[None]:
+    """A recomputed forward: buffers restored afterwards, batch-norm statistics not tracked."""
+    with preserved_buffers(inner), recomputing():
+        yield
+
+
+class _MeasuredStage(PipelineStage):
+    """A PipelineStage that times each micro-batch's forward and backward."""
+
+    timer: StepTimer
+    fault: FaultHook | None
+    step_index: int
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.fault is not None:
+            self.fault(self.step_index, fwd_chunk_id)
+        with self.timer.span("forward", fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self.timer.span("backward", bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def cast_batch(
+    inputs: tuple[Tensor, ...], target: Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Move a batch to ``device``; floating-point tensors take the plan's ``dtype``."""
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    return tuple(cast(t) for t in inputs), cast(target)
+
+
+def check_schedule(plan: Plan) -> None:
+    """Reject micro-batch counts the schedule cannot run, naming the fix."""
+    if plan.microbatch_size * plan.microbatches != plan.batch_size:
+        raise InvalidRequestError(
+            f"plan splits batch {plan.batch_size} into {plan.microbatches} micro-batches of "
+            f"{plan.microbatch_size}; make the plan again"
+        )
+    if plan.schedule == "1f1b" and plan.microbatches < plan.n_stages:
+        raise InvalidRequestError(
+            f"1F1B needs at least as many micro-batches as stages ({plan.microbatches} < "
+            f"{plan.n_stages}); plan with --schedule gpipe or --microbatches {plan.n_stages}"
+        )
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequestError(f"plan dtype {name!r} is not a torch dtype; e.g. float32")
+    return dtype
+
+
+class PipelineRunner:
+    """This rank's stage of ``plan``: ``forward_backward`` then ``optimizer_step``.
+
+    Stage j runs on rank j of the world.  ``spec.module`` must hold the same initial
+    parameters on every rank.  ``traced`` (``spec.module`` already traced, in the plan's dtype)
+    saves tracing it again.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        spec: ModelSpec,
+        *,
+        device: torch.device,
+        optimizer: str = "sgd",
+        lr: float = 1e-3,
+        fault: FaultHook | None = None,
+        traced: TracedModel | None = None,
+        batch_norm: str = "deferred",
+        seed: int = 0,
+        weights: str | None = None,
+    ) -> None:
+        world, ranks = dist.get_world_size(), plan.n_stages * plan.cluster.data_parallel
+        if world != ranks:
+            raise InvalidRequestError(
+                f"plan has {plan.n_stages} stages x {plan.cluster.data_parallel} replicas but "
+                f"the world size is {world}; launch one rank per stage and replica "
+                f"(--nproc-per-node {ranks})"
+            )
+        check_schedule(plan)
+        self.replicas = plan.cluster.data_parallel
+        self.replica, rank = divmod(dist.get_rank(), plan.n_stages)  # rank r p + j
+        self.pp_group, self.dp_group = _mesh_groups(plan, device)
+        self.plan, self.rank, self.device = plan, rank, device
+        self.dtype = _dtype(plan.dtype)
+        self.loss_fn = spec.loss
+        module = spec.module.to(dtype=self.dtype)
+        inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
+        on_meta = has_meta(module)
+        if traced is None:
+            trace = trace_meta if on_meta else trace_model
+            traced = trace(module, inputs, tracer=plan.tracer)
+        if batch_norm not in BATCH_NORM_MODES:
+            raise InvalidRequestError(
+                f"batch norm mode {batch_norm!r} is not one of {', '.join(BATCH_NORM_MODES)}"
+            )
+        deferred = []
+        if batch_norm == "deferred":
+            deferred = defer_batch_norm(traced, plan.microbatches)
+            tracking = sum(
+                isinstance(m, _BatchNorm) and m.training and m.running_mean is not None
+                for m in module.modules()
+            )
+            if len(deferred) < tracking and rank == 0:
+                print(
+                    f"warning: --batch-norm deferred found {len(deferred)} of the model's "
+                    f"{tracking} BatchNorm layers in the {traced.tracer} graph; the others "
+                    f"update their running statistics once per micro-batch",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        else:
+            restore_batch_norm(traced)
+        units = group_units(traced, plan.granularity, plan.unit_expansions)
+        programs = build_stages(plan, traced, units, inputs, device=device)
+        for stats in deferred:  # the probe ran the graph once
+            stats.reset()
+        self.names = parameter_names(module, traced.gm)
+        self.tied = tied_parameters([p.module for p in programs], self.names)
+        mine = programs[rank]
+        self._module, self._prefix = module, "model." if isinstance(module, NamedInputs) else ""
+        self.materialized: list[str] = []
+        self.checkpoint_reads: list[str] = []
+        """The checkpoint tensors this rank read (``weights``)."""
+        if on_meta or weights is not None:
+            self.materialized = self._materialize(mine.module, spec, seed, weights)
+        self.stage_module = mine.module.to(device)
+        self.recompute = plan.stages[rank].recompute
+        submod: nn.Module = Recompute(self.stage_module) if self.recompute else self.stage_module
+        self.is_first, self.is_last = rank == 0, rank == plan.n_stages - 1
+
+        def to_dev(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            return tuple(t.to(device).requires_grad_(t.requires_grad) for t in ts)
+
+        self.timer = StepTimer(device)
+        stage = _MeasuredStage(
+            submod,
+            rank,
+            plan.n_stages,
+            device,
+            input_args=to_dev(mine.example_inputs),
+            output_args=to_dev(mine.example_outputs),
+            group=self.pp_group,
+        )
+        stage.timer, stage.fault, stage.step_index = self.timer, fault, 0
+        self.stage = stage
+        del programs, mine
+        schedule_cls = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
+        self.schedule = schedule_cls(
+            stage, n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=True
+        )
+        self._loss_calls = 0
+        self.params = list(dict.fromkeys(self.stage_module.parameters()))
+        self.optimizer = make_optimizer(optimizer, self.params, lr)
+        self._tied_groups = self._make_tied_groups()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def _aliases(self) -> dict[int, list[str]]:
+        """``id(tensor) -> every qualified name`` of the model's parameters and buffers."""
+        names: dict[int, list[str]] = {}
+        module = self._module
+        for name, t in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]:
+            names.setdefault(id(t), []).append(name)
+        return names
+
+    def _materialize(
+        self, stage: nn.Module, spec: ModelSpec, seed: int, weights: str | None
+    ) -> list[str]:
+        """Give this stage's modules storage on the device: initialised (the contract of
+        :mod:`pipeplan.planner.meta`, seeded per module) or read from the checkpoint ``weights``.
+        Returns the modules materialized."""
+        aliases = self._aliases()
+        tensors = [*stage.parameters(), *stage.buffers()]
+        wanted = [aliases[id(t)][0] for t in tensors if id(t) in aliases]
+        mods = materialize(
+            self._module,
+            wanted,
+            self.device,
+            seed=seed,
+            init_weights=spec.init_weights,
+            initialize=weights is None,
+        )
+        if weights is not None:
+            targets, owned = self._state(mods, aliases, persistent_only=True)
+            reader = CheckpointReader(weights)
+            load_checkpoint(reader, targets, owned)
+            self.checkpoint_reads = sorted(reader.read_keys)
+        return mods
+
+    def _state(
+        self, mods: list[str], aliases: dict[int, list[str]], *, persistent_only: bool
+    ) -> tuple[dict[str, list[str]], dict[str, Tensor]]:
+        """The tensors the modules ``mods`` own, by the model's first name, with their
+        checkpoint keys (every alias, without pipeplan's ``NamedInputs`` prefix)."""
+        by_name = dict(self._module.named_modules(remove_duplicate=False))
+        targets: dict[str, list[str]] = {}
+        owned: dict[str, Tensor] = {}
+        for mod_name in mods:
+            mod = by_name[mod_name]
+            items = [*mod._parameters.items(), *mod._buffers.items()]
+            for key, t in items:
+                if t is None or (persistent_only and key in mod._non_persistent_buffers_set):
+                    continue
+                names = aliases[id(t)]
+                keys = [n.removeprefix(self._prefix) for n in names]
+                targets[names[0]], owned[names[0]] = keys, t
+        return targets, owned
+
+    def save(self, directory: str) -> None:
+        """Write the stage's parameters and persistent buffers as its shard of a sharded
+        safetensors checkpoint (``pipeplan.planner.checkpoint``); a tied parameter is written by the
+        first stage holding it.  Rank 0 writes the index.  Collective: every rank calls it."""
+        aliases = self._aliases()
+        by_id = {id(t): t for t in [*self.stage_module.parameters(), *self.stage_module.buffers()]}
+        mods = sorted({n.rpartition(".")[0] for i in by_id for n in aliases.get(i, [])})
+        _, owned = self._state(mods, aliases, persistent_only=True)
+        first = {t.name: min(t.stages) for t in self.tied}
+        mine = {
+            name.removeprefix(self._prefix): t
+            for name, t in owned.items()
+            if id(t) in by_id and first.get(self.names.get(id(t), name), self.rank) == self.rank
+        }
+        if self.replica == 0:  # the replicas hold the same weights
+            size = write_shard(directory, self.rank, self.plan.n_stages, mine)
+            gathered: list[Any] = [None] * self.plan.n_stages
+            dist.all_gather_object(gathered, (sorted(mine), size), group=self.pp_group)
+            if self.rank == 0:
+                keys = [k for k, _ in gathered]
+                write_index(directory, keys, sum(b for _, b in gathered))
+        dist.barrier()
+
+    # -- tied parameters -------------------------------------------------------------------
+
+    def _make_tied_groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
+        """One process group per distinct set of owning stages (created on every rank)."""
+        by_name = {self.names[id(p)]: p for p in self.params}
+        owners: dict[tuple[int, ...], list[TiedParameter]] = {}
+        for t in self.tied:
+            owners.setdefault(t.stages, []).append(t)
+        groups = []
+        p = self.plan.n_stages
+        for stages, tied in sorted(owners.items()):
+            for r in range(self.replicas):  # every rank creates every replica's group
+                group = dist.new_group([r * p + j for j in stages])
+                if r == self.replica and self.rank in stages:
+                    groups.append((group, [by_name[t.name] for t in tied]))
+        return groups
+
+    def _average_replicas(self) -> None:
+        """Average every gradient over the data-parallel replicas of this stage: gradients
+        packed into buckets of about ``_BUCKET_BYTES`` (as DDP's), one all-reduce per bucket
+        over the mesh's dp group, then / d, copied back.  One call per parameter cost gloo
+        about 1 ms each (69 ms for the bundled GPT's 50 parameters, against 1.5 ms of bytes);
+        a bucket is the only temporary, at most ``_BUCKET_BYTES``."""
+        bucket: list[Tensor] = []
+        size = 0
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= _BUCKET_BYTES:
+                self._reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, grads: list[Tensor]) -> None:
+        if len(grads) == 1 and grads[0].is_contiguous():
+            dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.dp_group)
+            grads[0].div_(self.replicas)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        flat.div_(self.replicas)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _sync_tied(self) -> None:
+        """Sum each tied parameter's gradient over the stages holding it, in place: one
+        all-reduce per group of stages; a group of several parameters is packed into one
+        buffer and copied back (a temporary of their size), a single one is reduced where it
+        lies (no temporary, as the cost model assumes)."""
+        for group, params in self._tied_groups:
+            grads: list[Tensor] = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            if len(grads) == 1 and grads[0].is_contiguous():
+                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=group)
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _loss(self, output: Any, target: Tensor) -> Tensor:
+        """The user's loss on the model's output, rebuilt from the last stage's tensors."""
+        with self.timer.span("loss", self._loss_calls):
+            self._loss_calls += 1
+            rebuilt = self.stage_module.rebuild_output(output)
+            try:
+                return self.loss_fn(rebuilt, target)
+            except PipeplanError:
+                raise
+            except Exception as exc:  # name the values the loss got (only when it fails)
+                what = (
+                    f"the model's loss (stage {self.rank}) on output {describe_values(rebuilt)}"
+                    f" and target {describe_values(target)}"
+                )
+                raise user_error(what, exc) from exc
+
+    def forward_backward(
+        self, inputs: tuple[Tensor, ...], target: Tensor, step: int = 0
+    ) -> float | None:
+        """One pipelined forward and backward of the full batch; tied gradients summed.
+
+        Every rank passes the same batch (only stage 0 uses the inputs, only the last stage
+        the target).  Returns the batch's loss on the last stage, ``None`` elsewhere.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stage.step_index, self._loss_calls = step, 0
+        if self.replicas > 1:
+            inputs, target = self._share(inputs, target)
+        inputs, target = cast_batch(inputs, target, self.dtype, self.device)
+        args = inputs if self.is_first else ()
+        kwargs: dict[str, Any] = {"return_outputs": False}
+        losses: list[Tensor] = []
+        if self.is_last:
+            kwargs.update(target=target, losses=losses)
+        self.schedule.step(*args, **kwargs)
+        if self._tied_groups:
+            with self.timer.span("tied", -1):
+                self._sync_tied()
+        if self.dp_group is not None:
+            with self.timer.span("replicas", -1):
+                self._average_replicas()
+        if not self.is_last:
+            return None
+        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        if self.dp_group is not None:  # the global batch's mean over the replicas' shares
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dp_group)
+            loss = loss / self.replicas
+        return float(loss)
+
+    def _share(self, inputs: tuple[Tensor, ...], target: Any) -> tuple[tuple[Tensor, ...], Any]:
+        """This replica's rows of the global batch: replica r takes rows r B/d .. (r+1) B/d."""
+        rows = inputs[0].shape[0]
+        if rows % self.replicas:
+            raise InvalidRequestError(
+                f"a batch of {rows} does not split over {self.replicas} replicas"
+            )
+        n = rows // self.replicas
+        cut = slice(self.replica * n, (self.replica + 1) * n)
+        return tuple(t[cut] for t in inputs), tree_map(
+            lambda t: t[cut] if isinstance(t, Tensor) else t, target
+        )
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def timed_step(
+        self, inputs: tuple[Tensor, ...], target: Tensor, step: int
+    ) -> tuple[float, list[Span], float | None]:
+        """A full training step after a barrier: (wall seconds, spans, loss or None)."""
+        dist.barrier()
+        self.timer.begin()
+        loss = self.forward_backward(inputs, target, step)
+        with self.timer.span("optimizer", -1):
+            self.optimizer_step()
+        wall, spans = self.timer.end()
+        return wall, spans, loss
+
+    def measure(
+        self,
+        inputs: tuple[Tensor, ...],
+        target: Tensor,
+        record: RankRecord,
+        *,
+        warmup: int,
+        steps: int,
+        on_step: Callable[[int], None] | None = None,
+    ) -> RankRecord:
+        """Run ``warmup + steps`` timed steps into ``record``: the walls and spans of the
+        measured steps, and every step's loss (last stage).  ``on_step(step)`` runs first.
+
+        On CPU the last warm-up step runs with its allocations tracked
+        (:class:`pipeplan.runtime.memory.TensorPeak`): ``record.peak_memory_bytes`` is the bytes of the
+        tensors alive at its start (the first stage's batch among them) plus the peak of its
+        allocations.  With no warm-up it stays
+        ``None`` (a tracked step runs slower, so it is never a measured one).
+        """
+        tracked = warmup - 1 if self.device.type == "cpu" and warmup > 0 else None
+        for step in range(warmup + steps):
+            if on_step is not None:
+                on_step(step)
+            if step == tracked:
+                # The step would free last step's gradients first; free them before it, as
+                # the profiler does not see the release of memory allocated before it started.
+                self.optimizer.zero_grad(set_to_none=True)
+                tracker = TensorPeak()
+                with tracker.track(self._live_bytes(inputs if self.is_first else ())):
+                    wall, spans, loss = self.timed_step(inputs, target, step)
+                record.peak_memory_bytes = tracker.peak_bytes
+            else:
+                wall, spans, loss = self.timed_step(inputs, target, step)
+            if loss is not None:
+                record.losses.append(loss)
+            if step >= warmup:
+                record.walls.append(wall)
+                record.spans.append(spans)
+        return record
+
+    def _pipeline_buffers(self) -> list[Tensor]:
+        """The pipeline's receive buffers, one per micro-batch for the stage's inputs and for
+        its output's gradient: made at the first step and kept."""
+        infos = [*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values()]
+        return [i.buffer for info in infos for i in info if getattr(i, "buffer", None) is not None]
+
+    def _live_bytes(self, inputs: Sequence[Tensor] = ()) -> int:
+        """Bytes of the stage's parameters, gradients, buffers and optimizer state, of the
+        pipeline's receive buffers, and of ``inputs`` (the first stage's batch, made before
+        the step)."""
+        state = [t for s in self.optimizer.state.values() for t in s.values()]
+        module = self.stage_module
+        return live_bytes(
+            [
+                *inputs,
+                *self._pipeline_buffers(),
+                *module.parameters(),
+                *(p.grad for p in module.parameters()),
+                *module.buffers(),
+                *(t for t in state if isinstance(t, Tensor)),
+            ]
+        )
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This stage's parameters under the model's qualified names."""
+        return {self.names[id(p)]: p for p in self.params}  # type: ignore[misc]
+
+
+#: The data-parallel gradient buckets' size (DDP's default, 25 MiB).
+_BUCKET_BYTES = 25 << 20
+
+
+def _mesh_groups(plan: Plan, device: torch.device) -> tuple[Any, Any]:
+    """(pp group, dp group) of this rank: ``None, None`` for one pipeline (the default group
+    is the pipeline); with d replicas a device mesh of shape (d, p), dimensions (dp, pp), rank
+    r p + j running replica r's stage j (``Plan.layout``)."""
+    d, p = plan.cluster.data_parallel, plan.n_stages
+    if d == 1:
+        return None, None
+    expected = tuple(tuple(r * p + j for j in range(p)) for r in range(d))
+    if plan.layout and plan.layout != expected:
+        raise InvalidRequestError(
+            f"the plan's layout {plan.layout} is not the runtime's (replica r's stage j on rank "
+            f"r * {p} + j); plan again with --devices"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (d, p), mesh_dim_names=("dp", "pp"))
+    return mesh.get_group("pp"), mesh.get_group("dp")

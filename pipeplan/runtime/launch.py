@@ -1,0 +1,215 @@
+"""``pipeplan run``: check a plan against its model, start torchrun on this machine, and report.
+
+Before anything starts, :func:`preflight` loads the plan and the model, traces the model and
+compares the graph fingerprint and unit names with the plan's, so a plan for another model, a
+missing model or an impossible device request fails in a second with one line (exit 2).
+
+:func:`launch` then runs ``python -m torch.distributed.run --standalone --nproc-per-node P -m
+pipeplan.runtime.worker ...`` with one rank per stage.  If a rank raises or dies, torchrun's agent stops
+the others and exits non-zero; :func:`failure` reads the ranks' error files and names the stage
+that failed first (an error caused by a peer's death, such as a closed connection, is not the
+root cause), and :func:`launch` raises :class:`~pipeplan.planner.errors.StageFailedError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeplan.planner.errors import InvalidRequestError, StageFailedError
+from pipeplan.planner.io import load_plan
+from pipeplan.planner.types import Plan
+
+__all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
+
+
+def preflight(
+    plan_path: str | os.PathLike[str],
+    *,
+    model: str | None = None,
+    model_args: Sequence[str] = (),
+    device: str = "cpu",
+    threads: int | None = None,
+    outputs: Sequence[str | os.PathLike[str] | None] = (),
+) -> Plan:
+    """Everything that can be checked before launching; raises a PipeplanError naming the fix."""
+    import torch
+
+    from pipeplan.planner.graph import group_units
+    from pipeplan.planner.model import load_model, parse_model_args
+    from pipeplan.planner.trace import trace_model
+    from pipeplan.runtime.engine import cast_batch, check_schedule
+    from pipeplan.runtime.stages import check_plan
+
+    plan = load_plan(plan_path)
+    check_schedule(plan)
+    for out in outputs:
+        if out is not None and not Path(out).resolve().parent.is_dir():
+            raise InvalidRequestError(f"cannot write {out}: its directory does not exist")
+    if threads is not None and threads < 1:
+        raise InvalidRequestError(f"--threads {threads} must be at least 1")
+    if device not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
+    if device == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        ranks = plan.n_stages * plan.cluster.data_parallel
+        if have < ranks:
+            raise InvalidRequestError(
+                f"the plan needs {ranks} ranks but this machine has {have} CUDA devices; "
+                f"run on CPU (--device cpu) or launch across machines with torchrun"
+            )
+    kwargs: dict[str, Any] = dict(plan.model_kwargs) if model is None else {}
+    kwargs.update(parse_model_args(list(model_args)))
+    if model is None:
+        check_source(plan)
+    spec = load_model(model or plan.model, kwargs)
+    dtype = getattr(torch, plan.dtype)
+    module = spec.module.to(dtype=dtype)
+    inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
+    traced = trace_model(module, inputs, tracer=plan.tracer)
+    check_plan(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions))
+    return plan
+
+
+def check_source(plan: Plan) -> None:
+    """Refuse an ``hf:`` config file that changed since the plan was made (its SHA-256)."""
+    if plan.model_sha256 is None or not plan.model.startswith("hf:"):
+        return
+    from pipeplan.planner.errors import FingerprintMismatchError
+    from pipeplan.planner.hf_source import file_sha256
+
+    path = Path(plan.model[3:])
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise InvalidRequestError(f"the plan's model config {path} does not exist")
+    if file_sha256(path) != plan.model_sha256:
+        raise FingerprintMismatchError(
+            f"{path} changed since the plan was made (SHA-256 {plan.model_sha256[:12]}..., now "
+            f"{file_sha256(path)[:12]}...); profile and plan it again"
+        )
+
+
+def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence[str]) -> list[str]:
+    """The torchrun command line for one machine, one rank per stage and replica."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(plan.n_stages * plan.cluster.data_parallel),
+        "--monitor-interval",
+        "0.1",
+        "-m",
+        "pipeplan.runtime.worker",
+        str(plan_path),
+        *args,
+    ]
+
+
+def _errors(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(run_dir.glob("error-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+_FAILURE = re.compile(
+    r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)[^\n]*?(SIG\w+)?\)?\s*$",
+    re.MULTILINE,
+)
+
+
+def _exit_codes(log: str) -> dict[int, str]:
+    """Rank -> exit code (and signal) from torchrun's failure summary."""
+    codes: dict[int, str] = {}
+    for m in _FAILURE.finditer(log):
+        codes.setdefault(int(m.group(1)), m.group(2) + (f" ({m.group(3)})" if m.group(3) else ""))
+    return codes
+
+
+def failure(run_dir: Path, n_ranks: int, returncode: int, log: str) -> StageFailedError:
+    """The error to raise for a failed run: the stage that failed first and why.
+
+    In order: the earliest error a rank raised itself; else the one rank that left no error
+    file (it died: killed, ``os._exit``, out of memory) and that torchrun did not stop itself;
+    else the earliest error caused by a peer; else the tail of torchrun's log.
+    """
+    errors = _errors(run_dir)
+    own = sorted((e for e in errors if not e.get("peer")), key=lambda e: e.get("time", 0))
+    codes = _exit_codes(log)
+    silent = sorted(set(range(n_ranks)) - {int(e["stage"]) for e in errors})
+    died = [r for r in silent if not codes.get(r, "").startswith("-15")] or silent
+
+    def consequence(culprit: int) -> str:
+        others = sorted({int(e["stage"]) for e in errors} - {culprit})
+        return f" (stages {others} stopped as a consequence)" if others else ""
+
+    if own:
+        e = own[0]
+        at = f" at step {e['step']}" if e.get("step") is not None else ""
+        request = all(o.get("request") for o in own)  # refused before the first step
+        if len(own) == n_ranks > 1 and len({(o["type"], o["message"]) for o in own}) == 1:
+            # the same error on every rank (the model run once on each to build the stages)
+            return StageFailedError(
+                f"every stage failed{at}: {e['type']}: {e['message']}", bad_request=request
+            )
+        return StageFailedError(
+            f"stage {e['stage']} failed{at}: {e['type']}: {e['message']}"
+            + consequence(int(e["stage"])),
+            bad_request=request,
+        )
+    if len(died) == 1:
+        stage = died[0]
+        code = f" with exit code {codes[stage]}" if stage in codes else ""
+        native = next(
+            (" ".join(line.split())[:300] for line in log.splitlines()
+             if "what():" in line or "terminate called" in line),
+            None,
+        )  # fmt: skip
+        why = f": {native}" if native else " (killed, os._exit or out of memory?)"
+        return StageFailedError(
+            f"stage {stage} died{code} without a Python error{why}{consequence(stage)}"
+        )
+    if errors:
+        e = min(errors, key=lambda e: e.get("time", 0))
+        return StageFailedError(f"stage {e['stage']} failed: {e['type']}: {e['message']}")
+    tail = " | ".join(line.strip() for line in log.strip().splitlines()[-5:])
+    return StageFailedError(f"torchrun exited with status {returncode}: {tail}")
+
+
+def launch(
+    plan: Plan,
+    plan_path: str | os.PathLike[str],
+    worker_args: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run the worker under torchrun; raise :class:`StageFailedError` if any rank fails.
+
+    Rank 0's standard output (the comparison table) is passed through; torchrun's and the
+    ranks' standard error are kept and shown only when the cause of a failure is unknown.
+    """
+    with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
+        run_dir = Path(tmp)
+        cmd = worker_command(plan, plan_path, [*worker_args, "--run-dir", str(run_dir)])
+        log_path = run_dir / "torchrun.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, stdout=None, stderr=log, env=env, check=False)
+        if proc.returncode != 0:
+            raise failure(
+                run_dir,
+                plan.n_stages * plan.cluster.data_parallel,
+                proc.returncode,
+                log_path.read_text(),
+            )

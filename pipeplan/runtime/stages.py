@@ -1,0 +1,512 @@
+"""Cut a traced model at a plan's unit boundaries into one module per pipeline stage.
+
+Stage j runs the nodes of units ``first_unit..last_unit``.  It receives *everything* live
+across its input cut and sends *everything* live across its output cut
+(:func:`pipeplan.planner.graph.cut_tensors`), so a residual or skip connection that jumps over a stage
+is forwarded through it: every stage talks only to its neighbours.
+
+    stage 0      inputs = the model's inputs           outputs = live across cut after it
+    stage j      inputs = live across cut before it    outputs = live across cut after it
+    stage p - 1  inputs = live across cut before it    outputs = the model's output
+
+Values that cross a cut but are not tensors (``x.size(0)``, a ``sym_size`` of export) are
+the same for every micro-batch of a plan (all micro-batches have size b), so they are recorded
+once, by running the whole graph on one micro-batch (:func:`probe`), and baked into the stage
+that consumes them as constants.  The same run gives every sent tensor's shape, dtype and
+``requires_grad``, which :class:`torch.distributed.pipelining.PipelineStage` takes as static
+metadata (no shape inference on garbage data).
+
+Parameters are never sent: ``pipeplan.planner.graph`` copies each ``get_attr`` next to its users, so a
+parameter used on two stages (a tied embedding and LM head) appears in both stage modules as
+the same object.  :func:`tied_parameters` finds them; the engine sums their gradients across
+the stages that hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.fx.node import map_arg
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+
+from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
+from pipeplan.planner.graph import UnitSpec, cut_tensors, subgraph_module
+from pipeplan.planner.meta import MetaInterpreter, has_meta
+from pipeplan.planner.trace import TracedModel
+from pipeplan.planner.types import Plan
+
+__all__ = [
+    "StageComputeError",
+    "StageModule",
+    "StageProgram",
+    "TiedParameter",
+    "build_stages",
+    "check_plan",
+    "describe_values",
+    "parameter_names",
+    "preserved_buffers",
+    "probe",
+    "retarget_devices",
+    "tied_parameters",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class _Const:
+    value: Any
+
+
+class StageModule(nn.Module):
+    """One stage's nodes as a module: tensors in, tensors out.
+
+    ``body`` takes every value live across the input cut positionally; ``slots`` says, for
+    each, whether it is the next received tensor or a :class:`_Const`.  Non-last stages return
+    only the tensor outputs, in order, each contiguous (a transport sends contiguous buffers;
+    a transposed view or a slice may cross a cut).  The last stage returns the *tensor leaves*
+    of the model's output (:func:`torch.utils._pytree.tree_flatten`: nested tuples, lists,
+    dicts and ``transformers`` ``ModelOutput`` s), because the pipeline engine hands a stage's
+    output to autograd as a flat tuple of tensors; :meth:`rebuild_output` puts the model's
+    output back together for the loss.  Received tensors pass through
+    :class:`_ContiguousGrad`, so the gradients sent back are contiguous too.
+
+    ``unit_of`` maps a graph node to its unit's name: when the body raises, the stage runs the
+    micro-batch again node by node to name the unit, node and values that failed
+    (:class:`StageComputeError`).
+    """
+
+    def __init__(
+        self,
+        body: GraphModule,
+        slots: Sequence[_Const | None],
+        sent: Sequence[int],
+        root_graph: Graph,
+        *,
+        first: bool,
+        output_template: Any = None,
+        index: int = 0,
+        unit_of: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.body = body
+        self._slots = tuple(slots)
+        self._sent = tuple(sent)
+        self._root_graph = root_graph
+        self._first = first
+        self._template = output_template
+        self._index = index
+        self._unit_of = dict(unit_of or {})
+        self._out_spec: TreeSpec | None = None
+        self._out_consts: dict[int, Any] = {}
+
+    def forward(self, *args: Any) -> Any:
+        if self._first:
+            args = tuple(self._root_graph.process_inputs(*args))
+        else:
+            args = tuple(_ContiguousGrad.apply(a) if _needs_grad(a) else a for a in args)
+        received = iter(args)
+        full = [next(received) if s is None else s.value for s in self._slots]
+        try:
+            outs = self.body(*full)
+        except _PASS_THROUGH:  # checkpoint's early stop of a recomputation: control flow
+            raise
+        except Exception as exc:
+            raise self._locate(full, exc) from exc
+        if self._template is None:
+            return tuple(outs[i].contiguous() for i in self._sent)
+        leaves, spec = tree_flatten(self._model_output(outs))
+        self._out_spec = spec
+        self._out_consts = {k: v for k, v in enumerate(leaves) if not isinstance(v, Tensor)}
+        return tuple(v for v in leaves if isinstance(v, Tensor))
+
+    def _model_output(self, outs: Sequence[Any]) -> Any:
+        values = dict(zip(self._template[1], outs))
+        result = _thaw(map_arg(self._template[0], lambda n: values[n.name]))
+        return self._root_graph.process_outputs(result)
+
+    def rebuild_output(self, tensors: Sequence[Tensor]) -> Any:
+        """The model's output (its structure and non-tensor values) from the last stage's
+        tensors; the identity on anything else."""
+        if self._out_spec is None:
+            return tensors
+        it = iter(tensors)
+        n = self._out_spec.num_leaves
+        leaves = [self._out_consts[k] if k in self._out_consts else next(it) for k in range(n)]
+        return tree_unflatten(leaves, self._out_spec)
+
+    def _locate(self, full: Sequence[Any], exc: Exception) -> Exception:
+        """Run the body node by node to find the node that raises ``exc``'s error."""
+        if isinstance(exc, StageComputeError):
+            return exc
+        tracker = _NodeTracker(self.body)
+        try:
+            with torch.set_grad_enabled(torch.is_grad_enabled()):
+                tracker.run(*full)
+        except Exception:  # noqa: BLE001 - the node is what we want, not the error
+            return StageComputeError(_failure(f"stage {self._index}", tracker, exc, self._unit_of))
+        return StageComputeError(  # the node-by-node rerun passed: no node to name
+            f"stage {self._index}: {_what(exc)} (a rerun node by node did not fail)"
+        )
+
+
+def _thaw(value: Any) -> Any:
+    """fx's ``immutable_dict`` and ``immutable_list`` (what ``map_arg`` builds) as the ``dict``
+    and ``list`` that the model's generated code returns."""
+    if isinstance(value, immutable_dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, immutable_list):
+        return [_thaw(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_thaw(v) for v in value)
+    return value
+
+
+try:  # raised by non-reentrant checkpointing to end a recomputation early
+    from torch.utils.checkpoint import _StopRecomputationError as _PASS_THROUGH
+except ImportError:  # pragma: no cover - older torch
+
+    class _PASS_THROUGH(Exception):  # type: ignore[no-redef]
+        pass
+
+
+class StageComputeError(PipeplanError, RuntimeError):
+    """A stage's computation raised; the message names the stage, unit, node and its inputs."""
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the backward makes the gradient contiguous (it is sent to a peer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _needs_grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+class _NodeTracker(Interpreter):
+    """An interpreter that remembers the node it is running and every value so far."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__(gm)
+        self.current: Node | None = None
+        self.extra_traceback = False  # the error as raised, without the graph's dump
+
+    def run_node(self, n: Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, Tensor):
+        layout = "" if value.is_contiguous() else ", non-contiguous"
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"tensor {tuple(value.shape)} {dtype}{layout}"
+    return type(value).__name__ if not isinstance(value, (int, float, bool)) else repr(value)
+
+
+def describe_values(tree: Any, limit: int = 6) -> str:
+    """``tree`` for an error message: a tensor's shape, dtype and layout; a container's type
+    and its first ``limit`` leaves by pytree path (``dict {['out']: tensor (2, 4) float32}``)."""
+    leaves, _ = tree_flatten_with_path(tree)
+    if len(leaves) == 1 and not leaves[0][0]:
+        return _describe_value(leaves[0][1])
+    parts = [f"{keystr(path)}: {_describe_value(v)}" for path, v in leaves[:limit]]
+    more = f", ... {len(leaves) - limit} more" if len(leaves) > limit else ""
+    return f"{type(tree).__name__} {{{', '.join(parts)}{more}}}"
+
+
+def _what(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+def _failure(
+    where: str,
+    tracker: _NodeTracker,
+    exc: BaseException,
+    unit_of: dict[str, str],
+    stage_of: dict[str, int] | None = None,
+) -> str:
+    """``where, [stage,] unit, node (target) on (its inputs): the error``, from a tracker
+    that raised (``unit_of``: node -> unit; ``stage_of``: unit -> stage)."""
+    node = tracker.current
+    if node is None:
+        return f"{where}: {_what(exc)}"
+    args = ", ".join(_describe_value(tracker.env.get(a)) for a in node.all_input_nodes)
+    unit = unit_of.get(node.name, "?")
+    if stage_of is not None:
+        where = f"{where}: stage {stage_of.get(unit, '?')}"
+    return f"{where}, unit {unit!r}, node {node.name} ({_target(node)}) on ({args}): {_what(exc)}"
+
+
+def _target(node: Node) -> str:
+    target = node.target
+    return str(target) if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+@dataclass(frozen=True, slots=True)
+class StageProgram:
+    """A stage module plus example tensors of one micro-batch for static metadata."""
+
+    index: int
+    module: StageModule
+    inputs: tuple[str, ...]
+    """Names of the tensors the stage receives (stage 0: the model's inputs)."""
+    outputs: tuple[str, ...]
+    """Names of the tensors it sends (empty for the last stage)."""
+    example_inputs: tuple[Tensor, ...]
+    example_outputs: tuple[Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParameter:
+    """A parameter that two or more stages use; its gradient is summed over ``stages``."""
+
+    name: str
+    stages: tuple[int, ...]
+
+
+def check_plan(plan: Plan, traced: TracedModel, units: Sequence[UnitSpec]) -> None:
+    """Raise :class:`FingerprintMismatchError` unless ``plan`` was made for this graph."""
+    if plan.graph_fingerprint != traced.fingerprint:
+        raise FingerprintMismatchError(
+            f"plan was made for graph fingerprint {plan.graph_fingerprint} ({plan.model}, "
+            f"{plan.tracer}) but this model traces to {traced.fingerprint} ({traced.tracer}); "
+            f"profile and plan this model again, or pass the model the plan was made for"
+        )
+    last = plan.stages[-1].last_unit if plan.stages else -1
+    if last + 1 != len(units):
+        raise FingerprintMismatchError(
+            f"plan covers {last + 1} units but the model groups into {len(units)} units "
+            f"(granularity {plan.granularity!r}); profile and plan it again"
+        )
+    expected = 0
+    for s in plan.stages:
+        if s.first_unit != expected or s.last_unit < s.first_unit:
+            raise InvalidRequestError(
+                f"plan stage {s.index} covers units {s.first_unit}..{s.last_unit}; stages must "
+                f"be non-empty and contiguous from unit 0 (expected first unit {expected})"
+            )
+        have = tuple(u.name for u in units[s.first_unit : s.last_unit + 1])
+        if have != tuple(s.unit_names):
+            diff = next(i for i, (a, b) in enumerate(zip(have, s.unit_names)) if a != b)
+            unit = s.first_unit + diff
+            raise FingerprintMismatchError(
+                f"stage {s.index}: plan names unit {unit} {s.unit_names[diff]!r} but the model's "
+                f"unit {unit} is {have[diff]!r}; profile and plan this model again"
+            )
+        expected = s.last_unit + 1
+
+
+@contextlib.contextmanager
+def preserved_buffers(module: nn.Module) -> Iterator[None]:
+    """Restore every buffer of ``module`` on exit (a probe or a recomputation must not count
+    a batch-norm batch twice)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
+
+
+class _Recorder(_NodeTracker):
+    def __init__(self, gm: GraphModule, wanted: set[str]) -> None:
+        super().__init__(gm)
+        self.wanted = wanted
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.wanted:
+            self.values[n.name] = out
+        return out
+
+
+class _MetaRecorder(_Recorder, MetaInterpreter):
+    """A recorder that runs every node on ``meta`` (a model whose parameters have no storage)."""
+
+
+def probe(
+    traced: TracedModel,
+    wanted: set[str],
+    inputs: tuple[Tensor, ...],
+    unit_of: dict[str, str] | None = None,
+    stage_of: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Run the whole graph on ``inputs`` (one micro-batch) and return the ``wanted`` values.
+
+    Runs with autograd on, so each tensor's ``requires_grad`` is what a stage will see; the
+    model's buffers are left as they were.  If a node raises, the :class:`StageComputeError`
+    names it, its inputs, its unit (``unit_of``: node -> unit) and stage (``stage_of``: unit
+    -> stage).  A model with tensors on ``meta`` (:mod:`pipeplan.planner.meta`) runs on ``meta``: the
+    values are shapes, dtypes and sizes only.
+    """
+    rec = (_MetaRecorder if has_meta(traced.gm) else _Recorder)(traced.gm, wanted)
+    try:
+        with torch.enable_grad(), preserved_buffers(traced.gm):
+            rec.run(*inputs)
+    except Exception as exc:
+        what = "the model on one micro-batch (building the stages)"
+        text = _failure(what, rec, exc, unit_of or {}, stage_of)
+        if isinstance(rec, _MetaRecorder):
+            text += "; the model is on meta, where a node that needs values fails: --init full"
+        raise StageComputeError(text) from exc
+    return rec.values
+
+
+def _example(value: Tensor) -> Tensor:
+    """A contiguous CPU tensor like ``value``: the pipeline allocates its receive buffers from
+    these, and a transport receives into contiguous buffers only (a meta value keeps the
+    strides of a transposed view that crosses a cut; ``zeros_like`` would copy them)."""
+    if value.is_meta:
+        t = torch.zeros(value.shape, dtype=value.dtype)
+    else:
+        t = value.detach().contiguous()
+    return t.requires_grad_(value.requires_grad and t.is_floating_point())
+
+
+def _retarget(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.device) and value != device:
+        return device
+    if type(value) in (tuple, list):
+        return type(value)(_retarget(v, device) for v in value)
+    return value
+
+
+def retarget_devices(gm: GraphModule, device: torch.device) -> None:
+    """Make the graph create tensors on ``device``.
+
+    A graph traced on one device can hold that device as a literal (export writes
+    ``arange(..., device=cpu)``; a ``x.device`` that crosses a cut is baked in as a constant);
+    running the stage elsewhere needs them rewritten.
+    """
+    for node in gm.graph.nodes:
+        node.args = _retarget(node.args, device)
+        node.kwargs = {k: _retarget(v, device) for k, v in node.kwargs.items()}
+    gm.recompile()
+
+
+def build_stages(
+    plan: Plan,
+    traced: TracedModel,
+    units: Sequence[UnitSpec],
+    example_inputs: tuple[Tensor, ...],
+    device: torch.device | None = None,
+) -> list[StageProgram]:
+    """One :class:`StageProgram` per plan stage; the stages share the model's parameters.
+
+    ``example_inputs`` is one micro-batch of the model's inputs (size ``plan.microbatch_size``)
+    on the device the model is on.  With ``device``, the stage graphs create their tensors
+    there instead (:func:`retarget_devices`); the modules are not moved.
+    """
+    check_plan(plan, traced, units)
+    gm = traced.gm
+    cuts = cut_tensors(traced, list(units))
+    placeholders = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_names = tuple(dict.fromkeys(n.name for n in out_node.all_input_nodes))
+    p = plan.n_stages
+    bounds = [
+        (placeholders if j == 0 else cuts[s.first_unit - 1], cuts[s.last_unit] if j < p - 1 else ())
+        for j, s in enumerate(plan.stages)
+    ]
+    wanted = {name for io in bounds for side in io for name in side} | set(out_names)
+    unit_of = {n: u.name for u in units for n in u.nodes}
+    stage_of = {u: s.index for s in plan.stages for u in s.unit_names}
+    values = probe(traced, wanted, example_inputs, unit_of, stage_of)
+
+    programs = []
+    for j, s in enumerate(plan.stages):
+        ins, outs = bounds[j]
+        nodes = [n for u in units[s.first_unit : s.last_unit + 1] for n in u.nodes]
+        last = j == p - 1
+        body = subgraph_module(traced, nodes, ins, out_names if last else outs)
+        slots = [None if isinstance(values[i], Tensor) else _Const(values[i]) for i in ins]
+        if device is not None:
+            retarget_devices(body, device)
+            slots = [s if s is None else _Const(_retarget(s.value, device)) for s in slots]
+        sent = [k for k, name in enumerate(outs) if isinstance(values[name], Tensor)]
+        module = StageModule(
+            body,
+            slots,
+            sent,
+            gm.graph,
+            first=j == 0,
+            output_template=(out_node.args[0], out_names) if last else None,
+            index=j,
+            unit_of=unit_of,
+        )
+        if j == 0:
+            recv = placeholders
+        else:
+            recv = tuple(i for i, slot in zip(ins, slots) if slot is None)
+        send = tuple(outs[k] for k in sent)
+        if last:
+            out_values = tree_flatten(module._model_output([values[n] for n in out_names]))[0]
+        else:
+            out_values = [values[n] for n in send]
+        programs.append(
+            StageProgram(
+                index=j,
+                module=module,
+                inputs=recv,
+                outputs=send,
+                example_inputs=(
+                    tuple(_example(values[n]) for n in recv) if j else tuple(example_inputs)
+                ),
+                example_outputs=tuple(_example(v) for v in out_values if isinstance(v, Tensor)),
+            )
+        )
+    return programs
+
+
+def _stage_parameters(stage: nn.Module) -> dict[int, nn.Parameter]:
+    return {id(p): p for p in stage.parameters()}
+
+
+def parameter_names(root: nn.Module, *extra: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> qualified name``: the first name under which ``root`` (then each of
+    ``extra``) holds it, so a tied parameter has one name everywhere."""
+    names: dict[int, str] = {}
+    for module in (root, *extra):
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), name)
+    return names
+
+
+def tied_parameters(
+    stages: Sequence[nn.Module], names: dict[int, str] | None = None
+) -> list[TiedParameter]:
+    """Parameters held by two or more of ``stages`` (all of the plan's stages, in order).
+
+    Named by ``names`` (``id -> name``, see :func:`parameter_names`), by default as in the
+    traced graph.
+    """
+    owners: dict[int, list[int]] = {}
+    for j, stage in enumerate(stages):
+        for pid in _stage_parameters(stage):
+            owners.setdefault(pid, []).append(j)
+    names = names or parameter_names(*(getattr(s, "body", s) for s in stages))
+    return sorted(
+        (TiedParameter(names[pid], tuple(js)) for pid, js in owners.items() if len(js) > 1),
+        key=lambda t: (t.stages, t.name),
+    )

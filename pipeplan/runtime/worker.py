@@ -1,0 +1,301 @@
+"""One rank of ``pipeplan run``: ``python -m pipeplan.runtime.worker PLAN [options]`` under torchrun.
+
+``pipeplan run`` starts it for one machine; for several machines start it with your own
+launcher, one rank per stage, e.g. on each of two nodes::
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:29500 \\
+        -m pipeplan.runtime.worker plan.json --steps 20 --report report.json
+
+Rank j runs stage j.  By default (``--init stage``) every rank builds the model on ``meta``
+and materializes only its stage's modules (:mod:`pipeplan.planner.meta`), initialised from ``--seed``
+and each module's name, so the values do not depend on the split; or it reads them from
+``--weights`` (:mod:`pipeplan.planner.checkpoint`).  ``--init full`` builds the whole model on every
+rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
+``--save DIR`` writes the trained weights, one shard per stage.  Rank 0 gathers the measurements, writes the run
+report (``--report``) and the Chrome trace (``--trace``), and prints measured vs predicted.
+
+A plan whose stage count is not the world size, a missing model or a plan made for another
+model stops every rank before the pipeline starts, with one line and status 2.
+
+Failures: a rank that raises writes ``error-<rank>.json`` (stage, error, traceback) into
+``--run-dir`` when one is given, prints one line and exits with status 1; torchrun then stops
+the other ranks, and a rank blocked on a dead peer fails on the closed connection or, at the
+latest, at the process group's ``--timeout``.
+
+For tests, ``PIPEPLAN_FAIL=STAGE:STEP[:MODE]`` makes stage STAGE fail before its first forward
+of step STEP (0-based, warm-up included): MODE ``raise`` (default) raises a RuntimeError,
+``exit`` calls ``os._exit(3)``, ``kill`` sends itself SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+from pipeplan.planner.types import OPTIMIZERS
+
+__all__ = ["default_threads", "main", "parse_args"]
+
+#: The step this rank is running (for the error message), ``None`` before the first.
+_progress: dict[str, int | None] = {"step": None}
+
+
+def default_threads(local_ranks: int) -> int:
+    """CPU threads per rank: the cores this process may use, shared evenly among local ranks."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeplan.runtime.worker", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("plan", help="plan JSON written by `pipeplan plan`")
+    ap.add_argument("--model", help="package.module:callable (default: the plan's model)")
+    ap.add_argument("--model-arg", action="append", default=[], help="KEY=VALUE for the model")
+    ap.add_argument("--steps", type=int, default=10, help="measured steps")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    ap.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--report", help="run report JSON to write (rank 0)")
+    ap.add_argument("--trace", help="Chrome-trace JSON of the last step to write (rank 0)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, s")
+    ap.add_argument("--run-dir", help="directory for per-rank error files")
+    ap.add_argument("--quiet", action="store_true", help="do not print the comparison table")
+    ap.add_argument(
+        "--init",
+        default="stage",
+        choices=("stage", "full"),
+        help="build the model on meta and materialize only this rank's stage (stage), or "
+        "build the whole model on every rank (full)",
+    )
+    ap.add_argument(
+        "--weights",
+        help="checkpoint to start from: .safetensors, torch state dict, or sharded folder",
+    )
+    ap.add_argument("--save", help="write the trained weights here (sharded safetensors)")
+    ap.add_argument(
+        "--batch-norm",
+        default="deferred",
+        choices=("deferred", "microbatch"),
+        help="running statistics once per step (deferred) or once per micro-batch",
+    )
+    return ap.parse_args(argv)
+
+
+def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
+    """The ``PIPEPLAN_FAIL`` hook for this rank (see the module docstring), if any."""
+    spec = os.environ.get("PIPEPLAN_FAIL")
+    if not spec:
+        return None
+    parts = spec.split(":")
+    stage, step = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    mode = parts[2] if len(parts) > 2 else "raise"
+    if stage != rank:
+        return None
+
+    def fault(at_step: int, microbatch: int) -> None:
+        if at_step != step or microbatch != 0:
+            return
+        if mode == "exit":
+            os._exit(3)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected failure (PIPEPLAN_FAIL={spec})")
+
+    return fault
+
+
+def _is_peer_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a consequence of another rank failing (a closed or timed-out link)."""
+    import torch.distributed as dist
+
+    text = str(exc).lower()
+    peer_words = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+    return isinstance(exc, dist.DistError) or any(w in text for w in peer_words)
+
+
+def _write_error(
+    run_dir: str | None, rank: int, step: int | None, exc: BaseException, request: bool
+) -> None:
+    if not run_dir:
+        return
+    data = {
+        "request": request,
+        "rank": rank,
+        "stage": rank,
+        "step": step,
+        "type": type(exc).__name__,
+        "message": " ".join(str(exc).split())[:2000],
+        "peer": _is_peer_error(exc),
+        "time": time.time(),
+        "traceback": traceback.format_exc(),
+    }
+    path = Path(run_dir) / f"error-{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost cause (PipelineStage wraps a stage's error in a RuntimeError); a pipeplan
+    error that names the stage and unit is kept rather than the exception it explains."""
+    from pipeplan.planner.errors import PipeplanError
+
+    while exc.__cause__ is not None and not isinstance(exc, PipeplanError):
+        exc = exc.__cause__
+    return exc
+
+
+def _preload(model: str) -> None:
+    """Import what building and tracing the model will import (its module, transformers for
+    an ``hf:`` config, torch.export and fake tensors), so the memory baseline counts it."""
+    import importlib
+
+    import torch._subclasses.fake_tensor
+    import torch.export  # noqa: F401
+
+    name = "transformers" if model.startswith("hf:") else model.partition(":")[0]
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001, S110 - load_model reports a model that does not import
+        pass
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pipeplan.planner.allocator import keep_heap
+    from pipeplan.planner.errors import InvalidRequestError
+    from pipeplan.planner.io import load_plan, write_json, write_text
+    from pipeplan.planner.model import load_model, parse_model_args
+    from pipeplan.runtime.engine import PipelineRunner
+    from pipeplan.runtime.memory import ResidentPeak
+    from pipeplan.runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
+
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    cuda = args.device == "cuda"
+    keep_heap()  # before the model and the steps allocate anything (see pipeplan.planner.allocator)
+    threads = None
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        threads = args.threads or default_threads(local_world)
+        torch.set_num_threads(threads)
+        device = torch.device("cpu")
+    plan = load_plan(args.plan)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    replicas = plan.cluster.data_parallel
+    if world != plan.n_stages * replicas:
+        raise InvalidRequestError(
+            f"{args.plan} has {plan.n_stages} stages x {replicas} replicas but the world size "
+            f"is {world}; launch one rank per stage and replica (e.g. --nproc-per-node "
+            f"{plan.n_stages * replicas})"
+        )
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    kwargs = dict(plan.model_kwargs) if args.model is None else {}
+    kwargs.update(parse_model_args(args.model_arg))
+    resident = ResidentPeak()
+    if not cuda:
+        _preload(args.model or plan.model)
+        resident.start()  # the libraries and the process group are loaded; the model is not
+    torch.manual_seed(args.seed)
+    spec = load_model(args.model or plan.model, kwargs, meta=args.init == "stage")
+    runner = PipelineRunner(
+        plan,
+        spec,
+        device=device,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        fault=_fault_hook(rank),
+        batch_norm=args.batch_norm,
+        seed=args.seed,
+        weights=args.weights,
+    )
+    torch.manual_seed(args.seed + 1)
+    inputs, target = spec.batch(plan.batch_size * replicas)  # the global batch
+
+    def on_step(step: int) -> None:
+        if cuda and step == args.warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+        _progress["step"] = step
+
+    record = runner.measure(
+        inputs, target, RankRecord(stage=runner.rank, threads=threads),
+        warmup=args.warmup, steps=args.steps, on_step=on_step,
+    )  # fmt: skip
+    if cuda:
+        record.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+    else:
+        record.resident_growth_bytes = resident.growth()
+    if args.save:
+        runner.save(args.save)
+    if args.weights and args.run_dir:  # what this rank read, for the tests
+        write_text(Path(args.run_dir) / f"weights-{rank}.json", json.dumps(runner.checkpoint_reads))
+    report = gather_report(plan, record, backend=backend, warmup_steps=args.warmup)
+    if report is not None:
+        if args.report:
+            write_json(args.report, report)
+        if args.trace:
+            write_text(args.trace, json.dumps(chrome_trace(report, plan)) + "\n")
+        if not args.quiet:
+            from rich.console import Console
+
+            print_comparison(report, plan, Console(width=None if sys.stdout.isatty() else 120))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run(args)
+    except BaseException as exc:  # every failure: error file, one line, non-zero exit
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        from pipeplan.planner.errors import PipeplanError
+
+        cause = _root_cause(exc)
+        step = _progress["step"]
+        msg = " ".join(str(cause).split())[:500]
+        code = 2 if isinstance(cause, PipeplanError) and step is None else 1  # 2: bad request
+        _write_error(args.run_dir, rank, step, cause, code == 2)
+        if code == 2:
+            if rank == 0:
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+        else:
+            at = f" at step {step}" if step is not None else ""
+            print(
+                f"error: stage {rank} (rank {rank}) failed{at}: {type(cause).__name__}: {msg}",
+                file=sys.stderr,
+                flush=True,
+            )
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # do not wait for communication threads that may hang
+            os._exit(code)
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
