@@ -12,7 +12,7 @@ from pathlib import Path
 
 __all__ = ["machine", "models_parser", "pipeplan"]
 
-_PIPEPLAN = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()"]
+_PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 
 
 def pipeplan(*args: str) -> None:

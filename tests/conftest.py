@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pipeplan.planner.cli import main
+from pipeplan.cli import main
 
 CliRunner = Callable[[list[str]], tuple[int, str, str]]
 

@@ -122,20 +122,16 @@ def sweep_frame(
     options: PlanOptions | None = None,
     ms: Sequence[int] | None = None,
     *,
-    solver: Callable[[Profile, Cluster, PlanOptions], Plan] | None = None,
+    solver: Callable[[Profile, Cluster, PlanOptions], Plan],
 ) -> pd.DataFrame:
     """The best plan at each fixed micro-batch count m: one row per m.
 
-    ``ms`` defaults to every m whose micro-batch size B/m was profiled; ``solver`` to
-    :func:`pipeplan.solvers.dp.solve_dp`.  Columns: ``m, microbatch_size, feasible, step_time_s,
+    ``ms`` defaults to every m whose micro-batch size B/m was profiled; ``solver`` plans one m
+    (:func:`pipeplan.solvers.dp.solve_dp`, say: the planner does not import the solvers).  Columns: ``m, microbatch_size, feasible, step_time_s,
     bubble_fraction, ideal_bubble, lower_bound_s, throughput, max_memory_bytes, boundaries,
     best`` (the fastest feasible m).  An m at which nothing fits memory has ``feasible`` False
     and NaN times.
     """
-    if solver is None:
-        from pipeplan.solvers.dp import solve_dp
-
-        solver = solve_dp
     options = options or PlanOptions()
     if ms is None:
         ms = microbatch_choices(profile, options.model_copy(update={"microbatches": None}))

@@ -19,7 +19,7 @@ Schedule timelines (Gantt charts, measured against simulated) are in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -228,15 +228,20 @@ def microbatch_sweep(
     ms: Sequence[int] | None = None,
     *,
     frame: pd.DataFrame | None = None,
+    solver: Callable[[Profile, Cluster, PlanOptions], Plan] | None = None,
 ) -> Figure:
     """Step time (top) and bubble fraction (bottom) of the best plan at each micro-batch count.
 
-    Each m is planned with :func:`pipeplan.solvers.dp.solve_dp` (see :func:`pipeplan.planner.frames.sweep_frame`;
-    pass its result as ``frame`` to skip the solves).  The top panel also draws the cost
+    ``frame`` is :func:`pipeplan.planner.frames.sweep_frame`'s table; without it each m is
+    planned here with ``solver`` (:func:`pipeplan.solvers.dp.solve_dp`, say).  The top panel also draws the cost
     model's lower bound at each m; the bottom one GPipe's ideal bubble (p-1)/(m+p-1).  The
     dashed vertical line is the GPipe paper's rule of thumb m = 4p; infeasible m are crosses.
     """
-    df = frame if frame is not None else sweep_frame(profile, cluster, options, ms)
+    if frame is None:
+        if solver is None:
+            raise TypeError("microbatch_sweep needs frame= (sweep_frame's table) or solver=")
+        frame = sweep_frame(profile, cluster, options, ms, solver=solver)
+    df = frame
     p = cluster.n_stages
     fig = new_figure((8, 6))
     top, bottom = fig.subplots(2, 1, sharex=True)

@@ -164,7 +164,7 @@ def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, cli) ->
 
 def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
     """The installed entry point: real exit codes and stderr, no traceback."""
-    exe = [sys.executable, "-m", "pipeplan.planner.cli"]
+    exe = [sys.executable, "-m", "pipeplan.cli"]
     ok = subprocess.run(
         [*exe, *cli_argv("plan", profile_file, tmp_path / "p.json", "--stages 2 --memory 1GiB")],
         capture_output=True,

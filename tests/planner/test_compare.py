@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from _cli_argv import cli_argv
 
-from pipeplan.planner.cli import main
+from pipeplan.cli import main
 from pipeplan.planner.compare import FORMATS, compare_frame, render, to_markdown
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.io import load_plan, write_json
@@ -185,7 +185,7 @@ def test_bad_input_is_one_line(
     if "plan" == argv[0]:
         argv += ["-o", str(tmp_path / "out.json")]
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeplan.planner.cli", *argv],
+        [sys.executable, "-m", "pipeplan.cli", *argv],
         capture_output=True,
         text=True,
         cwd=tmp_path,

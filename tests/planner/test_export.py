@@ -793,7 +793,7 @@ def test_megatron_prices_the_closest_first_last_pair(tmp_path: Path, cli) -> Non
 
 def test_console_script(plan_file: Path, tmp_path: Path) -> None:
     """The entry point in a real process: output on stdout, errors one line, exit 2."""
-    exe = [sys.executable, "-m", "pipeplan.planner.cli", "export", str(plan_file)]
+    exe = [sys.executable, "-m", "pipeplan.cli", "export", str(plan_file)]
     ok = subprocess.run([*exe, "--to", "megatron"], capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("--pipeline-model-parallel-size 2 --num-layers 8")

@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 
 from pipeplan.planner import frames, plots
 from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.solvers.dp import solve_dp
 
 MiB = 2**20
 
@@ -97,7 +98,7 @@ def test_plot_inputs_are_checked(plans):
 
 def test_microbatch_sweep_has_a_point_per_m_and_the_ideal_curve(profile, renders):
     cluster = Cluster.homogeneous(3, 512 * MiB)
-    df = frames.sweep_frame(profile, cluster, PlanOptions())
+    df = frames.sweep_frame(profile, cluster, PlanOptions(), solver=solve_dp)
     assert list(df["m"]) == [1, 2, 4, 8, 16]
     assert df["best"].sum() == 1
     assert df.loc[df["best"], "step_time_s"].item() == pytest.approx(df["step_time_s"].min())
@@ -120,7 +121,7 @@ def test_microbatch_sweep_marks_infeasible_m(profile):
     """When every stage recomputes, large micro-batches (small m) need the most memory."""
     always = PlanOptions(checkpoint="always")
     cluster = Cluster.homogeneous(3, 30 * MiB)  # m = 4 and 16 fit; m = 1 needs more
-    df = frames.sweep_frame(profile, cluster, always, [1, 4, 16])
+    df = frames.sweep_frame(profile, cluster, always, [1, 4, 16], solver=solve_dp)
     assert df.loc[df["m"] == 16, "feasible"].item()
     assert not df.loc[df["m"] == 1, "feasible"].item()
     assert np.isnan(df.loc[df["m"] == 1, "step_time_s"].item())
@@ -131,7 +132,7 @@ def test_microbatch_sweep_marks_infeasible_m(profile):
 
 def test_compare_cli_draws_the_comparison(plans, tmp_path, capsys):
     """`pipeplan compare a.json b.json --plot out.png`; a bad suffix is one line and exit 2."""
-    from pipeplan.planner.cli import main
+    from pipeplan.cli import main
     from pipeplan.planner.io import write_json
 
     files = []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import pipeplan.runtime.calibrate as calibrate_module
-from pipeplan.planner.cli import main
+from pipeplan.cli import main
 from pipeplan.planner.io import load_cluster, write_json
 from pipeplan.runtime.engine_fit import MICRO
 from pipeplan.runtime.linkbench import fit_link

@@ -15,7 +15,7 @@ import pytest
 import torch
 from _runtime_jobs import make_plan
 
-from pipeplan.planner.cli import main
+from pipeplan.cli import main
 from pipeplan.planner.io import load_plan, load_report, write_json
 from pipeplan.planner.model import load_model
 from pipeplan.planner.trace import trace_model
@@ -25,7 +25,7 @@ GPT = (
     "pipeplan.models.gpt:gpt",
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
 )
-PIPEPLAN = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()"]
+PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 
 
 def _plan(path: Path, starts: list[int]) -> Path:

@@ -36,7 +36,7 @@ TRACKED_SLACK = 2 * MiB
 #: What a rank maps beyond its predicted tensors: the heap around the tensors, the traced graph, the process group's buffers and the profiler that tracks the
 #: measured step (40-190 MiB in ``benchmarks/memory``).
 RESIDENT_OVERHEAD = 256 * MiB
-PIPEPLAN = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()"]
+PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

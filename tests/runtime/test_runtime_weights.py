@@ -35,7 +35,7 @@ GPT = (
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
 )
 BARE = ("_weights_models:bare", {})
-PIPEPLAN = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()"]
+PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
 
 
@@ -167,7 +167,7 @@ def test_a_parameter_nothing_initialises_stops_the_run_and_init_full_runs_it(
 def test_bad_weight_options_fail_before_launch(
     plan: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    from pipeplan.planner.cli import main
+    from pipeplan.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["run", str(plan), *args])

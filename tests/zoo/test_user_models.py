@@ -34,7 +34,7 @@ CASES = {
 
 def _pipeplan(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.getcwd()])}
-    cmd = [sys.executable, "-c", "from pipeplan.planner.cli import main; main()", *args]
+    cmd = [sys.executable, "-c", "from pipeplan.cli import main; main()", *args]
     return subprocess.run(
         cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )

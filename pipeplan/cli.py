@@ -8,8 +8,8 @@
 Every error a user can cause prints one line ``error: ...`` and exits with status 2; no
 traceback, no partial file.  Commands import their package lazily, so ``pipeplan show`` does
 not pay for importing OR-Tools or torch.distributed.  The option checks live in
-``pipeplan.planner.cli_options``, the tables in ``pipeplan.planner.terminal``, and the commands that drive the
-runtime (``run``, ``calibrate``) in ``pipeplan.planner.cli_runtime``; this module registers them all.
+``pipeplan.cli_options``, the tables in ``pipeplan.planner.terminal``, and the commands that drive the
+runtime (``run``, ``calibrate``) in ``pipeplan.cli_runtime``; this module registers them all.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeplan.planner.cli_options import Output, check_output, fail, make_cluster, parse_pins
-from pipeplan.planner.cli_runtime import calibrate, run
+from pipeplan.cli_options import Output, check_output, fail, make_cluster, parse_pins
+from pipeplan.cli_runtime import calibrate, run
 from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
 from pipeplan.planner.io import format_bytes, load_any, load_profile, write_json
 from pipeplan.planner.terminal import console, err_console, print_plan, print_profile
@@ -274,7 +274,7 @@ def show(
 
 
 # --------------------------------------------------------------------------------------------
-# run (pipeplan.planner.cli_runtime; registered here to keep the commands' order in --help)
+# run (pipeplan.cli_runtime; registered here to keep the commands' order in --help)
 # --------------------------------------------------------------------------------------------
 
 app.command()(run)
@@ -396,7 +396,7 @@ def export(
 
 
 # --------------------------------------------------------------------------------------------
-# calibrate (pipeplan.planner.cli_runtime)
+# calibrate (pipeplan.cli_runtime)
 # --------------------------------------------------------------------------------------------
 
 app.command()(calibrate)

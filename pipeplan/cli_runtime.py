@@ -3,7 +3,7 @@
     pipeplan run plan.json [--steps N] [--report report.json] [--trace trace.json]
     pipeplan calibrate [--nproc P] [--device cpu|cuda] -o cluster.json
 
-Both start torchrun jobs, one rank per stage.  ``pipeplan.planner.cli`` registers them on its app; they
+Both start torchrun jobs, one rank per stage.  ``pipeplan.cli`` registers them on its app; they
 import the runtime lazily, so other commands do not pay for torch.distributed.
 """
 
@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from pipeplan.planner.cli_options import Output, check_output, fail
+from pipeplan.cli_options import Output, check_output, fail
 from pipeplan.planner.io import format_bytes, parse_bytes, write_json
 from pipeplan.planner.terminal import batch_norm_note, console, err_console
 from pipeplan.planner.types import OPTIMIZERS

@@ -1,0 +1,5 @@
+"""``python -m pipeplan``: the command line (:mod:`pipeplan.cli`)."""
+
+from pipeplan.cli import main
+
+main()
