@@ -28,9 +28,9 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pipeplan benchmarks tests
+	$(VENV)/bin/ruff check pipeplan benchmarks tests examples
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy pipeplan benchmarks
+	$(VENV)/bin/mypy pipeplan benchmarks examples
 
 clean:
 	rm -rf $(VENV) out

@@ -14,10 +14,8 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.io import load_cluster, parse_bytes, parse_duration, parse_rate
 from pipeplan.planner.terminal import err_console
-from pipeplan.planner.types import Cluster, Link
+from pipeplan.planner.types import Cluster
 
 __all__ = ["Output", "check_output", "fail", "make_cluster", "parse_pins"]
 
@@ -57,25 +55,8 @@ def make_cluster(
     latency: str | None,
     cluster_file: Path | None,
 ) -> Cluster:
-    """The cluster from --cluster, or from --stages/--memory/--bandwidth/--latency."""
-    if cluster_file is not None:
-        cluster = load_cluster(cluster_file)
-        if stages is not None and stages != cluster.n_stages:
-            raise InvalidRequestError(
-                f"--stages {stages} contradicts {cluster_file} ({cluster.n_stages} devices); "
-                f"drop --stages"
-            )
-        if memory is not None:
-            mem = parse_bytes(memory)
-            devices = tuple(d.model_copy(update={"memory_bytes": mem}) for d in cluster.devices)
-            cluster = cluster.model_copy(update={"devices": devices})
-        return cluster
-    if stages is None or memory is None:
-        raise InvalidRequestError("give --stages and --memory, or a --cluster file")
-    if stages < 1:
-        raise InvalidRequestError(f"--stages {stages} must be at least 1")
-    link = Link(
-        bandwidth_Bps=parse_rate(bandwidth) if bandwidth else None,
-        latency_s=parse_duration(latency) if latency else 0.0,
-    )
-    return Cluster.homogeneous(stages, parse_bytes(memory), link)
+    """The cluster from --cluster, or from --stages/--memory/--bandwidth/--latency
+    (:func:`pipeplan.make_cluster`)."""
+    from pipeplan.api import make_cluster as build
+
+    return build(stages, memory, bandwidth=bandwidth, latency=latency, cluster=cluster_file)

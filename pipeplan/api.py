@@ -1,0 +1,229 @@
+"""pipeplan's Python face: profile a model, plan it, load files, split a plan for a loop.
+
+    prof = pipeplan.profile("pipeplan.models.gpt:gpt", batch_size=32)
+    plan = pipeplan.plan(prof, stages=4, memory="256MiB")
+    pipeplan.save(plan, "plan.json")
+    plan = pipeplan.load("plan.json")
+    module, stage = pipeplan.split(plan)            # on every rank, under torchrun
+
+The command line (:mod:`pipeplan.cli`) stands on these functions' packages the same way; the
+functions take what the commands take, as Python values.  Errors are the named exceptions of
+:mod:`pipeplan.planner.errors` (all :class:`~pipeplan.planner.errors.PipeplanError`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.io import (
+    load_any,
+    load_cluster,
+    load_profile,
+    parse_bytes,
+    parse_duration,
+    parse_rate,
+    write_json,
+)
+from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, RunReport
+
+if TYPE_CHECKING:
+    from pipeplan.planner.model import ModelSpec
+    from pipeplan.runtime.split import StageSplit
+
+__all__ = ["load", "make_cluster", "plan", "profile", "save", "split"]
+
+PathLike = str | os.PathLike[str]
+
+
+def _model_name(model: str | Callable[..., Any]) -> str:
+    """``package.module:callable`` for a model given as its name or as the callable itself."""
+    if isinstance(model, str):
+        return model
+    module, qualname = getattr(model, "__module__", None), getattr(model, "__qualname__", "")
+    if not callable(model) or module is None or module == "__main__" or "<" in qualname:
+        raise InvalidRequestError(
+            f"model {model!r} must be importable by name (every rank imports it): define it at "
+            "the top level of a module, or pass 'package.module:callable'"
+        )
+    return f"{module}:{qualname}"
+
+
+def profile(
+    model: str | Callable[..., Any],
+    batch_size: int,
+    *,
+    model_kwargs: Mapping[str, Any] | None = None,
+    method: str = "auto",
+    device: str = "cpu",
+    microbatch_sizes: Sequence[int] | None = None,
+    progress: bool = False,
+    **options: Any,
+) -> Profile:
+    """Measure ``model``'s units at every micro-batch size (``pipeplan profile``).
+
+    ``model`` is ``"package.module:callable"``, ``"hf:PATH/config.json"``, or the callable
+    itself when it is importable by name: it returns a
+    :class:`~pipeplan.planner.model.ModelSpec` or ``(module, make_batch, loss)``.  ``method``
+    is ``whole`` (training passes of the real model), ``units`` (built on ``meta``, each
+    distinct unit measured once) or ``auto``.  ``options`` are
+    :func:`pipeplan.profiler.profile_model`'s (``granularity``, ``tracer``, ``dtype``,
+    ``warmup``, ``repeats``, ``threads``, ``rounds``, ``max_stages``).
+    """
+    from pipeplan.profiler import profile_model
+
+    if batch_size <= 0:
+        raise InvalidRequestError(f"batch_size {batch_size} must be positive")
+    return profile_model(
+        _model_name(model),
+        batch_size=batch_size,
+        model_kwargs=model_kwargs,
+        microbatch_sizes=microbatch_sizes,
+        device=device,
+        method=method,
+        progress=progress,
+        **options,
+    )
+
+
+def make_cluster(
+    stages: int | None = None,
+    memory: int | str | None = None,
+    *,
+    bandwidth: float | str | None = None,
+    latency: float | str | None = None,
+    cluster: Cluster | PathLike | None = None,
+) -> Cluster:
+    """The devices to plan for: ``cluster`` (a Cluster or its file; ``memory`` overrides each
+    device's), or ``stages`` identical devices of ``memory`` bytes (``16 * 2**30`` or
+    ``"16GiB"``) joined by links of ``bandwidth`` (bytes/s or ``"10GB/s"``; ``None``: links
+    are free) and ``latency`` (seconds or ``"5us"``)."""
+    mem = parse_bytes(memory) if isinstance(memory, str) else memory
+    if cluster is not None:
+        clus = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+        if stages is not None and stages != clus.n_stages:
+            raise InvalidRequestError(
+                f"--stages {stages} contradicts the cluster's {clus.n_stages} devices; drop "
+                "--stages"
+            )
+        if mem is not None:
+            devices = tuple(d.model_copy(update={"memory_bytes": mem}) for d in clus.devices)
+            clus = clus.model_copy(update={"devices": devices})
+        return clus
+    if stages is None or mem is None:
+        raise InvalidRequestError("give --stages and --memory, or a --cluster file")
+    if stages < 1:
+        raise InvalidRequestError(f"--stages {stages} must be at least 1")
+    link = Link(
+        bandwidth_Bps=parse_rate(bandwidth) if isinstance(bandwidth, str) else bandwidth,
+        latency_s=parse_duration(latency) if isinstance(latency, str) else (latency or 0.0),
+    )
+    return Cluster.homogeneous(stages, mem, link)
+
+
+def plan(
+    profile: Profile | PathLike,
+    *,
+    stages: int | None = None,
+    memory: int | str | None = None,
+    cluster: Cluster | PathLike | None = None,
+    devices: int | None = None,
+    solver: str = "dp",
+    **options: Any,
+) -> Plan:
+    """The best plan for ``profile`` (a Profile or its file), as ``pipeplan plan``.
+
+    The devices are ``stages`` of ``memory`` each, or ``cluster`` (:func:`make_cluster`).
+    With ``devices`` N instead of ``stages``, every pipeline depth p dividing N is planned
+    with N / p data-parallel replicas and the fastest is returned
+    (:func:`pipeplan.solvers.devices.plan_devices` gives the whole frontier).  ``solver`` is
+    ``dp`` (exact), ``cpsat``, or a baseline (``uniform``, ``params``, ``torchgpipe``).
+    ``options`` are :class:`~pipeplan.planner.types.PlanOptions` fields: ``microbatches``
+    (``None``: chosen), ``checkpoint``, ``schedule``, ``optimizer``, ``time_limit_s``, ...
+    Raises :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits.
+    """
+    from pipeplan.solvers import SOLVERS
+
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    if solver not in SOLVERS:
+        raise InvalidRequestError(
+            f"solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
+        )
+    try:
+        opts = PlanOptions(**options)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise InvalidRequestError(f"plan option {where}: {first['msg']}") from None
+    if devices is None:
+        return SOLVERS[solver](prof, make_cluster(stages, memory, cluster=cluster), opts)
+    if stages is not None:
+        raise InvalidRequestError("devices chooses the stage count; drop stages")
+    from pipeplan.planner.errors import InfeasiblePlanError
+    from pipeplan.solvers.devices import plan_devices
+
+    base = make_cluster(None if cluster is not None else 1, memory, cluster=cluster)
+    choices = plan_devices(prof, devices, base, opts, SOLVERS[solver])
+    if choices[0].plan is None:
+        reasons = "; ".join(f"p={c.stages}: {c.reason}" for c in choices)
+        raise InfeasiblePlanError(f"no depth fits {devices} devices: {reasons}")
+    return choices[0].plan
+
+
+def load(path: PathLike) -> Profile | Plan | Cluster | RunReport:
+    """Whichever pipeplan file ``path`` is (profile, plan, cluster or run report), validated;
+    :class:`~pipeplan.planner.errors.FileFormatError` names what is wrong with a bad one."""
+    return load_any(path)
+
+
+def save(obj: BaseModel, path: PathLike) -> Path:
+    """Write a Profile, Plan, Cluster or RunReport to ``path`` atomically (never half a file);
+    returns the path."""
+    write_json(path, obj)
+    return Path(path)
+
+
+def split(
+    plan: Plan | PathLike,
+    model: str | Callable[..., Any] | ModelSpec | None = None,
+    stage: int | None = None,
+    *,
+    model_kwargs: Mapping[str, Any] | None = None,
+    device: Any = None,
+    seed: int = 0,
+    weights: PathLike | None = None,
+) -> StageSplit:
+    """This rank's stage of ``plan`` for a training loop of one's own
+    (:func:`pipeplan.runtime.split.split`): unpacks as ``module, pipeline_stage``.
+
+    ``model`` defaults to the plan's (its name and arguments), or is a name or an importable
+    callable (``model_kwargs`` its arguments): either is built on ``meta`` and only this
+    stage's tensors get memory, initialised with ``seed`` to the values the unsplit model gets
+    for that seed, or read from the checkpoint ``weights``.  A built
+    :class:`~pipeplan.planner.model.ModelSpec` is used as it is (real weights stay as they
+    are).  Needs ``torch.distributed`` initialised with the plan's p x d ranks."""
+    from pipeplan.planner.model import ModelSpec, load_model
+    from pipeplan.runtime.split import split as split_stage
+
+    pl = plan if isinstance(plan, Plan) else _load_plan(plan)
+    if isinstance(model, ModelSpec):
+        spec = model
+    else:
+        name = pl.model if model is None else _model_name(model)
+        kwargs = dict(pl.model_kwargs) if model is None else {}
+        kwargs.update(model_kwargs or {})
+        spec = load_model(name, kwargs, meta=True)
+    return split_stage(
+        pl, spec, stage, device=device, seed=seed, weights=None if weights is None else str(weights)
+    )
+
+
+def _load_plan(path: PathLike) -> Plan:
+    from pipeplan.planner.io import load_plan
+
+    return load_plan(path)

@@ -1,0 +1,135 @@
+"""pipeplan's public face: profile -> plan -> save -> load as the CLI does, the errors it names,
+one top-level name in the wheel, and the house's floors (no import runs upward)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import pipeplan
+from pipeplan.planner.errors import FileFormatError, InfeasiblePlanError, InvalidRequestError
+from pipeplan.planner.io import load_plan
+from pipeplan.solvers.dp import solve_dp
+
+CliRunner = Callable[[list[str]], tuple[int, str, str]]  # the ``cli`` fixture
+ROOT = Path(__file__).resolve().parents[1]
+MLP = "pipeplan.models.mlp:mlp"
+SMALL = {"width": 32, "depth": 4}
+
+
+@pytest.fixture(scope="module")
+def prof() -> pipeplan.Profile:
+    return pipeplan.profile(MLP, 8, model_kwargs=SMALL, warmup=0, repeats=1)
+
+
+def test_the_api_plans_what_the_command_line_plans(
+    prof: pipeplan.Profile, tmp_path: Path, cli: CliRunner
+) -> None:
+    saved = pipeplan.save(prof, tmp_path / "profile.json")
+    loaded = pipeplan.load(saved)
+    assert loaded == prof
+    plan = pipeplan.plan(saved, stages=2, memory="64MiB", microbatches=2)
+    assert isinstance(plan, pipeplan.Plan) and plan.n_stages == 2 and plan.microbatches == 2
+    code, _, err = cli(["plan", str(saved), "--stages", "2", "--memory", "64MiB",
+                        "--microbatches", "2", "-o", str(tmp_path / "cli.json")])  # fmt: skip
+    assert code == 0, err
+    assert load_plan(tmp_path / "cli.json") == plan.model_copy(update={"solve_time_s": None})
+    # a Cluster object and an int memory plan the same
+    clus = pipeplan.make_cluster(2, 64 << 20)
+    assert pipeplan.plan(prof, cluster=clus, microbatches=2).stages == plan.stages
+    assert solve_dp(prof, clus, pipeplan.PlanOptions(microbatches=2)).stages == plan.stages
+
+
+def test_the_api_plans_for_n_devices(prof: pipeplan.Profile) -> None:
+    best = pipeplan.plan(prof, devices=2, memory="64MiB")
+    assert best.n_stages * best.cluster.data_parallel == 2
+
+
+def test_a_model_given_as_a_callable_is_named_by_its_import_path() -> None:
+    from pipeplan.models.mlp import mlp
+
+    prof = pipeplan.profile(mlp, 4, model_kwargs=SMALL, warmup=0, repeats=1)
+    assert prof.model == MLP
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda p: pipeplan.plan(p, stages=2), InvalidRequestError, "--memory"),
+        (lambda p: pipeplan.plan(p, stages=2, memory="1GiB", solver="magic"),
+         InvalidRequestError, "solver 'magic'"),
+        (lambda p: pipeplan.plan(p, stages=2, memory="1GiB", checkpoint="sometimes"),
+         InvalidRequestError, "checkpoint"),
+        (lambda p: pipeplan.plan(p, stages=2, memory="1GiB", devices=2), InvalidRequestError,
+         "drop stages"),
+        (lambda p: pipeplan.plan(p, stages=2, memory=1024), InfeasiblePlanError, "memory"),
+        (lambda p: pipeplan.profile(lambda: None, 4), InvalidRequestError, "importable"),
+        (lambda p: pipeplan.profile(MLP, 0), InvalidRequestError, "batch_size 0"),
+        (lambda p: pipeplan.load(Path("/nonexistent/plan.json")), FileFormatError,
+         "no such file"),
+    ],
+    ids=["no-memory", "solver", "option", "devices-and-stages", "infeasible", "lambda",
+         "batch", "missing-file"],
+)  # fmt: skip
+def test_bad_requests_raise_named_errors(prof: pipeplan.Profile, call, error, words) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=words):
+        call(prof)
+
+
+def test_the_wheel_adds_one_top_level_name(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("pipeplan-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"pipeplan"}
+    for package in ("planner", "profiler", "solvers", "runtime", "models"):
+        assert f"pipeplan/{package}/__init__.py" in names
+    assert "pipeplan/py.typed" in names
+
+
+# The floors, bottom up: a module may import its own floor and those below it.
+FLOORS = {"planner": 0, "profiler": 1, "solvers": 1, "runtime": 1, "models": 1, "top": 2}
+
+
+def _floor(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "pipeplan":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS else "top"
+
+
+def test_no_import_runs_up_the_house() -> None:
+    bad = []
+    for path in sorted((ROOT / "pipeplan").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        here = _floor(".".join(rel.parts))
+        assert here is not None
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                there = _floor(target)
+                if there is None or there == here:
+                    continue
+                # solvers and runtime never meet; nothing below the top imports it
+                if FLOORS[there] > FLOORS[here] or (
+                    FLOORS[there] == FLOORS[here] == 1 and {here, there} == {"solvers", "runtime"}
+                ):
+                    bad.append(f"{rel}: {target}")  # fmt: skip
+    assert not bad, bad
+    for path in (ROOT / "pipeplan").rglob("*.py"):
+        if path.name not in ("cli.py", "__main__.py"):
+            assert "from pipeplan.cli import" not in path.read_text(), path
