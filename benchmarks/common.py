@@ -17,7 +17,9 @@ _PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 
 def pipeplan(*args: str) -> None:
     """Run ``pipeplan ARGS`` in a subprocess; raise with its error output if it fails."""
-    proc = subprocess.run([*_PIPEPLAN, *args], capture_output=True, text=True, check=False)
+    # A benchmark plans with the cluster it names, never with a calibration left on the machine.
+    env = {**os.environ, "PIPEPLAN_HOME": str(Path(__file__).parent / ".no-calibration")}
+    proc = subprocess.run([*_PIPEPLAN, *args], capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"pipeplan {' '.join(args[:2])} failed: {proc.stderr[-2000:]}")
 

@@ -20,7 +20,7 @@ cost model, the simulator and the plan file, :mod:`pipeplan.runtime` runs a plan
 The command line (:mod:`pipeplan.cli`) stands on top of them all.
 """
 
-from pipeplan.api import load, make_cluster, plan, profile, save, split
+from pipeplan.api import calibration, load, make_cluster, plan, profile, save, split
 from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, RunReport
 
@@ -32,6 +32,7 @@ __all__ = [
     "PlanOptions",
     "Profile",
     "RunReport",
+    "calibration",
     "load",
     "make_cluster",
     "plan",

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.io import (
+    calibration_file,
     load_any,
     load_cluster,
     load_profile,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from pipeplan.planner.model import ModelSpec
     from pipeplan.runtime.split import StageSplit
 
-__all__ = ["load", "make_cluster", "plan", "profile", "save", "split"]
+__all__ = ["calibration", "load", "make_cluster", "plan", "profile", "save", "split"]
 
 PathLike = str | os.PathLike[str]
 
@@ -91,6 +92,13 @@ def profile(
     )
 
 
+def calibration(kind: str = "cpu") -> tuple[Cluster, Path] | None:
+    """This machine's latest ``pipeplan calibrate`` for devices of ``kind`` and its file
+    (:func:`pipeplan.planner.io.calibration_file`), or ``None`` if it was never calibrated."""
+    path = calibration_file(kind)
+    return (load_cluster(path), path) if path.is_file() else None
+
+
 def make_cluster(
     stages: int | None = None,
     memory: int | str | None = None,
@@ -98,11 +106,14 @@ def make_cluster(
     bandwidth: float | str | None = None,
     latency: float | str | None = None,
     cluster: Cluster | PathLike | None = None,
+    calibrated: Cluster | None = None,
 ) -> Cluster:
     """The devices to plan for: ``cluster`` (a Cluster or its file; ``memory`` overrides each
     device's), or ``stages`` identical devices of ``memory`` bytes (``16 * 2**30`` or
-    ``"16GiB"``) joined by links of ``bandwidth`` (bytes/s or ``"10GB/s"``; ``None``: links
-    are free) and ``latency`` (seconds or ``"5us"``)."""
+    ``"16GiB"``).  Those are joined by links of ``bandwidth`` (bytes/s or ``"10GB/s"``) and
+    ``latency`` (seconds or ``"5us"``) if either is given, else by the links, engine costs and
+    contention of ``calibrated`` (a ``pipeplan calibrate`` result, :func:`calibration`), else
+    by free links."""
     mem = parse_bytes(memory) if isinstance(memory, str) else memory
     if cluster is not None:
         clus = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -119,6 +130,9 @@ def make_cluster(
         raise InvalidRequestError("give --stages and --memory, or a --cluster file")
     if stages < 1:
         raise InvalidRequestError(f"--stages {stages} must be at least 1")
+    if calibrated is not None and bandwidth is None and latency is None:
+        devices = Cluster.homogeneous(stages, mem).devices
+        return calibrated.model_copy(update={"devices": devices, "data_parallel": 1})
     link = Link(
         bandwidth_Bps=parse_rate(bandwidth) if isinstance(bandwidth, str) else bandwidth,
         latency_s=parse_duration(latency) if isinstance(latency, str) else (latency or 0.0),
@@ -134,11 +148,14 @@ def plan(
     cluster: Cluster | PathLike | None = None,
     devices: int | None = None,
     solver: str = "dp",
+    calibrated: bool = True,
     **options: Any,
 ) -> Plan:
     """The best plan for ``profile`` (a Profile or its file), as ``pipeplan plan``.
 
-    The devices are ``stages`` of ``memory`` each, or ``cluster`` (:func:`make_cluster`).
+    The devices are ``stages`` of ``memory`` each, or ``cluster`` (:func:`make_cluster`); with
+    ``calibrated`` the former take their links and engine costs from this machine's
+    ``pipeplan calibrate`` for the profile's device kind, when there is one (:func:`calibration`).
     With ``devices`` N instead of ``stages``, every pipeline depth p dividing N is planned
     with N / p data-parallel replicas and the fastest is returned
     (:func:`pipeplan.solvers.devices.plan_devices` gives the whole frontier).  ``solver`` is
@@ -160,15 +177,18 @@ def plan(
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise InvalidRequestError(f"plan option {where}: {first['msg']}") from None
+    found = calibration(prof.device.kind) if calibrated and cluster is None else None
+    base = found[0] if found else None
     if devices is None:
-        return SOLVERS[solver](prof, make_cluster(stages, memory, cluster=cluster), opts)
+        clus = make_cluster(stages, memory, cluster=cluster, calibrated=base)
+        return SOLVERS[solver](prof, clus, opts)
     if stages is not None:
         raise InvalidRequestError("devices chooses the stage count; drop stages")
     from pipeplan.planner.errors import InfeasiblePlanError
     from pipeplan.solvers.devices import plan_devices
 
-    base = make_cluster(None if cluster is not None else 1, memory, cluster=cluster)
-    choices = plan_devices(prof, devices, base, opts, SOLVERS[solver])
+    one = make_cluster(None if cluster is not None else 1, memory, cluster=cluster, calibrated=base)
+    choices = plan_devices(prof, devices, one, opts, SOLVERS[solver])
     if choices[0].plan is None:
         reasons = "; ".join(f"p={c.stages}: {c.reason}" for c in choices)
         raise InfeasiblePlanError(f"no depth fits {devices} devices: {reasons}")

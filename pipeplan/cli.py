@@ -169,8 +169,17 @@ def plan(
     record_solve_time: Annotated[
         bool, typer.Option(help="Store the solve time (the file is then not reproducible).")
     ] = False,
+    calibration: Annotated[
+        bool,
+        typer.Option(
+            help="Without --cluster, --bandwidth or --latency: charge the links, engine costs "
+            "and contention of this machine's last `pipeplan calibrate` for the profile's "
+            "device kind ($PIPEPLAN_HOME/cluster-KIND.json), if there is one."
+        ),
+    ] = True,
 ) -> None:
     """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
+    from pipeplan.api import calibration as find_calibration
     from pipeplan.solvers import SOLVERS
 
     check_output(output)
@@ -202,13 +211,23 @@ def plan(
         max_units=max_units,
         time_limit_s=time_limit,
     )
+    found = None
+    if calibration and cluster is None and bandwidth is None and latency is None:
+        found = find_calibration(prof.device.kind)
+        if found is not None:
+            err_console.print(
+                f"calibrated: links, engine costs and contention from {found[1]} "
+                "(pipeplan calibrate; --no-calibration to leave them out)",
+                highlight=False,
+            )
+    base = found[0] if found else None
     if devices is not None:
         if stages is not None:
             fail("--devices chooses the stage count; drop --stages")
-        clus = make_cluster(None if cluster else 1, memory, bandwidth, latency, cluster)
+        clus = make_cluster(None if cluster else 1, memory, bandwidth, latency, cluster, base)
         result = _plan_devices(prof, devices, clus, options, SOLVERS[solver])
     else:
-        clus = make_cluster(stages, memory, bandwidth, latency, cluster)
+        clus = make_cluster(stages, memory, bandwidth, latency, cluster, base)
         try:
             result = SOLVERS[solver](prof, clus, options)
         except InfeasiblePlanError as exc:

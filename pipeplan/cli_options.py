@@ -54,9 +54,18 @@ def make_cluster(
     bandwidth: str | None,
     latency: str | None,
     cluster_file: Path | None,
+    calibrated: Cluster | None = None,
 ) -> Cluster:
-    """The cluster from --cluster, or from --stages/--memory/--bandwidth/--latency
+    """The cluster from --cluster, or from --stages/--memory/--bandwidth/--latency, with the
+    links and engine costs of ``calibrated`` when neither link option is given
     (:func:`pipeplan.make_cluster`)."""
     from pipeplan.api import make_cluster as build
 
-    return build(stages, memory, bandwidth=bandwidth, latency=latency, cluster=cluster_file)
+    return build(
+        stages,
+        memory,
+        bandwidth=bandwidth,
+        latency=latency,
+        cluster=cluster_file,
+        calibrated=calibrated,
+    )

@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from pipeplan.cli_options import Output, check_output, fail
-from pipeplan.planner.io import format_bytes, parse_bytes, write_json
+from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, write_json
 from pipeplan.planner.terminal import batch_norm_note, console, err_console
 from pipeplan.planner.types import OPTIMIZERS
 
@@ -185,6 +185,9 @@ def calibrate(
         threads=threads,
     )
     write_json(output, cluster)
+    kept = calibration_file(device.split(":")[0])
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    write_json(kept, cluster)  # what `pipeplan plan` charges by default on this machine
     link = cluster.link
     solo = (
         "not measured" if cluster.solo_op_overhead_s is None
@@ -210,5 +213,6 @@ def calibrate(
         f"{cluster.contention:.2f}, update contention {cluster.update_contention:.2f}, "
         f"tied-gradient all-reduce "
         f"{cluster.allreduce_s(2**20) * 1e3:.2f} ms per MiB, "
-        f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output}"
+        f"memory {format_bytes(cluster.devices[0].memory_bytes)} per device -> {output} "
+        f"(and {kept}, which pipeplan plan charges by default)"
     )

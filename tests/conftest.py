@@ -11,6 +11,15 @@ from pipeplan.cli import main
 CliRunner = Callable[[list[str]], tuple[int, str, str]]
 
 
+@pytest.fixture(autouse=True)
+def _pipeplan_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test (and every process it starts) keeps its calibrations in a directory of its own:
+    one left on the developer's machine, or by another test, must not change what it plans."""
+    monkeypatch.setenv("PIPEPLAN_HOME", str(tmp_path_factory.mktemp("home")))
+
+
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]) -> CliRunner:
     """Run ``pipeplan ARGV`` in-process; returns (exit code, stdout, stderr)."""

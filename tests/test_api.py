@@ -14,7 +14,7 @@ import pytest
 
 import pipeplan
 from pipeplan.planner.errors import FileFormatError, InfeasiblePlanError, InvalidRequestError
-from pipeplan.planner.io import load_plan
+from pipeplan.planner.io import calibration_file, load_plan
 from pipeplan.solvers.dp import solve_dp
 
 CliRunner = Callable[[list[str]], tuple[int, str, str]]  # the ``cli`` fixture
@@ -133,3 +133,46 @@ def test_no_import_runs_up_the_house() -> None:
     for path in (ROOT / "pipeplan").rglob("*.py"):
         if path.name not in ("cli.py", "__main__.py"):
             assert "from pipeplan.cli import" not in path.read_text(), path
+
+
+def _calibrate_here() -> pipeplan.Cluster:
+    """A calibration of this machine as `pipeplan calibrate` keeps it."""
+    calibrated = pipeplan.make_cluster(2, "8GiB", bandwidth="1GB/s", latency="50us").model_copy(
+        update={"op_overhead_s": 2e-4, "contention": 0.3}
+    )
+    path = calibration_file("cpu")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pipeplan.save(calibrated, path)
+    return calibrated
+
+
+def test_plans_charge_this_machines_calibration_by_default(prof: pipeplan.Profile) -> None:
+    assert pipeplan.calibration("cpu") is None
+    free = pipeplan.plan(prof, stages=3, memory="64MiB")
+    assert free.cluster.link.bandwidth_Bps is None and free.cluster.op_overhead_s == 0
+    calibrated = _calibrate_here()
+    plan = pipeplan.plan(prof, stages=3, memory="64MiB")
+    assert plan.cluster.link == calibrated.link and plan.cluster.contention == 0.3
+    assert plan.cluster.n_stages == 3 and plan.cluster.devices[0].memory_bytes == 64 << 20
+    assert plan.step_time_s > free.step_time_s  # the links and the engine now cost something
+    again = pipeplan.plan(prof, stages=3, memory="64MiB", calibrated=False)
+    assert (again.cluster, again.stages) == (free.cluster, free.stages)
+
+
+def test_the_command_line_says_which_calibration_it_charges(
+    prof: pipeplan.Profile, tmp_path: Path, cli: CliRunner
+) -> None:
+    saved = pipeplan.save(prof, tmp_path / "profile.json")
+    argv = ["plan", str(saved), "--stages", "2", "--memory", "64MiB", "-o", str(tmp_path / "p")]
+    code, out, err = cli(argv)
+    assert code == 0 and "uncalibrated:" in out and "calibrated: links" not in err
+    _calibrate_here()
+    code, out, err = cli(argv)
+    assert code == 0 and "uncalibrated:" not in out
+    assert f"calibrated: links, engine costs and contention from {calibration_file('cpu')}" in (
+        " ".join(err.split())
+    )
+    code, out, _ = cli([*argv, "--no-calibration"])
+    assert code == 0 and "uncalibrated:" in " ".join(out.split())
+    code, out, err = cli([*argv, "--bandwidth", "1GB/s"])  # explicit links win
+    assert code == 0 and "calibrated: links" not in err

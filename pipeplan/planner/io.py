@@ -21,6 +21,7 @@ from pipeplan.planner.errors import FileFormatError, InvalidRequestError
 from pipeplan.planner.types import Cluster, Plan, Profile, RunReport
 
 __all__ = [
+    "calibration_file",
     "dumps",
     "format_bytes",
     "load_any",
@@ -97,6 +98,17 @@ def _validate(path: str | os.PathLike[str], data: dict[str, object], cls: type[M
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "(root)"
         raise FileFormatError(f"{path}: field {loc}: {err['msg']}") from None
+
+
+def calibration_file(kind: str) -> Path:
+    """Where ``pipeplan calibrate`` keeps this machine's latest calibration for a device kind
+    (``cpu``, ``cuda``) and where ``pipeplan plan`` finds it: ``$PIPEPLAN_HOME/cluster-KIND.json``,
+    ``PIPEPLAN_HOME`` defaulting to ``$XDG_CACHE_HOME/pipeplan`` (``~/.cache/pipeplan``)."""
+    home = os.environ.get("PIPEPLAN_HOME")
+    if not home:
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        home = str(Path(cache) / "pipeplan")
+    return Path(home) / f"cluster-{kind}.json"
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:

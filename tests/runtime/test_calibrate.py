@@ -9,7 +9,7 @@ import pytest
 
 import pipeplan.runtime.calibrate as calibrate_module
 from pipeplan.cli import main
-from pipeplan.planner.io import load_cluster, write_json
+from pipeplan.planner.io import calibration_file, load_cluster, write_json
 from pipeplan.runtime.engine_fit import MICRO
 from pipeplan.runtime.linkbench import fit_link
 
@@ -43,6 +43,8 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert 0 < cluster.allreduce_s(2**18) < 0.5
     # Adam steps on both ranks at once against each alone (read back from the file).
     assert 0 <= cluster.update_contention < 5
+    # Kept where `pipeplan plan` finds it (the test's own PIPEPLAN_HOME).
+    assert load_cluster(calibration_file("cpu")) == cluster
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
