@@ -28,14 +28,26 @@ that read these tables are in :mod:`pipeplan.planner.costmodel`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import PlanOptions, Profile
 
-__all__ = ["UnitCosts", "holds_user", "microbatch_choices", "unit_costs"]
+__all__ = [
+    "ProfileTables",
+    "UnitCosts",
+    "holds_user",
+    "microbatch_choices",
+    "tables",
+    "unit_costs",
+]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +134,57 @@ def holds_user(users: np.ndarray, l: np.ndarray, r: np.ndarray) -> np.ndarray:
     return (first < len(users)) & (users[np.minimum(first, len(users) - 1)] <= r)
 
 
+class ProfileTables:
+    """Every table derived from one profile, each built once and then read by everyone: the
+    unit-cost tables per micro-batch count (:func:`unit_costs`) and whatever else a caller
+    memoizes under a key (the optimizer's update fit, :func:`pipeplan.planner.updates.update_cost`).
+
+    A profile is immutable, so its tables are too (their arrays are read-only).  The request
+    check, the bounds, the CP-SAT scaling, the DP, CP-SAT, the baselines and :func:`evaluate
+    <pipeplan.planner.evaluate.evaluate>` of one solve, and every solve of the same profile
+    (the depths of ``plan --devices``, a sweep over m), read the same tables.
+    """
+
+    def __init__(self) -> None:
+        self._costs: dict[int, UnitCosts] = {}
+        self._memo: dict[Hashable, Any] = {}
+        self.builds = 0
+        """How many unit-cost tables were built (the tests count them)."""
+
+    def costs(self, profile: Profile, m: int) -> UnitCosts:
+        table = self._costs.get(m)
+        if table is None:
+            table = self._costs[m] = _build_unit_costs(profile, m)
+            self.builds += 1
+        return table
+
+    def memo(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()`` the first time ``key`` is asked for, the same value afterwards."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return cast(T, self._memo[key])
+
+
+_TABLES: dict[int, tuple[weakref.ref[Profile], ProfileTables]] = {}
+
+
+def tables(profile: Profile) -> ProfileTables:
+    """The tables of ``profile`` (this very object; they go when it does)."""
+    key = id(profile)
+    entry = _TABLES.get(key)
+    if entry is None or entry[0]() is not profile:
+        entry = (weakref.ref(profile, lambda _: _TABLES.pop(key, None)), ProfileTables())
+        _TABLES[key] = entry
+    return entry[1]
+
+
 def unit_costs(profile: Profile, m: int) -> UnitCosts:
-    """Arrays of f, g, a, w, x for ``m`` micro-batches (b = B / m must be a profiled size)."""
+    """Arrays of f, g, a, w, x for ``m`` micro-batches (b = B / m must be a profiled size),
+    built once per profile and m (:class:`ProfileTables`)."""
+    return tables(profile).costs(profile, m)
+
+
+def _build_unit_costs(profile: Profile, m: int) -> UnitCosts:
     if m <= 0 or profile.batch_size % m:
         raise InvalidRequestError(
             f"micro-batch count {m} does not divide batch size {profile.batch_size}; "
@@ -159,7 +220,7 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
 
     shared = tuple((sp.bytes, np.array(sp.units, dtype=np.int64)) for sp in profile.shared_params)
     loss = profile.loss.get(b)
-    return UnitCosts(
+    out = UnitCosts(
         m,
         b,
         f,
@@ -183,6 +244,10 @@ def unit_costs(profile: Profile, m: int) -> UnitCosts:
         out=float(timings[-1].output_bytes),
         big=_sparse_max(np.array([u.largest_param_bytes for u in profile.units], dtype=np.float64)),
     )
+    for value in (*(getattr(out, f.name) for f in fields(out)), *(u for _, u in shared)):
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False  # shared by every reader: nobody writes in place
+    return out
 
 
 def _sparse_max(v: np.ndarray) -> np.ndarray:

@@ -43,6 +43,7 @@ import numpy as np
 
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Cluster, Profile, TiedSync
+from pipeplan.planner.unitcosts import tables
 
 __all__ = ["UpdateCost", "fit_update_cost", "shared_ends", "update_cost", "update_tail"]
 
@@ -140,6 +141,11 @@ def update_cost(profile: Profile, optimizer: str, cluster: Cluster | None = None
 
 
 def _fitted(profile: Profile, optimizer: str) -> UpdateCost:
+    """The fit, once per profile and optimizer (:class:`pipeplan.planner.unitcosts.ProfileTables`)."""
+    return tables(profile).memo(("update", optimizer), lambda: _fit(profile, optimizer))
+
+
+def _fit(profile: Profile, optimizer: str) -> UpdateCost:
     curve = profile.update_curve.get(optimizer)  # type: ignore[call-overload]
     if curve:
         return fit_update_cost(curve)
