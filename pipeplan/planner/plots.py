@@ -172,14 +172,17 @@ def _draw_stage_memory(axes: Sequence[Axes], plans: Sequence[Plan], names: list[
             label=limit_label,
         )
         for j, s in enumerate(plan.stages):
+            # label each run of stages with one limit, where it starts: always when the limit
+            # lies above the axis, else only when the limits differ (the legend says a single one)
             off_axis = s.memory_limit / scale > ymax
-            if off_axis or (len(distinct) > 1 and (j == 0 or s.memory_limit != prev_limit)):
+            starts = j == 0 or s.memory_limit != prev_limit
+            if starts and (off_axis or len(distinct) > 1):
                 ax.annotate(
                     f"limit {format_bytes(s.memory_limit)}" + (" ↑" if off_axis else ""),
-                    (j, ymax * 0.97 if off_axis else s.memory_limit / scale),
+                    (j - 0.45, ymax * 0.97 if off_axis else s.memory_limit / scale),
                     xytext=(0, 0 if off_axis else 2),
                     textcoords="offset points",
-                    ha="center",
+                    ha="left",
                     va="top" if off_axis else "bottom",
                     fontsize=7,
                     color="#C44E52",
@@ -211,7 +214,7 @@ def stage_memory(plans: Sequence[Plan], names: Sequence[str] | None = None) -> F
     """Per-stage memory of each plan, stacked by kind, against each device's limit (red line).
 
     The axis is in B, KiB, MiB or GiB, whichever suits the tallest stack; the limit is written
-    in the legend ("limit 11.80 GiB") when every device has the same, else above each stage
+    in the legend ("limit 11.80 GiB") when every device has the same, else above the stage
     where it changes, and at the top edge, with an arrow, when it lies above the axis.
     """
     _check_plans(plans)
