@@ -7,7 +7,7 @@ so that gradients can be compared tightly, and one warm-up and one repeat: the t
 behaviour, not speed), plan 2 and 4 stages with the
 DP (1 GiB per device, SGD), then run every case's 2-stage plan at m = 2 for 2 steps on 2 ranks
 (one torchrun launch, float64 except :data:`~benchmarks.zoo.cases.FLOAT32`, gloo, :mod:`benchmarks.zoo.job`) and compare the loss and every
-gradient with the unsplit model on the full batch.  Prints the README's zoo table and writes
+gradient with the unsplit model on the full batch.  Prints this folder's README table and writes
 ``results.json``.  ``tests/zoo/test_zoo.py`` runs the same pipeline and asserts on it.
 """
 

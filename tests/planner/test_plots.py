@@ -9,6 +9,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
 from pipeplan.planner import frames, plots
+from pipeplan.planner.io import format_bytes
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.solvers.dp import solve_dp
 
@@ -39,8 +40,22 @@ def test_stage_times_draws_one_bar_per_stage_and_marks_the_slowest(plans, render
         (marker,) = [ln for ln in ax.lines if ln.get_gid() == f"slowest/{i}"]
         assert marker.get_ydata()[0] == pytest.approx(max(s.time_s for s in plan.stages) * 1e3)
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert sorted(legend) == ["dp", "slowest stage", "uniform"]
+    assert legend[0::2][:2] == ["dp", "uniform"] and legend[-1] == "slowest stage"
     renders(fig)
+
+
+def test_perfect_balance_is_a_dashed_line_per_plan_named_in_the_legend(plans):
+    """Each plan's mean stage time is a dashed line in its colour, its value in the legend."""
+    fig = plots.stage_times(plans, names=["dp", "uniform"])
+    (ax,) = fig.axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    for i, (plan, name) in enumerate(zip(plans, ["dp", "uniform"])):
+        mean_ms = sum(s.time_s for s in plan.stages) / plan.n_stages * 1e3
+        (line,) = [c for c in ax.collections if c.get_gid() == f"mean-time/{i}"]
+        (segment,) = line.get_segments()
+        assert segment[0][1] == segment[1][1] == pytest.approx(mean_ms)
+        assert line.get_linestyle()[0][1] is not None  # dashed, not solid
+        assert legend[2 * i + 1] == f"{name}: perfect balance {mean_ms:.3g} ms"
 
 
 def test_stage_memory_stacks_the_breakdown_under_each_limit(plans):
@@ -64,6 +79,11 @@ def test_stage_memory_stacks_the_breakdown_under_each_limit(plans):
     # the uniform split overflows: the over-limit stages are flagged
     over = [t for t in fig.axes[1].texts if t.get_text() == "over"]
     assert len(over) == sum(not s.feasible for s in plans[1].stages) > 0
+    # the two plans' devices have different limits: each stage says its own, in MiB
+    labels = [
+        t.get_text() for t in fig.axes[1].texts if (t.get_gid() or "").startswith("memory-limit")
+    ]
+    assert labels == [f"limit {12 + j}.00 MiB" for j in range(4)]
     legend = {t.get_text() for t in fig.axes[-1].get_legend().get_texts()}
     assert legend == {
         "params",
@@ -76,6 +96,23 @@ def test_stage_memory_stacks_the_breakdown_under_each_limit(plans):
         "working gradients",
         "device limit",
     }
+
+
+@pytest.mark.parametrize(
+    ("limit", "unit"), [(int(11.8 * 2**30), "GiB"), (3 * 2**40, "TiB"), (300 * MiB, "MiB")]
+)
+def test_memory_sizes_are_in_human_units(profile, limit, unit):
+    """Sizes read "limit 11.80 GiB", never "1.21e+04 MiB": legend, axis and above the axis."""
+    plan = solve_dp(profile, Cluster.homogeneous(3, limit), PlanOptions(microbatches=4))
+    fig = plots.compare_figure([plan])
+    texts = _texts(fig) + [t.get_text() for t in fig.axes[1].get_yticklabels()]
+    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert f"limit {format_bytes(limit)}" in legend and unit in format_bytes(limit)
+    assert fig.axes[1].get_ylabel() in {"memory (MiB)", "memory (GiB)"}
+    assert not [t for t in texts if "e+" in t or "e-" in t]
+    if max(s.memory.total for s in plan.stages) * 3 < limit:  # above the axis: an arrow says it
+        arrows = [t.get_text() for t in fig.axes[1].texts if t.get_text().endswith("↑")]
+        assert arrows == [f"limit {format_bytes(limit)} ↑"]  # once: every stage has it
 
 
 def test_compare_figure_combines_times_and_memory(plans, renders):

@@ -3,7 +3,7 @@
 For every case (:mod:`benchmarks.zoo.cases`): profile with the default options, plan 2 and 4
 stages with the DP, then run the 2-stage plan for 2 steps on 2 ranks (one torchrun launch for
 all cases, float64 where the model allows, gloo) and check the loss and every gradient against the unsplit model on
-the full batch (:mod:`benchmarks.zoo.main`, which also makes the README's table).
+the full batch (:mod:`benchmarks.zoo.main`, which also makes benchmarks/zoo/README.md's table).
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""Draws the README's tour figures from the demo's files, with pipeplan's own plotting code.
+
+    make demo                                  # writes out/gpt.profile.json and out/gpt.plan.json
+    .venv/bin/python docs/make_figures.py      # writes docs/img/tour-compare.png, tour-gantt.png
+
+The demo's DP plan is compared with the `uniform` and `params` baselines at its micro-batch
+count, on the same devices (``pipeplan.planner.plots.compare_figure``, what ``pipeplan compare
+--plot`` draws), and its simulated step is drawn as a Gantt chart
+(``pipeplan.planner.timeline_plots.gantt``).  The profile is a measurement of this machine, so
+the figures change a little from one run to the next.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeplan.planner.io import load_plan, load_profile
+from pipeplan.planner.plots import compare_figure
+from pipeplan.planner.timeline_plots import gantt
+from pipeplan.planner.types import PlanOptions
+from pipeplan.solvers import SOLVERS
+
+
+def main(out: Path = Path("out"), img: Path = Path(__file__).parent / "img") -> None:
+    profile = load_profile(out / "gpt.profile.json")
+    plan = load_plan(out / "gpt.plan.json")
+    options = PlanOptions(
+        microbatches=plan.microbatches,
+        checkpoint=plan.checkpoint,
+        schedule=plan.schedule,
+        optimizer=plan.optimizer,
+    )
+    baselines = [SOLVERS[name](profile, plan.cluster, options) for name in ("uniform", "params")]
+    img.mkdir(parents=True, exist_ok=True)
+    figures = {
+        "tour-compare.png": compare_figure([plan, *baselines]),
+        "tour-gantt.png": gantt(plan),
+    }
+    for name, fig in figures.items():
+        fig.savefig(img / name, dpi=80, bbox_inches="tight")
+        print(f"-> {img / name}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
