@@ -155,7 +155,13 @@ def plan(
     ] = None,
     memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 16GiB.")] = None,
     microbatches: Annotated[str, typer.Option(help="auto or a count m.")] = "auto",
-    checkpoint: Annotated[str, typer.Option(help="always, except_last or never.")] = "except_last",
+    checkpoint: Annotated[
+        str,
+        typer.Option(
+            help="auto (each stage recomputes only if keeping its activations does not fit), "
+            "always, except_last or never."
+        ),
+    ] = "auto",
     schedule: Annotated[str, typer.Option(help="gpipe or 1f1b.")] = "gpipe",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum or adam.")] = "adam",
     bandwidth: Annotated[str | None, typer.Option(help="Link bandwidth, e.g. 10GB/s.")] = None,
@@ -194,7 +200,7 @@ def plan(
             fail(f"--microbatches {microbatches!r} must be 'auto' or a positive integer")
         m = int(microbatches)
     choices = {
-        "--checkpoint": (checkpoint, ("always", "except_last", "never")),
+        "--checkpoint": (checkpoint, ("auto", "always", "except_last", "never")),
         "--schedule": (schedule, ("gpipe", "1f1b")),
         "--optimizer": (optimizer, OPTIMIZERS),
     }

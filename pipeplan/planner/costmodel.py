@@ -61,7 +61,8 @@ rank pays it at once, so the step pays it once) and o is the pipeline engine's
 fixed cost per forward or backward operation (``Cluster.engine_overhead_s``, from calibration;
 a 1-stage plan has its own).  A stage recomputes under the
 policy ``always``; under ``except_last`` (torchgpipe's default) every stage but the last; under
-``never`` none.
+``never`` none; under ``auto`` (the default) each stage whose activations would not fit its
+device if it kept them (:func:`stage_recomputes`: exact, since keeping is never slower).
 
 Contention.  On hosts where ranks share cores (two ranks on two vCPUs here), a stage computes
 more slowly while other stages compute too.  The simulator slows every forward and backward by
@@ -148,6 +149,8 @@ __all__ = [
     "memory_parts",
     "recomputes",
     "stage_memory",
+    "stage_params",
+    "stage_recomputes",
     "stage_time",
     "step_time",
     "tied_syncs",
@@ -155,8 +158,37 @@ __all__ = [
 
 
 def recomputes(policy: str, j: int, p: int) -> bool:
-    """Whether stage j of p recomputes its forward in the backward pass."""
+    """Whether stage j of p recomputes its forward in the backward pass under a fixed policy
+    (``auto`` decides per stage from its memory: :func:`stage_recomputes`)."""
+    if policy == "auto":
+        raise ValueError("the policy auto decides per stage: use stage_recomputes")
     return policy == "always" or (policy == "except_last" and j < p - 1)
+
+
+def stage_params(costs: UnitCosts, l: int, r: int) -> int:
+    """w_j: parameter bytes of a stage over units l..r, copies of shared parameters included."""
+    return int(costs.Pw[r + 1] - costs.Pw[l]) + int(costs.shared_bytes(l, r))
+
+
+def stage_recomputes(
+    costs: UnitCosts, cluster: Cluster, options: PlanOptions, l: int, r: int, j: int
+) -> bool:
+    """Whether stage j over units l..r recomputes: the policy's rule, or under ``auto``
+    whether keeping its activations would not fit its device.
+
+    ``auto`` is exact and stage-local: a stage's choice changes only its own F_j, B_j and M_j,
+    keeping is never slower (F_j and B_j are no larger: the tables clip the checkpointed times
+    at the plain ones, :mod:`pipeplan.planner.unitcosts`), and T(m) never decreases when one
+    stage's F_j or B_j grows (its sum and its bottleneck grow with them; the updates' tail R
+    can shrink as a later stage's drain grows, but by no more than the drain does, which the
+    sum has already charged).  So every stage that can keep should, and the rest recompute.
+    """
+    p = cluster.n_stages
+    if options.checkpoint != "auto":
+        return recomputes(options.checkpoint, j, p)
+    w = stage_params(costs, l, r)
+    keep = sum(memory_parts(costs, options, j, p, l, r, w, recompute=False).values())
+    return bool(float(keep) > cluster.devices[j].memory_bytes)
 
 
 def in_flight(schedule: str, j: int, p: int, m: int) -> int:
@@ -173,12 +205,21 @@ def _comm(costs: UnitCosts, cluster: Cluster, cut: int) -> float:
 
 
 def stage_time(
-    costs: UnitCosts, cluster: Cluster, options: PlanOptions, l: int, r: int, j: int
+    costs: UnitCosts,
+    cluster: Cluster,
+    options: PlanOptions,
+    l: int,
+    r: int,
+    j: int,
+    recompute: bool | None = None,
 ) -> tuple[float, float, float]:
-    """(F_j, B_j, C_j) of stage j covering units l..r."""
+    """(F_j, B_j, C_j) of stage j covering units l..r, recomputing or not as ``recompute``
+    says (default: :func:`stage_recomputes`)."""
     p = cluster.n_stages
     speed = cluster.devices[j].speed
-    if recomputes(options.checkpoint, j, p):
+    if recompute is None:
+        recompute = stage_recomputes(costs, cluster, options, l, r, j)
+    if recompute:
         F = (float(costs.Pfc[r + 1] - costs.Pfc[l]) + costs.call_f) / speed
         B = (float(costs.Pr[r + 1] - costs.Pr[l]) + costs.call_b) / speed
     else:
@@ -201,18 +242,20 @@ def memory_parts(
     l: np.ndarray | int,
     r: np.ndarray | int,
     w: np.ndarray | float,
+    recompute: bool | None = None,
 ) -> dict[str, np.ndarray]:
     """M_j by part at its peak, for stage j of p over units l..r holding ``w`` parameter bytes
-    (shared copies included; arrays broadcast; see the module docstring).  The parts sum to
-    M_j; ``grads`` is 0 where the peak comes before the first gradient exists.  The solvers'
-    tables and :func:`stage_memory` both read it, so they agree on what fits."""
+    (shared copies included; arrays broadcast; see the module docstring), recomputing as
+    ``recompute`` says (default: the fixed policy's rule).  The parts sum to M_j; ``grads`` is
+    0 where the peak comes before the first gradient exists.  The solvers' tables and
+    :func:`stage_memory` both read it, so they agree on what fits."""
     l_arr, r_arr, w_arr = np.asarray(l), np.asarray(r), np.asarray(w, dtype=np.float64)
     m, q = costs.m, in_flight(options.schedule, j, p, costs.m)
     later = q if options.schedule == "1f1b" and m > q else q - 1
     x_in = costs.x[l_arr].astype(np.float64)
     x_out = costs.x[r_arr + 1].astype(np.float64)
     acts = costs.Pa[r_arr + 1] - costs.Pa[l_arr]
-    rc = recomputes(options.checkpoint, j, p)
+    rc = recomputes(options.checkpoint, j, p) if recompute is None else recompute
     last = j == p - 1
     held_acts = (0.0 if rc else acts) + (costs.loss_a if last else 0.0)  # per micro-batch
     held_out = x_out + (costs.out if last else 0.0)
@@ -237,11 +280,20 @@ def memory_parts(
 
 
 def stage_memory(
-    costs: UnitCosts, cluster: Cluster, options: PlanOptions, l: int, r: int, j: int
+    costs: UnitCosts,
+    cluster: Cluster,
+    options: PlanOptions,
+    l: int,
+    r: int,
+    j: int,
+    recompute: bool | None = None,
 ) -> MemoryBreakdown:
-    """M_j of stage j covering units l..r, broken down at its peak."""
-    w = int(costs.Pw[r + 1] - costs.Pw[l]) + int(costs.shared_bytes(l, r))
-    parts = memory_parts(costs, options, j, cluster.n_stages, l, r, w)
+    """M_j of stage j covering units l..r, broken down at its peak (``recompute`` as in
+    :func:`stage_time`)."""
+    if recompute is None:
+        recompute = stage_recomputes(costs, cluster, options, l, r, j)
+    w = stage_params(costs, l, r)
+    parts = memory_parts(costs, options, j, cluster.n_stages, l, r, w, recompute)
     ints = {key: int(v) for key, v in parts.items()}
     return MemoryBreakdown(**ints, total=sum(ints.values()))
 
@@ -299,7 +351,8 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
     """A bound no partition beats: min over m of S_lb + (m - 1) max(S_lb / p, max_u t_u).
 
     t_u = (f_u + g_u) / s_max, replaced by the checkpointed (fc_u - c_F + r_u - c_B) / s_max
-    under the policy ``always`` and by the smaller of the two under ``except_last``;
+    under the policy ``always`` and by the smaller of the two under ``except_last`` and
+    ``auto``;
     S_lb = sum_u t_u.  Communication, the engine's and the checkpoint calls' own costs are
     taken as free, but for the engine's fixed cost per step c, which every plan pays.
     """
@@ -309,7 +362,8 @@ def lower_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
     for m in microbatch_choices(profile, options):
         c = unit_costs(profile, m)
         plain, rc = c.f + c.g, np.diff(c.Pfc) + np.diff(c.Pr)
-        per_unit = {"always": rc, "except_last": np.minimum(plain, rc), "never": plain}[
+        least = np.minimum(plain, rc)
+        per_unit = {"always": rc, "except_last": least, "never": plain, "auto": least}[
             options.checkpoint
         ] / s_max
         total = float(per_unit.sum())

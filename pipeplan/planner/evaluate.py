@@ -25,8 +25,8 @@ from pipeplan.planner.costmodel import (
     bubble_fraction,
     contention,
     lower_bound,
-    recomputes,
     stage_memory,
+    stage_recomputes,
     stage_time,
     step_time,
     tied_syncs,
@@ -72,8 +72,11 @@ def build_stages(
     options: PlanOptions,
     boundaries: Sequence[int],
     m: int,
+    recompute: Sequence[bool] | None = None,
 ) -> list[Stage]:
-    """Evaluate every stage of the partition whose stages start at 0 and at ``boundaries``."""
+    """Evaluate every stage of the partition whose stages start at 0 and at ``boundaries``;
+    stage j recomputes as ``recompute[j]`` says, by default as the policy decides
+    (:func:`pipeplan.planner.costmodel.stage_recomputes`)."""
     n, p = profile.n_units, cluster.n_stages
     starts = [0, *boundaries]
     if len(starts) != p or any(b <= a for a, b in pairwise(starts)) or starts[-1] >= n:
@@ -82,11 +85,18 @@ def build_stages(
         )
     costs = unit_costs(profile, m)
     update = update_cost(profile, options.optimizer, cluster)
+    if recompute is not None and len(recompute) != p:
+        raise InvalidRequestError(f"recompute {list(recompute)} must name all {p} stages")
     stages = []
     for j, l in enumerate(starts):
         r = (starts[j + 1] if j + 1 < p else n) - 1
-        F, B, C = stage_time(costs, cluster, options, l, r, j)
-        mem = stage_memory(costs, cluster, options, l, r, j)
+        rc = (
+            stage_recomputes(costs, cluster, options, l, r, j)
+            if recompute is None
+            else bool(recompute[j])
+        )
+        F, B, C = stage_time(costs, cluster, options, l, r, j, rc)
+        mem = stage_memory(costs, cluster, options, l, r, j, rc)
         dev = cluster.devices[j]
         stages.append(
             Stage(
@@ -95,7 +105,7 @@ def build_stages(
                 first_unit=l,
                 last_unit=r,
                 unit_names=tuple(u.name for u in profile.units[l : r + 1]),
-                recompute=recomputes(options.checkpoint, j, p),
+                recompute=rc,
                 forward_s=F,
                 backward_s=B,
                 comm_s=C,
@@ -143,9 +153,11 @@ def evaluate(
     status: str | None = None,
     gap: float | None = None,
     solve_time_s: float | None = None,
+    recompute: Sequence[bool] | None = None,
 ) -> Plan:
-    """The Plan of a given partition and micro-batch count under this cost model."""
-    stages = build_stages(profile, cluster, options, boundaries, m)
+    """The Plan of a given partition and micro-batch count under this cost model (each stage
+    recomputing as ``recompute`` says, by default as the policy decides)."""
+    stages = build_stages(profile, cluster, options, boundaries, m, recompute)
     times = [s.time_s for s in stages]
     busy = [s.forward_s + s.backward_s for s in stages]
     kappa = contention(cluster, m)

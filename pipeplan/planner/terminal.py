@@ -68,10 +68,12 @@ def uncalibrated_note(cluster: Cluster) -> str | None:
 
 
 def print_plan(p: Plan) -> None:
-    """Print plan ``p`` as a table, one row per stage (``*`` marks the slowest), then a summary
-    line: step time, simulated step time, lower bound, bubble, throughput and the options."""
+    """Print plan ``p`` as a table, one row per stage (whether it recomputes; ``*`` marks the
+    slowest), then a summary line: step time, simulated step time, lower bound, bubble,
+    throughput and the options."""
     table = Table(title=f"{p.model}: {p.n_stages} stages, m = {p.microbatches} ({p.solver})")
-    for col in ("stage", "units", "F ms", "B ms", "C ms", "t ms", "memory", "limit", "fits"):
+    cols = ("stage", "units", "recompute", "F ms", "B ms", "C ms", "t ms", "memory", "limit")
+    for col in (*cols, "fits"):
         table.add_column(col, justify="right")
     slowest = max(s.time_s for s in p.stages)
     for s in p.stages:
@@ -79,6 +81,7 @@ def print_plan(p: Plan) -> None:
         table.add_row(
             str(s.index),
             f"{s.first_unit}-{s.last_unit} ({s.unit_names[0]}..{s.unit_names[-1]})",
+            "yes" if s.recompute else "no",
             f"{s.forward_s * 1e3:.3f}",
             f"{s.backward_s * 1e3:.3f}",
             f"{s.comm_s * 1e3:.3f}",

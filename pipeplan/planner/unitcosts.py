@@ -6,7 +6,8 @@ measurements at b into arrays over the units u = 0..n-1 (seconds on a device of 
     f_u, g_u         forward and backward seconds
     fc_u - c_F       forward under checkpointing, less one checkpoint call's own forward
     r_u - c_B        backward under checkpointing (recompute included), less the call's own
-                     backward; (c_F, c_B) = ``Profile.checkpoint_call_s``, both clipped at 0
+                     backward; (c_F, c_B) = ``Profile.checkpoint_call_s``; clipped below at
+                     f_u and g_u (recomputing never costs less than keeping)
     a_u              bytes saved for backward by one micro-batch
     big_u            bytes of the unit's largest parameter (a range-max table over units)
     w_u              parameter bytes (a shared parameter counted on its first user, the owner)
@@ -203,8 +204,12 @@ def _build_unit_costs(profile: Profile, m: int) -> UnitCosts:
     rb = [t.forward_s + t.backward_s if t.recompute_backward_s is None else t.recompute_backward_s
           for t in timings]  # fmt: skip
     rf = [t.forward_s if t.recompute_forward_s is None else t.recompute_forward_s for t in timings]
-    r = np.maximum(np.array(rb, dtype=np.float64) - call_b, 0.0)
-    fc = np.maximum(np.array(rf, dtype=np.float64) - call_f, 0.0)
+    # A unit that recomputes runs its forward again and keeps nothing: it is never charged less
+    # than keeping its activations, though the measured checkpointed times can come out lower
+    # by noise.  So keeping dominates recomputing in time, and a stage keeps whenever that fits
+    # (the ``auto`` policy, pipeplan.planner.costmodel.stage_recomputes).
+    r = np.maximum(np.array(rb, dtype=np.float64) - call_b, g)
+    fc = np.maximum(np.array(rf, dtype=np.float64) - call_f, f)
     a = np.array([u.timings[b].saved_bytes for u in profile.units], dtype=np.float64)
     w = np.array([u.param_bytes for u in profile.units], dtype=np.float64)
     x = np.zeros(len(f) + 1)

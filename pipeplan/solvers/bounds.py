@@ -19,30 +19,52 @@ from pipeplan.planner.unitcosts import UnitCosts
 __all__ = ["Bounds", "stage_backward", "stage_compute", "stage_offsets"]
 
 
-def stage_compute(costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int) -> np.ndarray:
-    """Q_j: prefix sums of stage j's per-unit compute time (recompute included) on device j."""
-    rc = recomputes(options.checkpoint, j, cluster.n_stages)
+def _recomputes(options: PlanOptions, j: int, p: int, recompute: bool | None) -> bool:
+    """``recompute`` when given, else the fixed policy's rule; under ``auto`` the kept
+    variant, never slower, so that bounds read from it stay bounds."""
+    if recompute is not None:
+        return recompute
+    return False if options.checkpoint == "auto" else recomputes(options.checkpoint, j, p)
+
+
+def stage_compute(
+    costs: UnitCosts,
+    cluster: Cluster,
+    options: PlanOptions,
+    j: int,
+    recompute: bool | None = None,
+) -> np.ndarray:
+    """Q_j: prefix sums of stage j's per-unit compute time (recompute included) on device j,
+    recomputing as ``recompute`` says (default: the policy; under ``auto`` keeping)."""
+    rc = _recomputes(options, j, cluster.n_stages, recompute)
     return costs.compute_prefix(rc) / cluster.devices[j].speed
 
 
 def stage_backward(
-    costs: UnitCosts, cluster: Cluster, options: PlanOptions, j: int
+    costs: UnitCosts,
+    cluster: Cluster,
+    options: PlanOptions,
+    j: int,
+    recompute: bool | None = None,
 ) -> tuple[np.ndarray, float]:
     """(prefix table, constant) of stage j's backward B_j alone on device j (recompute
     included): what the stages after it wait for in the drain."""
-    rc = recomputes(options.checkpoint, j, cluster.n_stages)
+    rc = _recomputes(options, j, cluster.n_stages, recompute)
     table = (costs.Pr if rc else costs.Pg) / cluster.devices[j].speed
-    _, B, _ = stage_time(costs, cluster, options, 0, 0, j)
+    _, B, _ = stage_time(costs, cluster, options, 0, 0, j, rc)
     return table, B - float(table[1])
 
 
-def stage_offsets(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[float]:
+def stage_offsets(
+    costs: UnitCosts, cluster: Cluster, options: PlanOptions, recompute: bool | None = None
+) -> list[float]:
     """o_j: stage j's time beyond its units' compute and its cut (a one-unit stage's excess)."""
     p = cluster.n_stages
     out = []
     for j in range(p):
-        F, B, _ = stage_time(costs, cluster, options, 0, 0, j)
-        out.append(max(0.0, F + B - float(stage_compute(costs, cluster, options, j)[1])))
+        rc = _recomputes(options, j, p, recompute)
+        F, B, _ = stage_time(costs, cluster, options, 0, 0, j, rc)
+        out.append(max(0.0, F + B - float(stage_compute(costs, cluster, options, j, rc)[1])))
     return out
 
 

@@ -153,29 +153,59 @@ class CpsatModel:
         )
         self._holds: dict[tuple[int, int], cp_model.IntVar] = {}
         self._users: dict[int, np.ndarray] = {}
-        offsets_s = stage_offsets(costs, cluster, options)
+        auto = options.checkpoint == "auto"
+        # Under auto a boolean per stage says whether it recomputes; each variant's time and
+        # memory constraints hold only where its literal does (keeping wins where it fits:
+        # it is never slower, pipeplan.planner.costmodel.stage_recomputes).
+        offsets_by = {rc: stage_offsets(costs, cluster, options, rc) for rc in (False, True)}
         kappa = contention(cluster, m)
         ka = (m - 1) * kappa
         horizon, floor = 0, 0
         self.a: list[cp_model.IntVar] = []
         self.s: list[cp_model.IntVar] = []
+        self.recompute: list[cp_model.IntVar | bool] = []
         tails: list[tuple[cp_model.LinearExpr | int, cp_model.LinearExpr | int]] = []  # U_j, D_j
         drain: cp_model.LinearExpr | int = 0  # D_j = sum_{i<j} (B_i + C_i / 2)
         half = to_ticks(cuts / 2, scale)  # the gradient's trip, for the drain D_j
+
+        def only_if(constraint: cp_model.Constraint, lit: Any) -> None:
+            if lit is not None:
+                constraint.only_enforce_if(lit)
+
         for j in range(p):
-            rc = recomputes(options.checkpoint, j, p)
-            compute = stage_compute(costs, cluster, options, j)
+            variants: list[tuple[bool, Any]]
+            if auto:
+                z = md.new_bool_var(f"rc{j}")
+                variants = [(False, z.Not()), (True, z)]
+                self.recompute.append(z)
+            else:
+                rc_fixed = recomputes(options.checkpoint, j, p)
+                variants = [(rc_fixed, None)]
+                self.recompute.append(rc_fixed)
             cut = at(j + 1, comm, "c") if j < p - 1 else 0
             # a_j (its term of the sum) and s_j (its steady-state slot term), from tables of
             # the compute scaled by 1 + (m - 1) k and by 1 - k.
             terms = []
             for name, factor in (("a", 1.0 + ka), ("s", 1.0 - kappa)):
-                Q = to_ticks(compute * factor, scale)
-                o = to_ticks([offsets_s[j] * factor], scale)[0]
-                lo = min(0, min(Q) - max(Q) + o)
-                hi = max(Q) - min(Q) + max(0, o) + max(comm)
+                exprs = []
+                lo, hi = 0, 0
+                for rc, lit in variants:
+                    Q = to_ticks(stage_compute(costs, cluster, options, j, rc) * factor, scale)
+                    o = to_ticks([offsets_by[rc][j] * factor], scale)[0]
+                    lo = min(lo, min(Q) - max(Q) + o)
+                    hi = max(hi, max(Q) - min(Q) + max(0, o) + max(comm))
+                    expr = at(j + 1, Q, name + "e") - at(j, Q, name + "s") + o + cut
+                    exprs.append((expr, lit, rc))
                 var = md.new_int_var(lo, hi, f"{name}{j}")
-                md.add(var == at(j + 1, Q, name + "e") - at(j, Q, name + "s") + o + cut)
+                for expr, lit, rc in exprs:
+                    if factor > 0:
+                        # The objective grows with the term, and recomputing never costs less
+                        # than keeping: a lower bound per variant is exact at the optimum, and
+                        # keeping's holds whatever the stage does (a tighter relaxation than
+                        # one equality per literal).
+                        only_if(md.add(var >= expr), lit if rc else None)
+                    else:
+                        only_if(md.add(var == expr), lit)
                 terms.append(var)
                 if name == "s":
                     horizon, floor = max(horizon, hi), min(floor, lo)
@@ -190,9 +220,20 @@ class CpsatModel:
                 if update:
                     upd = self._update(j, update, cluster, scale, copies, at)
                 tails.append((upd, drain))
-                back, ob = stage_backward(costs, cluster, options, j)
-                QB = to_ticks(back, scale)
-                drain = drain + at(j + 1, QB, "be") - at(j, QB, "bs") + to_ticks([ob], scale)[0]
+                backs = []
+                for rc, lit in variants:
+                    back, ob = stage_backward(costs, cluster, options, j, rc)
+                    QB = to_ticks(back, scale)
+                    expr = at(j + 1, QB, "be") - at(j, QB, "bs") + to_ticks([ob], scale)[0]
+                    backs.append((expr, lit, max(QB) + abs(to_ticks([ob], scale)[0])))
+                if len(backs) == 1:
+                    drain = drain + backs[0][0]
+                else:
+                    top_b = max(b for _, _, b in backs)
+                    bvar = md.new_int_var(-top_b, top_b, f"B{j}")
+                    for expr, lit, _ in backs:
+                        only_if(md.add(bvar == expr), lit)
+                    drain = drain + bvar
                 if j < p - 1:  # the gradient's trip across the cut after stage j
                     drain = drain + at(j + 1, half, "h")
             # M_j (pipeplan.planner.costmodel.memory_parts) <= cap_j, its max() as one constraint
@@ -203,14 +244,23 @@ class CpsatModel:
             last = j == p - 1
             base = (wk - 1) * w_j + m * at(j, X, "x") + m * x_out + (j > 0) * at(j, X, "x")
             base = base + (int(2 * costs.out) if last else 0)
-            per_mb = x_out + (0 if rc else acts) + (int(costs.loss_a + costs.out) if last else 0)
             later = q if options.schedule == "1f1b" and m > q else q - 1
-            remade = acts if rc else 0
-            md.add(base + q * per_mb + remade <= caps[j])
-            md.add(base + w_j + later * per_mb + remade <= caps[j])
-            if m > 1:
-                temp = self._largest_param(j, biggest, at)
-                md.add(base + w_j + later * per_mb + temp <= caps[j])
+            temp = self._largest_param(j, biggest, at) if m > 1 else None
+            for rc, lit in variants:
+                per_mb = (
+                    x_out + (0 if rc else acts) + (int(costs.loss_a + costs.out) if last else 0)
+                )
+                remade = acts if rc else 0
+                peaks = [base + q * per_mb + remade, base + w_j + later * per_mb + remade]
+                if temp is not None:
+                    peaks.append(base + w_j + later * per_mb + temp)
+                for peak in peaks:
+                    only_if(md.add(peak <= caps[j]), lit)
+                if auto and not rc:  # a stage recomputes only where keeping would not fit
+                    over = [md.new_bool_var(f"over{j}_{k}") for k in range(len(peaks))]
+                    for flag, peak in zip(over, peaks):
+                        md.add(peak >= caps[j] + 1).only_enforce_if(flag)
+                    md.add_bool_or([lit, *over])  # keep (lit), or keeping is over some limit
         # max_j t_j >= t_floor, and s_j >= (1 - k) t_j when k <= 1 (c_j <= t_j).
         lo_t = floor
         if kappa <= 1:

@@ -48,7 +48,7 @@ def reference_time(
     for m in ms:
         c = unit_costs(profile, m)
         comm = sum(cut_times(c, cluster, options))
-        extra = sum(stage_offsets(c, cluster, options))
+        extra = sum(stage_offsets(c, cluster, options, recompute=True))
         worst = max(worst, float(2 * c.f.sum() + c.g.sum()) / s_min + comm + extra)
     return worst if worst > 0 else 1.0
 
@@ -63,7 +63,7 @@ def cut_times(costs: UnitCosts, cluster: Cluster, options: PlanOptions) -> list[
         return [0.0] * (n + 1)
     return [
         0.0,
-        *(stage_time(costs, cluster, options, k - 1, k - 1, 0)[2] for k in range(1, n)),
+        *(stage_time(costs, cluster, options, k - 1, k - 1, 0, False)[2] for k in range(1, n)),
         0.0,
     ]
 

@@ -159,6 +159,15 @@ def _partition(
             bound = min(bound, floors[i])
             continue
         bound = min(bound, _solve(insts[i], starts[i], inc, floors[i]))
+    if options.checkpoint == "auto" and bound < inc.objective * (1 - 1e-12):
+        # The tail's bound left a gap (the drain of a mixed plan is bounded, see dp_tables):
+        # offer the optimum of every fixed policy too, each a choice auto can make, so that
+        # auto is never worse than the best of them.
+        by_m = {inst.m: inst for inst in insts}
+        for policy in ("never", "except_last", "always"):
+            fixed = _partition(profile, cluster, options.model_copy(update={"checkpoint": policy}))
+            if fixed is not None and fixed[1] in by_m:
+                inc.offer(by_m[fixed[1]], fixed[0])
     if not inc.starts:
         return None
     return inc.starts, inc.m, inc.objective, min(bound, inc.objective)

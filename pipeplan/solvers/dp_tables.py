@@ -55,6 +55,7 @@ whether it can ever fall short).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,10 +117,12 @@ class Band:
 
     lidx: np.ndarray
     """Its first unit l, or n + 1 where the cell is no stage (d > r, or r = n - 1)."""
-    a: np.ndarray
-    """Its term of S: t + (m - 1) k c (inf outside the band)."""
-    s: np.ndarray
-    """Its steady-state slot term t - k c (inf outside the band)."""
+    a: dict[tuple[int, float, bool], np.ndarray]
+    """Per key (as ``masks``): its term of S, t + (m - 1) k c (inf outside the band).  The
+    keys share one array unless the policy is ``auto``, where a stage's key decides whether it
+    can keep its activations."""
+    s: dict[tuple[int, float, bool], np.ndarray]
+    """Per key: its steady-state slot term t - k c (inf outside the band)."""
     upd: np.ndarray
     """U: its optimizer update."""
     r1: np.ndarray
@@ -131,12 +134,16 @@ class Band:
         """The first W columns."""
         return Band(
             self.lidx[:, :W],
-            self.a[:, :W],
-            self.s[:, :W],
+            {k: v[:, :W] for k, v in self.a.items()},
+            {k: v[:, :W] for k, v in self.s.items()},
             self.upd[:, :W],
             self.r1[:, :W],
             {k: v[:, :W] for k, v in self.masks.items()},
         )
+
+    @property
+    def width(self) -> int:
+        return int(self.lidx.shape[1])
 
 
 class Instance:
@@ -171,20 +178,27 @@ class Instance:
         self.trips = longest_sums(self.comm[: n + 1], max(self.p - 2, 0))
         self.policy = options.checkpoint
         self.options = options
-        rc_mid = recomputes(options.checkpoint, 0, 2)
-        rc_last = recomputes(options.checkpoint, self.p - 1, self.p)
-        # Stage compute of units l..r: (Q[r + 1] - Q[l]) + the stage's constant.
-        self.Qmid = costs.compute_prefix(rc_mid) / speed
-        self.Qlast = costs.compute_prefix(rc_last) / speed
-        # A stage's constant: the engine's cost of one forward and one backward, plus one
-        # checkpoint call's own cost when it recomputes.
-        call = (costs.call_f + costs.call_b) / speed
+        # Under ``auto`` each stage keeps its activations where that fits its device and
+        # recomputes elsewhere (pipeplan.planner.costmodel.stage_recomputes): both variants'
+        # tables are built, and a stage's cells take the one its memory allows.
+        self.auto = options.checkpoint == "auto"
+        rc_mid = True if self.auto else recomputes(options.checkpoint, 0, 2)
+        rc_last = recomputes(options.checkpoint, self.p - 1, self.p) if not self.auto else True
         o = cluster.engine_overhead_s
-        self.op = 2.0 * o + (call if rc_mid else 0.0)
-        op_last = 2.0 * o + (call if rc_last else 0.0)
-        # The backward alone of mid stages, for the drain D_j = QB[l] + j * ob + comm[l] / 2.
-        self.QB = (costs.Pr if rc_mid else costs.Pg) / speed
-        self.ob = o + (costs.call_b / speed if rc_mid else 0.0)
+        # Stage compute of units l..r: (Q[r + 1] - Q[l]) + the stage's constant, the engine's
+        # cost of one forward and one backward plus one checkpoint call's own cost when it
+        # recomputes; the backward alone (QB, ob) gives the drain D_j = QB[l] + j ob + ....
+        self.variants = {rc: self._variant(costs, speed, o, rc) for rc in (False, True)}
+        self.Qmid, self.op, self.QB, self.ob = self.variants[rc_mid]
+        self.Qmid_hi, self.op_hi = self.Qmid, self.op
+        self.all_keep = self.auto and self._keeps_everywhere(costs, options, caps)
+        if self.all_keep:  # no stage of any partition needs to recompute: auto is never
+            self.Qmid, self.op, self.QB, self.ob = self.variants[False]
+        elif self.auto:
+            # Lower bounds read the kept variant (never slower), the thresholds' ceiling the
+            # recomputing one, and the drain the recomputing one too: an upper bound of D_j
+            # whatever the earlier stages chose, so r_j = U_j - D_j stays a lower bound.
+            self.Qmid, self.op = self.variants[False][0], self.variants[False][1]
         self.kappa = contention(cluster, self.m)
         self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
         self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
@@ -216,6 +230,8 @@ class Instance:
             self.exact = False
         if self.p > 2 and self.tail_on and float(np.max(self.trips[:, -1])) > 0:
             self.exact = False
+        if self.auto and not self.all_keep and self.p > 2 and self.tail_on:
+            self.exact = False  # the drain is an upper bound
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
         self.keys = [(self.q[j], float(caps[j]), j > 0) for j in range(self.p)]
         # The last stage as a vector over its first unit L (inf where it does not fit).
@@ -225,10 +241,17 @@ class Instance:
         self.U_last = self.upd(w)
         # r of the last stage: how long its update outlasts the step's last backward.
         self.h_last = self.tail(j, L, np.full(L.shape, n - 1), self.U_last)
-        mem = sum(memory_parts(costs, options, j, self.p, L, np.full(L.shape, n - 1), w).values())
-        ok = (mem <= caps[j]) & (L < n)
         loss = (costs.loss_f + costs.loss_g) / speed
-        self.t_last = np.where(ok, self.Qlast[n] - self.Qlast[L] + op_last + loss, INF)
+        self.rc_last = np.full(L.shape, rc_last)
+        t_last = np.full(L.shape, INF)
+        for rc in (True, False) if self.auto else (rc_last,):  # kept last: it wins where it fits
+            Q, op, _, _ = self.variants[rc]
+            full = np.full(L.shape, n - 1)
+            mem = sum(memory_parts(costs, options, j, self.p, L, full, w, rc).values())
+            ok = (mem <= caps[j]) & (L < n)
+            t_last = np.where(ok, Q[n] - Q[L] + op + loss, t_last)
+            self.rc_last = np.where(ok, rc, self.rc_last)
+        self.t_last = t_last
         # The last stage has no cut (c = t): its term of S, and of the bottleneck.
         # ... plus the engine's fixed cost per step, the same for every partition.
         self.a_last = self.t_last * (1.0 + self.ka) + cluster.step_overhead_s
@@ -246,7 +269,7 @@ class Instance:
         # longer than w_mem fits the largest cap.
         mids = range(self.p - 1)
         q_min = min((self.q[j] for j in mids), default=1)
-        grow = costs.Pw * (self.wk - 1) + (costs.Pa if rc_mid else q_min * costs.Pa)
+        grow = costs.Pw * (self.wk - 1) + (costs.Pa if rc_mid else q_min * costs.Pa)  # auto: rc
         cap = max((float(caps[j]) for j in mids), default=float(caps[0]))
         lo = np.searchsorted(grow, grow[r + 1] - cap - 1e-9 * max(cap, 1.0), side="left")
         self.w_mem = int(max(1, np.max(r - np.minimum(lo, r) + 1)))
@@ -254,6 +277,42 @@ class Instance:
         self._band: Band | None = None
         self._blocked: dict[float, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._mid_tails: dict[int, np.ndarray] = {}
+
+    @staticmethod
+    def _variant(
+        costs: UnitCosts, speed: float, o: float, rc: bool
+    ) -> tuple[np.ndarray, float, np.ndarray, float]:
+        """(Q, op, QB, ob) of a stage that does (``rc``) or does not recompute: its compute's
+        prefix table and constant, its backward's prefix table and constant."""
+        call = (costs.call_f + costs.call_b) / speed
+        return (
+            costs.compute_prefix(rc) / speed,
+            2.0 * o + (call if rc else 0.0),
+            (costs.Pr if rc else costs.Pg) / speed,
+            o + (costs.call_b / speed if rc else 0.0),
+        )
+
+    def _keeps_everywhere(self, costs: UnitCosts, options: PlanOptions, caps: np.ndarray) -> bool:
+        """Whether every stage of every partition fits keeping its activations: M_j with the
+        whole model's activations, parameters and largest parameter and the largest cut
+        bounds any stage's (every part of M_j grows with them) and fits each cap."""
+        n, p = costs.n, self.p
+        widest = dataclasses.replace(costs, x=np.full_like(costs.x, float(np.max(costs.x))))
+        w = float(costs.Pw[n]) + sum(float(nb) for nb, _ in costs.shared)
+        return all(
+            float(sum(memory_parts(widest, options, j, p, 0, n - 1, w, False).values())) <= caps[j]
+            for j in range(p)
+        )
+
+    def recomputing(self, j: int, l: int, r: int) -> bool:
+        """Whether mid stage j over units l..r recomputes (the policy's rule, or under
+        ``auto`` whether keeping does not fit)."""
+        if not self.auto:
+            return recomputes(self.policy, j, self.p)
+        c = self.c
+        w = c.Pw[r + 1] - c.Pw[l] + c.shared_bytes(l, r)
+        keep = sum(memory_parts(c, self.options, j, self.p, l, r, w, False).values())
+        return bool(float(keep) > self.caps[j])
 
     def upd(self, nbytes: np.ndarray | float) -> np.ndarray:
         """U of a stage holding ``nbytes`` of parameters on this instance's devices."""
@@ -339,11 +398,24 @@ class Instance:
             return 0.0
         return float(self.charge(0.0, node.floor))
 
+    def _mid_variants(
+        self, starts: tuple[int, ...]
+    ) -> list[tuple[np.ndarray, float, np.ndarray, float]]:
+        """Each mid stage's (Q, op, QB, ob) as it recomputes or not."""
+        ends = [*starts[1:], self.n]
+        return [
+            self.variants[self.recomputing(j, l, e - 1)]
+            for j, (l, e) in enumerate(zip(starts[:-1], ends))
+        ]
+
     def _stages(self, starts: tuple[int, ...]) -> tuple[list[float], list[float], list[float]]:
         """(c_j, t_j, U_j) of every stage of a partition (U_j of the mid stages only)."""
         ends = [*starts[1:], self.n]
         c = self.c
-        busy = [float(self.Qmid[e] - self.Qmid[l] + self.op) for l, e in zip(starts[:-1], ends)]
+        busy = [
+            float(Q[e] - Q[l] + op)
+            for (Q, op, _, _), l, e in zip(self._mid_variants(starts), starts[:-1], ends)
+        ]
         times = [b + float(self.comm[e]) for b, e in zip(busy, ends)]
         upd = [
             float(self.upd(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1)))
@@ -415,12 +487,12 @@ class Instance:
     def band(self, W: int) -> Band:
         """The band of width W (built at the widest width asked for, sliced for less)."""
         W = max(1, min(W, self.n))
-        if self._band is None or self._band.a.shape[1] < W:
-            have = 0 if self._band is None else self._band.a.shape[1]
+        if self._band is None or self._band.width < W:
+            have = 0 if self._band is None else self._band.width
             self._band = self._build_band(min(self.n, max(W, have + have // 2)))
             self._blocked.clear()
             self._mid_tails.clear()
-        if self._band.a.shape[1] == W:
+        if self._band.width == W:
             return self._band
         return self._band.narrow(W)
 
@@ -430,21 +502,43 @@ class Instance:
         l = r - np.arange(W)[None, :]
         valid = (l >= 0) & (r < n - 1)
         lc = np.where(valid, l, 0)
-        busy = self.Qmid[r + 1] - self.Qmid[lc] + self.op
-        t = busy + self.comm[np.minimum(r + 1, n)]
-        a = np.where(valid, t + self.ka * busy, INF)
-        s = np.where(valid, t - self.kappa * busy, INF)
+        cut = self.comm[np.minimum(r + 1, n)]
+
+        def terms(Q: np.ndarray, op: float) -> tuple[np.ndarray, np.ndarray]:
+            busy = Q[r + 1] - Q[lc] + op
+            t = busy + cut
+            return np.where(valid, t + self.ka * busy, INF), np.where(
+                valid, t - self.kappa * busy, INF
+            )
+
+        a, s = terms(self.Qmid, self.op)  # the policy's (auto: the kept variant)
+        if self.auto:
+            a_rc, s_rc = terms(self.Qmid_hi, self.op_hi)
         w = c.Pw[r + 1] - c.Pw[lc] + c.shared_bytes(lc, r)
         upd = self.upd(w)
         r1 = np.where(valid, self.tail(1, lc, np.broadcast_to(r, lc.shape), upd), -INF)
         masks: dict[tuple[int, float, bool], np.ndarray] = {}
+        a_by: dict[tuple[int, float, bool], np.ndarray] = {}
+        s_by: dict[tuple[int, float, bool], np.ndarray] = {}
+        rr = np.broadcast_to(r, lc.shape)
         for j in range(self.p - 1):
             key = self.keys[j]
-            if key not in masks:
-                rr = np.broadcast_to(r, lc.shape)
+            if key in masks:
+                continue
+            if not self.auto:
                 mem = sum(memory_parts(c, self.options, j, self.p, lc, rr, w).values())
-                masks[key] = valid & (mem <= self.caps[j])
-        return Band(np.where(valid, l, n + 1), a, s, upd, r1, masks)
+                masks[key], a_by[key], s_by[key] = valid & (mem <= self.caps[j]), a, s
+                continue
+            fits = {
+                rc: valid
+                & (sum(memory_parts(c, self.options, j, self.p, lc, rr, w, rc).values())
+                   <= self.caps[j])
+                for rc in (False, True)
+            }  # fmt: skip
+            masks[key] = fits[False] | fits[True]
+            a_by[key] = np.where(fits[False], a, a_rc)
+            s_by[key] = np.where(fits[False], s, s_rc)
+        return Band(np.where(valid, l, n + 1), a_by, s_by, upd, r1, masks)
 
     def blocked(self, cap: float, W: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per mid stage j, the band cells (rows, columns < W) whose tail as stage j exceeds
@@ -452,7 +546,7 @@ class Instance:
         band = self.band(W)
         full = self._band
         assert full is not None
-        width = full.a.shape[1]
+        width = full.width
         if cap not in self._blocked or self._blocked[cap][0] != width:
             rows, cols = np.nonzero(full.r1 > cap)
             per_j = [(rows[:0], cols[:0])]
@@ -465,9 +559,9 @@ class Instance:
                 per_j *= self.p - 1
             self._blocked[cap] = (width, per_j)
         per_j = self._blocked[cap][1]
-        if band.a.shape[1] == width:
+        if band.width == width:
             return per_j
-        W = band.a.shape[1]
+        W = band.width
         return [(rr[cc < W], cc[cc < W]) for rr, cc in per_j]
 
     def mid_tail(self, k: int, W: int) -> np.ndarray:
@@ -481,7 +575,7 @@ class Instance:
             self._mid_tails[k] = np.where(
                 full.lidx <= self.n, self.tail(k, lc, rows, full.upd), 0.0
             )
-        return self._mid_tails[k][:, : band.a.shape[1]]
+        return self._mid_tails[k][:, : band.width]
 
     def run_mid(
         self, threshold: float, mode: str, node: TailNode | None = None
@@ -502,9 +596,11 @@ class Instance:
             return dp[: n + 1], choice
         W = self.width(threshold)
         band = self.band(W)
-        ok = band.s <= threshold
         term = band.a if mode == "sum" else band.s
-        cost = {key: np.where(mask & ok, term, INF) for key, mask in band.masks.items()}
+        cost = {
+            key: np.where(mask & (band.s[key] <= threshold), term[key], INF)
+            for key, mask in band.masks.items()
+        }
         tail = self.tail_on and p > 2
         capped = tail and np.isfinite(node.cap)
         blocked = self.blocked(node.cap, W) if capped else []
@@ -512,7 +608,7 @@ class Instance:
         for j in range(p - 1):
             c = cost[self.keys[j]]
             if j == 0:  # only stage 0's cells (l = 0) are reachable: one column per row
-                d = np.minimum(rows, band.a.shape[1] - 1)
+                d = np.minimum(rows, band.width - 1)
                 first = np.where(d == rows, c[rows, d], INF)
                 if tail:
                     first = first + self.stage0(node, mode)
@@ -534,7 +630,7 @@ class Instance:
 
     def candidates(self, lo: float, hi: float) -> np.ndarray:
         """Sorted distinct mid-stage steady-state terms s in [lo, hi]."""
-        s = self.band(self.width(hi)).s
+        s = np.concatenate([v.ravel() for v in self.band(self.width(hi)).s.values()])
         return np.unique(s[(s >= lo) & (s <= hi)])
 
     def starts(self, choice: np.ndarray, L: int) -> tuple[int, ...]:
@@ -548,7 +644,10 @@ class Instance:
         """The exact T(m) of a partition (as :func:`pipeplan.planner.evaluate.evaluate` computes it)."""
         busy, times, upd = self._stages(starts)
         ends = [*starts[1:], self.n]
-        back = [float(self.QB[e] - self.QB[l] + self.ob) for l, e in zip(starts[:-1], ends)]
+        back = [
+            float(QB[e] - QB[l] + ob)
+            for (_, _, QB, ob), l, e in zip(self._mid_variants(starts), starts[:-1], ends)
+        ]
         back.append(0.0)  # the last stage's backward is no stage's drain
         upd.append(float(self.U_last[starts[-1]]))
         comm = [float(self.comm[e]) for e in ends]

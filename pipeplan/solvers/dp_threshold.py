@@ -74,7 +74,7 @@ class Start:
 
 def _total(inst: Instance) -> float:
     """Every stage's slot term together, an upper bound of any threshold worth trying."""
-    return float(inst.Qmid[inst.n] + inst.comm.sum() + inst.p * inst.op) * (1.0 + inst.kappa)
+    return float(inst.Qmid_hi[inst.n] + inst.comm.sum() + inst.p * inst.op_hi) * (1.0 + inst.kappa)
 
 
 def prepare(inst: Instance) -> Start:
@@ -153,8 +153,8 @@ def search(inst: Instance, node: TailNode, start: Start, inc: Incumbent) -> Foun
         mm, _ = inst.run_mid(G, "max", node)
         mm_lb = np.where(mm <= G, mm, G)
     assert best is not None
-    if not inst.comm.any() and not inst.tail_on:
-        return _free_link(inst, G, best, inc)
+    if not inst.comm.any() and not inst.tail_on and not inst.auto:
+        return _free_link(inst, G, best, inc)  # S is the same for every partition
     # 2. Thresholds above M_top cannot win: S >= (1 + (m - 1) k)(Qmid[L] + (p - 1) o) + tl(L)
     # + the charged stage's least charge (communication >= 0).
     s_lb = (inst.Qmid + (p - 1) * inst.op) * (1.0 + inst.ka) + tl + inst.least_charge(node)

@@ -24,7 +24,11 @@ def profile() -> Profile:
 @pytest.fixture(scope="module")
 def plans(profile: Profile) -> list[Plan]:
     """A DP plan with 3 stages and a uniform 4-stage split that overflows a small device."""
-    dp = solve_dp(profile, Cluster.homogeneous(3, 512 * MiB), PlanOptions(microbatches=4))
+    dp = solve_dp(  # stages 0 and 1 recompute: the figures draw every kind of operation
+        profile,
+        Cluster.homogeneous(3, 512 * MiB),
+        PlanOptions(microbatches=4, checkpoint="except_last"),
+    )
     small = Cluster(
         devices=tuple(Device(name=f"d{j}", memory_bytes=(12 + j) * MiB) for j in range(4))
     )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -561,3 +564,66 @@ def test_evaluate_charges_update_contention_as_the_simulator_does() -> None:
     assert Cluster.model_validate(data).update_contention == 0.3
     del data["update_contention"]
     assert Cluster.model_validate(data).update_contention == 0.0
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.integers(0, 10**6),
+    st.integers(2, 8),
+    st.integers(1, 5),
+    st.sampled_from([1, 2, 8]),
+    schedules,
+    st.sampled_from([0.0, 3e-8]),
+    st.booleans(),
+    st.sampled_from([0.0, 0.4, 1.5]),
+    st.sampled_from([0.0, 0.3]),
+    st.floats(0.0, 1.0),
+)
+def test_auto_is_the_best_per_stage_choice(
+    seed: int,
+    n: int,
+    p: int,
+    m: int,
+    schedule: str,
+    update: float,
+    tied: bool,
+    kappa: float,
+    kappa_u: float,
+    tightness: float,
+) -> None:
+    """For any partition and m, keeping where it fits and recomputing elsewhere gives the least
+    step time over all 2^p per-stage choices that fit (the rule's exactness, which the solvers'
+    tables rely on), and never more than the best fixed policy."""
+    p = min(p, n)
+    prof = synthetic_profile(n, batch_size=8, seed=seed, tied=tied, loss=True,
+                             update_s_per_byte=update, checkpoint_call_s=(3e-5, 6e-5))  # fmt: skip
+    cuts = sorted(random.Random(seed).sample(range(1, n), p - 1))
+    big = Cluster.homogeneous(p, 2**50, Link(bandwidth_Bps=1e9), op_overhead_s=1e-4)
+    big = big.model_copy(update={"contention": kappa, "update_contention": kappa_u})
+    opts = PlanOptions.model_validate({"checkpoint": "auto", "schedule": schedule,
+                                       "microbatches": m})  # fmt: skip
+    keep = evaluate(prof, big, opts, cuts, m, solver="t", recompute=[False] * p)
+    rc = evaluate(prof, big, opts, cuts, m, solver="t", recompute=[True] * p)
+    lo = min(s.memory.total for s in rc.stages)
+    hi = max(s.memory.total for s in keep.stages)
+    cap = int(lo + tightness * (hi - lo))  # from nothing keeping to everything keeping
+    clus = big.model_copy(
+        update={"devices": tuple(d.model_copy(update={"memory_bytes": cap}) for d in big.devices)}
+    )
+    auto = evaluate(prof, clus, opts, cuts, m, solver="t")
+    fitting = []
+    for choice in itertools.product((False, True), repeat=p):
+        plan = evaluate(prof, clus, opts, cuts, m, solver="t", recompute=choice)
+        if plan.feasible:
+            fitting.append(plan.step_time_s)
+    assert auto.feasible == bool(fitting)
+    if fitting:
+        assert auto.step_time_s <= min(fitting) * (1 + 1e-12)
+        for policy in ("always", "except_last", "never"):
+            fixed = evaluate(prof, clus, opts.model_copy(update={"checkpoint": policy}), cuts, m,
+                             solver="t")  # fmt: skip
+            if fixed.feasible:
+                assert auto.step_time_s <= fixed.step_time_s * (1 + 1e-12)
+    assert [s.recompute for s in auto.stages] == [
+        s.memory.total > cap for s in keep.stages
+    ]  # exactly the stages that cannot keep recompute

@@ -42,6 +42,7 @@ def make_plan(
     dtype: str = "float64",
     optimizer: str = "sgd",
     replicas: int = 1,
+    recompute: Sequence[bool] | None = None,
 ) -> Plan:
     """A plan whose stages start at units ``starts`` (first 0), with made-up costs; with
     ``replicas`` d, each of d pipelines takes ``batch_size / d`` of the global batch."""
@@ -60,7 +61,7 @@ def make_plan(
                 first_unit=lo,
                 last_unit=hi,
                 unit_names=tuple(u.name for u in units[lo : hi + 1]),
-                recompute=recomputes(checkpoint, j, p),
+                recompute=recomputes(checkpoint, j, p) if recompute is None else recompute[j],
                 forward_s=1e-3,
                 backward_s=2e-3,
                 comm_s=0.0,
@@ -105,7 +106,7 @@ def build(model: dict[str, Any], job: dict[str, Any]) -> tuple[ModelSpec, Traced
 
 
 def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    from pipeplan.runtime.engine import PipelineRunner
+    from pipeplan.runtime.engine import PipelineRunner, Recompute
 
     spec, traced = build(model, job)
     initial = {k: v.clone() for k, v in spec.module.state_dict().items()}
@@ -126,6 +127,10 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             schedule=cfg["schedule"],
             dtype=model.get("dtype", "float64"),
             replicas=model.get("replicas", 1),
+            # "odd": stages 1, 3, ... recompute and the others keep (a mix no fixed policy makes)
+            recompute=[j % 2 == 1 for j in range(len(model["starts"]))]
+            if cfg.get("recompute") == "odd"
+            else None,
         )
         runner = PipelineRunner(
             plan,
@@ -150,6 +155,7 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             "grads": grads,
             "params": {k: p.detach().clone() for k, p in params.items()},
             "tied": [(t.name, t.stages) for t in runner.tied],
+            "recomputed": isinstance(runner.stage.submod, Recompute),
             "buffers": _stage_buffers(spec.module, runner.stage_module),
         }
     return results

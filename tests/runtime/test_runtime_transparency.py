@@ -44,13 +44,21 @@ CONFIGS = [
     {"key": f"{p}-gpipe", "checkpoint": p, "schedule": "gpipe", "optimizer": "sgd", "lr": 0.1}
     for p in POLICIES
 ] + [
+    {  # auto's per-stage choices, as a plan records them: stage 1 recomputes, 0 and 2 keep
+        "key": "mixed-gpipe",
+        "checkpoint": "auto",
+        "recompute": "odd",
+        "schedule": "gpipe",
+        "optimizer": "sgd",
+        "lr": 0.1,
+    },
     {
         "key": "except_last-1f1b",
         "checkpoint": "except_last",
         "schedule": "1f1b",
         "optimizer": "adam",
         "lr": 0.01,
-    }
+    },
 ]
 
 
@@ -99,6 +107,9 @@ def test_pipeline_equals_unsplit_model(results: Any, name: str, world: int) -> N
         pytest.skip("transformers is not installed")
     job, all_ranks = results(world)
     ranks = [r[name] for r in all_ranks]
+    # each rank recomputes exactly as its stage in the plan says (mixed: the odd stages)
+    assert [r["mixed-gpipe"]["recomputed"] for r in ranks] == [j % 2 == 1 for j in range(world)]
+    assert [r["always-gpipe"]["recomputed"] for r in ranks] == [True] * world
     for cfg in job["configs"]:
         key = cfg["key"]
         ref_loss, ref_grads, ref_params, ref_losses = reference(

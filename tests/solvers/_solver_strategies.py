@@ -28,7 +28,7 @@ SPREADS = st.sampled_from([0.1, 0.5, 1.5])
 CURVATURES = st.sampled_from([0.0, 0.0, 1.5])  # 1.5: a superlinear U(w)
 CALL_COSTS = st.sampled_from([(0.0, 0.0), (3e-5, 6e-5)])  # a checkpoint call's (fwd, bwd) s
 CHECKPOINTS: st.SearchStrategy[CheckpointPolicy] = st.sampled_from(
-    ["always", "except_last", "never"]
+    ["auto", "always", "except_last", "never"]
 )
 SCHEDULES: st.SearchStrategy[ScheduleName] = st.sampled_from(["gpipe", "1f1b"])
 ALL_OPTIMIZERS: st.SearchStrategy[OptimizerName] = st.sampled_from(["sgd", "momentum", "adam"])
@@ -77,7 +77,7 @@ HELD_BACK = [
     for update in (0.0, 3e-8)
     for tied in (False, True)
     for tight in (False, True)
-    for policy in ("always", "except_last", "never")
+    for policy in ("auto", "always", "except_last", "never")
     for schedule in ("gpipe", "1f1b")
 ]
 """Every combination of the terms the solvers model: (Adam seconds per byte, tied first and

@@ -27,7 +27,7 @@ PLAN_SCHEMA: Final = "pipeplan.plan/1"
 CLUSTER_SCHEMA: Final = "pipeplan.cluster/1"
 REPORT_SCHEMA: Final = "pipeplan.run-report/1"
 
-CheckpointPolicy = Literal["always", "except_last", "never"]
+CheckpointPolicy = Literal["auto", "always", "except_last", "never"]
 ScheduleName = Literal["gpipe", "1f1b"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 #: ``--optimizer`` choices (``momentum`` is SGD with momentum 0.9).

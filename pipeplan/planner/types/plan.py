@@ -27,7 +27,10 @@ class PlanOptions(FrozenModel):
 
     microbatches: int | None = Field(default=None, gt=0)
     """m, or ``None`` to choose it among the profiled micro-batch sizes."""
-    checkpoint: CheckpointPolicy = "except_last"
+    checkpoint: CheckpointPolicy = "auto"
+    """Which stages recompute their forward in the backward: ``auto`` (each stage keeps its
+    activations where that fits its device, and only where it does not recomputes: never
+    slower than any fixed policy), ``always``, ``except_last`` (torchgpipe's) or ``never``."""
     schedule: ScheduleName = "gpipe"
     optimizer: OptimizerName = "adam"
     pinned: dict[int, int] = {}
