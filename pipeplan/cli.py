@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeplan.cli_options import Output, check_output, fail, make_cluster, parse_pins
+from pipeplan.cli_options import Output, Quiet, check_output, fail, make_cluster, parse_pins
 from pipeplan.cli_runtime import calibrate, run
 from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
 from pipeplan.planner.io import format_bytes, load_any, load_profile, write_json
@@ -66,7 +66,7 @@ def profile(
         list[str] | None,
         typer.Option("--model-arg", help="KEY=VALUE passed to the model callable."),
     ] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    quiet: Quiet = False,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads while measuring: use the runtime's per rank.")
     ] = None,
@@ -123,7 +123,7 @@ def profile(
         dtype=dtype,
         warmup=warmup,
         repeats=repeats,
-        progress=progress,
+        progress=not quiet,
         threads=threads,
         rounds=rounds,
         max_stages=max_stages,

@@ -17,10 +17,13 @@ import typer
 from pipeplan.planner.terminal import err_console
 from pipeplan.planner.types import Cluster
 
-__all__ = ["Output", "check_output", "fail", "make_cluster", "parse_pins"]
+__all__ = ["Output", "Quiet", "check_output", "fail", "make_cluster", "parse_pins"]
 
 Output = Annotated[Path, typer.Option("-o", "--output", help="File to write (atomically).")]
 """The ``-o/--output`` option of the commands that write a file."""
+
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+"""The ``-q/--quiet`` option of the commands that take long (profile, calibrate, run)."""
 
 
 def fail(message: str) -> NoReturn:

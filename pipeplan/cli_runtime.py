@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from pipeplan.cli_options import Output, check_output, fail
+from pipeplan.cli_options import Output, Quiet, check_output, fail
 from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, write_json
 from pipeplan.planner.terminal import batch_norm_note, console, err_console
 from pipeplan.planner.types import OPTIMIZERS
@@ -68,6 +68,7 @@ def run(
         Path | None,
         typer.Option(help="Write the trained weights to this folder (sharded safetensors)."),
     ] = None,
+    quiet: Quiet = False,
 ) -> None:
     """Run PLAN as a pipeline on this machine (torchrun, one rank per stage); compare with it."""
     from pipeplan.planner.errors import StageFailedError
@@ -130,7 +131,7 @@ def run(
     args += [f"--report={report.resolve()}"] if report else []
     args += [f"--trace={trace.resolve()}"] if trace else []
     try:
-        launch(p, plan_file.resolve(), args)
+        launch(p, plan_file.resolve(), args, steps=warmup + steps, progress=not quiet)
     except StageFailedError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2 if exc.bad_request else 1) from None
@@ -144,10 +145,16 @@ def calibrate(
     nproc: Annotated[int, typer.Option(help="Ranks (= stages) to describe.")] = 2,
     device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
     max_size: Annotated[str, typer.Option(help="Largest message, e.g. 16MiB.")] = "16MiB",
-    repeats: Annotated[int, typer.Option(help="Round trips per size.")] = 20,
+    repeats: Annotated[int, typer.Option(help="Round trips per size, and Adam steps.")] = 20,
+    engine_repeats: Annotated[
+        int, typer.Option(help="Pipeline steps per micro-batch count and round of the engine.")
+    ] = 4,  # pipeplan.runtime.calibrate.ENGINE_REPEATS (imported lazily)
     launches: Annotated[
         int, typer.Option(help="Separate torchrun jobs; the cluster takes their medians.")
     ] = 3,
+    solo_launches: Annotated[
+        int, typer.Option(help="Launches of one rank alone, for 1-stage plans' engine cost.")
+    ] = 2,
     widths: Annotated[
         list[int] | None,
         typer.Option(
@@ -163,6 +170,7 @@ def calibrate(
     threads: Annotated[
         int | None, typer.Option(help="CPU threads per rank; default as pipeplan run.")
     ] = None,
+    quiet: Quiet = False,
 ) -> None:
     """Measure the link, the tied-gradient all-reduce, the pipeline engine's cost per operation
     (on the ranks, and on one rank alone for 1-stage plans), the contention between stages
@@ -179,10 +187,13 @@ def calibrate(
         device=device,
         max_bytes=parse_bytes(max_size, "--max-size"),
         repeats=repeats,
+        engine_repeats=engine_repeats,
         launches=launches,
+        solo_launches=solo_launches,
         widths=tuple(widths) if widths else WIDTHS,
         memory_bytes=parse_bytes(memory) if memory else None,
         threads=threads,
+        progress=not quiet,
     )
     write_json(output, cluster)
     kept = calibration_file(device.split(":")[0])

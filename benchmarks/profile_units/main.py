@@ -136,7 +136,7 @@ def profile_7b(out: Path) -> dict[str, Any]:
     profile = out / "llama7b.profile.json"
     wall, rss = _pipeplan(
         "profile", f"hf:{CONFIG.relative_to(ROOT)}", "--batch-size", str(BATCH),
-        "--microbatch-sizes", "1", "--seq-len", str(SEQ), "--method", "units", "--no-progress",
+        "--microbatch-sizes", "1", "--seq-len", str(SEQ), "--method", "units", "--quiet",
         "-o", str(profile),
     )  # fmt: skip
     data = json.loads(profile.read_text())

@@ -35,12 +35,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeplan.planner.allocator import keep_heap
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
 from pipeplan.planner.graph import UnitSpec, cut_tensors, group_units
 from pipeplan.planner.model import load_model
+from pipeplan.planner.progress import progress_bar
 from pipeplan.planner.refine import DEFAULT_MAX_STAGES, node_costs, refine_units
 from pipeplan.planner.trace import TracedModel, run_eagerly, trace_model
 from pipeplan.planner.types import Cut, CutTensor, Grouping, Profile, SharedParam, Timing, Unit
@@ -269,7 +269,7 @@ def _profile(
     if method == "units":
         from pipeplan.profiler.units import profile_units
 
-        with _progress(progress) as bar:
+        with progress_bar(progress) as bar:
 
             def start(description: str, total: int) -> Callable[[str], None]:
                 task = bar.add_task(description, total=total)
@@ -310,7 +310,7 @@ def _profile(
 
     call_s = measure_checkpoint_call(dev, clock=clock, warmup=warmup, repeats=20 * repeats * rounds)
     biggest: dict[str, Any] = {}
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(model, total=rounds * len(sizes))
         for b in [b for _ in range(rounds) for b in sorted(sizes, reverse=True)]:
             bar.update(task, description=f"{model} b={b}")
@@ -499,15 +499,4 @@ def _shared_params(gm: torch.nn.Module, used: Sequence[Sequence[str]]) -> tuple[
         )
         for name, ks in sorted(users.items())
         if len(set(ks)) > 1
-    )
-
-
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=True,
-        disable=not enabled,
     )

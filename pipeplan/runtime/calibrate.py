@@ -33,14 +33,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
+from pipeplan.planner.progress import progress_bar
 from pipeplan.planner.types import Cluster, Device
 from pipeplan.runtime.engine_fit import (
+    ENGINE_MS,
     MICRO,
     WIDTHS,
     engine_step_times,
@@ -57,7 +60,16 @@ from pipeplan.runtime.linkbench import (
 )
 from pipeplan.runtime.update_contention import measure_update_contention
 
-__all__ = ["calibrate", "measure"]
+__all__ = ["ENGINE_REPEATS", "SOLO_MS", "SOLO_WIDTHS", "calibrate", "combine", "measure", "phases"]
+
+ENGINE_REPEATS = 4
+"""Steps per micro-batch count and round of the engine measurement on the ranks, by default."""
+
+SOLO_WIDTHS, SOLO_MS = (256, 512), (2, 4, 8, 16)
+"""The 1-rank launches' widths and micro-batch counts.  Alone, the engine's o is the small
+difference (slope - F - B) / 2 (:func:`~pipeplan.runtime.engine_fit.solo_overhead`), which a
+short stage measures far more precisely than a long one (F + B = 0.5 and 2 ms here, against
+8.5 and 19 ms at widths 1024 and 1536), and a short stage is cheap to run ``repeats`` times."""
 
 
 def _worker(argv: list[str] | None = None) -> None:
@@ -71,6 +83,9 @@ def _worker(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+    ap.add_argument("--engine-repeats", type=int, default=ENGINE_REPEATS)
+    ap.add_argument("--ms", type=int, nargs="+", default=list(ENGINE_MS))
+    ap.add_argument("--progress", default=None, help="rank 0 appends a line per phase done")
     args = ap.parse_args(argv)
     from pipeplan.planner.allocator import keep_heap
     from pipeplan.runtime.worker import default_threads
@@ -87,6 +102,12 @@ def _worker(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+
+        def done(phase: str) -> None:
+            if rank == 0 and args.progress:
+                with open(args.progress, "a") as fh:
+                    fh.write(phase + "\n")
+
         samples: list[tuple[int, float, float]] = []
         allreduce: list[tuple[int, float]] = []
         kappa_u = 0.0
@@ -94,14 +115,19 @@ def _worker(argv: list[str] | None = None) -> None:
             if rank < 2:  # ranks beyond the pair wait at the barrier
                 samples = time_pingpong(message_sizes(args.max_bytes), args.repeats, device)
             dist.barrier()
+            done("link")
             allreduce = time_allreduce(message_sizes(args.max_bytes), args.repeats, device)
+            done("all-reduce")
             kappa_u = measure_update_contention(args.repeats, device)
+            done("update contention")
         engine = []
         for width in args.widths:
             steps, compute = engine_step_times(
-                torch.device(device), args.repeats, width=width, input_grad=world > 1
-            )
+                torch.device(device), args.engine_repeats, width=width, input_grad=world > 1,
+                ms=args.ms,
+            )  # fmt: skip
             engine.append({"width": width, "compute": compute, "steps": steps})
+            done(f"engine width {width}")
         if rank == 0:
             if args.device == "cuda":
                 memory = torch.cuda.get_device_properties(local).total_memory
@@ -118,6 +144,12 @@ def _worker(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def phases(nproc: int, widths: Sequence[int]) -> int:
+    """How many phases one launch of ``nproc`` ranks reports (:func:`measure`'s ``on_phase``):
+    the link, the all-reduce and the update contention on 2+ ranks, then one per width."""
+    return (3 if nproc > 1 else 0) + len(widths)
+
+
 def measure(
     nproc: int,
     device: str,
@@ -126,6 +158,9 @@ def measure(
     threads: int | None,
     timeout_s: float,
     widths: Sequence[int] = WIDTHS,
+    on_phase: Callable[[str], None] | None = None,
+    engine_repeats: int = 0,
+    ms: Sequence[int] = ENGINE_MS,
 ) -> dict[str, Any]:
     """One torchrun job of ``nproc`` calibration ranks; rank 0's raw measurements.
 
@@ -133,27 +168,47 @@ def measure(
     "memory": bytes, "engine": [{"width":
     w, "compute": F + B seconds, "steps": {m: [round median step seconds, ...]}}, ...],
     "update_contention": kappa_u}``, one engine entry per width in order (kappa_u 0 on a 1-rank
-    launch); :func:`calibrate` combines several of these.
+    launch); :func:`calibrate` combines several of these.  ``repeats`` round trips per message
+    size and Adam steps; ``engine_repeats`` (default ``repeats``) steps per m in ``ms`` and
+    round of the engine measurement.  ``on_phase`` is called with each phase's name as rank 0
+    finishes it (:func:`phases` of them).
     """
     with tempfile.TemporaryDirectory(prefix="pipeplan-calibrate-") as tmp:
-        out = os.path.join(tmp, "result.json")
+        out, progress = os.path.join(tmp, "result.json"), os.path.join(tmp, "progress")
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "-m", "pipeplan.runtime.calibrate",
             "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
-            "--device", device, "--widths", *map(str, widths),
+            "--device", device, "--widths", *map(str, widths), "--progress", progress,
+            "--engine-repeats", str(engine_repeats or repeats), "--ms", *map(str, ms),
             *(["--threads", str(threads)] if threads else []),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
-            )
-        except subprocess.TimeoutExpired:
-            raise StageFailedError(f"calibration did not finish in {timeout_s:.0f} s") from None
-        if proc.returncode != 0 or not os.path.exists(out):
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise StageFailedError(f"calibration ranks failed (exit {proc.returncode}): {tail}")
+        with open(os.path.join(tmp, "stderr"), "w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env)
+            seen, start = 0, time.monotonic()
+            while True:
+                try:
+                    code = proc.wait(timeout=0.25)
+                except subprocess.TimeoutExpired:
+                    code = None
+                if on_phase is not None and os.path.exists(progress):
+                    with open(progress) as fh:
+                        lines = fh.read().splitlines()
+                    for line in lines[seen:]:
+                        on_phase(line)
+                    seen = len(lines)
+                if code is not None:
+                    break
+                if time.monotonic() - start > timeout_s:
+                    proc.kill()
+                    proc.wait()
+                    raise StageFailedError(f"calibration did not finish in {timeout_s:.0f} s")
+            err.seek(0)
+            stderr = err.read()
+        if code != 0 or not os.path.exists(out):
+            tail = (stderr.strip().splitlines() or ["no output"])[-1]
+            raise StageFailedError(f"calibration ranks failed (exit {code}): {tail}")
         with open(out) as fh:
             result: dict[str, Any] = json.load(fh)
     return result
@@ -165,12 +220,14 @@ def calibrate(
     device: str = "cpu",
     max_bytes: int = 16 * 2**20,
     repeats: int = 20,
+    engine_repeats: int = ENGINE_REPEATS,
     launches: int = 3,
-    solo_launches: int | None = None,
+    solo_launches: int = 2,
     widths: Sequence[int] = WIDTHS,
     memory_bytes: int | None = None,
     threads: int | None = None,
     timeout_s: float = 300.0,
+    progress: bool = False,
 ) -> tuple[Cluster, list[tuple[int, float, float]]]:
     """Launch ``nproc`` ranks with torchrun ``launches`` times, measure, and return the cluster
     and the link samples.
@@ -182,25 +239,63 @@ def calibrate(
     contention kappa_u.  On a shared
     host one launch can land in a slow or a fast phase (engine costs of 0.49 and 0.90-0.99 ms
     per operation were measured by single launches minutes apart), so one launch is not enough.
-    ``solo_launches`` (default ``launches``) 1-rank launches then measure the engine alone for
-    1-stage plans (:func:`solo_overhead`); 0 skips them.
+    ``solo_launches`` 1-rank launches then measure the engine alone for
+    1-stage plans (:func:`solo_overhead`); 0 skips them.  ``progress`` shows a bar (rich, on
+    stderr) that advances as each launch's rank 0 finishes a phase.
     """
-    if solo_launches is None:
-        solo_launches = launches
     if nproc < 2:
         raise InvalidRequestError(f"--nproc {nproc}: calibration needs at least 2 ranks")
     if device not in ("cpu", "cuda"):
         raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
     if repeats < 1:
         raise InvalidRequestError(f"--repeats {repeats} must be at least 1")
+    if engine_repeats < 1:
+        raise InvalidRequestError(f"--engine-repeats {engine_repeats} must be at least 1")
+    if solo_launches < 0:
+        raise InvalidRequestError(f"--solo-launches {solo_launches} must be 0 or more")
     if launches < 1:
         raise InvalidRequestError(f"--launches {launches} must be at least 1")
     if not widths or min(widths) < 1:
         raise InvalidRequestError(f"--widths {list(widths)}: give one or more positive widths")
-    results = [
-        measure(nproc, device, max_bytes, repeats, threads, timeout_s, widths)
-        for _ in range(launches)
+    # (ranks, name, widths, engine repeats, micro-batch counts) of each launch
+    jobs = [
+        (nproc, f"launch {i + 1}/{launches}", tuple(widths), engine_repeats, ENGINE_MS)
+        for i in range(launches)
+    ] + [
+        (1, f"1 rank alone {i + 1}/{solo_launches}", SOLO_WIDTHS, repeats, SOLO_MS)
+        for i in range(solo_launches)
     ]
+    runs: list[dict[str, Any]] = []
+    with progress_bar(progress) as bar:
+        task = bar.add_task("calibrate", total=sum(phases(j[0], j[2]) for j in jobs))
+        for n, name, w, reps, ms in jobs:
+            bar.update(task, description=f"{name}: {'link' if n > 1 else 'engine'}")
+
+            def on_phase(phase: str, name: str = name) -> None:
+                bar.update(task, advance=1, description=f"{name}: {phase} done")
+
+            runs.append(
+                measure(n, device, max_bytes, repeats, threads, timeout_s, w, on_phase, reps, ms)
+            )
+    return combine(
+        nproc, runs[:launches], runs[launches:], widths=widths, device=device,
+        memory_bytes=memory_bytes,
+    )  # fmt: skip
+
+
+def combine(
+    nproc: int,
+    results: Sequence[dict[str, Any]],
+    alone: Sequence[dict[str, Any]],
+    *,
+    widths: Sequence[int] = WIDTHS,
+    device: str = "cpu",
+    memory_bytes: int | None = None,
+) -> tuple[Cluster, list[tuple[int, float, float]]]:
+    """The cluster that launches' raw measurements describe (:func:`measure`'s results): of
+    ``nproc``-rank launches ``results`` and 1-rank launches ``alone`` (none: no 1-stage engine
+    figures), as :func:`calibrate` takes their medians; and the link samples.  One launch of
+    each gives that launch's own figures."""
     samples = [
         (int(per_size[0][0]), *(float(np.median([s[k] for s in per_size])) for k in (1, 2)))
         for per_size in zip(*(r["samples"] for r in results))
@@ -223,11 +318,7 @@ def calibrate(
     kappa = statistics.median(f[1] for f in fits)
     kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
     solo = step_cost = None
-    if solo_launches:
-        alone = [
-            measure(1, device, max_bytes, repeats, threads, timeout_s, widths)
-            for _ in range(solo_launches)
-        ]
+    if alone:
         solo, step_cost = solo_overhead([r["engine"] for r in alone])
     memory = memory_bytes if memory_bytes is not None else int(results[0]["memory"])
     kind = "gpu" if device == "cuda" else "cpu"

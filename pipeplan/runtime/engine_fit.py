@@ -63,7 +63,7 @@ __all__ = [
 
 
 #: Micro-batch counts of the engine measurement, run interleaved over rounds.
-ENGINE_MS = (2, 4, 8, 16)
+ENGINE_MS = (2, 4, 8)
 #: The calibration stage: width, layers per stage, micro-batch size.
 WIDTH, LAYERS, MICRO = 512, 2, 32
 #: Widths of the calibration stages whose engine cost ``calibrate`` fits (o, k) to.
@@ -138,9 +138,14 @@ def _stage_compute_s(repeats: int, width: int = WIDTH, input_grad: bool = True) 
 
 
 def engine_step_times(
-    device: Any, repeats: int, rounds: int = 3, width: int = WIDTH, input_grad: bool = True
+    device: Any,
+    repeats: int,
+    rounds: int = 3,
+    width: int = WIDTH,
+    input_grad: bool = True,
+    ms: Sequence[int] = ENGINE_MS,
 ) -> tuple[dict[int, list[float]], float]:
-    """Per round, the median step time of the calibration pipeline at each m in ENGINE_MS, less
+    """Per round, the median step time of the calibration pipeline at each m in ``ms``, less
     the step's optimizer update (its own span: the cost model charges updates separately);
     and the stage's forward + backward timed alone on rank 0 (:func:`_stage_compute_s`) at the
     start of every round, the median over rounds (0 on other ranks).  Timing F + B beside the
@@ -151,10 +156,10 @@ def engine_step_times(
     from pipeplan.runtime.engine import PipelineRunner
 
     runners = {}
-    for m in ENGINE_MS:
+    for m in ms:
         plan, spec = _calibration_plan(dist.get_world_size(), m, width)
         runners[m] = (PipelineRunner(plan, spec, device=device), spec.batch(m * MICRO))
-    out: dict[int, list[float]] = {m: [] for m in ENGINE_MS}
+    out: dict[int, list[float]] = {m: [] for m in ms}
     compute: list[float] = []
     for _ in range(rounds):
         dist.barrier()

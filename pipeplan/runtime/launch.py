@@ -25,6 +25,7 @@ from typing import Any
 
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
 from pipeplan.planner.io import load_plan
+from pipeplan.planner.progress import progress_bar
 from pipeplan.planner.types import Plan
 
 __all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
@@ -194,22 +195,41 @@ def launch(
     worker_args: Sequence[str],
     *,
     env: dict[str, str] | None = None,
+    steps: int = 0,
+    progress: bool = False,
 ) -> None:
     """Run the worker under torchrun; raise :class:`StageFailedError` if any rank fails.
 
     Rank 0's standard output (the comparison table) is passed through; torchrun's and the
     ranks' standard error are kept and shown only when the cause of a failure is unknown.
+    With ``progress``, a bar on stderr follows rank 0 through its ``steps`` steps (warm-up
+    included).
     """
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         run_dir = Path(tmp)
         cmd = worker_command(plan, plan_path, [*worker_args, "--run-dir", str(run_dir)])
-        log_path = run_dir / "torchrun.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.run(cmd, stdout=None, stderr=log, env=env, check=False)
-        if proc.returncode != 0:
+        log_path, step_file = run_dir / "torchrun.log", run_dir / "progress"
+        with open(log_path, "w") as log, progress_bar(progress and steps > 0) as bar:
+            task = bar.add_task(f"{plan.n_stages} stages: starting", total=steps)
+            proc = subprocess.Popen(cmd, stdout=None, stderr=log, env=env)
+            while True:
+                try:
+                    code = proc.wait(timeout=0.25)
+                except subprocess.TimeoutExpired:
+                    code = None
+                try:
+                    step = int(step_file.read_text())
+                    bar.update(task, completed=step, description=f"{plan.n_stages} stages: step")
+                except (OSError, ValueError):  # not started, or being written
+                    pass
+                if code is not None:
+                    break
+            if code == 0:
+                bar.update(task, completed=steps)
+        if code != 0:
             raise failure(
                 run_dir,
                 plan.n_stages * plan.cluster.data_parallel,
-                proc.returncode,
+                code,
                 log_path.read_text(),
             )

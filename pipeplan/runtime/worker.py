@@ -238,6 +238,8 @@ def run(args: argparse.Namespace) -> None:
         if cuda and step == args.warmup:
             torch.cuda.reset_peak_memory_stats(device)
         _progress["step"] = step
+        if rank == 0 and args.run_dir:  # the launcher's progress bar reads it
+            (Path(args.run_dir) / "progress").write_text(str(step))
 
     record = runner.measure(
         inputs, target, RankRecord(stage=runner.rank, threads=threads),

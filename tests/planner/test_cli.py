@@ -199,7 +199,7 @@ def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli
         "                     torch.nn.functional.mse_loss)\n"
     )
     monkeypatch.chdir(tmp_path)
-    options = "-b 4 --repeats 1 --warmup 0 --no-progress"
+    options = "-b 4 --repeats 1 --warmup 0 --quiet"
     code, _, err = cli(cli_argv("profile", "userpkg.nets:build", tmp_path / "p.json", options))
     assert code == 0, err
     code, _, err = cli(cli_argv("profile", "userpkg.nets:missing", tmp_path / "q.json", "-b 4"))
@@ -229,7 +229,7 @@ def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
     prof = tmp_path / "mlp.json"
     options = (
         "-b 8 --model-arg width=32 --model-arg in_features=32 --model-arg depth=3 --threads 1"
-        " --repeats 1 --warmup 0 --no-progress"
+        " --repeats 1 --warmup 0 --quiet"
     )
     code, out, err = cli(cli_argv("profile", "pipeplan.models.mlp:mlp", prof, options))
     assert code == 0, err
@@ -268,7 +268,7 @@ BAD_PROFILE = [
 @pytest.mark.parametrize("args, message", BAD_PROFILE)
 def test_bad_profile_input(tmp_path: Path, cli, args: list[str], message: str) -> None:
     out_file = tmp_path / "profile.json"
-    code, _, err = cli(["profile", *args, "--no-progress", "-o", str(out_file)])
+    code, _, err = cli(["profile", *args, "--quiet", "-o", str(out_file)])
     assert code == 2, err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1

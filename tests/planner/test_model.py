@@ -104,7 +104,7 @@ def test_a_bug_in_a_wrapped_forward_names_the_users_class_and_line() -> None:
 def test_cli_seq_len_for_a_bare_model_and_a_callable_without_it(tmp_path: Path, cli: Any) -> None:
     out = tmp_path / "p.json"
     argv = ["profile", "_hf_models:bare", "--model-arg", "name=vit", "-b", "2", "--seq-len", "4"]
-    fast = ["--warmup", "0", "--repeats", "1", "--no-progress", "--microbatch-sizes", "2"]
+    fast = ["--warmup", "0", "--repeats", "1", "--quiet", "--microbatch-sizes", "2"]
     code, _, err = cli([*argv, *fast, "-o", str(out)])
     assert code == 0 and out.exists(), err
     out.unlink()

@@ -15,7 +15,7 @@ from pipeplan.planner.hf_source import default_spec, file_sha256
 from pipeplan.planner.io import load_plan, load_profile
 from pipeplan.planner.model import NamedInputs, load_model
 
-FAST = ["--warmup", "0", "--repeats", "1", "--no-progress"]
+FAST = ["--warmup", "0", "--repeats", "1", "--quiet"]
 HERE = Path(__file__).parent
 SOURCE = (HERE / "_user_code.py").read_text().splitlines()
 

@@ -246,7 +246,7 @@ def test_the_command_line_takes_the_method_and_says_what_it_measured(
     out = tmp_path / "p.json"
     argv = ["profile", "tests.profiler._unit_models:stack", "-b", "2", "--microbatch-sizes", "2"]
     argv += ["--model-arg", "n_layers=4", "--model-arg", "width=8", "--max-stages", "1"]
-    argv += ["--warmup", "0", "--repeats", "1", "--no-progress", "-o", str(out)]
+    argv += ["--warmup", "0", "--repeats", "1", "--quiet", "-o", str(out)]
     code, text, err = cli([*argv, "--method", "units"])
     assert code == 0, err
     assert "(units, 3 measured, 1 copied)" in " ".join(text.split())

@@ -47,6 +47,18 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert load_cluster(calibration_file("cpu")) == cluster
 
 
+def test_each_launch_reports_its_phases() -> None:
+    """The progress bar advances once per phase that rank 0 finishes: the link, the
+    all-reduce and the update contention on 2 ranks, then each width; one rank, the widths."""
+    for nproc, names in (
+        (2, ["link", "all-reduce", "update contention", "engine width 64"]),
+        (1, ["engine width 64"]),
+    ):
+        seen: list[str] = []
+        calibrate_module.measure(nproc, "cpu", 1024, 1, None, 120.0, (64,), on_phase=seen.append)
+        assert seen == names and len(seen) == calibrate_module.phases(nproc, (64,))
+
+
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["calibrate", "--nproc", "1", "-o", str(tmp_path / "c.json")])
@@ -55,7 +67,11 @@ def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "c.json").exists()
 
 
-@pytest.mark.parametrize("flag", [["--launches", "0"], ["--repeats", "0"], ["--width", "0"]])
+@pytest.mark.parametrize(
+    "flag",
+    [["--launches", "0"], ["--repeats", "0"], ["--width", "0"], ["--engine-repeats", "0"],
+     ["--solo-launches", "-1"]],
+)  # fmt: skip
 def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["calibrate", *flag, "-o", str(tmp_path / "c.json")])

@@ -82,6 +82,33 @@ def test_run_writes_report_and_trace(plans: dict[int, Path], tmp_path: Path) -> 
     }
 
 
+def test_run_shows_rank_0s_steps(plans: dict[int, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pipeplan run`'s progress bar follows rank 0 through its steps, warm-up included (it
+    reads the step each rank 0 step writes), and is complete when the run ends."""
+    import contextlib
+    import importlib
+
+    launch_module = importlib.import_module("pipeplan.runtime.launch")
+    seen: list[tuple[str, object]] = []
+
+    class Bar:
+        def add_task(self, description: str, total: int) -> int:
+            seen.append(("total", total))
+            return 0
+
+        def update(self, task: int, completed: int, description: str | None = None) -> None:
+            seen.append(("completed", completed))
+
+    monkeypatch.setattr(launch_module, "progress_bar", lambda _: contextlib.nullcontext(Bar()))
+    launch_module.launch(
+        load_plan(plans[2]), plans[2], ["--steps=2", "--warmup=1"], steps=3, progress=True
+    )
+    done = [c for k, c in seen if k == "completed"]
+    assert seen[0] == ("total", 3)
+    assert 2 in done  # rank 0 wrote its last step's index (0-based)
+    assert done == sorted(done) and done[-1] == 3
+
+
 def test_run_a_replicated_plan(tmp_path: Path) -> None:
     """One stage, two data-parallel replicas: two ranks, the global batch's loss, one copy of
     the weights saved."""
