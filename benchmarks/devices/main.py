@@ -37,6 +37,7 @@ def run_case(name: str, work: Path, rounds: int, cluster: Path | None) -> dict[s
     from pipeplan.solvers.devices import plan_devices
     from pipeplan.solvers.dp import solve_dp
 
+    options = PlanOptions(checkpoint="except_last")  # the policy the README's figures ran
     model, kwargs, batch = MODELS[name]
     profile = work / "profile.json"
     margs = [a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")]
@@ -45,7 +46,7 @@ def run_case(name: str, work: Path, rounds: int, cluster: Path | None) -> dict[s
     prof = load_profile(profile)
     clus = load_cluster(cluster) if cluster else Cluster.homogeneous(1, 64 << 30)
     one = clus.model_copy(update={"devices": clus.devices[:1]})
-    choices = {c.stages: c for c in plan_devices(prof, 2, one, PlanOptions(), solve_dp)}
+    choices = {c.stages: c for c in plan_devices(prof, 2, one, options, solve_dp)}
     plans = {}
     for p in (1, 2):
         plan = choices[p].plan

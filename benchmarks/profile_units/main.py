@@ -155,7 +155,7 @@ def profile_7b(out: Path) -> dict[str, Any]:
     for p in STAGES:
         plan_path = out / f"llama7b.plan{p}.json"
         _pipeplan("plan", str(profile), "--stages", str(p), "--memory", "80GiB",
-                  "-o", str(plan_path))  # fmt: skip
+                  "--checkpoint", "except_last", "-o", str(plan_path))  # as recorded  # fmt: skip
         plan = json.loads(plan_path.read_text())
         result["plans"][p] = {
             "microbatches": plan.get("microbatches"),

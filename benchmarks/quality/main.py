@@ -74,12 +74,14 @@ def make_plans(name: str, out: Path, cluster: Any, repeats: int) -> dict[str, Pa
     slug = name.split()[0] if name.startswith("gpt") else name.replace(" ", "_")
     write_json(out / f"{slug}.profile.json", prof)
     plans: dict[str, Path] = {}
-    dp = SOLVERS["dp"](prof, cluster, PlanOptions())
+    dp = SOLVERS["dp"](prof, cluster, PlanOptions(checkpoint="except_last"))
     for solver in ("dp", *BASELINES):
         plan = (
             dp
             if solver == "dp"
-            else SOLVERS[solver](prof, cluster, PlanOptions(microbatches=dp.microbatches))
+            else SOLVERS[solver](
+                prof, cluster, PlanOptions(checkpoint="except_last", microbatches=dp.microbatches)
+            )
         )
         plan = plan.model_copy(update={"solve_time_s": None})
         path = out / f"{slug}.{solver}.plan.json"

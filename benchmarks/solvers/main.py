@@ -91,7 +91,7 @@ def speed(
                 clus = Cluster.homogeneous(p, MEMORY, LINK)
                 row: dict[str, Any] = {"units": n, "stages": p, "m_options": k}
                 t0 = time.perf_counter()
-                dp = partition_dp(prof, clus, PlanOptions())
+                dp = partition_dp(prof, clus, PlanOptions(checkpoint="except_last"))
                 row["dp_s"] = time.perf_counter() - t0
                 assert dp is not None
                 row["dp_step_s"] = dp[2]
@@ -99,13 +99,20 @@ def speed(
                     row["cpsat_status"] = "skipped"
                 else:
                     t0 = time.perf_counter()
-                    res = partition_cpsat(prof, clus, PlanOptions(time_limit_s=time_limit))
+                    res = partition_cpsat(
+                        prof, clus, PlanOptions(checkpoint="except_last", time_limit_s=time_limit)
+                    )
                     row["cpsat_s"] = time.perf_counter() - t0
                     assert res is not None
                     row["cpsat_status"] = "optimal" if res.optimal else "feasible"
                     row["cpsat_gap"] = res.gap
                     exact = evaluate(
-                        prof, clus, PlanOptions(), res.starts[1:], res.m, solver="cpsat"
+                        prof,
+                        clus,
+                        PlanOptions(checkpoint="except_last"),
+                        res.starts[1:],
+                        res.m,
+                        solver="cpsat",
                     )
                     row["cpsat_over_dp"] = exact.step_time_s / dp[2]
                 print(json.dumps(row), flush=True)
@@ -125,8 +132,8 @@ def quality(stages: list[int]) -> list[dict[str, Any]]:
         prof = profile_for(200, 8, seed=1, **kw)  # type: ignore[arg-type]
         for p in stages:
             clus = Cluster.homogeneous(p, MEMORY, LINK)
-            opt = SOLVERS["dp"](prof, clus, PlanOptions())
-            same_m = PlanOptions(microbatches=opt.microbatches)
+            opt = SOLVERS["dp"](prof, clus, PlanOptions(checkpoint="except_last"))
+            same_m = PlanOptions(checkpoint="except_last", microbatches=opt.microbatches)
             row: dict[str, Any] = {"profile": label, "stages": p, "m": opt.microbatches}
             row["optimum_ms"] = opt.step_time_s * 1e3
             for name in ("uniform", "params", "torchgpipe"):
@@ -160,7 +167,7 @@ def main() -> None:
     ap.add_argument(
         "--out", type=Path, default=None, help="default: results.json, or versus.json for versus"
     )
-    ap.add_argument("--only", choices=["speed", "quality", "versus"], default=None)
+    ap.add_argument("--only", choices=["speed", "quality", "versus", "auto"], default=None)
     ap.add_argument("--base", default="cfde80d", help="the commit whose DP --only versus times")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of --only versus")
     ap.add_argument(
@@ -171,9 +178,9 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     out: dict[str, Any] = {"machine": info}
     try:
-        if args.only == "versus":
+        if args.only in ("versus", "auto"):  # auto: this DP, except_last against auto
             only = None if args.instances is None else [int(i) for i in args.instances.split(",")]
-            out["versus"] = versus(args.base, args.repeats, only)
+            out["versus"] = versus(args.base, args.repeats, only, auto=args.only == "auto")
         if args.only is None or args.only == "speed":
             out["speed"] = speed(
                 [int(s) for s in args.sizes.split(",")],
@@ -185,7 +192,7 @@ def main() -> None:
             out["quality"] = quality([int(s) for s in args.quality_stages.split(",")])
     except PipeplanError as exc:
         sys.exit(f"error: {exc}")
-    name = "versus.json" if args.only == "versus" else "results.json"
+    name = {"versus": "versus.json", "auto": "auto.json"}.get(args.only or "", "results.json")
     (args.out or Path(__file__).with_name(name)).write_text(json.dumps(out, indent=2) + "\n")
     if "versus" in out:
         print(

@@ -84,7 +84,7 @@ def instance(spec: dict[str, Any]) -> tuple[Profile, Cluster, PlanOptions]:
     clus = Cluster.homogeneous(
         spec["stages"], 2**50, LINK, update_contention=spec.get("update_contention", 0.0)
     )
-    return prof, clus, PlanOptions()
+    return prof, clus, PlanOptions(checkpoint="except_last")  # what the base commit knows
 
 
 def label(spec: dict[str, Any]) -> str:
@@ -103,16 +103,26 @@ def _status(found: Any) -> tuple[str, float]:
     return ("optimal" if bound >= objective * (1 - 1e-12) else f"feasible ({gap:.3%})"), gap
 
 
-def versus(rev: str, repeats: int, only: list[int] | None = None) -> list[dict[str, Any]]:
-    """``repeats`` interleaved rounds over the instances; one row per instance."""
-    base = load_base(rev)
+def versus(
+    rev: str, repeats: int, only: list[int] | None = None, auto: bool = False
+) -> list[dict[str, Any]]:
+    """``repeats`` interleaved rounds over the instances; one row per instance.  With ``auto``
+    the "base" is this tree's DP under ``except_last`` and the "new" the same DP under
+    ``auto`` (every stage chooses: more to search), not the commit ``rev``'s."""
+    base: Partition = load_base(rev) if not auto else _partition
+    new: Partition = _partition
+    if auto:
+
+        def new(prof: Profile, clus: Cluster, options: PlanOptions) -> Any:
+            return _partition(prof, clus, options.model_copy(update={"checkpoint": "auto"}))
+
     specs = [s for i, s in enumerate(INSTANCES) if only is None or i in only]
     cases = [instance(s) for s in specs]
     times: list[dict[str, list[float]]] = [{"base": [], "new": []} for _ in specs]
     results: list[dict[str, Any]] = [{} for _ in specs]
     for _ in range(repeats):
         for i, case in enumerate(cases):
-            for name, solve in (("base", base), ("new", _partition)):
+            for name, solve in (("base", base), ("new", new)):
                 t0 = time.perf_counter()
                 found = solve(*case)
                 times[i][name].append(time.perf_counter() - t0)
