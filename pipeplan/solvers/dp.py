@@ -159,10 +159,12 @@ def _partition(
             bound = min(bound, floors[i])
             continue
         bound = min(bound, _solve(insts[i], starts[i], inc, floors[i]))
-    if options.checkpoint == "auto" and bound < inc.objective * (1 - 1e-12):
+    mixed = any(inst.auto for inst in insts)  # some m where some stage cannot keep
+    if mixed and bound < inc.objective * (1 - 1e-12):
         # The tail's bound left a gap (the drain of a mixed plan is bounded, see dp_tables):
         # offer the optimum of every fixed policy too, each a choice auto can make, so that
-        # auto is never worse than the best of them.
+        # auto is never worse than the best of them.  (Where every stage can keep, auto's
+        # tables are never's and its gap is never's own.)
         by_m = {inst.m: inst for inst in insts}
         for policy in ("never", "except_last", "always"):
             fixed = _partition(profile, cluster, options.model_copy(update={"checkpoint": policy}))

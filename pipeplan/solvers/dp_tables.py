@@ -176,11 +176,17 @@ class Instance:
         # counts the trips across the j - 1 cuts before stage j's first one, which a prefix
         # DP cannot see, so drain() bounds them by trips[l, j - 1] (see tail()).
         self.trips = longest_sums(self.comm[: n + 1], max(self.p - 2, 0))
-        self.policy = options.checkpoint
-        self.options = options
         # Under ``auto`` each stage keeps its activations where that fits its device and
         # recomputes elsewhere (pipeplan.planner.costmodel.stage_recomputes): both variants'
-        # tables are built, and a stage's cells take the one its memory allows.
+        # tables are built, and a stage's cells take the one its memory allows.  Where every
+        # stage of every partition can keep, auto is ``never``, and these are never's tables.
+        self.all_keep = options.checkpoint == "auto" and self._keeps_everywhere(
+            costs, options, caps
+        )
+        if self.all_keep:
+            options = options.model_copy(update={"checkpoint": "never"})
+        self.policy = options.checkpoint
+        self.options = options
         self.auto = options.checkpoint == "auto"
         rc_mid = True if self.auto else recomputes(options.checkpoint, 0, 2)
         rc_last = recomputes(options.checkpoint, self.p - 1, self.p) if not self.auto else True
@@ -191,10 +197,7 @@ class Instance:
         self.variants = {rc: self._variant(costs, speed, o, rc) for rc in (False, True)}
         self.Qmid, self.op, self.QB, self.ob = self.variants[rc_mid]
         self.Qmid_hi, self.op_hi = self.Qmid, self.op
-        self.all_keep = self.auto and self._keeps_everywhere(costs, options, caps)
-        if self.all_keep:  # no stage of any partition needs to recompute: auto is never
-            self.Qmid, self.op, self.QB, self.ob = self.variants[False]
-        elif self.auto:
+        if self.auto:
             # Lower bounds read the kept variant (never slower), the thresholds' ceiling the
             # recomputing one, and the drain the recomputing one too: an upper bound of D_j
             # whatever the earlier stages chose, so r_j = U_j - D_j stays a lower bound.
@@ -230,7 +233,7 @@ class Instance:
             self.exact = False
         if self.p > 2 and self.tail_on and float(np.max(self.trips[:, -1])) > 0:
             self.exact = False
-        if self.auto and not self.all_keep and self.p > 2 and self.tail_on:
+        if self.auto and self.p > 2 and self.tail_on:
             self.exact = False  # the drain is an upper bound
         self.q = [in_flight(options.schedule, j, self.p, self.m) for j in range(self.p)]
         self.keys = [(self.q[j], float(caps[j]), j > 0) for j in range(self.p)]
