@@ -98,7 +98,7 @@ def test_checkpointed_backward_is_measured() -> None:
         assert t.recompute_backward_s > 0.5 * (t.forward_s + t.backward_s)
         # The checkpointed forward runs too; it includes at least one checkpoint call's cost.
         assert t.recompute_forward_s is not None
-        assert t.recompute_forward_s > prof.checkpoint_call_s[0]
+        assert t.recompute_forward_s >= prof.checkpoint_call_s[0]  # clipped there (sweep.py)
     # One checkpoint call costs something of its own (tens of microseconds on a CPU), forward
     # and backward, but far less than a unit.
     call_f, call_b = prof.checkpoint_call_s
