@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +50,7 @@ from pipeplan.runtime.engine_fit import (
     slope_per_microbatch,
     solo_overhead,
 )
+from pipeplan.runtime.launch import watch
 from pipeplan.runtime.linkbench import (
     fit_link,
     message_sizes,
@@ -186,24 +186,20 @@ def measure(
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(os.path.join(tmp, "stderr"), "w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env)
-            seen, start = 0, time.monotonic()
-            while True:
-                try:
-                    code = proc.wait(timeout=0.25)
-                except subprocess.TimeoutExpired:
-                    code = None
+            seen = 0
+
+            def poll() -> None:
+                nonlocal seen
                 if on_phase is not None and os.path.exists(progress):
                     with open(progress) as fh:
                         lines = fh.read().splitlines()
                     for line in lines[seen:]:
                         on_phase(line)
                     seen = len(lines)
-                if code is not None:
-                    break
-                if time.monotonic() - start > timeout_s:
-                    proc.kill()
-                    proc.wait()
-                    raise StageFailedError(f"calibration did not finish in {timeout_s:.0f} s")
+
+            code = watch(proc, poll, timeout_s)
+            if code is None:
+                raise StageFailedError(f"calibration did not finish in {timeout_s:.0f} s")
             err.seek(0)
             stderr = err.read()
         if code != 0 or not os.path.exists(out):

@@ -19,7 +19,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,26 @@ def failure(run_dir: Path, n_ranks: int, returncode: int, log: str) -> StageFail
     return StageFailedError(f"torchrun exited with status {returncode}: {tail}")
 
 
+def watch(
+    proc: subprocess.Popen[Any], poll: Callable[[], None], timeout_s: float | None = None
+) -> int | None:
+    """Wait for ``proc``, calling ``poll`` every quarter second and once more after it ends
+    (to read its progress); its exit status, or ``None`` after killing it at ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        try:
+            code: int | None = proc.wait(timeout=0.25)
+        except subprocess.TimeoutExpired:
+            code = None
+        poll()
+        if code is not None:
+            return code
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            proc.kill()
+            proc.wait()
+            return None
+
+
 def launch(
     plan: Plan,
     plan_path: str | os.PathLike[str],
@@ -212,18 +233,16 @@ def launch(
         with open(log_path, "w") as log, progress_bar(progress and steps > 0) as bar:
             task = bar.add_task(f"{plan.n_stages} stages: starting", total=steps)
             proc = subprocess.Popen(cmd, stdout=None, stderr=log, env=env)
-            while True:
-                try:
-                    code = proc.wait(timeout=0.25)
-                except subprocess.TimeoutExpired:
-                    code = None
+
+            def poll() -> None:
                 try:
                     step = int(step_file.read_text())
                     bar.update(task, completed=step, description=f"{plan.n_stages} stages: step")
                 except (OSError, ValueError):  # not started, or being written
                     pass
-                if code is not None:
-                    break
+
+            code = watch(proc, poll)
+            assert code is not None  # no time limit: the ranks' own timeout stops a hang
             if code == 0:
                 bar.update(task, completed=steps)
         if code != 0:

@@ -65,6 +65,7 @@ from pipeplan.planner.costmodel import (
     in_flight,
     memory_parts,
     recomputes,
+    stage_recomputes,
     step_time,
     tied_syncs,
 )
@@ -310,12 +311,7 @@ class Instance:
     def recomputing(self, j: int, l: int, r: int) -> bool:
         """Whether mid stage j over units l..r recomputes (the policy's rule, or under
         ``auto`` whether keeping does not fit)."""
-        if not self.auto:
-            return recomputes(self.policy, j, self.p)
-        c = self.c
-        w = c.Pw[r + 1] - c.Pw[l] + c.shared_bytes(l, r)
-        keep = sum(memory_parts(c, self.options, j, self.p, l, r, w, False).values())
-        return bool(float(keep) > self.caps[j])
+        return stage_recomputes(self.c, self.cluster, self.options, l, r, j)
 
     def upd(self, nbytes: np.ndarray | float) -> np.ndarray:
         """U of a stage holding ``nbytes`` of parameters on this instance's devices."""
