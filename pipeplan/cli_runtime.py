@@ -148,7 +148,7 @@ def calibrate(
     repeats: Annotated[int, typer.Option(help="Round trips per size, and Adam steps.")] = 20,
     engine_repeats: Annotated[
         int, typer.Option(help="Pipeline steps per micro-batch count and round of the engine.")
-    ] = 4,  # pipeplan.runtime.calibrate.ENGINE_REPEATS (imported lazily)
+    ] = 3,  # pipeplan.runtime.calibrate.ENGINE_REPEATS (imported lazily)
     launches: Annotated[
         int, typer.Option(help="Separate torchrun jobs; the cluster takes their medians.")
     ] = 3,

@@ -23,6 +23,7 @@ from typing import Any
 from benchmarks.common import machine
 
 HERE = Path(__file__).parent
+RAW = HERE / "raw.json"
 OLD_LAUNCHES, OLD_SOLO, OLD_REPEATS, OLD_WIDTHS = 3, 3, 20, (256, 512, 1024, 1536)
 OLD_MS = (2, 4, 8, 16)
 OLD = {"launches": OLD_LAUNCHES, "solo_launches": OLD_SOLO, "repeats": OLD_REPEATS,
@@ -70,6 +71,10 @@ def before() -> dict[str, Any]:
     each = [
         combine(2, [r], [a], widths=widths)[0] for (r, _), (a, _) in zip(pairs, solos, strict=True)
     ]
+    RAW.write_text(
+        json.dumps((json.loads(RAW.read_text()) if RAW.exists() else []) + [r for r, _ in pairs])
+        + "\n"
+    )  # every timing of the 2-rank launches, for subsample.py
     return {
         "wall_s": wall,
         "figures": figures(together),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -62,8 +63,11 @@ from pipeplan.runtime.update_contention import measure_update_contention
 
 __all__ = ["ENGINE_REPEATS", "SOLO_MS", "SOLO_WIDTHS", "calibrate", "combine", "measure", "phases"]
 
-ENGINE_REPEATS = 4
-"""Steps per micro-batch count and round of the engine measurement on the ranks, by default."""
+ENGINE_REPEATS = 3
+"""Steps per micro-batch count and round of the engine measurement on the ranks, by default.
+The stage's forward + backward alone is timed ``repeats`` times per round (20 by default): the
+fit's x axis, cheap beside the pipeline steps, and the figure that moved (o, k) most when it was
+timed only 4 times (``benchmarks/calibrate/subsample.py``)."""
 
 SOLO_WIDTHS, SOLO_MS = (256, 512), (2, 4, 8, 16)
 """The 1-rank launches' widths and micro-batch counts.  Alone, the engine's o is the small
@@ -122,11 +126,12 @@ def _worker(argv: list[str] | None = None) -> None:
             done("update contention")
         engine = []
         for width in args.widths:
+            raw: dict[str, Any] = {}
             steps, compute = engine_step_times(
                 torch.device(device), args.engine_repeats, width=width, input_grad=world > 1,
-                ms=args.ms,
+                ms=args.ms, raw=raw, passes=args.repeats,
             )  # fmt: skip
-            engine.append({"width": width, "compute": compute, "steps": steps})
+            engine.append({"width": width, "compute": compute, "steps": steps, "raw": raw})
             done(f"engine width {width}")
         if rank == 0:
             if args.device == "cuda":
@@ -142,6 +147,13 @@ def _worker(argv: list[str] | None = None) -> None:
                 )  # fmt: skip
     finally:
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    """A TCP port on this host that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def phases(nproc: int, widths: Sequence[int]) -> int:
@@ -162,28 +174,37 @@ def measure(
     engine_repeats: int = 0,
     ms: Sequence[int] = ENGINE_MS,
 ) -> dict[str, Any]:
-    """One torchrun job of ``nproc`` calibration ranks; rank 0's raw measurements.
+    """One torchrun job of ``nproc`` calibration ranks (one rank runs without the launcher);
+    rank 0's raw measurements.
 
     Returns ``{"samples": [[bytes, raw_s, p2p_s], ...], "allreduce": [[bytes, s], ...],
     "memory": bytes, "engine": [{"width":
-    w, "compute": F + B seconds, "steps": {m: [round median step seconds, ...]}}, ...],
+    w, "compute": F + B seconds, "steps": {m: [round median step seconds, ...]}, "raw": every
+    timing (:func:`~pipeplan.runtime.engine_fit.engine_step_times`)}, ...],
     "update_contention": kappa_u}``, one engine entry per width in order (kappa_u 0 on a 1-rank
     launch); :func:`calibrate` combines several of these.  ``repeats`` round trips per message
-    size and Adam steps; ``engine_repeats`` (default ``repeats``) steps per m in ``ms`` and
-    round of the engine measurement.  ``on_phase`` is called with each phase's name as rank 0
+    size, Adam steps and passes of a calibration stage's forward + backward alone;
+    ``engine_repeats`` (default ``repeats``) steps per m in ``ms`` and round of the engine
+    measurement.  ``on_phase`` is called with each phase's name as rank 0
     finishes it (:func:`phases` of them).
     """
     with tempfile.TemporaryDirectory(prefix="pipeplan-calibrate-") as tmp:
         out, progress = os.path.join(tmp, "result.json"), os.path.join(tmp, "progress")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if nproc > 1:
+            launcher = [
+                "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"
+            ]  # fmt: skip
+        else:  # one rank needs no launcher (whose own torch import costs seconds here)
+            launcher = []
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", "pipeplan.runtime.calibrate",
-            "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
+            sys.executable, *launcher, "-m", "pipeplan.runtime.calibrate", "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
             "--device", device, "--widths", *map(str, widths), "--progress", progress,
             "--engine-repeats", str(engine_repeats or repeats), "--ms", *map(str, ms),
             *(["--threads", str(threads)] if threads else []),
         ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(os.path.join(tmp, "stderr"), "w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env)
             seen = 0

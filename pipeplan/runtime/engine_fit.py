@@ -1,8 +1,8 @@
 """The schedule engine's cost for ``pipeplan calibrate``: o per operation, contention k, c.
 
 The ranks run a real pipeline through :class:`pipeplan.runtime.engine.PipelineRunner` whose stages
-compute (two linear layers of width w on micro-batches of 32 samples) at m = 2, 4, 8 and 16,
-interleaved over rounds, for each width w in ``widths`` (256, 512, 1024 and 1536 by default, so
+compute (two linear layers of width w on micro-batches of 32 samples) at each m in
+``ENGINE_MS`` (2 and 16 by default), interleaved over rounds, for each width w in ``widths`` (256, 512, 1024 and 1536 by default, so
 that one stage's forward + backward ranges from about 0.5 to 17 ms here, the range of the
 bundled models' stages; :func:`engine_step_times`).  In the steady state both stages compute at
 once, and each extra micro-batch adds one steady-state stage time
@@ -62,8 +62,11 @@ __all__ = [
 ]
 
 
-#: Micro-batch counts of the engine measurement, run interleaved over rounds.
-ENGINE_MS = (2, 4, 8)
+#: Micro-batch counts of the engine measurement, run interleaved over rounds.  Two counts far
+#: apart give the slope most precisely for the steps run (its error falls with their distance,
+#: its cost grows with their sum): m = 2 and 16 at 3 steps each moved (o, k) on the same launch
+#: less than m = 2, 4, 8 at 4 steps (``benchmarks/calibrate/subsample.py``).
+ENGINE_MS = (2, 16)
 #: The calibration stage: width, layers per stage, micro-batch size.
 WIDTH, LAYERS, MICRO = 512, 2, 32
 #: Widths of the calibration stages whose engine cost ``calibrate`` fits (o, k) to.
@@ -117,8 +120,9 @@ def _calibration_plan(world: int, m: int, width: int = WIDTH) -> tuple[Any, Any]
     return plan, spec
 
 
-def _stage_compute_s(repeats: int, width: int = WIDTH, input_grad: bool = True) -> float:
-    """Forward + backward seconds of one calibration stage alone (median).
+def _stage_times(repeats: int, width: int = WIDTH, input_grad: bool = True) -> list[float]:
+    """Forward + backward seconds of one calibration stage alone, ``repeats`` times after 3
+    warm-up passes.
 
     ``input_grad``: the backward also computes the gradient of the stage's input, as every
     stage but the first does (the pipeline's bottleneck when stages are alike); a 1-rank
@@ -134,7 +138,7 @@ def _stage_compute_s(repeats: int, width: int = WIDTH, input_grad: bool = True) 
         stage(x).backward(grad)
         if i >= 3:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def engine_step_times(
@@ -144,13 +148,19 @@ def engine_step_times(
     width: int = WIDTH,
     input_grad: bool = True,
     ms: Sequence[int] = ENGINE_MS,
+    raw: dict[str, Any] | None = None,
+    passes: int | None = None,
 ) -> tuple[dict[int, list[float]], float]:
-    """Per round, the median step time of the calibration pipeline at each m in ``ms``, less
+    """Per round, the median of ``repeats`` step times of the calibration pipeline at each m in
+    ``ms`` (after 2 untimed steps in the first round, 1 in later ones), less
     the step's optimizer update (its own span: the cost model charges updates separately);
-    and the stage's forward + backward timed alone on rank 0 (:func:`_stage_compute_s`) at the
-    start of every round, the median over rounds (0 on other ranks).  Timing F + B beside the
+    and the stage's forward + backward timed alone on rank 0 (:func:`_stage_times`, ``passes``
+    times, default ``repeats``; their median) at the start of every round, the median over
+    rounds (0 on other ranks).  Timing F + B beside the
     steps it is compared with, not once before them, keeps a slow phase of the host from
-    landing on one and not the other."""
+    landing on one and not the other.  ``raw``, if given, receives every timing: ``{"steps": {m: [[step
+    seconds] per round]}, "compute": [[F + B seconds] per round]}`` (what ``benchmarks/calibrate``
+    subsamples)."""
     import torch.distributed as dist
 
     from pipeplan.runtime.engine import PipelineRunner
@@ -161,19 +171,24 @@ def engine_step_times(
         runners[m] = (PipelineRunner(plan, spec, device=device), spec.batch(m * MICRO))
     out: dict[int, list[float]] = {m: [] for m in ms}
     compute: list[float] = []
-    for _ in range(rounds):
+    kept: dict[str, Any] = raw if raw is not None else {}
+    kept.update(steps={m: [] for m in ms}, compute=[])
+    for r in range(rounds):
         dist.barrier()
         if dist.get_rank() == 0:  # the others wait at the barrier: rank 0 computes alone
-            compute.append(_stage_compute_s(repeats, width, input_grad))
+            kept["compute"].append(_stage_times(passes or repeats, width, input_grad))
+            compute.append(statistics.median(kept["compute"][-1]))
         dist.barrier()
         for m, (runner, batch) in runners.items():
-            walls = []
-            for step in range(repeats + 2):
+            times: list[float] = []
+            warm = 2 if r == 0 else 1  # later rounds find the runner built and run
+            for step in range(repeats + warm):
                 inputs, target = batch
                 wall, spans, _ = runner.timed_step(inputs, target, step)
-                if step >= 2:
-                    walls.append(wall - sum(s.duration_s for s in spans if s.kind == "optimizer"))
-            out[m].append(statistics.median(walls))
+                if step >= warm:
+                    times.append(wall - sum(s.duration_s for s in spans if s.kind == "optimizer"))
+            out[m].append(statistics.median(times))
+            kept["steps"][m].append(times)
             dist.barrier()
     return out, statistics.median(compute) if compute else 0.0
 

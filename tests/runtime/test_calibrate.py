@@ -3,6 +3,7 @@ launches (the fits themselves: test_linkbench, test_engine_fit, test_update_cont
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,20 @@ def test_each_launch_reports_its_phases() -> None:
         (1, ["engine width 64"]),
     ):
         seen: list[str] = []
-        calibrate_module.measure(nproc, "cpu", 1024, 1, None, 120.0, (64,), on_phase=seen.append)
+        result = calibrate_module.measure(
+            nproc, "cpu", 1024, 3, None, 120.0, (64,), on_phase=seen.append, engine_repeats=2,
+            ms=(2, 3),
+        )  # fmt: skip
         assert seen == names and len(seen) == calibrate_module.phases(nproc, (64,))
+        # Every timing comes back: per round, `engine_repeats` steps per m and `repeats` passes
+        # of the stage alone, whose medians are the figures the fit reads.
+        (engine,) = result["engine"]
+        raw = engine["raw"]
+        assert [len(r) for r in raw["compute"]] == [3, 3, 3]
+        assert engine["compute"] == statistics.median(statistics.median(r) for r in raw["compute"])
+        for m in ("2", "3"):
+            assert [len(r) for r in raw["steps"][m]] == [2, 2, 2]
+            assert engine["steps"][m] == [statistics.median(r) for r in raw["steps"][m]]
 
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
