@@ -15,11 +15,16 @@ drops out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from pipeplan.runtime.engine_fit import MICRO, slope_per_microbatch
 
 HERE = Path(__file__).parent
 OLD_MS, OLD_WIDTHS, OLD_REPEATS = (2, 4, 8, 16), (256, 512, 1024, 1536), 20
@@ -108,6 +113,61 @@ def report(launches: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def estimators(launches: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
+    """How three ways of combining 3 launches' engine points spread over every draw of 3
+    launches out of ``launches``: one line through all their points (what
+    :func:`pipeplan.runtime.calibrate.combine` fits), one line through the widths' median
+    points, and the median o and median k of each launch's own line.  5th percentile, median
+    and 95th percentile of k and of the charge for a 10 ms stage."""
+    from pipeplan.runtime.calibrate import combine
+    from pipeplan.runtime.engine_fit import fit_engine
+
+    def per_launch(r: dict[str, Any]) -> list[tuple[float, float]]:
+        cluster, _ = combine(2, [r], [])  # its link fit, for the round trip
+        points = []
+        for e in r["engine"]:
+            steps = {int(m): v for m, v in e["steps"].items()}
+            trip = 2 * cluster.link.transfer_s(4 * e["width"] * MICRO)
+            points.append((e["compute"], slope_per_microbatch(steps) - trip))
+        return points
+
+    def pooled(draw: Sequence[dict[str, Any]], _: Any) -> tuple[float, float]:
+        cluster, _c = combine(2, list(draw), [])
+        return cluster.op_overhead_s, cluster.contention
+
+    def median_points(_: Any, pts: Sequence[list[tuple[float, float]]]) -> tuple[float, float]:
+        return fit_engine([
+            (statistics.median(p[w][0] for p in pts), statistics.median(p[w][1] for p in pts))
+            for w in range(len(pts[0]))
+        ])  # fmt: skip
+
+    def median_fits(_: Any, pts: Sequence[list[tuple[float, float]]]) -> tuple[float, float]:
+        fits = [fit_engine(p) for p in pts]
+        return statistics.median(f[0] for f in fits), statistics.median(f[1] for f in fits)
+
+    lines = [
+        "| launches as | combined by | k: p5 / median / p95 | 10 ms stage charged (ms) |",
+        "|---|---|---|---|",
+    ]
+    for name in names:
+        subs = [subsample(r, VARIANTS[name])[0] for r in launches]
+        pts = [per_launch(r) for r in subs]
+        for how, f in (("one line through all points", pooled),
+                       ("one line through the widths' median points", median_points),
+                       ("median of each launch's fit", median_fits)):  # fmt: skip
+            out = [
+                f([subs[i] for i in d], [pts[i] for i in d])
+                for d in itertools.combinations(range(len(subs)), 3)
+            ]
+            ks = np.quantile([k for _, k in out], [0.05, 0.5, 0.95])
+            c10 = np.quantile([charges(o * 1e6, k)[1] for o, k in out], [0.05, 0.5, 0.95])
+            lines.append(
+                f"| {name} | {how} | {' / '.join(f'{x:.3f}' for x in ks)} "
+                f"| {' / '.join(f'{x:.2f}' for x in c10)} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--launches", type=int, default=3)
@@ -136,6 +196,8 @@ def main() -> None:
             out.write_text(json.dumps(launches) + "\n")
             print(f"launch {len(launches)} kept", flush=True)
     print(report(launches))
+    print()
+    print(estimators(launches, ["old (all)", "m 2,16, 3 steps, F+B 20 (now)"]))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ A 1-rank launch measures the engine alone (no link, no update contention).
 
 :func:`calibrate` runs ``launches`` of them and keeps, per message size, the median of the
 launches' one-way times (the link and all-reduce fits: :func:`pipeplan.runtime.linkbench.fit_link`),
-fits (o, k) to each launch's widths and keeps the median o and the median k
-(:func:`pipeplan.runtime.engine_fit.fit_engine`), and the median kappa_u; ``solo_launches`` 1-rank
+fits one (o, k) line through every launch's (stage time, slope) points
+(:func:`pipeplan.runtime.engine_fit.fit_engine`), and keeps the median kappa_u; ``solo_launches`` 1-rank
 launches then give the engine's o and per-step cost c for 1-stage plans
 (:func:`pipeplan.runtime.engine_fit.solo_overhead`).
 The result is a :class:`~pipeplan.planner.types.Cluster` with one device per rank (memory: the GPU's,
@@ -251,9 +251,8 @@ def calibrate(
 
     Every launch measures the link and the engine; the cluster takes, per message size, the
     median of the launches' one-way times; :func:`fit_engine` fits the engine cost o and the
-    contention k to each launch's (stage time, slope) points over the widths, and the cluster
-    takes the median o and the median k over launches, and the median of the launches' update
-    contention kappa_u.  On a shared
+    contention k through every launch's (stage time, slope) points, one per width and launch;
+    and the cluster takes the median of the launches' update contention kappa_u.  On a shared
     host one launch can land in a slow or a fast phase (engine costs of 0.49 and 0.90-0.99 ms
     per operation were measured by single launches minutes apart), so one launch is not enough.
     ``solo_launches`` 1-rank launches then measure the engine alone for
@@ -323,16 +322,13 @@ def combine(
         for per_size in zip(*(r["allreduce"] for r in results))
         for t in [float(np.median([s[1] for s in per_size]))]
     ])  # fmt: skip
-    fits = []
-    for r in results:  # one (o, k) per launch, from its own widths' points
-        points = []
+    points = []  # (F + B, slope - C) of every launch at every width: one line through them all
+    for r in results:
         for width, e in zip(widths, r["engine"], strict=True):
             steps = {int(m): [float(x) for x in v] for m, v in e["steps"].items()}
             round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
             points.append((float(e["compute"]), slope_per_microbatch(steps) - round_trip))
-        fits.append(fit_engine(points))
-    overhead = statistics.median(f[0] for f in fits)
-    kappa = statistics.median(f[1] for f in fits)
+    overhead, kappa = fit_engine(points)
     kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
     solo = step_cost = None
     if alone:

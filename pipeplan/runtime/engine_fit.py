@@ -21,11 +21,14 @@ pipeline does not show, grows with the length of the operations
 (``benchmarks/accuracy/engine_sweep.py``).  On CUDA devices that share nothing k comes out
 near 0.
 
-:func:`pipeplan.runtime.calibrate.calibrate` fits (o, k) to each launch's widths and keeps the median o
-and the median k.  One fit through the widths' median points, as before, let one launch's slow
-phase at one width tilt the line: over 20 draws of 3 launches out of 6 measured here, k spread
-0.25-0.52 that way and 0.31-0.41 as the median of the launches' fits (F + B then timed once per
-launch; ``benchmarks/accuracy`` README).
+:func:`pipeplan.runtime.calibrate.calibrate` fits one line through the points of all its launches
+(one per width and launch).  Over the 220 draws of 3 launches out of 12 measured here,
+subsampled to today's defaults, k spread 0.107-0.283 that way (5th to 95th percentile),
+0.091-0.328 through the widths' median points, and 0.089-0.307 as the median of each launch's
+own fit; the charge for a 10 ms stage 13.1-14.1, 13.0-14.5 and 13.0-14.3 ms
+(``benchmarks/calibrate``).  Earlier, with F + B timed once per launch, the median of the
+launches' fits had been the steadier (``benchmarks/accuracy`` README); F + B is now timed
+beside the steps, every round.
 
 A 1-stage plan runs the same engine with no peer: no transfers, and no transport threads
 competing with the compute for the cores.  Its o (``Cluster.solo_op_overhead_s``) comes from

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pipeplan.runtime.calibrate as calibrate_module
@@ -174,17 +175,20 @@ def test_calibrate_fits_engine_cost_and_contention(monkeypatch: pytest.MonkeyPat
     assert cluster.contention == pytest.approx(kappa, rel=1e-6)
 
 
-def test_calibrate_takes_the_median_of_the_launches_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Three launches, each exactly on its own line, in different host phases (their stage
-    # times differ): (o, k) = (2e-4, 0.2), (3e-4, 0.4), (5e-4, 0.9).  The cluster keeps the
-    # median o and the median k of the launches' fits; one line through the widths' median
-    # points would mix the launches (here: o = 319 us, k = 0.48).
-    launches = iter([
-        _exact_launch(2e-4, 0.2, {256: 4e-4, 1024: 9e-3}),
-        _exact_launch(3e-4, 0.4, {256: 6e-4, 1024: 6e-3}),
-        _exact_launch(5e-4, 0.9, {256: 5e-4, 1024: 7e-3}),
-    ])  # fmt: skip
+def test_calibrate_fits_one_line_through_every_launchs_points(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Three launches in different host phases (their stage times differ), each exactly on its
+    # own line: (o, k) = (2e-4, 0.2), (3e-4, 0.4), (5e-4, 0.9).  The cluster's (o, k) is the
+    # least-squares line through all six (F + B, slope - C) points, not any launch's own.
+    lines = [(2e-4, 0.2, {256: 4e-4, 1024: 9e-3}), (3e-4, 0.4, {256: 6e-4, 1024: 6e-3}),
+             (5e-4, 0.9, {256: 5e-4, 1024: 7e-3})]  # fmt: skip
+    launches = iter([_exact_launch(*line) for line in lines])
     monkeypatch.setattr(calibrate_module, "measure", lambda *a, **k: next(launches))
     cluster, _ = calibrate_module.calibrate(2, launches=3, solo_launches=0, widths=(256, 1024))
-    assert cluster.op_overhead_s == pytest.approx(3e-4, rel=1e-6)
-    assert cluster.contention == pytest.approx(0.4, rel=1e-6)
+    x = [f for _, _, compute in lines for f in compute.values()]
+    y = [(1 + k) * (f + 2 * o) for o, k, compute in lines for f in compute.values()]
+    b, a = np.polyfit(x, y, 1)
+    assert cluster.contention == pytest.approx(b - 1, rel=1e-6)
+    assert cluster.op_overhead_s == pytest.approx(a / (2 * b), rel=1e-6)
+    assert 0.2 < cluster.contention < 0.9 and 2e-4 < cluster.op_overhead_s < 5e-4
