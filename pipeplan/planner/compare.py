@@ -2,7 +2,7 @@
 
 Columns: ``name`` (the file or label), ``solver``, ``status``, ``feasible``, ``m``, ``stages``,
 ``replicas`` (data-parallel copies of the pipeline), ``stage_ms`` and ``stage_mem`` (per-stage t_j in milliseconds and M_j in bytes, joined by
-``/``), ``slowest_ms`` (max_j t_j), ``bubble`` (bubble fraction), ``step_ms`` (predicted step
+``/``; in binary units in the formats for people, :func:`render`), ``slowest_ms`` (max_j t_j), ``bubble`` (bubble fraction), ``step_ms`` (predicted step
 time), ``samples_s`` (samples per second of all replicas together) and ``ratio`` (step time
 over the best *feasible* plan's; NaN when no plan is feasible).
 Plans of different profiles or clusters can be compared, but the ratio is only meaningful for
@@ -19,9 +19,10 @@ from typing import Literal
 import pandas as pd
 
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.io import format_bytes
 from pipeplan.planner.types import Plan
 
-__all__ = ["FORMATS", "Format", "compare_frame", "format_cell", "render", "to_markdown"]
+__all__ = ["FORMATS", "Format", "compare_frame", "format_cell", "human", "render", "to_markdown"]
 
 Format = Literal["table", "csv", "json", "markdown"]
 FORMATS: tuple[str, ...] = ("table", "csv", "json", "markdown")
@@ -107,8 +108,21 @@ def to_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def human(df: pd.DataFrame) -> pd.DataFrame:
+    """The frame for people to read: ``stage_mem`` in binary units (``1.50 GiB/2.00 GiB``)."""
+    out = df.copy()
+    out["stage_mem"] = [
+        "/".join(format_bytes(int(b)) for b in str(v).split("/")) for v in df["stage_mem"]
+    ]
+    return out
+
+
 def render(df: pd.DataFrame, fmt: str) -> str:
-    """The frame as text: ``table`` (aligned columns), ``csv``, ``json`` (records) or ``markdown``."""
+    """The frame as text: ``table`` (aligned columns), ``csv``, ``json`` (records) or ``markdown``.
+    The formats for people (``table``, ``markdown``) give per-stage memory in binary units; the
+    formats for programs (``csv``, ``json``) keep it in bytes."""
+    if fmt in ("table", "markdown"):
+        df = human(df)
     if fmt == "csv":
         return str(df.to_csv(index=False))
     if fmt == "json":

@@ -16,7 +16,7 @@ from _cli_argv import cli_argv
 from pipeplan.cli import main
 from pipeplan.planner.compare import FORMATS, compare_frame, render, to_markdown
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.io import load_plan, write_json
+from pipeplan.planner.io import format_bytes, load_plan, write_json
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Plan, PlanOptions
 from pipeplan.solvers import SOLVERS
@@ -83,6 +83,11 @@ def test_every_format(plans: list[Plan]) -> None:
     )
     table = render(df, "table").splitlines()
     assert len(table) == 1 + len(plans) and "ratio" in table[0]
+    # People read memory in binary units; programs get bytes.
+    first = "/".join(format_bytes(s.memory.total) for s in plans[0].stages)
+    assert f"| {first} |" in md and first in table[1]
+    assert str(plans[0].stages[0].memory.total) in csv.splitlines()[1]
+    assert records[0]["stage_mem"] == "/".join(str(s.memory.total) for s in plans[0].stages)
     with pytest.raises(InvalidRequestError, match="format"):
         render(df, "xml")
     assert set(FORMATS) == {"table", "csv", "json", "markdown"}
