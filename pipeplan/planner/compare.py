@@ -1,10 +1,12 @@
 """Side-by-side comparison of plans: one row per plan, rendered as a table, CSV, JSON or Markdown.
 
 Columns: ``name`` (the file or label), ``solver``, ``status``, ``feasible``, ``m``, ``stages``,
-``replicas`` (data-parallel copies of the pipeline), ``stage_ms`` and ``stage_mem`` (per-stage t_j in milliseconds and M_j in bytes, joined by
-``/``; in binary units in the formats for people, :func:`render`), ``slowest_ms`` (max_j t_j), ``bubble`` (bubble fraction), ``step_ms`` (predicted step
-time), ``samples_s`` (samples per second of all replicas together) and ``ratio`` (step time
-over the best *feasible* plan's; NaN when no plan is feasible).
+``replicas`` (data-parallel copies of the pipeline), ``stage_ms`` and ``stage_mem``
+(per-stage t_j in milliseconds and M_j in bytes, joined by ``/``; M_j in binary units in the
+formats for people, :func:`render`), ``slowest_ms`` (max_j t_j), ``bubble`` (bubble fraction),
+``step_ms`` (predicted step time), ``samples_s`` (samples per second of all replicas
+together) and ``ratio`` (step time over the best *feasible* plan's; NaN when no plan is
+feasible).
 Plans of different profiles or clusters can be compared, but the ratio is only meaningful for
 one profile on one cluster.  O(sum of stages).
 """

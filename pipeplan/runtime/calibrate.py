@@ -15,11 +15,11 @@ order, each with a module of its own that states what it times and the formulas 
 A 1-rank launch measures the engine alone (no link, no update contention).
 
 :func:`calibrate` runs ``launches`` of them and keeps, per message size, the median of the
-launches' one-way times (the link and all-reduce fits: :func:`pipeplan.runtime.linkbench.fit_link`),
-fits one (o, k) line through every launch's (stage time, slope) points
-(:func:`pipeplan.runtime.engine_fit.fit_engine`), and keeps the median kappa_u; ``solo_launches`` 1-rank
-launches then give the engine's o and per-step cost c for 1-stage plans
-(:func:`pipeplan.runtime.engine_fit.solo_overhead`).
+launches' one-way times (the link and all-reduce fits:
+:func:`pipeplan.runtime.linkbench.fit_link`), fits one (o, k) line through every launch's
+(stage time, slope) points (:func:`pipeplan.runtime.engine_fit.fit_engine`), and keeps the
+median kappa_u; ``solo_launches`` 1-rank launches then give the engine's o and per-step cost c
+for 1-stage plans (:func:`pipeplan.runtime.engine_fit.solo_overhead`).
 The result is a :class:`~pipeplan.planner.types.Cluster` with one device per rank (memory: the GPU's,
 or this machine's RAM divided among the ranks) that ``pipeplan plan --cluster`` reads.
 """
@@ -200,7 +200,8 @@ def measure(
             env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
         cmd = [
-            sys.executable, *launcher, "-m", "pipeplan.runtime.calibrate", "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
+            sys.executable, *launcher, "-m", "pipeplan.runtime.calibrate",
+            "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
             "--device", device, "--widths", *map(str, widths), "--progress", progress,
             "--engine-repeats", str(engine_repeats or repeats), "--ms", *map(str, ms),
             *(["--threads", str(threads)] if threads else []),

@@ -2,10 +2,11 @@
 
 The ranks run a real pipeline through :class:`pipeplan.runtime.engine.PipelineRunner` whose stages
 compute (two linear layers of width w on micro-batches of 32 samples) at each m in
-``ENGINE_MS`` (2 and 16 by default), interleaved over rounds, for each width w in ``widths`` (256, 512, 1024 and 1536 by default, so
-that one stage's forward + backward ranges from about 0.5 to 17 ms here, the range of the
-bundled models' stages; :func:`engine_step_times`).  In the steady state both stages compute at
-once, and each extra micro-batch adds one steady-state stage time
+``ENGINE_MS`` (2 and 16 by default), interleaved over rounds, for each width w in ``widths``
+(256, 512, 1024 and 1536 by default, so that one stage's forward + backward ranges from about
+0.5 to 17 ms here, the range of the bundled models' stages; :func:`engine_step_times`).  In the
+steady state both stages compute at once, and each extra micro-batch adds one steady-state
+stage time
 
     slope = (1 + k) (F + B + 2 o) + C                  (the cost model's s_j)
 
@@ -67,8 +68,8 @@ __all__ = [
 
 #: Micro-batch counts of the engine measurement, run interleaved over rounds.  Two counts far
 #: apart give the slope most precisely for the steps run (its error falls with their distance,
-#: its cost grows with their sum): m = 2 and 16 at 3 steps each moved (o, k) on the same launch
-#: less than m = 2, 4, 8 at 4 steps (``benchmarks/calibrate/subsample.py``).
+#: its cost grows with their sum); m = 2 and 16 at 3 steps each cost what m = 2, 4, 8 at 4 did
+#: (``benchmarks/calibrate``).
 ENGINE_MS = (2, 16)
 #: The calibration stage: width, layers per stage, micro-batch size.
 WIDTH, LAYERS, MICRO = 512, 2, 32
@@ -155,15 +156,15 @@ def engine_step_times(
     passes: int | None = None,
 ) -> tuple[dict[int, list[float]], float]:
     """Per round, the median of ``repeats`` step times of the calibration pipeline at each m in
-    ``ms`` (after 2 untimed steps in the first round, 1 in later ones), less
-    the step's optimizer update (its own span: the cost model charges updates separately);
-    and the stage's forward + backward timed alone on rank 0 (:func:`_stage_times`, ``passes``
-    times, default ``repeats``; their median) at the start of every round, the median over
-    rounds (0 on other ranks).  Timing F + B beside the
-    steps it is compared with, not once before them, keeps a slow phase of the host from
-    landing on one and not the other.  ``raw``, if given, receives every timing: ``{"steps": {m: [[step
-    seconds] per round]}, "compute": [[F + B seconds] per round]}`` (what ``benchmarks/calibrate``
-    subsamples)."""
+    ``ms`` (after 2 untimed steps in the first round, 1 in later ones), less the step's
+    optimizer update (its own span: the cost model charges updates separately); and the
+    stage's forward + backward timed alone on rank 0 (:func:`_stage_times`, ``passes`` times,
+    default ``repeats``; their median) at the start of every round, the median over rounds (0
+    on other ranks).  Timing F + B beside the steps it is compared with, not once before them,
+    keeps a slow phase of the host from landing on one and not the other.
+
+    ``raw``, if given, receives every timing: ``{"steps": {m: [[step seconds] per round]},
+    "compute": [[F + B seconds] per round]}`` (what ``benchmarks/calibrate`` subsamples)."""
     import torch.distributed as dist
 
     from pipeplan.runtime.engine import PipelineRunner
