@@ -329,7 +329,7 @@ def combine(
             steps = {int(m): [float(x) for x in v] for m, v in e["steps"].items()}
             round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
             points.append((float(e["compute"]), slope_per_microbatch(steps) - round_trip))
-    overhead, kappa = fit_engine(points)
+    overhead, kappa = fit_engine(points, [w for _ in results for w in widths])
     kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
     solo = step_cost = None
     if alone:

@@ -224,11 +224,15 @@ def engine_overhead(
     return max((slope - compute_s - round_trip_s) / 2, 0.0)
 
 
-def fit_engine(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def fit_engine(
+    points: Sequence[tuple[float, float]], widths: Sequence[int] | None = None
+) -> tuple[float, float]:
     """(o, k) from (F + B, slope - C) points of the calibration stages at several widths.
 
     The least-squares line y = a + b x gives k = b - 1 and o = a / (2 (1 + k)), each clamped
-    at 0; with one distinct F + B, k = 0 and o = (y - x) / 2.
+    at 0; with one distinct F + B, or every point at one width (``widths``, one per point:
+    launches time the same width's F + B a little differently, and a line through those points
+    is noise), k = 0 and o = median(y - x) / 2.
 
     >>> o, k = fit_engine([(0.001, 1.5 * (0.001 + 2e-4)), (0.007, 1.5 * (0.007 + 2e-4))])
     >>> round(o * 1e3, 6), round(k, 6)
@@ -238,7 +242,7 @@ def fit_engine(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         raise InvalidRequestError("the engine fit needs at least one width")
     x = np.array([p[0] for p in points], dtype=np.float64)
     y = np.array([p[1] for p in points], dtype=np.float64)
-    if np.ptp(x) <= 0:
+    if np.ptp(x) <= 0 or (widths is not None and len(set(widths)) < 2):
         return max(float(np.median(y - x)) / 2, 0.0), 0.0
     b, a = np.polyfit(x, y, 1)
     kappa = max(float(b) - 1.0, 0.0)

@@ -16,6 +16,18 @@ def test_fit_engine_clamps_and_falls_back() -> None:
         fit_engine([])
 
 
+def test_fit_engine_one_width_over_launches_fits_no_line() -> None:
+    # Two launches at one width time its F + B a little differently; a line through those two
+    # points is noise (here k = 9), so one width means k = 0 and o = median(y - x) / 2.
+    points = [(1.00e-3, 2.0e-3), (1.01e-3, 2.1e-3)]
+    assert fit_engine(points)[1] > 5
+    assert fit_engine(points, [256, 256]) == (pytest.approx(5.225e-4), 0.0)
+    # Two widths fit the line through all launches' points.
+    line = [(x, 1.5 * (x + 2e-4)) for x in (1e-3, 1.1e-3, 7e-3, 7.2e-3)]
+    o, k = fit_engine(line, [256, 256, 1024, 1024])
+    assert (o, k) == (pytest.approx(1e-4), pytest.approx(0.5))
+
+
 def test_engine_overhead_from_step_times() -> None:
     # Each extra micro-batch costs one slowest-stage time F + B + 2 o + C.
     o, trip, compute = 4e-4, 1e-4, 2e-3
