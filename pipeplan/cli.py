@@ -325,7 +325,7 @@ def compare(
     ] = None,
 ) -> None:
     """Compare plans side by side: per-stage times, bubble, step time and ratio to the best."""
-    from pipeplan.planner.compare import FORMATS, compare_frame, format_cell, render
+    from pipeplan.planner.compare import FORMATS, compare_frame, format_cell, human, render
     from pipeplan.planner.io import load_plan, write_text
 
     if fmt not in FORMATS:
@@ -355,10 +355,10 @@ def compare(
                 max(len(str(v)) for v in df[col]) if col in ("name", "solver", "status") else None
             )
             table.add_column(str(col), justify="left" if left else "right", min_width=width)
-        for rec in df.to_dict(orient="records"):
+        for rec in human(df).to_dict(orient="records"):
             # Per-stage lists wrap at spaces: times to 0.1 ms, memory as 1.5 GiB.
             rec["stage_ms"] = " ".join(f"{float(t):.1f}" for t in rec["stage_ms"].split("/"))
-            rec["stage_mem"] = " ".join(format_bytes(int(b)) for b in rec["stage_mem"].split("/"))
+            rec["stage_mem"] = rec["stage_mem"].replace("/", " ")
             table.add_row(*(format_cell(v) for v in rec.values()))
         console.print(table)
     else:

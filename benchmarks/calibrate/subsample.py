@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from pipeplan.runtime.engine_fit import MICRO, slope_per_microbatch
-
 HERE = Path(__file__).parent
 OLD_MS, OLD_WIDTHS, OLD_REPEATS = (2, 4, 8, 16), (256, 512, 1024, 1536), 20
 
@@ -119,17 +117,12 @@ def estimators(launches: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
     :func:`pipeplan.runtime.calibrate.combine` fits), one line through the widths' median
     points, and the median o and median k of each launch's own line.  5th percentile, median
     and 95th percentile of k and of the charge for a 10 ms stage."""
-    from pipeplan.runtime.calibrate import combine
+    from pipeplan.runtime.calibrate import combine, engine_points
     from pipeplan.runtime.engine_fit import fit_engine
 
     def per_launch(r: dict[str, Any]) -> list[tuple[float, float]]:
-        cluster, _ = combine(2, [r], [])  # its link fit, for the round trip
-        points = []
-        for e in r["engine"]:
-            steps = {int(m): v for m, v in e["steps"].items()}
-            trip = 2 * cluster.link.transfer_s(4 * e["width"] * MICRO)
-            points.append((e["compute"], slope_per_microbatch(steps) - trip))
-        return points
+        widths = [e["width"] for e in r["engine"]]
+        return engine_points(r, combine(2, [r], [], widths=widths)[0].link, widths)
 
     def pooled(draw: Sequence[dict[str, Any]], _: Any) -> tuple[float, float]:
         cluster, _c = combine(2, list(draw), [])

@@ -41,7 +41,7 @@ import numpy as np
 
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
 from pipeplan.planner.progress import progress_bar
-from pipeplan.planner.types import Cluster, Device
+from pipeplan.planner.types import Cluster, Device, Link
 from pipeplan.runtime.engine_fit import (
     ENGINE_MS,
     MICRO,
@@ -61,7 +61,16 @@ from pipeplan.runtime.linkbench import (
 )
 from pipeplan.runtime.update_contention import measure_update_contention
 
-__all__ = ["ENGINE_REPEATS", "SOLO_MS", "SOLO_WIDTHS", "calibrate", "combine", "measure", "phases"]
+__all__ = [
+    "ENGINE_REPEATS",
+    "SOLO_MS",
+    "SOLO_WIDTHS",
+    "calibrate",
+    "combine",
+    "engine_points",
+    "measure",
+    "phases",
+]
 
 ENGINE_REPEATS = 3
 """Steps per micro-batch count and round of the engine measurement on the ranks, by default.
@@ -300,6 +309,19 @@ def calibrate(
     )  # fmt: skip
 
 
+def engine_points(
+    result: dict[str, Any], link: Link, widths: Sequence[int] = WIDTHS
+) -> list[tuple[float, float]]:
+    """One launch's (F + B, slope - C) engine points, one per width in order: C is the round
+    trip of the stage's activations over ``link`` (:func:`fit_engine` fits its line)."""
+    points = []
+    for width, e in zip(widths, result["engine"], strict=True):
+        steps = {int(m): [float(x) for x in v] for m, v in e["steps"].items()}
+        round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
+        points.append((float(e["compute"]), slope_per_microbatch(steps) - round_trip))
+    return points
+
+
 def combine(
     nproc: int,
     results: Sequence[dict[str, Any]],
@@ -323,12 +345,8 @@ def combine(
         for per_size in zip(*(r["allreduce"] for r in results))
         for t in [float(np.median([s[1] for s in per_size]))]
     ])  # fmt: skip
-    points = []  # (F + B, slope - C) of every launch at every width: one line through them all
-    for r in results:
-        for width, e in zip(widths, r["engine"], strict=True):
-            steps = {int(m): [float(x) for x in v] for m, v in e["steps"].items()}
-            round_trip = 2 * link.transfer_s(4 * width * MICRO)  # the stage's activations
-            points.append((float(e["compute"]), slope_per_microbatch(steps) - round_trip))
+    # one line through the points of every launch at every width
+    points = [pt for r in results for pt in engine_points(r, link, widths)]
     overhead, kappa = fit_engine(points, [w for _ in results for w in widths])
     kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
     solo = step_cost = None
