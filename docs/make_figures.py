@@ -4,9 +4,9 @@
     .venv/bin/python docs/make_figures.py      # writes docs/img/tour-compare.png, tour-gantt.png
 
 The demo's DP plan is compared with the `uniform` and `params` baselines at its micro-batch
-count, on the same devices (``pipeplan.planner.plots.compare_figure``, what ``pipeplan compare
+count, on the same devices (``pipeplan.report.plots.compare_figure``, what ``pipeplan compare
 --plot`` draws), and its simulated step is drawn as a Gantt chart
-(``pipeplan.planner.timeline_plots.gantt``).  The profile is a measurement of this machine, so
+(``pipeplan.report.timeline_plots.gantt``).  The profile is a measurement of this machine, so
 the figures change a little from one run to the next.
 """
 
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from pipeplan.planner.io import load_plan, load_profile
-from pipeplan.planner.plots import compare_figure
-from pipeplan.planner.timeline_plots import gantt
 from pipeplan.planner.types import PlanOptions
+from pipeplan.report.plots import compare_figure
+from pipeplan.report.timeline_plots import gantt
 from pipeplan.solvers import SOLVERS
 
 

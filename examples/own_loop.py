@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 import pipeplan
-from pipeplan.planner.model import load_model
+from pipeplan.intake.model import load_model
 
 
 def main(plan_file: str, steps: int = 3) -> None:

@@ -34,7 +34,7 @@ from pipeplan.planner.io import (
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, RunReport
 
 if TYPE_CHECKING:
-    from pipeplan.planner.model import ModelSpec
+    from pipeplan.intake.model import ModelSpec
     from pipeplan.runtime.split import StageSplit
 
 __all__ = ["calibration", "load", "make_cluster", "plan", "profile", "save", "split"]
@@ -70,7 +70,7 @@ def profile(
 
     ``model`` is ``"package.module:callable"``, ``"hf:PATH/config.json"``, or the callable
     itself when it is importable by name: it returns a
-    :class:`~pipeplan.planner.model.ModelSpec` or ``(module, make_batch, loss)``.  ``method``
+    :class:`~pipeplan.intake.model.ModelSpec` or ``(module, make_batch, loss)``.  ``method``
     is ``whole`` (training passes of the real model), ``units`` (built on ``meta``, each
     distinct unit measured once) or ``auto``.  ``options`` are
     :func:`pipeplan.profiler.profile_model`'s (``granularity``, ``tracer``, ``dtype``,
@@ -225,9 +225,9 @@ def split(
     callable (``model_kwargs`` its arguments): either is built on ``meta`` and only this
     stage's tensors get memory, initialised with ``seed`` to the values the unsplit model gets
     for that seed, or read from the checkpoint ``weights``.  A built
-    :class:`~pipeplan.planner.model.ModelSpec` is used as it is (real weights stay as they
+    :class:`~pipeplan.intake.model.ModelSpec` is used as it is (real weights stay as they
     are).  Needs ``torch.distributed`` initialised with the plan's p x d ranks."""
-    from pipeplan.planner.model import ModelSpec, load_model
+    from pipeplan.intake.model import ModelSpec, load_model
     from pipeplan.runtime.split import split as split_stage
 
     pl = plan if isinstance(plan, Plan) else _load_plan(plan)

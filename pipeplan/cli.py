@@ -8,7 +8,7 @@
 Every error a user can cause prints one line ``error: ...`` and exits with status 2; no
 traceback, no partial file.  Commands import their package lazily, so ``pipeplan show`` does
 not pay for importing OR-Tools or torch.distributed.  The option checks live in
-``pipeplan.cli_options``, the tables in ``pipeplan.planner.terminal``, and the commands that drive the
+``pipeplan.cli_options``, the tables in ``pipeplan.report.terminal``, and the commands that drive the
 runtime (``run``, ``calibrate``) in ``pipeplan.cli_runtime``; this module registers them all.
 """
 
@@ -27,8 +27,8 @@ from pipeplan.cli_options import Output, Quiet, check_output, fail, make_cluster
 from pipeplan.cli_runtime import calibrate, run
 from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
 from pipeplan.planner.io import format_bytes, load_any, load_profile, write_json
-from pipeplan.planner.terminal import console, err_console, print_plan, print_profile
 from pipeplan.planner.types import OPTIMIZERS, Cluster, Plan, PlanOptions, Profile
+from pipeplan.report.terminal import console, err_console, print_plan, print_profile
 
 __all__ = ["app", "main"]
 
@@ -95,7 +95,7 @@ def profile(
     MODEL is package.module:callable, or hf:PATH/config.json for a transformers model built
     from a local config with random weights (its head from the config's architectures).
     """
-    from pipeplan.planner.model import parse_model_args
+    from pipeplan.intake.model import parse_model_args
     from pipeplan.profiler import profile_model
 
     check_output(output)
@@ -325,8 +325,8 @@ def compare(
     ] = None,
 ) -> None:
     """Compare plans side by side: per-stage times, bubble, step time and ratio to the best."""
-    from pipeplan.planner.compare import FORMATS, compare_frame, format_cell, human, render
     from pipeplan.planner.io import load_plan, write_text
+    from pipeplan.report.compare import FORMATS, compare_frame, format_cell, human, render
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -340,7 +340,7 @@ def compare(
     names = [path.stem for path in plan_files]
     df = compare_frame(plans, names)
     if plot is not None:
-        from pipeplan.planner.plots import compare_figure
+        from pipeplan.report.plots import compare_figure
 
         compare_figure(plans, names).savefig(plot, dpi=120)
         err_console.print(f"figure -> {plot}")
@@ -389,7 +389,7 @@ def export(
     A cut the target cannot make (inside a block, inside the embedding or the head) moves to
     the closest plan it can; one line on stderr says why and what that plan costs.
     """
-    from pipeplan.planner.export import TARGETS, export_plan
+    from pipeplan.export import TARGETS, export_plan
     from pipeplan.planner.io import load_plan, write_text
 
     if to not in TARGETS:

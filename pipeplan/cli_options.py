@@ -14,8 +14,8 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from pipeplan.planner.terminal import err_console
 from pipeplan.planner.types import Cluster
+from pipeplan.report.terminal import err_console
 
 __all__ = ["Output", "Quiet", "check_output", "fail", "make_cluster", "parse_pins"]
 

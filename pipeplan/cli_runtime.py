@@ -17,8 +17,8 @@ from rich.table import Table
 
 from pipeplan.cli_options import Output, Quiet, check_output, fail
 from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, write_json
-from pipeplan.planner.terminal import batch_norm_note, console, err_console
 from pipeplan.planner.types import OPTIMIZERS
+from pipeplan.report.terminal import batch_norm_note, console, err_console
 
 __all__ = ["calibrate", "run"]
 

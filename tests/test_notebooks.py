@@ -16,7 +16,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 #: Modules a notebook needs beyond the planner itself; a missing one skips that notebook.
 NEEDS: dict[str, tuple[str, ...]] = {
-    "compare_plans": ("profiler", "pipeplan.planner.compare"),
+    "compare_plans": ("profiler", "pipeplan.report.compare"),
     "devices": ("profiler", "pipeplan.solvers.devices"),
     "microbatches": ("profiler",),
     "predicted_vs_measured": ("profiler", "pipeplan.runtime.launch"),

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeplan.planner.compare import to_markdown
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import load_cluster, write_json
 from pipeplan.planner.types import CheckpointPolicy, Cluster, Plan, PlanOptions, Profile
 from pipeplan.profiler import profile_model
+from pipeplan.report.compare import to_markdown
 from pipeplan.runtime.calibrate import calibrate
 from pipeplan.solvers.dp import solve_dp
 

@@ -184,10 +184,10 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    from pipeplan.planner.graph import group_units
+    from pipeplan.intake.graph import group_units
+    from pipeplan.intake.model import load_model
+    from pipeplan.intake.trace import trace_model
     from pipeplan.planner.io import load_plan
-    from pipeplan.planner.model import load_model
-    from pipeplan.planner.trace import trace_model
     from pipeplan.runtime.engine import PipelineRunner
     from pipeplan.runtime.stages import build_stages
 

@@ -292,9 +292,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipeplan.intake.model import load_model
     from pipeplan.planner.allocator import keep_heap
     from pipeplan.planner.io import load_plan, write_json
-    from pipeplan.planner.model import load_model
     from pipeplan.runtime.engine import PipelineRunner
     from pipeplan.runtime.report import RankRecord, gather_report
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeplan.intake.model import ModelSpec
 from pipeplan.models._common import build_seeded, generator
-from pipeplan.planner.model import ModelSpec
 
 __all__ = ["uneven", "uneven_mlp"]
 

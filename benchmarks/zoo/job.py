@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeplan.intake.model import load_model
 from pipeplan.planner.io import load_plan
-from pipeplan.planner.model import load_model
 from pipeplan.runtime.engine import PipelineRunner
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from benchmarks.zoo.cases import BATCH, CASES, FLOAT32, MICROBATCHES, STEPS, TOLERANCE
+from pipeplan.intake.model import load_model
 from pipeplan.planner.io import write_json
-from pipeplan.planner.model import load_model
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 
 __all__ = ["ZooRun", "compare", "dtype_of", "reference", "run_zoo"]

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeplan.intake.model import ModelSpec
 from pipeplan.models._common import build_seeded, next_token_task, positive
-from pipeplan.planner.model import ModelSpec
 
 __all__ = ["GPT", "Block", "gpt"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from pipeplan.intake.model import ModelSpec
 from pipeplan.models._common import build_seeded, next_token_task, positive
 from pipeplan.planner.errors import ModelLoadError
-from pipeplan.planner.model import ModelSpec
 
 __all__ = ["CausalLM", "gpt2", "llama"]
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeplan.intake.model import ModelSpec
 from pipeplan.models._common import build_seeded, generator, positive
-from pipeplan.planner.model import ModelSpec
 
 __all__ = ["BasicBlock", "resnet"]
 

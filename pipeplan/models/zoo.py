@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeplan.intake.hf_source import no_dropout
+from pipeplan.intake.model import ModelSpec
 from pipeplan.models._common import build_seeded, generator, positive
 from pipeplan.models.hf import _transformers
-from pipeplan.planner.hf_source import no_dropout
-from pipeplan.planner.model import ModelSpec
 
 __all__ = ["ZOO", "build"]
 

@@ -18,7 +18,7 @@ For each micro-batch size b the model runs whole training passes on a seeded bat
 unit by unit, and every unit is timed inside them (:mod:`pipeplan.profiler.sweep`): forward in order,
 the loss, backward in reverse, and the same again with every unit recomputing.  The cut table
 comes from the largest size's run: every tensor live across a cut
-(:func:`pipeplan.planner.graph.cut_tensors`) with its bytes divided by b.  Sizes are measured largest
+(:func:`pipeplan.intake.graph.cut_tensors`) with its bytes divided by b.  Sizes are measured largest
 first, so the warm-up of the largest (slowest) runs also warms the allocator for the rest.
 On a CPU the heap keeps freed memory mapped, as the runtime's ranks do
 (:mod:`pipeplan.planner.allocator`).  Last, every optimizer's step is timed over growing prefixes of
@@ -33,28 +33,34 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from pipeplan.intake.model import load_model
+from pipeplan.intake.refine import DEFAULT_MAX_STAGES
+from pipeplan.intake.trace import run_eagerly, trace_model
 from pipeplan.planner.allocator import keep_heap
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
-from pipeplan.planner.graph import UnitSpec, cut_tensors, group_units
-from pipeplan.planner.model import load_model
-from pipeplan.planner.progress import progress_bar
-from pipeplan.planner.refine import DEFAULT_MAX_STAGES, node_costs, refine_units
-from pipeplan.planner.trace import TracedModel, run_eagerly, trace_model
-from pipeplan.planner.types import Cut, CutTensor, Grouping, Profile, SharedParam, Timing, Unit
-from pipeplan.planner.usercode import user_code
+from pipeplan.planner.types import Profile, Timing, Unit
+from pipeplan.profiler.assemble import (
+    LossModule,
+    batch_dependent_layers,
+    cut_table,
+    group,
+    merge_rounds,
+    per_sample,
+    shared_params,
+    source_sha256,
+)
 from pipeplan.profiler.device import Clock, available_bytes, device_info, resolve_device
 from pipeplan.profiler.measure import (
     measure_checkpoint_call,
     measure_update_curve,
     storage_keys,
-    value_bytes,
 )
 from pipeplan.profiler.split import split_units
 from pipeplan.profiler.sweep import measure_sweep
 from pipeplan.profiler.units import activation_estimate, param_bytes
+from pipeplan.report.progress import progress_bar
 
 __all__ = [
     "AUTO_MEMORY_FRACTION",
@@ -159,7 +165,7 @@ def profile_model(
     ``rounds`` repeats the whole sweep over sizes and units; each time is the median of the
     rounds' medians, so a burst of interference from other processes (which slows whatever runs
     during it) is outvoted instead of landing on one unit.  ``max_stages`` is the largest stage
-    count the ``auto`` units are refined for (:mod:`pipeplan.planner.refine`): no unit heavier than
+    count the ``auto`` units are refined for (:mod:`pipeplan.intake.refine`): no unit heavier than
     1 / max_stages of the model where it can be split, and at least max_stages units.
     """
     if rounds < 1:
@@ -324,7 +330,7 @@ def _profile(
             result = measure_sweep(
                 pieces,
                 dict(zip(placeholders, inputs)),
-                _Loss(spec.loss, _to(target, dev, torch_dtype)),
+                LossModule(spec.loss, _to(target, dev, torch_dtype)),
                 output,
                 clock=clock,
                 warmup=warmup,
@@ -349,8 +355,8 @@ def _profile(
         repeats=repeats * rounds,
     )
     update_s = {name: pts[-1][1] for name, pts in update_curve.items() if pts}
-    timings = [{b: _merge(ts) for b, ts in per_size.items()} for per_size in runs]
-    loss_timings = {b: _merge(ts) for b, ts in loss_runs.items()}
+    timings = [{b: merge_rounds(ts) for b, ts in per_size.items()} for per_size in runs]
+    loss_timings = {b: merge_rounds(ts) for b, ts in loss_runs.items()}
     b_max = max(sizes)
     return Profile(
         model=model,
@@ -380,123 +386,12 @@ def _profile(
             for k, p in enumerate(pieces)
         ),
         cuts=cut_table(traced, units, biggest, b_max),
-        shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
+        shared_params=shared_params(traced.gm, [p.params for p in pieces]),
         loss=loss_timings,
         update_s=update_s,
         update_curve=update_curve,
         checkpoint_call_s=call_s,
-        model_sha256=_source_sha256(model),
+        model_sha256=source_sha256(model),
         batch_dependent_layers=batch_dependent_layers(spec.module),
         grouping=grouping,
-    )
-
-
-def group(
-    traced: TracedModel, example: Sequence[Any], granularity: str, max_stages: int
-) -> tuple[list[UnitSpec], Grouping | None]:
-    """The units of ``granularity`` (``auto``: refined for ``max_stages`` on the cost estimate
-    of ``example``, :mod:`pipeplan.planner.refine`) and, for ``auto``, how they were grouped."""
-    if granularity != "auto":
-        return group_units(traced, granularity), None
-    base = len(group_units(traced, granularity))
-    units, opened = refine_units(traced, node_costs(traced, example), max_stages, granularity)
-    return units, Grouping(max_stages=max_stages, base_units=base, expanded=opened)
-
-
-def per_sample(values: Mapping[str, Any], names: Sequence[str], b: int) -> int:
-    """Bytes of the values ``names`` at micro-batch size ``b``, per sample (rounded up)."""
-    return -(-sum(value_bytes(values[n]) for n in names) // b)
-
-
-def cut_table(
-    traced: TracedModel, units: list[UnitSpec], values: Mapping[str, Any], b: int
-) -> tuple[Cut, ...]:
-    """The cuts between ``units``: every tensor live across each, its bytes per sample from
-    ``values`` (by node name) at micro-batch size ``b``."""
-    cuts = []
-    for k, names in enumerate(cut_tensors(traced, units)):
-        tensors = tuple(
-            CutTensor(node=n, bytes_per_sample=per_sample(values, [n], b)) for n in names
-        )
-        cuts.append(
-            Cut(after=k, tensors=tensors, bytes_per_sample=sum(t.bytes_per_sample for t in tensors))
-        )
-    return tuple(cuts)
-
-
-def _source_sha256(model: str) -> str | None:
-    """The SHA-256 of an ``hf:PATH`` model's config file (``None`` for a Python callable)."""
-    if not model.startswith("hf:"):
-        return None
-    from pathlib import Path
-
-    from pipeplan.planner.hf_source import file_sha256
-
-    path = Path(model[3:])
-    return file_sha256(path / "config.json" if path.is_dir() else path)
-
-
-def batch_dependent_layers(module: torch.nn.Module) -> tuple[str, ...]:
-    """Qualified names of the layers whose output depends on the whole batch (BatchNorm)."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    return tuple(name for name, m in module.named_modules() if isinstance(m, _BatchNorm))
-
-
-class _Loss(torch.nn.Module):
-    """The model's loss as a module of its output, the target fixed (it needs no gradient)."""
-
-    def __init__(self, loss: Any, target: Any) -> None:
-        super().__init__()
-        self.loss, self.target = loss, target
-
-    def forward(self, output: Any) -> Any:
-        with user_code("the model's loss"):
-            return self.loss(output, self.target)
-
-
-def _merge(rounds: list[Timing]) -> Timing:
-    """One Timing from several rounds: median of the medians; spread = their interquartile range
-    (or the single round's own spread)."""
-    if len(rounds) == 1:
-        return rounds[0]
-    fwd = [t.forward_s for t in rounds]
-    bwd = [t.backward_s for t in rounds]
-    peaks = [t.peak_bytes for t in rounds if t.peak_bytes is not None]
-
-    def iqr(xs: list[float]) -> float:
-        q1, q3 = np.percentile(xs, [25, 75])
-        return float(q3 - q1)
-
-    rec = [t.recompute_backward_s for t in rounds if t.recompute_backward_s is not None]
-    rec_f = [t.recompute_forward_s for t in rounds if t.recompute_forward_s is not None]
-    return rounds[0].model_copy(
-        update={
-            "recompute_backward_s": float(np.median(rec)) if rec else None,
-            "recompute_forward_s": float(np.median(rec_f)) if rec_f else None,
-            "forward_s": float(np.median(fwd)),
-            "backward_s": float(np.median(bwd)),
-            "forward_spread_s": iqr(fwd),
-            "backward_spread_s": iqr(bwd),
-            "peak_bytes": max(peaks) if peaks else None,
-        }
-    )
-
-
-def _shared_params(gm: torch.nn.Module, used: Sequence[Sequence[str]]) -> tuple[SharedParam, ...]:
-    """Parameters used by more than one unit (tied weights), with their bytes and users."""
-    params = dict(gm.named_parameters())
-    users: dict[str, list[int]] = {}
-    for k, names in enumerate(used):
-        for name in names:
-            if name in params:
-                users.setdefault(name, []).append(k)
-    return tuple(
-        SharedParam(
-            name=name,
-            bytes=params[name].numel() * params[name].element_size(),
-            units=tuple(sorted(set(ks))),
-        )
-        for name, ks in sorted(users.items())
-        if len(set(ks)) > 1
     )

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 from torch.fx import GraphModule
 
-from pipeplan.planner.graph import UnitSpec, subgraph_module
-from pipeplan.planner.trace import TracedModel
+from pipeplan.intake.graph import UnitSpec, subgraph_module
+from pipeplan.intake.trace import TracedModel
 
 __all__: list[str] = []
 

@@ -1,10 +1,10 @@
 """Profile a model without building it: each distinct unit materialized alone, measured once.
 
 ``pipeplan profile --method units`` (:func:`pipeplan.profiler.profile.profile_model`).  The model is
-built with its parameters on ``meta`` (:func:`pipeplan.planner.model.load_model` ``meta=True``; buffers
-stay real), traced on fake tensors (:func:`pipeplan.planner.meta.trace_meta`: the graph and fingerprint
+built with its parameters on ``meta`` (:func:`pipeplan.intake.model.load_model` ``meta=True``; buffers
+stay real), traced on fake tensors (:func:`pipeplan.intake.meta.trace_meta`: the graph and fingerprint
 of the real model) and grouped into units as the whole-pass profiler groups them (the cost
-estimate of :func:`pipeplan.planner.refine.node_costs` runs on fake tensors of the device, so the
+estimate of :func:`pipeplan.intake.refine.node_costs` runs on fake tensors of the device, so the
 units are the same).  Then, at every micro-batch
 size b:
 
@@ -26,7 +26,7 @@ size b:
    whose outputs the model's output reads is never merged with one whose outputs it does not
    (its loss is measured).
 3. **Measurement.**  Each distinct unit, in order, has the modules owning its parameters
-   materialized alone on the device (:func:`pipeplan.planner.meta.materialize`: initialised per module
+   materialized alone on the device (:func:`pipeplan.intake.meta.materialize`: initialised per module
    from the seed, as a pipeline rank initialises them), is fed its inputs (real values where
    known, the batch's token ids included; seeded normal floats, and zeros for integers and
    booleans, where only the shape is known: a unit that fails on them raises
@@ -38,7 +38,7 @@ size b:
    timing: the loss on the last unit's output shapes); others with the sum of their outputs
    (untimed).  Then one step of every optimizer over the parameters it owns is timed
    (:func:`pipeplan.profiler.measure.measure_updates`), and its parameters go back to ``meta``
-   (:func:`pipeplan.planner.meta.dematerialize`).  Peak memory is about one unit's parameters, their
+   (:func:`pipeplan.intake.meta.dematerialize`).  Peak memory is about one unit's parameters, their
    gradients and the optimizer's states, and its activations; not the model.
 4. **Copies.**  Every other unit takes the measurement of the first unit identical to it
    (``Unit.measured_as``).  The update curve sums the units' own steps, each net of a step's
@@ -66,12 +66,22 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
+from pipeplan.intake.graph import _module_info, cut_tensors
+from pipeplan.intake.meta import MetaInterpreter, dematerialize, materialize, trace_meta
+from pipeplan.intake.model import ModelSpec, load_model
+from pipeplan.intake.trace import TracedModel, _describe, _position, _target_name, get_attr
 from pipeplan.planner.errors import PipeplanError, UnitMeasureError
-from pipeplan.planner.graph import _module_info, cut_tensors
-from pipeplan.planner.meta import MetaInterpreter, dematerialize, materialize, trace_meta
-from pipeplan.planner.model import ModelSpec, load_model
-from pipeplan.planner.trace import TracedModel, _describe, _position, _target_name, get_attr
 from pipeplan.planner.types import OptimizerName, Profile, Timing, Unit
+from pipeplan.profiler.assemble import (
+    LossModule,
+    batch_dependent_layers,
+    cut_table,
+    group,
+    merge_rounds,
+    per_sample,
+    shared_params,
+    source_sha256,
+)
 from pipeplan.profiler.device import Clock, device_info
 from pipeplan.profiler.measure import (
     measure_checkpoint_call,
@@ -398,17 +408,6 @@ def profile_units(
 ) -> Profile:
     """Profile ``model`` as the module docstring says; ``progress(description, total)`` gives
     a callback advanced once per unit and size measured."""
-    from pipeplan.profiler.profile import (
-        _Loss,
-        _merge,
-        _shared_params,
-        _source_sha256,
-        batch_dependent_layers,
-        cut_table,
-        group,
-        per_sample,
-    )
-
     b_max = max(sizes)
     spec, module, example, traced = build_meta(model, model_kwargs, dev, torch_dtype, b_max, tracer)
     units, grouping = group(traced, example, granularity, max_stages)
@@ -465,7 +464,7 @@ def profile_units(
                     out_fn: OutputFn
                     if feeds[k]:
                         names += [n for n in output_reads if n not in piece.outputs + tuple(names)]
-                        loss, out_fn = _Loss(spec.loss, batches[b][1]), output
+                        loss, out_fn = LossModule(spec.loss, batches[b][1]), output
                     else:
                         outs = piece.outputs
 
@@ -502,14 +501,14 @@ def profile_units(
             for t in traced.gm.parameters():
                 t.grad = None
             dematerialize(module, mods, traced.gm, *(p.module for p in pieces))
-        timings[k] = {b: _merge(ts) for b, ts in runs.items()}
+        timings[k] = {b: merge_rounds(ts) for b, ts in runs.items()}
 
     unit_bytes = [sum(t.numel() * t.element_size() for t in own) for own in owned]
     one = torch.zeros(1, device=dev, dtype=torch_dtype, requires_grad=True)
     step_s = measure_updates([one], clock=clock, warmup=warmup, repeats=repeats * rounds)
     update_curve = summed_update_curve(unit_bytes, [updates[rep] for rep in measured_as], step_s)
     update_s = {name: pts[-1][1] for name, pts in update_curve.items() if pts}
-    loss_timings = {b: _merge(ts) for b, ts in loss_runs.items() if ts}
+    loss_timings = {b: merge_rounds(ts) for b, ts in loss_runs.items() if ts}
     return Profile(
         model=model,
         model_kwargs=recorded_kwargs,
@@ -539,12 +538,12 @@ def profile_units(
             for k, p in enumerate(pieces)
         ),
         cuts=cut_table(traced, units, values[b_max], b_max),
-        shared_params=_shared_params(traced.gm, [p.params for p in pieces]),
+        shared_params=shared_params(traced.gm, [p.params for p in pieces]),
         loss=loss_timings,
         update_s=update_s,
         update_curve=update_curve,
         checkpoint_call_s=call_s,
-        model_sha256=_source_sha256(model),
+        model_sha256=source_sha256(model),
         batch_dependent_layers=batch_dependent_layers(spec.module),
         grouping=grouping,
         method="units",

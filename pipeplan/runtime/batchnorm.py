@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipeplan.planner.trace import TracedModel, get_attr
+from pipeplan.intake.trace import TracedModel, get_attr
 
 __all__ = [
     "BATCH_NORM_MODES",

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
-from pipeplan.planner.progress import progress_bar
 from pipeplan.planner.types import Cluster, Device, Link
+from pipeplan.report.progress import progress_bar
 from pipeplan.runtime.engine_fit import (
     ENGINE_MS,
     MICRO,

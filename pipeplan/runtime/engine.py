@@ -32,15 +32,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
+from pipeplan.intake.graph import group_units
+from pipeplan.intake.meta import has_meta, materialize, trace_meta
+from pipeplan.intake.model import ModelSpec, NamedInputs
+from pipeplan.intake.trace import TracedModel, trace_model
+from pipeplan.intake.usercode import user_error
 from pipeplan.planner.checkpoint import CheckpointReader, load_checkpoint, write_index, write_shard
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
-from pipeplan.planner.graph import group_units
-from pipeplan.planner.meta import has_meta, materialize, trace_meta
-from pipeplan.planner.model import ModelSpec, NamedInputs
 from pipeplan.planner.optim import make_optimizer
-from pipeplan.planner.trace import TracedModel, trace_model
 from pipeplan.planner.types import Plan
-from pipeplan.planner.usercode import user_error
 from pipeplan.runtime.batchnorm import (
     BATCH_NORM_MODES,
     defer_batch_norm,
@@ -268,7 +268,7 @@ class PipelineRunner:
         self, stage: nn.Module, spec: ModelSpec, seed: int, weights: str | None
     ) -> list[str]:
         """Give this stage's modules storage on the device: initialised (the contract of
-        :mod:`pipeplan.planner.meta`, seeded per module) or read from the checkpoint ``weights``.
+        :mod:`pipeplan.intake.meta`, seeded per module) or read from the checkpoint ``weights``.
         Returns the modules materialized."""
         aliases = self._aliases()
         tensors = [*stage.parameters(), *stage.buffers()]

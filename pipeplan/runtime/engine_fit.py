@@ -88,10 +88,10 @@ def _calibration_plan(world: int, m: int, width: int = WIDTH) -> tuple[Any, Any]
     import torch
     from torch import nn
 
+    from pipeplan.intake.graph import group_units
+    from pipeplan.intake.model import ModelSpec
+    from pipeplan.intake.trace import trace_model
     from pipeplan.planner.evaluate import evaluate
-    from pipeplan.planner.graph import group_units
-    from pipeplan.planner.model import ModelSpec
-    from pipeplan.planner.trace import trace_model
     from pipeplan.planner.types import Cluster, DeviceInfo, PlanOptions, Profile, Timing, Unit
 
     torch.manual_seed(0)

@@ -26,8 +26,8 @@ from typing import Any
 
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
 from pipeplan.planner.io import load_plan
-from pipeplan.planner.progress import progress_bar
 from pipeplan.planner.types import Plan
+from pipeplan.report.progress import progress_bar
 
 __all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
 
@@ -44,9 +44,9 @@ def preflight(
     """Everything that can be checked before launching; raises a PipeplanError naming the fix."""
     import torch
 
-    from pipeplan.planner.graph import group_units
-    from pipeplan.planner.model import load_model, parse_model_args
-    from pipeplan.planner.trace import trace_model
+    from pipeplan.intake.graph import group_units
+    from pipeplan.intake.model import load_model, parse_model_args
+    from pipeplan.intake.trace import trace_model
     from pipeplan.runtime.engine import cast_batch, check_schedule
     from pipeplan.runtime.stages import check_plan
 
@@ -84,8 +84,8 @@ def check_source(plan: Plan) -> None:
     """Refuse an ``hf:`` config file that changed since the plan was made (its SHA-256)."""
     if plan.model_sha256 is None or not plan.model.startswith("hf:"):
         return
+    from pipeplan.intake.hf_source import file_sha256
     from pipeplan.planner.errors import FingerprintMismatchError
-    from pipeplan.planner.hf_source import file_sha256
 
     path = Path(plan.model[3:])
     path = path / "config.json" if path.is_dir() else path

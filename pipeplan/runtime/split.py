@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
+from pipeplan.intake.model import ModelSpec
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.model import ModelSpec
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.engine import PipelineRunner
 

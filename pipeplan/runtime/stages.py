@@ -2,7 +2,7 @@
 
 Stage j runs the nodes of units ``first_unit..last_unit``.  It receives *everything* live
 across its input cut and sends *everything* live across its output cut
-(:func:`pipeplan.planner.graph.cut_tensors`), so a residual or skip connection that jumps over a stage
+(:func:`pipeplan.intake.graph.cut_tensors`), so a residual or skip connection that jumps over a stage
 is forwarded through it: every stage talks only to its neighbours.
 
     stage 0      inputs = the model's inputs           outputs = live across cut after it
@@ -16,7 +16,7 @@ that consumes them as constants.  The same run gives every sent tensor's shape, 
 ``requires_grad``, which :class:`torch.distributed.pipelining.PipelineStage` takes as static
 metadata (no shape inference on garbage data).
 
-Parameters are never sent: ``pipeplan.planner.graph`` copies each ``get_attr`` next to its users, so a
+Parameters are never sent: ``pipeplan.intake.graph`` copies each ``get_attr`` next to its users, so a
 parameter used on two stages (a tied embedding and LM head) appears in both stage modules as
 the same object.  :func:`tied_parameters` finds them; the engine sums their gradients across
 the stages that hold them.
@@ -42,10 +42,10 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
+from pipeplan.intake.graph import UnitSpec, cut_tensors, subgraph_module
+from pipeplan.intake.meta import MetaInterpreter, has_meta
+from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
-from pipeplan.planner.graph import UnitSpec, cut_tensors, subgraph_module
-from pipeplan.planner.meta import MetaInterpreter, has_meta
-from pipeplan.planner.trace import TracedModel
 from pipeplan.planner.types import Plan
 
 __all__ = [
@@ -357,7 +357,7 @@ def probe(
     Runs with autograd on, so each tensor's ``requires_grad`` is what a stage will see; the
     model's buffers are left as they were.  If a node raises, the :class:`StageComputeError`
     names it, its inputs, its unit (``unit_of``: node -> unit) and stage (``stage_of``: unit
-    -> stage).  A model with tensors on ``meta`` (:mod:`pipeplan.planner.meta`) runs on ``meta``: the
+    -> stage).  A model with tensors on ``meta`` (:mod:`pipeplan.intake.meta`) runs on ``meta``: the
     values are shapes, dtypes and sizes only.
     """
     rec = (_MetaRecorder if has_meta(traced.gm) else _Recorder)(traced.gm, wanted)

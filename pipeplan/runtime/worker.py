@@ -7,7 +7,7 @@ launcher, one rank per stage, e.g. on each of two nodes::
         -m pipeplan.runtime.worker plan.json --steps 20 --report report.json
 
 Rank j runs stage j.  By default (``--init stage``) every rank builds the model on ``meta``
-and materializes only its stage's modules (:mod:`pipeplan.planner.meta`), initialised from ``--seed``
+and materializes only its stage's modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
 and each module's name, so the values do not depend on the split; or it reads them from
 ``--weights`` (:mod:`pipeplan.planner.checkpoint`).  ``--init full`` builds the whole model on every
 rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
@@ -180,10 +180,10 @@ def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipeplan.intake.model import load_model, parse_model_args
     from pipeplan.planner.allocator import keep_heap
     from pipeplan.planner.errors import InvalidRequestError
     from pipeplan.planner.io import load_plan, write_json, write_text
-    from pipeplan.planner.model import load_model, parse_model_args
     from pipeplan.runtime.engine import PipelineRunner
     from pipeplan.runtime.memory import ResidentPeak
     from pipeplan.runtime.report import RankRecord, chrome_trace, gather_report, print_comparison

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
+from pipeplan.intake.model import load_model
 from pipeplan.planner.errors import ModelLoadError, UserCodeError
-from pipeplan.planner.model import load_model
 
 SMALL = {
     "pipeplan.models.gpt:gpt": {

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeplan.planner.model import ModelSpec
+from pipeplan.intake.model import ModelSpec
 
 
 class Dense(nn.Module):

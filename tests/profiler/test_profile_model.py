@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeplan.intake.model import load_model
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.io import load_profile, write_json
-from pipeplan.planner.model import load_model
 from pipeplan.planner.types import Profile
 from pipeplan.profiler import default_microbatch_sizes, profile_model
 from pipeplan.profiler.device import Clock

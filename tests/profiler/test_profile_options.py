@@ -50,13 +50,13 @@ def test_rounds_take_the_median_of_round_medians() -> None:
 
 def test_merge_is_median_of_rounds() -> None:
     from pipeplan.planner.types import Timing
-    from pipeplan.profiler.profile import _merge
+    from pipeplan.profiler.assemble import merge_rounds
 
     ts = [
         Timing(forward_s=f, backward_s=2 * f, saved_bytes=8, output_bytes=4)
         for f in (1.0, 9.0, 2.0)
     ]
-    merged = _merge(ts)
+    merged = merge_rounds(ts)
     assert merged.forward_s == 2.0 and merged.backward_s == 4.0
     assert merged.saved_bytes == 8
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from pipeplan.planner.graph import group_units
-from pipeplan.planner.model import ModelSpec, load_model
-from pipeplan.planner.trace import trace_model
+from pipeplan.intake.graph import group_units
+from pipeplan.intake.model import ModelSpec, load_model
+from pipeplan.intake.trace import trace_model
+from pipeplan.profiler.assemble import LossModule
 from pipeplan.profiler.device import Clock
 from pipeplan.profiler.measure import storage_keys
-from pipeplan.profiler.profile import _Loss
 from pipeplan.profiler.split import split_units
 from pipeplan.profiler.sweep import _Pass, _run_pass, measure_sweep
 
@@ -35,7 +35,7 @@ def _setup(model: str, kwargs: dict[str, Any], batch: int) -> tuple[Any, ...]:
         flat = torch.fx.node.map_arg(node.args[0], lambda n: lookup(n.name))
         return traced.gm.graph.process_outputs(flat)
 
-    return spec, traced, pieces, dict(zip(names, x)), _Loss(spec.loss, y), output
+    return spec, traced, pieces, dict(zip(names, x)), LossModule(spec.loss, y), output
 
 
 def _grads(traced: Any) -> dict[str, torch.Tensor]:

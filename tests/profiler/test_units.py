@@ -172,7 +172,7 @@ def test_measured_as_round_trips_and_old_profiles_still_load(tmp_path: Path) -> 
 _PEAK = textwrap.dedent(
     """
     import sys
-    from pipeplan.planner.model import load_model
+    from pipeplan.intake.model import load_model
     from pipeplan.profiler import profile_model
 
     method, n, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -220,8 +220,8 @@ def test_auto_profiles_whole_passes_only_when_the_training_state_fits(
     import torch
 
     import pipeplan.profiler.profile as pp
-    from pipeplan.planner.model import load_model
-    from pipeplan.planner.trace import trace_model
+    from pipeplan.intake.model import load_model
+    from pipeplan.intake.trace import trace_model
     from pipeplan.profiler.units import activation_estimate, param_bytes
 
     name, kwargs = "tests.profiler._unit_models:stack", {"n_layers": 3, "width": 8}

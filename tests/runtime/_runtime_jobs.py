@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from pipeplan.intake.graph import group_units
+from pipeplan.intake.model import ModelSpec, load_model
+from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.planner.costmodel import recomputes
-from pipeplan.planner.graph import group_units
-from pipeplan.planner.model import ModelSpec, load_model
-from pipeplan.planner.trace import TracedModel, trace_model
 from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, Stage
 
 POLICIES = ("always", "except_last", "never")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeplan.planner.model import ModelSpec
+from pipeplan.intake.model import ModelSpec
 
 
 class Scaled(nn.Module):

@@ -20,10 +20,10 @@ import pytest
 import torch
 from _runtime_jobs import launch_job, make_plan, reference
 
+from pipeplan.intake.graph import group_units
+from pipeplan.intake.model import load_model
+from pipeplan.intake.trace import trace_model
 from pipeplan.planner.errors import UserCodeError
-from pipeplan.planner.graph import group_units
-from pipeplan.planner.model import load_model
-from pipeplan.planner.trace import trace_model
 from pipeplan.runtime.stages import StageComputeError, build_stages
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
@@ -223,4 +223,4 @@ def test_an_fx_traced_model_output_keeps_its_type() -> None:
     p = profile_model("_carry_models:hfout", batch_size=4, warmup=0, repeats=1, progress=False)
     assert (
         p.n_units >= 8
-    )  # 4 blocks and glue, cut for the default 8 stages (pipeplan.planner.refine)
+    )  # 4 blocks and glue, cut for the default 8 stages (pipeplan.intake.refine)

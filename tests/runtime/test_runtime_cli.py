@@ -16,9 +16,9 @@ import torch
 from _runtime_jobs import make_plan
 
 from pipeplan.cli import main
+from pipeplan.intake.model import load_model
+from pipeplan.intake.trace import trace_model
 from pipeplan.planner.io import load_plan, load_report, write_json
-from pipeplan.planner.model import load_model
-from pipeplan.planner.trace import trace_model
 from pipeplan.runtime import worker
 
 GPT = (
@@ -125,7 +125,7 @@ def test_run_a_replicated_plan(tmp_path: Path) -> None:
     rep = load_report(report)
     assert len(rep.stages) == 1 and len(rep.losses) == 3
     whole = load_model(*GPT, meta=True).module
-    from pipeplan.planner.meta import materialize
+    from pipeplan.intake.meta import materialize
 
     materialize(whole, [n for n, _ in whole.named_parameters()], torch.device("cpu"), seed=3)
     inputs, target = spec.batch(8)

@@ -12,11 +12,11 @@ from _runtime_jobs import make_plan
 from rich.console import Console
 from torch import Tensor, nn
 
+from pipeplan.intake.graph import cut_tensors, group_units
+from pipeplan.intake.meta import empty_parameters, trace_meta
+from pipeplan.intake.model import load_model
+from pipeplan.intake.trace import trace_model
 from pipeplan.planner.errors import FingerprintMismatchError
-from pipeplan.planner.graph import cut_tensors, group_units
-from pipeplan.planner.meta import empty_parameters, trace_meta
-from pipeplan.planner.model import load_model
-from pipeplan.planner.trace import trace_model
 from pipeplan.runtime.engine import Recompute
 from pipeplan.runtime.launch import failure
 from pipeplan.runtime.report import (

@@ -22,11 +22,11 @@ import torch
 from _runtime_jobs import make_plan
 from safetensors.torch import save_file
 
+from pipeplan.intake.meta import materialize
+from pipeplan.intake.model import load_model
+from pipeplan.intake.trace import trace_model
 from pipeplan.planner.checkpoint import CheckpointReader
 from pipeplan.planner.io import load_report, write_json
-from pipeplan.planner.meta import materialize
-from pipeplan.planner.model import load_model
-from pipeplan.planner.trace import trace_model
 
 pytestmark = pytest.mark.xdist_group("weights")
 

@@ -13,11 +13,11 @@ import torch
 from _runtime_jobs import make_plan
 
 import pipeplan
+from pipeplan.intake.meta import materialize
+from pipeplan.intake.model import load_model
+from pipeplan.intake.trace import trace_model
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.io import write_json
-from pipeplan.planner.meta import materialize
-from pipeplan.planner.model import load_model
-from pipeplan.planner.trace import trace_model
 
 GPT = (
     "pipeplan.models.gpt:gpt",

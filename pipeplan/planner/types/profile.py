@@ -63,7 +63,7 @@ class Timing(FrozenModel):
 
 
 class Grouping(FrozenModel):
-    """How ``auto`` grouped the graph into units (:mod:`pipeplan.planner.refine`)."""
+    """How ``auto`` grouped the graph into units (:mod:`pipeplan.intake.refine`)."""
 
     max_stages: int = Field(ge=1)
     """The largest stage count the units were refined for (``--max-stages``)."""
@@ -71,7 +71,7 @@ class Grouping(FrozenModel):
     """Units before refinement: the items of the containers, and the glue between them."""
     expanded: tuple[str, ...] = ()
     """Modules split into their children (``""``: the glue's root) and cuts before graph nodes
-    (``cut:NODE``), in the order chosen; ``pipeplan.planner.graph.group_units(traced, "auto",
+    (``cut:NODE``), in the order chosen; ``pipeplan.intake.graph.group_units(traced, "auto",
     expanded)`` rebuilds the units from them."""
 
 

@@ -1,0 +1,145 @@
+"""A plan in the terms of the frameworks users train with (``pipeplan export``).
+
+A plan cuts between units; each unit's name says which modules it holds (:mod:`pipeplan.intake.graph`:
+``model.layers.3``, ``model.norm+lm_head``, a piece of a leaf module ``blocks.3.norm[pow_1]``,
+a second piece of one module ``blocks.3.attn#2``, parameter-free glue ``glue`` or ``[add]``).
+Names are relative to the user's model (a prefix every module shares, such as pipeplan's own
+wrapper's, is dropped).  Each target sees the model at its own granularity, a *key* per module:
+
+``fqns``
+    The module names as the plan names them.  A list of module names per stage.
+``torchtitan``
+    The model's direct children and the items of its block list (``embed``, ``blocks.3``,
+    ``head``): what torchtitan's ``_split_module`` keeps per stage (``module_fqns_per_model_part``:
+    a direct child by name, or ``child.i`` of a direct ``ModuleList``/``ModuleDict``; nested
+    lists are not supported).  A transformers decoder, whose blocks lie in ``model.layers``, is
+    named as torchtitan's transformers backend flattens it: ``tok_embeddings`` (for
+    ``model.embed_tokens``), ``layers.N``, ``norm``, ``lm_head``, and ``rotary_emb`` on every
+    stage; a unit before the first layer named ``lm_head`` is the embedding tied to it (a unit
+    is named after the parameters it reads, and a tied one has the head's name).  Any other
+    model whose block list is not a direct child cannot be named (an error).  A block list
+    that is an ``nn.Sequential`` is kept whole by torchtitan; pipeplan does not load the model
+    to check.
+``deepspeed``
+    The same modules, with their full names, as the flat ``layers`` list of ``PipelineModule``;
+    the plan is its ``parts``: stage s holds ``layers[parts[s]:parts[s + 1]]``.  A tied module
+    is listed in each stage that uses it, as DeepSpeed's ``TiedLayerSpec`` is.
+``megatron``
+    ``E`` (every unit before the first block), one ``t`` per block, ``L`` (every unit after the
+    last block): the ``--pipeline-model-parallel-layout`` string, and the
+    ``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts.
+
+A module named in several stages (a tied embedding and head) gets a note on each export.
+
+Cut snapping lives in :mod:`pipeplan.export.snap`.  A cut between two units is expressible when no key lies on both sides of it (parameter-free glue
+has no key and is transparent).  A plan with a cut the target cannot express is moved to the
+closest plan it can: each such cut goes to the nearest expressible position before or after it,
+and of those choices the one with the lowest predicted step time (:func:`pipeplan.planner.evaluate.
+evaluate` on the plan's profile) is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.export.deepspeed import deepspeed_text, fqns_text
+from pipeplan.export.layout import TARGETS, ModelLayout, Target
+from pipeplan.export.megatron import megatron_layout, megatron_text
+from pipeplan.export.snap import (
+    Adjustment,
+    closest_plan,
+    legal_cuts,
+    pricer,
+    stage_keys_of,
+    starts_of,
+    tied_notes,
+)
+from pipeplan.export.torchtitan import torchtitan_text
+from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
+from pipeplan.planner.types import Plan, Profile
+
+__all__ = [
+    "TARGETS",
+    "Adjustment",
+    "Export",
+    "ModelLayout",
+    "Target",
+    "export_plan",
+    "megatron_layout",
+]
+
+
+@dataclass(frozen=True)
+class Export:
+    """One plan written for one target."""
+
+    target: Target
+    text: str
+    """What the target reads (TOML, JSON or command-line arguments), ending in a newline."""
+    stage_keys: tuple[tuple[str, ...], ...]
+    """Per stage, the target's names in order (megatron: ``E``, ``t``, ``L``)."""
+    adjustment: Adjustment | None = None
+    notes: tuple[str, ...] = ()
+
+
+def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> Export:
+    """``plan`` in ``target``'s terms; when the target cannot express a cut, the closest plan
+    it can (priced on ``profile``, which must be the plan's; without it the cut is an error).
+    """
+    if target not in TARGETS:
+        raise InvalidRequestError(f"--to {target!r} is not one of {', '.join(TARGETS)}")
+    if profile is not None and profile.fingerprint != plan.profile_fingerprint:
+        raise FingerprintMismatchError(
+            f"the profile's fingerprint {profile.fingerprint} is not the plan's "
+            f"({plan.profile_fingerprint}); give the profile the plan was made from"
+        )
+    if plan.granularity == "node":
+        raise InvalidRequestError(
+            "the plan's units are graph nodes (profiled with --granularity node), not modules, "
+            "so no framework can name them; profile with --granularity auto and plan again"
+        )
+    names = [n for s in plan.stages for n in s.unit_names]
+    layout = ModelLayout.of(names)
+    keys = layout.keys(target)
+    legal = legal_cuts(keys)
+    starts = starts_of(plan)
+    adjustment = None
+    if not all(legal[b] for b in starts[1:]):
+        price = None if profile is None else pricer(plan, profile)
+        cuts, reason, nearest = closest_plan(plan, keys, legal, price, target)
+        if nearest is None:
+            raise InvalidRequestError(
+                f"{reason}; give --profile PROFILE (the plan's profile) to price the closest "
+                f"plan it can express"
+            )
+        adjustment = Adjustment(reason, nearest)
+        starts = [0, *cuts]
+    stage_keys = stage_keys_of(keys, starts)
+    notes = tied_notes(stage_keys, target)
+    if target == "megatron":
+        block_starts = [
+            min(u for u, ks in enumerate(keys) if k in ks)
+            for k in dict.fromkeys(k for ks in keys for k in ks if k not in ("E", "L"))
+        ]
+        price = None if profile is None else pricer(plan, profile)
+        text, more = megatron_text(stage_keys, block_starts, price, plan.step_time_s)
+        notes += more
+        out_keys = [
+            (["E"] if j == 0 else [])
+            + ["t"] * sum(k not in ("E", "L") for k in ks)
+            + (["L"] if j == len(stage_keys) - 1 else [])
+            for j, ks in enumerate(stage_keys)
+        ]
+    elif target == "torchtitan":
+        text, out_keys = torchtitan_text(layout, stage_keys, plan)
+    elif target == "deepspeed":
+        text, out_keys = deepspeed_text(stage_keys), stage_keys
+    else:
+        text, out_keys = fqns_text(stage_keys), stage_keys
+    return Export(
+        target,
+        text,
+        tuple(tuple(ks) for ks in out_keys),
+        adjustment,
+        tuple(notes),
+    )

@@ -1,0 +1,103 @@
+"""Megatron-LM: ``E`` (every unit before the first block), one ``t`` per block, ``L`` (every
+unit after the last block) as the ``--pipeline-model-parallel-layout`` string, and the
+``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+from pipeplan.planner.types import Plan
+
+__all__ = ["megatron_layout", "megatron_text"]
+
+
+def megatron_layout(counts: Sequence[tuple[bool, int, bool]]) -> str:
+    """The layout string of stages holding (embedding?, decoder layers, loss?).
+
+    >>> megatron_layout([(True, 3, False), (False, 3, False), (False, 2, True)])
+    'Et*3|t*3|t*2L'
+    """
+    stages = []
+    for emb, t, loss in counts:
+        body = "t" * t if t < 2 else f"t*{t}"
+        stages.append(("E" if emb else "") + body + ("L" if loss else ""))
+    return "|".join(stages)
+
+
+def _pair_counts(layers: Sequence[int]) -> list[list[int]]:
+    """The layers per stage ``--decoder-first/last-pipeline-num-layers`` can give (first and
+    last > 0, the middle stages equal and > 0) that move the plan's cuts least, in layers."""
+    p, n = len(layers), sum(layers)
+    want = list(accumulate(layers))[:-1]
+    best: int | None = None
+    out: list[list[int]] = []
+    for first in range(1, n):
+        for mid in range(1, n) if p > 2 else [0]:
+            last = n - first - (p - 2) * mid
+            if last < 1:
+                break
+            counts = [first, *[mid] * (p - 2), last]
+            moved = sum(abs(a - b) for a, b in zip(accumulate(counts), want))
+            if best is None or moved < best:
+                best, out = moved, [counts]
+            elif moved == best:
+                out.append(counts)
+    return out
+
+
+def megatron_text(
+    stage_keys: list[list[str]],
+    block_starts: Sequence[int],
+    price: Callable[[list[int]], Plan] | None,
+    planned_s: float,
+) -> tuple[str, list[str]]:
+    """The layout line, the first/last line when it says the same, and a note when it cannot:
+    the closest first/last counts, priced when ``price`` is given (``block_starts``: the unit
+    each block starts at)."""
+    last = len(stage_keys) - 1
+    counts = [
+        (j == 0, sum(k not in ("E", "L") for k in ks), j == last) for j, ks in enumerate(stage_keys)
+    ]
+    p = len(counts)
+    layers = [t for _, t, _ in counts]
+    size = f"--pipeline-model-parallel-size {p} --num-layers {sum(layers)}"
+    lines = [f"{size} --pipeline-model-parallel-layout '{megatron_layout(counts)}'"]
+    if p == 1:
+        return lines[0] + "\n", []
+    middle = layers[1:-1]
+    if min(layers) > 0 and len(set(middle)) <= 1:
+        lines.append(
+            f"{size} --decoder-first-pipeline-num-layers {layers[0]} "
+            f"--decoder-last-pipeline-num-layers {layers[-1]}"
+        )
+        return "\n".join(lines) + "\n", []
+    why = (
+        f"a stage holds no decoder layer ({layers})"
+        if min(layers) == 0
+        else f"the middle stages hold different counts ({middle})"
+    )
+    note = f"megatron: --decoder-first/last-pipeline-num-layers cannot express this plan: {why}"
+    options = _pair_counts(layers)
+    if not options:
+        return lines[0] + "\n", [f"{note}, and there are fewer layers than stages"]
+    choice, cost = options[0], ""
+    if price is not None:
+        priced = []
+        for option in options:
+            cuts = [block_starts[c] for c in list(accumulate(option))[:-1]]
+            priced.append((price(cuts).step_time_s, option))
+        step, choice = min(priced)
+        change = (step / planned_s - 1) * 100 if planned_s > 0 else 0.0
+        cost = (
+            f": predicted step {step * 1e3:.4g} ms vs {planned_s * 1e3:.4g} ms planned "
+            f"({change:+.1f}%)"
+        )
+    else:
+        cost = " (give --profile to price it)"
+    note += (
+        f"; the closest they can is --decoder-first-pipeline-num-layers {choice[0]} "
+        f"--decoder-last-pipeline-num-layers {choice[-1]} ({choice} layers per stage){cost}; "
+        f"the layout above is the plan itself"
+    )
+    return lines[0] + "\n", [note]

@@ -1,0 +1,216 @@
+"""`compare_frame`, every output format, and `pipeplan plan --solver ...` / `pipeplan compare`."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from _cli_argv import cli_argv
+
+from pipeplan.cli import main
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.io import format_bytes, load_plan, write_json
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Plan, PlanOptions
+from pipeplan.report.compare import FORMATS, compare_frame, render, to_markdown
+from pipeplan.solvers import SOLVERS
+
+SOLVER_NAMES = ("dp", "cpsat", "uniform", "params", "torchgpipe")
+
+
+@pytest.fixture(scope="module")
+def plans() -> list[Plan]:
+    prof = synthetic_profile(16, batch_size=16, heavy_ends=True, seed=2)
+    clus = Cluster.homogeneous(4, 2**40)
+    return [SOLVERS[name](prof, clus, PlanOptions()) for name in SOLVER_NAMES]
+
+
+def test_frame_rows_and_ratios(plans: list[Plan]) -> None:
+    df = compare_frame(plans)
+    assert list(df["name"]) == list(SOLVER_NAMES) and len(df) == len(plans)
+    best = min(p.step_time_s for p in plans)
+    for row, plan in zip(df.itertuples(index=False), plans):
+        assert row.ratio == pytest.approx(plan.step_time_s / best)
+        assert row.step_ms == pytest.approx(plan.step_time_s * 1e3)
+        assert row.slowest_ms == pytest.approx(max(s.time_s for s in plan.stages) * 1e3)
+        assert row.stage_ms.count("/") == plan.n_stages - 1
+        assert [int(v) for v in row.stage_mem.split("/")] == [s.memory.total for s in plan.stages]
+        assert (row.m, row.stages, row.bubble) == (
+            plan.microbatches,
+            plan.n_stages,
+            plan.bubble_fraction,
+        )
+    assert df["ratio"][0] == pytest.approx(1.0, abs=1e-12) and (df["ratio"] >= 1 - 1e-12).all()
+
+
+def test_ratio_ignores_infeasible_plans(plans: list[Plan]) -> None:
+    prof = synthetic_profile(16, batch_size=16, heavy_ends=True, seed=2)
+    tight = SOLVERS["uniform"](prof, Cluster.homogeneous(4, 2**16), PlanOptions())
+    assert not tight.feasible
+    df = compare_frame([tight, plans[2]], ["tight", "roomy"])
+    assert df["ratio"][1] == 1.0 and df["feasible"].tolist() == [False, True]
+    alone = compare_frame([tight])
+    assert math.isnan(alone["ratio"][0])
+    assert json.loads(render(alone, "json"))[0]["ratio"] is None
+
+
+def test_names_must_match(plans: list[Plan]) -> None:
+    with pytest.raises(InvalidRequestError, match="names"):
+        compare_frame(plans, ["one"])
+
+
+def test_every_format(plans: list[Plan]) -> None:
+    df = compare_frame(plans)
+    csv = render(df, "csv")
+    back = pd.read_csv(io.StringIO(csv))
+    assert list(back.columns) == list(df.columns) and back["ratio"].tolist() == pytest.approx(
+        df["ratio"].tolist()
+    )
+    records = json.loads(render(df, "json"))
+    assert [r["solver"] for r in records] == list(SOLVER_NAMES)
+    assert records[0]["feasible"] is True and isinstance(records[0]["m"], int)
+    md = render(df, "markdown")
+    lines = md.splitlines()
+    assert lines[0].startswith("| name | solver |") and set(lines[1]) <= set("|-:")
+    assert len(lines) == 2 + len(plans) and all(
+        line.count("|") == len(df.columns) + 1 for line in lines
+    )
+    table = render(df, "table").splitlines()
+    assert len(table) == 1 + len(plans) and "ratio" in table[0]
+    # People read memory in binary units; programs get bytes.
+    first = "/".join(format_bytes(s.memory.total) for s in plans[0].stages)
+    assert f"| {first} |" in md and first in table[1]
+    assert str(plans[0].stages[0].memory.total) in csv.splitlines()[1]
+    assert records[0]["stage_mem"] == "/".join(str(s.memory.total) for s in plans[0].stages)
+    with pytest.raises(InvalidRequestError, match="format"):
+        render(df, "xml")
+    assert set(FORMATS) == {"table", "csv", "json", "markdown"}
+
+
+def test_markdown_escapes_pipes() -> None:
+    df = pd.DataFrame({"name": ["a|b"], "x": [1.5]})
+    assert "a\\|b" in to_markdown(df) and "---:" in to_markdown(df)
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plan_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """`pipeplan plan --solver S` for every solver, run once for the module."""
+    root = tmp_path_factory.mktemp("plans")
+    profile = root / "profile.json"
+    write_json(profile, synthetic_profile(14, batch_size=16, heavy_ends=True, seed=7))
+    files = []
+    for name in SOLVER_NAMES:
+        out = root / f"{name}.json"
+        try:
+            main(cli_argv("plan", profile, out, f"-p 3 --memory 1GiB --solver {name}"))
+        except SystemExit as exc:  # pragma: no cover - a failure shows in the assert below
+            assert not exc.code
+        files.append(out)
+    return files
+
+
+def test_plan_with_every_solver(plan_files: list[Path]) -> None:
+    plans = [load_plan(f) for f in plan_files]
+    assert [p.solver for p in plans] == list(SOLVER_NAMES)
+    assert plans[0].boundaries == plans[1].boundaries
+    assert plans[1].status == "optimal" and plans[2].status == "heuristic"
+    assert all(p.step_time_s >= plans[0].step_time_s * (1 - 1e-12) for p in plans)
+
+
+def test_plan_cpsat_with_pins(plan_files: list[Path], tmp_path: Path, cli) -> None:
+    profile = plan_files[0].parent / "profile.json"
+    out = tmp_path / "pinned.json"
+    options = "-p 3 --memory 1GiB --solver cpsat --pin 5:0 --max-units 6 --time-limit 10"
+    code, _, err = cli(cli_argv("plan", profile, out, options))
+    assert code == 0, err
+    plan = load_plan(out)
+    assert plan.stages[0].last_unit >= 5 and max(len(s.unit_names) for s in plan.stages) <= 6
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compare_prints_every_format(plan_files: list[Path], fmt: str, cli) -> None:
+    code, out, err = cli(["compare", *map(str, plan_files), "--format", fmt])
+    assert code == 0, err
+    for name in SOLVER_NAMES:
+        assert name in out
+    if fmt == "json":
+        assert [r["name"] for r in json.loads(out)] == list(SOLVER_NAMES)
+
+
+def test_compare_writes_a_file(plan_files: list[Path], tmp_path: Path, cli) -> None:
+    out = tmp_path / "cmp.md"
+    code, _, _ = cli(["compare", *map(str, plan_files[:3]), "-f", "markdown", "-o", str(out)])
+    assert code == 0
+    text = out.read_text()
+    assert text.startswith("| name |") and len(text.splitlines()) == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["compare", "missing.json"], "missing.json"),
+        (["compare", "PLAN", "--format", "xml"], "--format 'xml'"),
+        (["compare", "PROFILE"], "expected 'pipeplan.plan/1'"),
+        (["compare", "PLAN", "-o", "/nonexistent-dir/x.csv"], "does not exist"),
+        (["plan", "PROFILE", "-p", "3", "--memory", "1GiB", "--solver", "nope"], "--solver 'nope'"),
+        (
+            [
+                "plan",
+                "PROFILE",
+                "-p",
+                "3",
+                "--memory",
+                "1GiB",
+                "--solver",
+                "uniform",
+                "--pin",
+                "0:0",
+            ],
+            "cpsat",
+        ),
+        (["plan", "PROFILE", "-p", "3", "--memory", "1KiB", "--solver", "cpsat"], "needs"),
+    ],
+)
+def test_bad_input_is_one_line(
+    plan_files: list[Path], tmp_path: Path, args: list[str], message: str
+) -> None:
+    profile = plan_files[0].parent / "profile.json"
+    argv = [
+        str(profile) if a == "PROFILE" else str(plan_files[0]) if a == "PLAN" else a for a in args
+    ]
+    if "plan" == argv[0]:
+        argv += ["-o", str(tmp_path / "out.json")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeplan.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_replicated_plans_show_their_replicas_and_global_throughput() -> None:
+    from pipeplan.solvers.devices import plan_devices
+    from pipeplan.solvers.dp import solve_dp
+
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=3)
+    choices = plan_devices(prof, 4, Cluster.homogeneous(1, 2**40), PlanOptions(), solve_dp)
+    plans = [c.plan for c in choices if c.plan is not None]
+    df = compare_frame(plans)
+    assert list(df["replicas"]) == [c.replicas for c in choices if c.plan is not None]
+    assert list(df["samples_s"]) == pytest.approx([c.throughput for c in choices if c.plan])
+    assert df["samples_s"].iloc[0] == df["samples_s"].max()  # plan_devices puts the best first

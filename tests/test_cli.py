@@ -1,0 +1,288 @@
+"""`pipeplan plan` and `pipeplan show` end to end, and every bad input: one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _cli_argv import cli_argv
+
+from pipeplan.planner.io import load_plan, write_json
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link
+
+
+@pytest.fixture
+def profile_file(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    write_json(path, synthetic_profile(12, batch_size=16, heavy_ends=True, seed=4))
+    return path
+
+
+def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
+    out_file = tmp_path / "plan.json"
+    options = "--stages 3 --memory 1GiB --bandwidth 10GB/s --latency 5us"
+    code, out, _ = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0
+    plan = load_plan(out_file)
+    assert plan.n_stages == 3 and plan.solver == "dp" and plan.status == "optimal"
+    assert plan.cluster.link.bandwidth_Bps == 1e10 and plan.cluster.link.latency_s == 5e-6
+    assert plan.solve_time_s is None
+    assert "step time" in out
+    # Links were given; the engine's costs and contention were not measured: said so.
+    assert "uncalibrated: this plan charges nothing for the pipeline engine's cost" in out
+    assert "transfers between stages" not in out
+    code, out, _ = cli(["show", str(out_file)])
+    assert code == 0 and "bubble" in out and "stage" in out
+    code, out, _ = cli(["show", str(profile_file)])
+    assert code == 0 and "unit11" in out
+
+
+def test_plan_for_devices_prints_the_frontier_and_writes_the_best(
+    tmp_path: Path, profile_file: Path, cli
+) -> None:
+    out_file = tmp_path / "plan.json"
+    options = "--devices 4 --memory 1GiB --bandwidth 1GB/s --latency 5us"
+    code, out, _ = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0, out
+    plan = load_plan(out_file)
+    d = plan.cluster.data_parallel
+    assert plan.n_stages * d == 4 and plan.batch_size * d == 16
+    assert plan.layout == tuple(tuple(r * plan.n_stages + j for j in range(plan.n_stages))
+                                for r in range(d))  # fmt: skip
+    assert "4 devices, global batch 16" in out and "best" in out
+    for p in (1, 2, 4):  # one row per depth
+        assert any(line.split("│")[1].strip() == str(p) for line in out.splitlines()
+                   if line.count("│") > 3)  # fmt: skip
+    assert d > 1  # replicas win on this profile and link
+    assert f"{d} data-parallel replicas of this pipeline" in out
+
+
+def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, cli) -> None:
+    cli(cli_argv("plan", profile_file, tmp_path / "a.json", "--stages 4 --memory 256MiB"))
+    cli(cli_argv("plan", profile_file, tmp_path / "b.json", "--stages 4 --memory 256MiB"))
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def test_plan_options_recorded(tmp_path: Path, profile_file: Path, cli) -> None:
+    out_file = tmp_path / "p.json"
+    options = (
+        "--stages 2 --memory 4GiB --microbatches 4 --checkpoint never --schedule 1f1b"
+        " --optimizer sgd --record-solve-time"
+    )
+    code, _, _ = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0
+    plan = load_plan(out_file)
+    assert (plan.microbatches, plan.checkpoint, plan.schedule, plan.optimizer) == (
+        4,
+        "never",
+        "1f1b",
+        "sgd",
+    )
+    assert plan.solve_time_s is not None and plan.solve_time_s >= 0
+
+
+def test_cluster_file(tmp_path: Path, profile_file: Path, cli) -> None:
+    cluster = {
+        "schema": "pipeplan.cluster/1",
+        "devices": [{"name": "a", "memory_bytes": 2**30}, {"name": "b", "memory_bytes": 2**29}],
+        "link": {"bandwidth_Bps": 1e9, "latency_s": 1e-5, "overhead_s": 0.0},
+    }
+    (tmp_path / "c.json").write_text(json.dumps(cluster))
+    code, _, err = cli(
+        cli_argv(
+            "plan", profile_file, tmp_path / "p.json", args=["--cluster", str(tmp_path / "c.json")]
+        )
+    )
+    assert code == 0, err
+    plan = load_plan(tmp_path / "p.json")
+    assert [s.memory_limit for s in plan.stages] == [2**30, 2**29]
+
+
+BAD = [
+    (["--stages", "3", "--memory", "-5GB"], "memory '-5GB'"),
+    (["--stages", "3", "--memory", "0"], "must be positive"),
+    (
+        ["--stages", "30", "--memory", "1GiB"],
+        "only 12 units; use --stages 12 or fewer, or profile again with --max-stages 30",
+    ),
+    (["--stages", "0", "--memory", "1GiB"], "--stages 0"),
+    (["--stages", "3", "--memory", "1KiB"], "the best partition needs"),
+    (["--stages", "3", "--memory", "1GiB", "--microbatches", "3"], "does not divide"),
+    (["--stages", "3", "--memory", "1GiB", "--microbatches", "lots"], "--microbatches 'lots'"),
+    (["--stages", "3", "--memory", "1GiB", "--solver", "magic"], "--solver 'magic'"),
+    (["--stages", "3", "--memory", "1GiB", "--checkpoint", "sometimes"], "--checkpoint"),
+    (["--stages", "3", "--memory", "1GiB", "--bandwidth", "fast"], "bandwidth 'fast'"),
+    (["--stages", "3", "--memory", "1GiB", "--pin", "x"], "--pin 'x'"),
+    (["--stages", "3"], "give --stages and --memory"),
+    (["--devices", "4", "--stages", "2", "--memory", "1GiB"], "--devices chooses the stage"),
+    (["--devices", "0", "--memory", "1GiB"], "--devices 0 must be at least 1"),
+    (["--devices", "4", "--memory", "1KiB"], "no depth fits 4 devices: p=1:"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD)
+def test_bad_plan_input(tmp_path: Path, profile_file: Path, cli, extra, message) -> None:
+    out_file = tmp_path / "plan.json"
+    code, _, err = cli(cli_argv("plan", profile_file, out_file, args=extra))
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out_file.exists()
+    assert list(tmp_path.iterdir()) == [profile_file]  # no temporary left behind
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"schema": "pipeplan.profile/1", ', "not valid JSON"),
+        ('{"schema": "pipeplan.profile/7"}', "schema is 'pipeplan.profile/7'"),
+        ('{"schema": "pipeplan.profile/1", "model": "x"}', "field "),
+        ("[]", "expected a JSON object"),
+    ],
+)
+def test_bad_profile_file(tmp_path: Path, cli, content: str, message: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    code, _, err = cli(cli_argv("plan", bad, tmp_path / "plan.json", "--stages 2 --memory 1GiB"))
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_missing_file_and_output_dir(tmp_path: Path, profile_file: Path, cli) -> None:
+    code, _, err = cli(["show", str(tmp_path / "nope.json")])
+    assert code == 2 and "no such file" in err
+    missing = tmp_path / "missing" / "plan.json"
+    code, _, err = cli(cli_argv("plan", profile_file, missing, "--stages 2 --memory 1GiB"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_console_script_subprocess(tmp_path: Path, profile_file: Path) -> None:
+    """The installed entry point: real exit codes and stderr, no traceback."""
+    exe = [sys.executable, "-m", "pipeplan.cli"]
+    ok = subprocess.run(
+        [*exe, *cli_argv("plan", profile_file, tmp_path / "p.json", "--stages 2 --memory 1GiB")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(
+        [*exe, *cli_argv("plan", profile_file, tmp_path / "q.json", "--stages 99 --memory 1GiB")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
+    usage = subprocess.run(
+        [*exe, "plan", "--no-such-flag"], capture_output=True, text=True, check=False
+    )
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+
+
+def test_models_in_the_working_directory_import(tmp_path: Path, monkeypatch, cli) -> None:
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text(
+        "import torch\n"
+        "from pipeplan.intake.model import ModelSpec\n"
+        "def build(width: int = 8) -> ModelSpec:\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))\n"
+        "    return ModelSpec(net, lambda b: (torch.randn(b, width), torch.randn(b, width)),\n"
+        "                     torch.nn.functional.mse_loss)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    options = "-b 4 --repeats 1 --warmup 0 --quiet"
+    code, _, err = cli(cli_argv("profile", "userpkg.nets:build", tmp_path / "p.json", options))
+    assert code == 0, err
+    code, _, err = cli(cli_argv("profile", "userpkg.nets:missing", tmp_path / "q.json", "-b 4"))
+    assert code == 2 and "has no attribute 'missing'" in err
+
+
+def test_plan_reports_the_tied_gradient_all_reduce(tmp_path: Path, cli) -> None:
+    # A calibrated cluster's all-reduce: the plan charges and shows it, and records it.
+    prof = tmp_path / "tied.json"
+    write_json(prof, synthetic_profile(8, batch_size=8, tied=True, update_s_per_byte=3e-9))
+    clus = tmp_path / "cluster.json"
+    write_json(clus, Cluster.homogeneous(2, 2**40, Link(bandwidth_Bps=1e9)).model_copy(
+        update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3), "step_overhead_s": 4e-4}
+    ))  # fmt: skip
+    out_file = tmp_path / "plan.json"
+    code, out, err = cli(cli_argv("plan", prof, out_file, args=["--cluster", str(clus)]))
+    assert code == 0, err
+    assert "tied gradients: stages 0, 1" in out
+    plan = load_plan(out_file)
+    (sync,) = plan.tied_syncs
+    assert sync.stages == (0, 1) and sync.seconds == pytest.approx(1e-3 + sync.bytes / 1e8)
+    code, out, _ = cli(["show", str(out_file)])
+    assert code == 0 and "tied gradients: stages 0, 1" in out
+
+
+def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
+    prof = tmp_path / "mlp.json"
+    options = (
+        "-b 8 --model-arg width=32 --model-arg in_features=32 --model-arg depth=3 --threads 1"
+        " --repeats 1 --warmup 0 --quiet"
+    )
+    code, out, err = cli(cli_argv("profile", "pipeplan.models.mlp:mlp", prof, options))
+    assert code == 0, err
+    assert "5 units" in out or "units" in out
+    plan_file = tmp_path / "plan.json"
+    code, _, err = cli(cli_argv("plan", prof, plan_file, "--stages 2 --memory 1GiB"))
+    assert code == 0, err
+    plan = load_plan(plan_file)
+    assert plan.model == "pipeplan.models.mlp:mlp" and plan.model_kwargs["width"] == 32
+    code, out, _ = cli(["show", str(prof)])
+    assert code == 0 and "fingerprint" in out
+
+
+BAD_PROFILE = [
+    (["pipeplan.models.nothing:here", "-b", "8"], "cannot import 'pipeplan.models.nothing'"),
+    (["pipeplan.models.mlp:nope", "-b", "8"], "has no attribute 'nope'"),
+    (["not-a-model-name", "-b", "8"], "package.module:callable"),
+    (
+        ["pipeplan.models.mlp:mlp", "-b", "6", "--microbatch-sizes", "4"],
+        "does not divide batch size 6",
+    ),
+    (["pipeplan.models.mlp:mlp", "-b", "0"], "--batch-size 0"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--microbatch-sizes", "a,b"], "--microbatch-sizes"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--granularity", "fine"], "granularity"),
+    pytest.param(
+        ["pipeplan.models.mlp:mlp", "-b", "8", "--device", "cuda"],
+        "cuda",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
+    ),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--model-arg", "width"], "KEY=VALUE"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--model-arg", "colour=3"], "check --model-arg"),
+    (["pipeplan.models.mlp:mlp", "-b", "8", "--dtype", "int3"], "int3"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_PROFILE)
+def test_bad_profile_input(tmp_path: Path, cli, args: list[str], message: str) -> None:
+    out_file = tmp_path / "profile.json"
+    code, _, err = cli(["profile", *args, "--quiet", "-o", str(out_file)])
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out_file.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_uncalibrated_note_names_only_what_is_not_charged() -> None:
+    from pipeplan.report.terminal import uncalibrated_note
+
+    bare = Cluster.homogeneous(2, 2**30)
+    note = uncalibrated_note(bare)
+    assert note is not None and "transfers between stages" in note and "contention" in note
+    measured = Cluster.homogeneous(
+        2, 2**30, Link(bandwidth_Bps=1e9), op_overhead_s=1e-4, contention=0.2
+    )
+    assert uncalibrated_note(measured) is None
+    assert "contention" not in (uncalibrated_note(Cluster.homogeneous(1, 2**30)) or "")
