@@ -7,7 +7,8 @@ modules get storage on the device (:func:`pipeplan.intake.meta.materialize`, the
 ``pipeplan run --init stage`` takes).  It then runs the schedule's operations of its rank in
 order (:func:`pipeplan.planner.simulate.operation_order`: GPipe's F0..F(m-1) B0..B(m-1), or
 1F1B's), on stand-in inputs (random tensors of the shapes the stage receives; the real batch
-on stage 0) and stand-in output gradients (random, of the shapes it sends; the model's loss on
+on stage 0; one per micro-batch, as the pipeline keeps them) and a stand-in output gradient
+(random, of the shapes it sends, one buffer reused as a receive buffer is; the model's loss on
 the last stage), then the optimizer's step.  Nothing is sent: the plan's t_j = F + B + C is
 compared with the measured F + B, and C reported beside it.
 
@@ -114,7 +115,8 @@ def _measure(
         feeds = [tuple(t.to(device) for t in inputs) for _ in range(m)]
     else:
         feeds = [tuple(_stand_in(x, device, True) for x in prog.example_inputs) for _ in range(m)]
-    grads = [tuple(_stand_in(y, device, False) for y in prog.example_outputs) for _ in range(m)]
+    # one received gradient at a time, as a rank's receive buffer: the same stand-in for each
+    grad = tuple(_stand_in(y, device, False) for y in prog.example_outputs)
     goal = target.to(device)
     order = operation_order(plan.schedule, j, plan.n_stages, m)
 
@@ -129,7 +131,7 @@ def _measure(
             elif last:
                 spec.loss(stage.rebuild_output(outs.pop(i)), goal).backward()
             else:
-                torch.autograd.backward(list(outs.pop(i)), list(grads[i]))
+                torch.autograd.backward(list(outs.pop(i)), list(grad))
         _sync(device)
         busy = time.perf_counter() - t0
         optimizer.step()
