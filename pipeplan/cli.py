@@ -334,6 +334,8 @@ def compare(
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if stages and (fmt != "table" or output is not None):
+        fail("--stages prints a table per plan on the terminal: leave out --format and -o")
     if output is not None:
         check_output(output)
     if plot is not None:

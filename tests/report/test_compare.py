@@ -276,6 +276,8 @@ def test_stage_table_gives_busy_time_per_step_in_80_columns(plans: list[Plan]) -
 
 
 def test_compare_stages_prints_a_table_per_plan(plan_files: list[Path], cli) -> None:
+    code, _, err = cli(["compare", *map(str, plan_files[:3]), "--stages", "-f", "csv"])
+    assert code == 2 and "--stages prints a table per plan" in err
     code, out, err = cli(["compare", *map(str, plan_files[:3]), "--stages"])
     assert code == 0, err
     assert "3 plans, fastest first" in out and "ratio" in out
