@@ -120,6 +120,11 @@ def _cli(*args: str) -> None:
 # ---- the stages ---------------------------------------------------------------------------
 
 
+def _version(v: object) -> str:
+    """nccl's version, a tuple (2, 27, 3) in recent torch, an int 22703 in older ones."""
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def environment(device: str) -> dict[str, Any]:
     import torch
 
@@ -136,7 +141,7 @@ def environment(device: str) -> dict[str, Any]:
             "gpu": props.name,
             "gpu_memory_bytes": int(props.total_memory),
             "capability": f"{props.major}.{props.minor}",
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl": _version(torch.cuda.nccl.version()),
         }
         query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
         try:
@@ -326,9 +331,20 @@ def _check(out: Path, device: str, size_name: str) -> dict[str, Any]:
             results["errors"][name] = f"{type(exc).__name__}: {exc}\n" + "\n".join(tail)
             print(results["errors"][name], file=sys.stderr, flush=True)
         results["seconds"][name] = time.perf_counter() - t0
+        _release(device)  # what a stage cached on the GPU is not the next stage's to lose
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     (out / "table.md").write_text(table(results))
     return results
+
+
+def _release(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _verdict(ratio: float | None, goal: float) -> str:
