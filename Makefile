@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.pipeplan-installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean gpu-wheels
 
 venv: $(STAMP)
 
@@ -31,6 +31,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeplan benchmarks tests examples
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy pipeplan benchmarks examples
+
+# The packages the GPU machine lacks (Python 3.12, no network), as wheels for it, one version
+# each (this venv's): benchmarks/gpu/run.sh installs them there.
+GPU_WHEELS := ortools==9.15.6755 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 immutabledict==4.3.1 absl-py==2.5.1 protobuf==6.33.6
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+		-d benchmarks/gpu/wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) out

@@ -321,15 +321,21 @@ def compare(
     ] = None,
     plot: Annotated[
         Path | None,
-        typer.Option(help="Also draw stage times and memory to this image (.png, .svg, .pdf)."),
+        typer.Option(help="Also draw step times, stage times and memory (.png, .svg, .pdf)."),
     ] = None,
+    stages: Annotated[
+        bool, typer.Option("--stages", help="Also print each plan's stages (--format table).")
+    ] = False,
 ) -> None:
-    """Compare plans side by side: per-stage times, bubble, step time and ratio to the best."""
+    """Compare plans side by side: step time, ratio to the best, bubble, memory, samples/s."""
     from pipeplan.planner.io import load_plan, write_text
-    from pipeplan.report.compare import FORMATS, compare_frame, format_cell, human, render
+    from pipeplan.report.compare import FORMATS, compare_frame, render
+    from pipeplan.report.terminal import compare_table, stage_table
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if stages and (fmt != "table" or output is not None):
+        fail("--stages prints a table per plan on the terminal: leave out --format and -o")
     if output is not None:
         check_output(output)
     if plot is not None:
@@ -348,19 +354,12 @@ def compare(
         write_text(output, render(df, fmt))
         console.print(f"{len(plans)} plans -> {output}")
     elif fmt == "table":
-        table = Table(title=f"{len(plans)} plans")
-        for col in df.columns:
-            left = col in ("name", "stage_ms", "stage_mem")
-            width = (
-                max(len(str(v)) for v in df[col]) if col in ("name", "solver", "status") else None
-            )
-            table.add_column(str(col), justify="left" if left else "right", min_width=width)
-        for rec in human(df).to_dict(orient="records"):
-            # Per-stage lists wrap at spaces: times to 0.1 ms, memory as 1.5 GiB.
-            rec["stage_ms"] = " ".join(f"{float(t):.1f}" for t in rec["stage_ms"].split("/"))
-            rec["stage_mem"] = rec["stage_mem"].replace("/", " ")
-            table.add_row(*(format_cell(v) for v in rec.values()))
-        console.print(table)
+        console.print(compare_table(df))
+        if stages:
+            for i in sorted(
+                range(len(plans)), key=lambda i: (not plans[i].feasible, df["step_ms"][i])
+            ):
+                console.print(stage_table(plans[i], names[i]))
     else:
         sys.stdout.write(render(df, fmt))
 

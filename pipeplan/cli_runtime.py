@@ -142,7 +142,9 @@ def run(
 
 def calibrate(
     output: Output = Path("cluster.json"),
-    nproc: Annotated[int, typer.Option(help="Ranks (= stages) to describe.")] = 2,
+    nproc: Annotated[
+        int, typer.Option(help="Ranks (= stages) to describe; 1: the engine alone, one device.")
+    ] = 2,
     device: Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl).")] = "cpu",
     max_size: Annotated[str, typer.Option(help="Largest message, e.g. 16MiB.")] = "16MiB",
     repeats: Annotated[int, typer.Option(help="Round trips per size, and Adam steps.")] = 20,
@@ -180,8 +182,8 @@ def calibrate(
     from pipeplan.runtime.engine_fit import WIDTHS
 
     check_output(output)
-    if nproc < 2:
-        fail(f"--nproc {nproc}: calibration needs at least 2 ranks")
+    if nproc < 1:
+        fail(f"--nproc {nproc}: calibrate at least 1 rank")
     cluster, samples = run_calibration(
         nproc,
         device=device,
@@ -204,6 +206,14 @@ def calibrate(
         "not measured" if cluster.solo_op_overhead_s is None
         else f"{cluster.solo_op_overhead_s * 1e6:.0f} us"
     )  # fmt: skip
+    if nproc == 1:
+        console.print(
+            f"1 rank, {device}: engine cost {solo} per forward/backward and "
+            f"{cluster.step_overhead_s * 1e6:.0f} us per step (what 1-stage plans are charged), "
+            f"memory {format_bytes(cluster.devices[0].memory_bytes)} -> {output} (and {kept}, "
+            f"which pipeplan plan charges by default)"
+        )
+        return
     table = Table(title=f"{nproc} ranks, {device}: one-way time per message")
     for col in ("bytes", "send/recv", "batch_isend_irecv", "model"):
         table.add_column(col, justify="right")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
@@ -34,3 +35,50 @@ def cli(capsys: pytest.CaptureFixture[str]) -> CliRunner:
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """``torch.cuda`` as a machine with one GPU, for the CUDA-only branches on a CPU host:
+    events read a clock the test advances (``state.now``, seconds), the allocator's counters
+    are ``state.allocated`` and ``state.peak``, and ``state.syncs`` counts synchronisations."""
+    import torch
+
+    state = SimpleNamespace(now=0.0, allocated=0, peak=0, syncs=0)
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t: float | None = None
+
+        def record(self, stream: object = None) -> None:
+            self.t = state.now
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Event) -> float:
+            assert self.t is not None and end.t is not None, "elapsed_time of unrecorded events"
+            return (end.t - self.t) * 1e3  # milliseconds, as CUDA's
+
+    def synchronize(device: object = None) -> None:
+        state.syncs += 1
+
+    def reset_peak(device: object = None) -> None:
+        state.peak = state.allocated
+
+    props = SimpleNamespace(name="Fake H100", total_memory=80 * 2**30, major=9, minor=0)
+    fakes = {
+        "Event": Event,
+        "synchronize": synchronize,
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "reset_peak_memory_stats": reset_peak,
+        "memory_allocated": lambda device=None: state.allocated,
+        "max_memory_allocated": lambda device=None: state.peak,
+        "get_device_properties": lambda device=None: props,
+        "mem_get_info": lambda device=None: (70 * 2**30, 80 * 2**30),
+    }
+    for name, value in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    return state

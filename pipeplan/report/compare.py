@@ -3,10 +3,13 @@
 Columns: ``name`` (the file or label), ``solver``, ``status``, ``feasible``, ``m``, ``stages``,
 ``replicas`` (data-parallel copies of the pipeline), ``stage_ms`` and ``stage_mem``
 (per-stage t_j in milliseconds and M_j in bytes, joined by ``/``; M_j in binary units in the
-formats for people, :func:`render`), ``slowest_ms`` (max_j t_j), ``bubble`` (bubble fraction),
+formats for people, :func:`render`), ``slowest_ms`` (max_j t_j), ``peak_mem`` and ``mem_limit`` (M_j and its device's limit, in
+bytes, of the stage that uses the largest share of its device), ``bubble`` (bubble fraction),
 ``step_ms`` (predicted step time), ``samples_s`` (samples per second of all replicas
 together) and ``ratio`` (step time over the best *feasible* plan's; NaN when no plan is
-feasible).
+feasible).  The terminal's summary of these rows, which fits 80 columns, is
+:func:`pipeplan.report.terminal.compare_table`; each plan's stages,
+:func:`pipeplan.report.terminal.stage_table`.
 Plans of different profiles or clusters can be compared, but the ratio is only meaningful for
 one profile on one cluster.  O(sum of stages).
 """
@@ -40,6 +43,8 @@ COLUMNS = [
     "stage_ms",
     "stage_mem",
     "slowest_ms",
+    "peak_mem",
+    "mem_limit",
     "bubble",
     "step_ms",
     "samples_s",
@@ -67,6 +72,7 @@ def compare_frame(plans: Sequence[Plan], names: Sequence[str] | None = None) -> 
     rows = []
     for name, p in zip(names, plans):
         times = [s.time_s for s in p.stages]
+        fullest = max(p.stages, key=lambda s: s.memory.total / max(s.memory_limit, 1))
         rows.append(
             {
                 "name": name,
@@ -79,6 +85,8 @@ def compare_frame(plans: Sequence[Plan], names: Sequence[str] | None = None) -> 
                 "stage_ms": "/".join(f"{t * 1e3:.3f}" for t in times),
                 "stage_mem": "/".join(str(s.memory.total) for s in p.stages),
                 "slowest_ms": max(times) * 1e3,
+                "peak_mem": fullest.memory.total,
+                "mem_limit": fullest.memory_limit,
                 "bubble": p.bubble_fraction,
                 "step_ms": p.step_time_s * 1e3,
                 "samples_s": p.throughput * p.cluster.data_parallel,
@@ -111,8 +119,11 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 
 def human(df: pd.DataFrame) -> pd.DataFrame:
-    """The frame for people to read: ``stage_mem`` in binary units (``1.50 GiB/2.00 GiB``)."""
+    """The frame for people to read: ``stage_mem``, ``peak_mem`` and ``mem_limit`` in binary
+    units (``1.50 GiB/2.00 GiB``)."""
     out = df.copy()
+    for col in ("peak_mem", "mem_limit"):
+        out[col] = [format_bytes(int(b)) for b in df[col]]
     out["stage_mem"] = [
         "/".join(format_bytes(int(b)) for b in str(v).split("/")) for v in df["stage_mem"]
     ]

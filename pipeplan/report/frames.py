@@ -4,6 +4,7 @@
 frames that need more than one object or a computation:
 
     timeline_frame(timeline)      one row per simulated event
+    split_waits(events)           a collective's span cut into waiting and work
     events_frame(report)          one row per measured event of a run's last step
     report_frame(report, plan)    one row per (stage, micro-batch): measured vs predicted times
     sweep_frame(profile, ...)     one row per micro-batch count m: the best plan at that m
@@ -29,9 +30,14 @@ __all__ = [
     "events_frame",
     "ideal_bubble",
     "report_frame",
+    "split_waits",
     "sweep_frame",
     "timeline_frame",
 ]
+
+#: Kinds of event that several stages run together (all-reduces): each member's span starts
+#: when it arrives and ends when the last member's work does.
+COLLECTIVES = ("tied",)
 
 EVENT_COLUMNS = ["stage", "microbatch", "kind", "start_s", "end_s", "duration_s"]
 
@@ -74,6 +80,32 @@ def events_frame(report: RunReport) -> pd.DataFrame:
 def _finish(df: pd.DataFrame) -> pd.DataFrame:
     df["duration_s"] = df["end_s"] - df["start_s"]
     return df.sort_values(["stage", "start_s"], kind="stable").reset_index(drop=True)
+
+
+def split_waits(events: pd.DataFrame, collectives: Sequence[str] = COLLECTIVES) -> pd.DataFrame:
+    """``events`` with each collective's span cut in two: ``wait`` while a member waits for
+    the last one to arrive, then the collective itself from that arrival to the end.
+
+    The members of one collective are its kind's events that end at the same time (to 1 us).
+    Everything else is returned unchanged, as are the spans of a collective whose members all
+    arrive together.
+
+    >>> from pipeplan.planner.simulate import simulate
+    >>> t = simulate([1.0, 1.0], [1.0, 3.0], [0.0, 0.0], 1, syncs=[((0, 1), 0.5)])
+    >>> df = split_waits(timeline_frame(t)).query("microbatch < 0")
+    >>> list(zip(df["stage"], df["kind"], df["start_s"], df["end_s"]))
+    [(0, 'tied', 6.0, 6.5), (1, 'wait', 5.0, 6.0), (1, 'tied', 6.0, 6.5)]
+    """
+    is_collective = events["kind"].isin(list(collectives))
+    spans = events[is_collective]
+    begin = spans.groupby([spans["kind"], spans["end_s"].round(6)])["start_s"].transform("max")
+    early = spans["start_s"] < begin
+    waits = spans[early].assign(kind="wait", end_s=begin[early])
+    work = spans.assign(start_s=begin)
+    parts = [frame for frame in (events[~is_collective], waits, work) if len(frame)]
+    if not parts:
+        return events.copy()
+    return _finish(pd.concat(parts).drop(columns="duration_s"))
 
 
 def report_frame(report: RunReport, plan: Plan | None = None) -> pd.DataFrame:

@@ -7,12 +7,13 @@ notebook display it.  Figures are built from the package's data types only:
 
     stage_times(plans)                  t_j per stage, plans side by side, slowest marked
     stage_memory(plans)                 M_j stacked by kind against each device's limit
-    compare_figure(plans)               stage_times above stage_memory (``compare --plot``)
+    compare_figure(plans)               step time per plan, busy time per step m·t_j per stage,
+                                        and stage_memory (``compare --plot``)
     microbatch_sweep(profile, ...)      step time and bubble against m, with GPipe's ideal
     device_frontier(plans)              throughput against pipeline depth for N devices
 
 Drawn artists carry a ``gid`` naming what they show (``"stage-time/0/2"`` = plan 0, stage 2;
-``"slowest/0"``; ``"memory-limit"``; ``"ideal-bubble"``), so tests and users can find them.
+``"slowest/0"``; ``"step-time/1"`` = plan 1's step; ``"memory-limit"``; ``"ideal-bubble"``), so tests and users can find them.
 Schedule timelines (Gantt charts, measured against simulated) are in
 :mod:`pipeplan.report.timeline_plots`.
 """
@@ -25,6 +26,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
+from matplotlib.collections import LineCollection
+from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 
 from pipeplan.planner.io import format_bytes
@@ -77,17 +80,35 @@ def _check_plans(plans: Sequence[Plan]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _stage_bars(
+    ax: Axes, i: int, k: int, ms: np.ndarray, line_ms: float, gids: tuple[str, str], **labels: str
+) -> tuple[BarContainer, LineCollection, np.ndarray]:
+    """Plan i of k's bars ``ms`` per stage (gid ``{gids[0]}/i/j``), side by side with the other
+    plans', and a dashed line at ``line_ms`` over them in its colour (gid ``{gids[1]}/i``);
+    ``labels`` (``bar=``, ``line=``) name them in the legend.  Returns both and the bars' x."""
+    color, width = _PLAN_COLORS[i % len(_PLAN_COLORS)], 0.8 / k
+    x = np.arange(len(ms)) + (i - (k - 1) / 2) * width
+    bars = ax.bar(x, ms, width * 0.92, color=color, label=labels.get("bar", "_"))
+    for j, bar in enumerate(bars):
+        bar.set_gid(f"{gids[0]}/{i}/{j}")
+    line = ax.hlines(line_ms, x[0] - width / 2, x[-1] + width / 2, colors=color,
+                     linestyles="--", linewidth=1.8, gid=f"{gids[1]}/{i}",
+                     label=labels.get("line", "_"))  # fmt: skip
+    return bars, line, x
+
+
+def _stage_ticks(ax: Axes, plans: Sequence[Plan]) -> None:
+    pmax = max(p.n_stages for p in plans)
+    ax.set_xticks(range(pmax))
+    ax.set_xticklabels([f"stage {j}" for j in range(pmax)])
+
+
 def _draw_stage_times(ax: Axes, plans: Sequence[Plan], names: list[str]) -> None:
     k = len(plans)
-    width = 0.8 / k
     entries: list[tuple[Artist, str]] = []
     for i, (plan, name) in enumerate(zip(plans, names)):
-        color = _PLAN_COLORS[i % len(_PLAN_COLORS)]
-        x = np.arange(plan.n_stages) + (i - (k - 1) / 2) * width
         t = np.array([s.time_s for s in plan.stages]) * 1e3
-        bars = ax.bar(x, t, width * 0.92, color=color)
-        for j, bar in enumerate(bars):
-            bar.set_gid(f"stage-time/{i}/{j}")
+        bars, balance, x = _stage_bars(ax, i, k, t, t.mean(), ("stage-time", "mean-time"))
         j = int(np.argmax(t))
         (slowest,) = ax.plot(
             [x[j]],
@@ -98,20 +119,9 @@ def _draw_stage_times(ax: Axes, plans: Sequence[Plan], names: list[str]) -> None
             linestyle="none",
             gid=f"slowest/{i}",
         )
-        balance = ax.hlines(
-            t.mean(),
-            x[0] - width / 2,
-            x[-1] + width / 2,
-            colors=color,
-            linestyles="--",
-            linewidth=1.8,
-            gid=f"mean-time/{i}",
-        )
         entries += [(bars.patches[0], name), (balance, f"{name}: {_BALANCE} {t.mean():.3g} ms")]
     entries.append((slowest, "slowest stage"))
-    pmax = max(p.n_stages for p in plans)
-    ax.set_xticks(range(pmax))
-    ax.set_xticklabels([f"stage {j}" for j in range(pmax)])
+    _stage_ticks(ax, plans)
     ax.set_ylabel("t_j per micro-batch (ms)")
     ax.set_title("Stage times t_j = F + B + C; the slowest stage sets the pipeline's pace")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
@@ -225,16 +235,71 @@ def stage_memory(plans: Sequence[Plan], names: Sequence[str] | None = None) -> F
     return fig
 
 
+def _draw_step_times(ax: Axes, plans: Sequence[Plan], names: list[str]) -> None:
+    """One horizontal bar per plan, fastest on top, labelled with its step and its ratio to the
+    fastest feasible plan; an infeasible plan's bar is hatched and says so."""
+    ok = [p.step_time_s for p in plans if p.feasible]
+    best = min(ok) if ok else float("nan")
+    order = sorted(range(len(plans)), key=lambda i: (not plans[i].feasible, plans[i].step_time_s))
+    right = max(p.step_time_s for p in plans) * 1e3
+    for row, i in enumerate(order):
+        plan = plans[i]
+        ms = plan.step_time_s * 1e3
+        color = _PLAN_COLORS[i % len(_PLAN_COLORS)]
+        (bar,) = ax.barh(row, ms, 0.7, color=color, hatch="" if plan.feasible else "//")
+        bar.set_gid(f"step-time/{i}")
+        if not plan.feasible:
+            tag = "does not fit memory"
+        elif plan.step_time_s == best and row == 0:
+            tag = "best"
+        else:
+            tag = f"{plan.step_time_s / best:.2f}×"
+        ax.text(
+            ms + right * 0.01,
+            row,
+            f"{ms:.1f} ms  {tag}",
+            va="center",
+            fontsize=9,
+            gid=f"step-label/{i}",
+        )
+    ax.set_yticks(range(len(order)))
+    ax.set_yticklabels([f"{names[i]} (m={plans[i].microbatches})" for i in order])
+    ax.set_ylim(len(order) - 0.5, -0.5)
+    ax.set_xlim(0, right * 1.25)
+    ax.set_xlabel("step time (ms)")
+    ax.set_title("Step time per plan (what decides): its ratio to the fastest")
+
+
+def _draw_stage_busy(ax: Axes, plans: Sequence[Plan], names: list[str]) -> None:
+    """Each stage's busy time per step, m·t_j, plans side by side (so plans of different m
+    compare), with each plan's step time dashed in its colour: the gap is the stage's idle time."""
+    for i, (plan, name) in enumerate(zip(plans, names)):
+        busy = np.array([s.time_s for s in plan.stages]) * plan.microbatches * 1e3
+        bar, line = f"{name}: m·t_j (m={plan.microbatches})", f"{name}: step"
+        gids = ("stage-busy", "step-line")
+        _stage_bars(ax, i, len(plans), busy, plan.step_time_s * 1e3, gids, bar=bar, line=line)
+    _stage_ticks(ax, plans)
+    ax.set_ylabel("busy per step (ms)")
+    ax.set_title("Busy time per step m·t_j; dashed: the plan's step, the gap is idle time")
+    ax.set_ylim(0, max(p.step_time_s for p in plans) * 1e3 * 1.1)
+    handles, labels = ax.get_legend_handles_labels()  # bars first, then the dashed steps
+    pairs = sorted(zip(handles, labels), key=lambda hl: hl[1].endswith(": step"))
+    ax.legend(*zip(*pairs), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
 def compare_figure(plans: Sequence[Plan], names: Sequence[str] | None = None) -> Figure:
-    """Stage times of all plans (top) above one memory panel per plan (bottom)."""
+    """Plans compared: step time per plan with its ratio to the fastest (top), each stage's busy
+    time per step m·t_j against the plan's step (middle; plans of different m compare), and
+    one memory panel per plan (bottom)."""
     _check_plans(plans)
     labels = plan_names(plans, names)
     k = len(plans)
-    fig = new_figure((max(10.0, 3.0 * k + 1.5), 7.5))
-    grid = fig.add_gridspec(2, k)
-    _draw_stage_times(fig.add_subplot(grid[0, :]), plans, labels)
-    first = fig.add_subplot(grid[1, 0])
-    axes = [first] + [fig.add_subplot(grid[1, i], sharey=first) for i in range(1, k)]
+    fig = new_figure((max(10.0, 3.0 * k + 1.5), 8.0 + 0.25 * k))
+    grid = fig.add_gridspec(3, k, height_ratios=[0.6 + 0.25 * k, 3.0, 3.0])
+    _draw_step_times(fig.add_subplot(grid[0, :]), plans, labels)
+    _draw_stage_busy(fig.add_subplot(grid[1, :]), plans, labels)
+    first = fig.add_subplot(grid[2, 0])
+    axes = [first] + [fig.add_subplot(grid[2, i], sharey=first) for i in range(1, k)]
     _draw_stage_memory(axes, plans, labels)
     return fig
 

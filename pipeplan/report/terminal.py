@@ -3,13 +3,17 @@
 ``console`` takes the results (stdout), ``err_console`` the errors, warnings and notes (stderr);
 both are 120 and 200 columns wide when not writing to a terminal, so logs and tests see the same
 layout on any machine.  ``print_plan`` and ``print_profile`` are what ``pipeplan plan`` and
-``pipeplan show`` print.
+``pipeplan show`` print; ``compare_table`` and ``stage_table`` what ``pipeplan compare``
+prints, both within 80 columns.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 
+import pandas as pd
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -18,10 +22,12 @@ from pipeplan.planner.types import Cluster, Plan, Profile
 
 __all__ = [
     "batch_norm_note",
+    "compare_table",
     "console",
     "err_console",
     "print_plan",
     "print_profile",
+    "stage_table",
     "uncalibrated_note",
 ]
 
@@ -162,3 +168,109 @@ def print_profile(p: Profile) -> None:
         )
     if p.batch_dependent_layers:
         console.print(batch_norm_note(p.batch_dependent_layers, 1).split("; ")[0])
+
+
+def _short(v: float) -> str:
+    """Three significant digits, never in e-notation: ``66.8``, ``256``, ``1024``."""
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _memory_pair(used: float, limit: float) -> str:
+    """A stage's memory against its limit: ``159/256 MiB`` in the larger one's unit, or each
+    in its own when the smaller would read 0.0 in it (``66.8 MiB/1 TiB``).
+
+    >>> _memory_pair(159 * 2**20, 256 * 2**20), _memory_pair(66.8 * 2**20, 2**40)
+    ('159/256 MiB', '66.8 MiB/1 TiB')
+    """
+    units = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
+
+    def scaled(n: float) -> tuple[float, str]:
+        return next((n / f, u) for u, f in units if n >= f or f == 1)
+
+    big, unit = scaled(max(used, limit))
+    scale = max(used, limit) / big if big else 1.0
+    if min(used, limit) >= scale / 10:
+        return f"{_short(used / scale)}/{_short(limit / scale)} {unit}"
+    (u, uu), (v, vu) = scaled(used), scaled(limit)
+    return f"{_short(u)} {uu}/{_short(v)} {vu}"
+
+
+def compare_table(df: pd.DataFrame) -> Table:
+    """The summary of :func:`pipeplan.report.compare.compare_frame`'s rows that fits 80
+    columns: fastest first (infeasible plans last), the best's ratio written ``best``.
+
+    Columns: plan, solver, status, m, p×d (stages × data-parallel replicas), step ms, ratio
+    (step over the best feasible plan's; ``-`` for a plan that does not fit), bubble, memory
+    (the fullest stage against its device's limit, red when over) and samples/s of all
+    replicas.  Long plan and solver names fold; the numbers never do."""
+    order = sorted(range(len(df)), key=lambda i: (not df["feasible"][i], df["step_ms"][i]))
+    table = Table(
+        title=f"{len(df)} plans, fastest first",
+        caption="ratio: step over the best plan's; memory: the fullest stage against its limit",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0),
+        pad_edge=False,
+        show_edge=False,
+    )
+    table.add_column("plan", overflow="fold", min_width=8)
+    table.add_column("solver", overflow="fold")
+    table.add_column("status", no_wrap=True)
+    for col in ("m", "p×d", "step ms", "ratio", "bubble", "memory", "samples/s"):
+        table.add_column(col, justify="right", no_wrap=True)
+    best = True
+    for i in order:
+        r = df.iloc[i]
+        ratio = float(r["ratio"])
+        if math.isnan(ratio) or not bool(r["feasible"]):
+            ratio_text = "-"
+        elif best:
+            ratio_text, best = "best", False
+        else:
+            ratio_text = f"{ratio:.2f}×"
+        memory = _memory_pair(float(r["peak_mem"]), float(r["mem_limit"]))
+        table.add_row(
+            str(r["name"]),
+            str(r["solver"]),
+            str(r["status"]),
+            str(int(r["m"])),
+            f"{int(r['stages'])}×{int(r['replicas'])}",
+            f"{float(r['step_ms']):.1f}",
+            ratio_text,
+            f"{float(r['bubble']):.0%}",
+            memory if bool(r["feasible"]) else f"[red]{memory}[/red]",
+            f"{float(r['samples_s']):.1f}",
+            style="bold" if ratio_text == "best" else None,
+        )
+    return table
+
+
+def stage_table(p: Plan, name: str) -> Table:
+    """Plan ``p``'s stages within 80 columns, one row per stage: its units, F, B and C per
+    micro-batch, t_j (``*`` marks the slowest), m·t_j (its busy time per step, which compares
+    plans of different m) and its memory against its device's limit."""
+    table = Table(
+        title=f"{name}: {p.n_stages} stages, m = {p.microbatches} ({p.solver})",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0),
+        pad_edge=False,
+        show_edge=False,
+    )
+    table.add_column("stage", justify="right")
+    table.add_column("units", overflow="fold", min_width=8)
+    for col in ("F ms", "B ms", "C ms", "t ms", "m·t ms", "memory"):
+        table.add_column(col, justify="right", no_wrap=True)
+    slowest = max(s.time_s for s in p.stages)
+    for s in p.stages:
+        memory = _memory_pair(s.memory.total, s.memory_limit)
+        table.add_row(
+            str(s.index),
+            f"{s.first_unit}-{s.last_unit} {s.unit_names[0]}..{s.unit_names[-1]}"
+            + (" (recompute)" if s.recompute else ""),
+            f"{s.forward_s * 1e3:.2f}",
+            f"{s.backward_s * 1e3:.2f}",
+            f"{s.comm_s * 1e3:.2f}",
+            f"{s.time_s * 1e3:.2f}" + ("*" if s.time_s == slowest else " "),
+            f"{s.time_s * p.microbatches * 1e3:.1f}",
+            memory if s.feasible else f"[red]{memory} over[/red]",
+        )
+    return table

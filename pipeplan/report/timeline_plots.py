@@ -9,7 +9,11 @@ they are drawn by the same code:
     measured_vs_simulated(report, plan) the measured step above the simulated one
 
 Each block carries a ``gid`` naming what it shows (``"forward/2/5"`` = forward of stage 2,
-micro-batch 5), so tests and users can find it.  Figures that compare plans are in
+micro-batch 5), so tests and users can find it.  Work is drawn solid; waiting is drawn light
+and hatched (kind ``wait``: a stage that has arrived at a collective, such as the tied
+gradients' all-reduce, and waits for the others, :func:`pipeplan.report.frames.split_waits`),
+and idle time is the white background.  A new kind of operation (a schedule's chunks, its
+input- and weight-gradient halves) needs only an entry in :data:`KIND_STYLE`.  Figures that compare plans are in
 :mod:`pipeplan.report.plots`.
 """
 
@@ -23,11 +27,12 @@ from matplotlib.patches import Patch, Rectangle
 from pipeplan.planner.simulate import Timeline, simulate_plan
 from pipeplan.planner.types import Plan, RunReport
 from pipeplan.report.canvas import new_figure
-from pipeplan.report.frames import events_frame, timeline_frame
+from pipeplan.report.frames import events_frame, split_waits, timeline_frame
 
 __all__ = ["KIND_STYLE", "gantt", "measured_vs_simulated"]
 
-#: Face colour and hatch of each event kind; idle time is the white background.
+#: Face colour and hatch of each event kind; waiting is light and hatched, idle time is the
+#: white background.
 KIND_STYLE: dict[str, tuple[str, str]] = {
     "forward": ("#4C72B0", ""),
     "backward": ("#55A868", ""),
@@ -37,6 +42,7 @@ KIND_STYLE: dict[str, tuple[str, str]] = {
     "loss": ("#C44E52", ""),
     "tied": ("#937860", "xx"),
     "optimizer": ("#CCB974", ""),
+    "wait": ("#F0F0F0", "\\\\\\"),
 }
 _LABELLED = {"forward", "backward", "loss"}
 
@@ -78,6 +84,12 @@ def _draw_schedule(ax: Axes, events: pd.DataFrame, p: int, xmax_s: float) -> Non
     ax.set_axisbelow(True)
 
 
+def _bubble(events: pd.DataFrame, p: int, end_s: float) -> float:
+    """1 - work per device / step: waiting counts as idle, every other event as work."""
+    work = events.loc[events["kind"] != "wait", "duration_s"].sum()
+    return 1.0 - float(work) / p / end_s if end_s > 0 else 0.0
+
+
 def _stage_labels(ax: Axes, plan: Plan | None, p: int) -> None:
     devices = [s.device for s in plan.stages] if plan is not None else [None] * p
     ax.set_yticklabels([f"stage {j}" + (f"\n{d}" if d else "") for j, d in enumerate(devices)])
@@ -96,6 +108,9 @@ def _kind_legend(ax: Axes, kinds: set[str]) -> None:
         if "send" not in kinds:
             c, h = KIND_STYLE["recv"]
             handles.append(Patch(facecolor=c, hatch=h, edgecolor="white", label="send/recv"))
+    for hd in handles:
+        if hd.get_label() == "wait":
+            hd.set_label("waiting for the others")
     handles.append(Patch(facecolor="white", edgecolor="#888888", label="idle (bubble)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 
@@ -109,8 +124,9 @@ def gantt(
     """The simulated schedule of a plan's step (or of a ready timeline), one row per device.
 
     Forward and backward of every micro-batch are blocks labelled with the micro-batch number,
-    recompute is hatched light blue, transfers dotted grey; white is idle time (the bubble).
-    The title gives the step time and the bubble fraction.
+    recompute is hatched light blue, transfers dotted grey; a stage waiting at the tied
+    gradients' all-reduce for the others is light grey, hatched; white is idle time (the bubble).
+    The title gives the step time and the bubble fraction (waiting counted as idle).
     """
     plan = source if isinstance(source, Plan) else None
     if plan is not None:
@@ -120,7 +136,7 @@ def gantt(
     else:
         raise TypeError(f"gantt needs a Plan or a Timeline, got {type(source).__name__}")
     p, m = timeline.n_stages, timeline.microbatches
-    events = timeline_frame(timeline)
+    events = split_waits(timeline_frame(timeline))
     fig = new_figure(figsize or (10, 0.6 * p + 1.6))
     ax = fig.add_subplot()
     _draw_schedule(ax, events, p, timeline.makespan_s)
@@ -131,7 +147,7 @@ def gantt(
         model = f" (cost model {plan.step_time_s * 1e3:.2f} ms)" if plan is not None else ""
         title = (
             f"{head}p={p}, m={m}: step {timeline.makespan_s * 1e3:.2f} ms{model}, "
-            f"bubble {timeline.bubble_fraction:.1%}"
+            f"bubble {_bubble(events, p, timeline.makespan_s):.1%}"
         )
     ax.set_title(title)
     return fig
@@ -146,20 +162,19 @@ def measured_vs_simulated(report: RunReport, plan: Plan) -> Figure:
         )
     if not report.events:
         raise ValueError("the report has no events; rerun `pipeplan run` with a recent runtime")
-    measured = events_frame(report)
+    measured = split_waits(events_frame(report))
     timeline = simulate_plan(plan)
-    simulated = timeline_frame(timeline)
+    simulated = split_waits(timeline_frame(timeline))
     p = plan.n_stages
     measured_end = float(measured["end_s"].max())
     xmax = max(measured_end, timeline.makespan_s)
     fig = new_figure((10, 1.2 * p + 2.6))
     top, bottom = fig.subplots(2, 1, sharex=True)
-    busy = measured.groupby("stage")["duration_s"].sum().reindex(range(p), fill_value=0.0)
-    bubble = 1.0 - float(busy.mean()) / measured_end if measured_end > 0 else 0.0
-    for ax, frame, end, bub, what in (
-        (top, measured, measured_end, bubble, f"measured (last of {report.steps} steps)"),
-        (bottom, simulated, timeline.makespan_s, timeline.bubble_fraction, "simulated"),
+    for ax, frame, end, what in (
+        (top, measured, measured_end, f"measured (last of {report.steps} steps)"),
+        (bottom, simulated, timeline.makespan_s, "simulated"),
     ):
+        bub = _bubble(frame, p, end)
         _draw_schedule(ax, frame, p, xmax)
         _stage_labels(ax, plan, p)
         _kind_legend(ax, set(frame["kind"]))

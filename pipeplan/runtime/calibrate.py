@@ -12,7 +12,9 @@ order, each with a module of its own that states what it times and the formulas 
    stages at several widths and micro-batch counts, whose steady-state slope gives the engine's
    cost per operation o and the contention k (:mod:`pipeplan.runtime.engine_fit`).
 
-A 1-rank launch measures the engine alone (no link, no update contention).
+A 1-rank launch measures the engine alone (no link, no update contention).  ``nproc = 1``
+describes one device: only 1-rank launches, whose engine figures are what 1-stage plans are
+charged (a GPU machine with one GPU calibrates this way; its process group is still nccl).
 
 :func:`calibrate` runs ``launches`` of them and keeps, per message size, the median of the
 launches' one-way times (the link and all-reduce fits:
@@ -67,6 +69,7 @@ __all__ = [
     "SOLO_WIDTHS",
     "calibrate",
     "combine",
+    "combine_alone",
     "engine_points",
     "measure",
     "phases",
@@ -269,8 +272,8 @@ def calibrate(
     1-stage plans (:func:`solo_overhead`); 0 skips them.  ``progress`` shows a bar (rich, on
     stderr) that advances as each launch's rank 0 finishes a phase.
     """
-    if nproc < 2:
-        raise InvalidRequestError(f"--nproc {nproc}: calibration needs at least 2 ranks")
+    if nproc < 1:
+        raise InvalidRequestError(f"--nproc {nproc}: calibrate at least 1 rank")
     if device not in ("cpu", "cuda"):
         raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
     if repeats < 1:
@@ -283,12 +286,17 @@ def calibrate(
         raise InvalidRequestError(f"--launches {launches} must be at least 1")
     if not widths or min(widths) < 1:
         raise InvalidRequestError(f"--widths {list(widths)}: give one or more positive widths")
+    if nproc == 1:  # one device: its launches are the 1-rank ones, at least one
+        launches, solo_launches = 0, max(solo_launches, 1)
+        solo_widths = SOLO_WIDTHS if tuple(widths) == WIDTHS else tuple(widths)
+    else:
+        solo_widths = SOLO_WIDTHS
     # (ranks, name, widths, engine repeats, micro-batch counts) of each launch
     jobs = [
         (nproc, f"launch {i + 1}/{launches}", tuple(widths), engine_repeats, ENGINE_MS)
         for i in range(launches)
     ] + [
-        (1, f"1 rank alone {i + 1}/{solo_launches}", SOLO_WIDTHS, repeats, SOLO_MS)
+        (1, f"1 rank alone {i + 1}/{solo_launches}", solo_widths, repeats, SOLO_MS)
         for i in range(solo_launches)
     ]
     runs: list[dict[str, Any]] = []
@@ -303,6 +311,8 @@ def calibrate(
             runs.append(
                 measure(n, device, max_bytes, repeats, threads, timeout_s, w, on_phase, reps, ms)
             )
+    if nproc == 1:
+        return combine_alone(runs, device=device, memory_bytes=memory_bytes), []
     return combine(
         nproc, runs[:launches], runs[launches:], widths=widths, device=device,
         memory_bytes=memory_bytes,
@@ -363,6 +373,29 @@ def combine(
         update_contention=kappa_u,
     )  # fmt: skip
     return cluster, samples  # type: ignore[return-value]
+
+
+def combine_alone(
+    alone: Sequence[dict[str, Any]], *, device: str = "cpu", memory_bytes: int | None = None
+) -> Cluster:
+    """The one-device cluster that 1-rank launches describe: the engine's cost per operation
+    o (also as ``op_overhead_s``: a 1-stage plan is all this cluster runs) and per step c
+    (:func:`solo_overhead`); no link, all-reduce or contention to measure.
+
+    >>> e = {"width": 256, "compute": 0.002, "steps": {"2": [0.0060], "16": [0.0396]}}
+    >>> c = combine_alone([{"engine": [e], "memory": 2**30}], device="cuda")
+    >>> c.n_stages, c.devices[0].name, round(c.solo_op_overhead_s * 1e6), round(c.step_overhead_s * 1e6)
+    (1, 'gpu0', 200, 1200)
+    """
+    solo, step_cost = solo_overhead([r["engine"] for r in alone])
+    memory = memory_bytes if memory_bytes is not None else int(alone[0]["memory"])
+    kind = "gpu" if device == "cuda" else "cpu"
+    return Cluster(
+        devices=(Device(name=f"{kind}0", memory_bytes=memory),),
+        op_overhead_s=solo,
+        solo_op_overhead_s=solo,
+        step_overhead_s=step_cost,
+    )
 
 
 if __name__ == "__main__":

@@ -214,3 +214,73 @@ def test_replicated_plans_show_their_replicas_and_global_throughput() -> None:
     assert list(df["replicas"]) == [c.replicas for c in choices if c.plan is not None]
     assert list(df["samples_s"]) == pytest.approx([c.throughput for c in choices if c.plan])
     assert df["samples_s"].iloc[0] == df["samples_s"].max()  # plan_devices puts the best first
+
+
+# ---- the terminal's tables: 80 columns ----------------------------------------------------
+
+
+def _rendered(table: object, width: int = 80) -> list[str]:
+    from rich.console import Console
+
+    out = Console(width=width, record=True, file=io.StringIO())
+    out.print(table)
+    return out.export_text().splitlines()
+
+
+def test_compare_table_fits_80_columns_with_whole_headers(plans: list[Plan]) -> None:
+    """Every header reads whole, the ratio shows, plans run fastest first and the best is
+    marked; a long name folds instead of pushing columns off the right edge."""
+    from pipeplan.report.terminal import compare_table
+
+    names = [f"{s}-{'very-long-plan-file-name' * (s == 'params')}" for s in SOLVER_NAMES]
+    df = compare_frame(plans, names)
+    lines = _rendered(compare_table(df))
+    assert max(map(len, lines)) <= 80, "\n".join(lines)
+    header = next(line for line in lines if "solver" in line)
+    for col in ("plan", "status", "m", "p×d", "step ms", "ratio", "bubble", "memory", "samples/s"):
+        assert col in header.split() or col in header
+    rows = [line.split() for line in lines if "×1 " in line]  # p×d: 4 stages, 1 replica
+    order = sorted(range(len(plans)), key=lambda i: plans[i].step_time_s)
+    best = plans[order[0]].step_time_s
+    assert [r[5] for r in rows] == [f"{plans[i].step_time_s * 1e3:.1f}" for i in order]
+    assert [r[6] for r in rows] == ["best"] + [
+        f"{plans[i].step_time_s / best:.2f}×" for i in order[1:]
+    ]
+    column = "".join(line[:8].strip() for line in lines)  # the long name folds, whole
+    assert "params-very-long-plan-file-name" in column
+    peak = max(plans[0].stages, key=lambda s: s.memory.total).memory.total
+    assert df["peak_mem"][0] == peak and df["mem_limit"][0] == 2**40
+
+
+def test_compare_table_puts_infeasible_plans_last_without_a_ratio(plans: list[Plan]) -> None:
+    from pipeplan.report.terminal import compare_table
+
+    prof = synthetic_profile(16, batch_size=16, heavy_ends=True, seed=2)
+    tight = SOLVERS["uniform"](prof, Cluster.homogeneous(4, 2**16), PlanOptions())
+    lines = _rendered(compare_table(compare_frame([tight, plans[2]], ["tight", "roomy"])))
+    rows = [line.split() for line in lines if line.startswith(("tight", "roomy"))]
+    assert [r[0] for r in rows] == ["roomy", "tight"] and rows[1][2] == "infeasible"
+    assert rows[0][6] == "best" and rows[1][6] == "-"
+
+
+def test_stage_table_gives_busy_time_per_step_in_80_columns(plans: list[Plan]) -> None:
+    from pipeplan.report.terminal import stage_table
+
+    plan = plans[0]
+    lines = _rendered(stage_table(plan, "dp"))
+    assert max(map(len, lines)) <= 80 and "m·t ms" in lines[1]
+    rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(plan.n_stages))
+    for row, s in zip(rows, plan.stages):
+        assert f"{s.time_s * plan.microbatches * 1e3:.1f}" in row
+
+
+def test_compare_stages_prints_a_table_per_plan(plan_files: list[Path], cli) -> None:
+    code, _, err = cli(["compare", *map(str, plan_files[:3]), "--stages", "-f", "csv"])
+    assert code == 2 and "--stages prints a table per plan" in err
+    code, out, err = cli(["compare", *map(str, plan_files[:3]), "--stages"])
+    assert code == 0, err
+    assert "3 plans, fastest first" in out and "ratio" in out
+    for path in plan_files[:3]:
+        plan = load_plan(path)
+        assert f"{path.stem}: {plan.n_stages} stages, m = {plan.microbatches}" in out

@@ -105,22 +105,62 @@ def test_memory_sizes_are_in_human_units(profile, limit, unit):
     """Sizes read "limit 11.80 GiB", never "1.21e+04 MiB": legend, axis and above the axis."""
     plan = solve_dp(profile, Cluster.homogeneous(3, limit), PlanOptions(microbatches=4))
     fig = plots.compare_figure([plan])
-    texts = _texts(fig) + [t.get_text() for t in fig.axes[1].get_yticklabels()]
-    legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    texts = _texts(fig) + [t.get_text() for t in fig.axes[2].get_yticklabels()]
+    legend = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
     assert f"limit {format_bytes(limit)}" in legend and unit in format_bytes(limit)
-    assert fig.axes[1].get_ylabel() in {"memory (MiB)", "memory (GiB)"}
+    assert fig.axes[2].get_ylabel() in {"memory (MiB)", "memory (GiB)"}
     assert not [t for t in texts if "e+" in t or "e-" in t]
     if max(s.memory.total for s in plan.stages) * 3 < limit:  # above the axis: an arrow says it
-        arrows = [t.get_text() for t in fig.axes[1].texts if t.get_text().endswith("↑")]
+        arrows = [t.get_text() for t in fig.axes[2].texts if t.get_text().endswith("↑")]
         assert arrows == [f"limit {format_bytes(limit)} ↑"]  # once: every stage has it
 
 
-def test_compare_figure_combines_times_and_memory(plans, renders):
-    fig = plots.compare_figure(plans)
-    assert len(fig.axes) == 1 + len(plans)
-    assert len(_gids(fig.axes[0], "stage-time/")) == 7
-    assert all(any(c.get_gid() == "memory-limit" for c in ax.collections) for ax in fig.axes[1:])
+def test_compare_figure_leads_with_step_times_and_draws_busy_time_per_step(plans, renders):
+    """Plans of different m compare: the top panel is each plan's step, labelled with its
+    ratio to the fastest feasible plan; the middle one m·t_j per stage under each plan's step;
+    the memory panels stay."""
+    fig = plots.compare_figure(plans, names=["dp", "uniform"])
+    assert len(fig.axes) == 2 + len(plans)
+    step, busy = fig.axes[:2]
+    feasible = [p.step_time_s for p in plans if p.feasible]
+    for i, plan in enumerate(plans):
+        (bar,) = [r for r in step.patches if r.get_gid() == f"step-time/{i}"]
+        assert bar.get_width() == pytest.approx(plan.step_time_s * 1e3)
+        (label,) = [t.get_text() for t in step.texts if t.get_gid() == f"step-label/{i}"]
+        assert label.startswith(f"{plan.step_time_s * 1e3:.1f} ms")
+        if not plan.feasible:
+            assert label.endswith("does not fit memory")
+        elif plan.step_time_s == min(feasible):
+            assert label.endswith("best")
+        heights = {r.get_gid(): r.get_height() for r in busy.patches}
+        for j, s in enumerate(plan.stages):
+            assert heights[f"stage-busy/{i}/{j}"] == pytest.approx(
+                s.time_s * plan.microbatches * 1e3
+            )
+        (line,) = [c for c in busy.collections if c.get_gid() == f"step-line/{i}"]
+        assert line.get_segments()[0][0][1] == pytest.approx(plan.step_time_s * 1e3)
+    assert all(any(c.get_gid() == "memory-limit" for c in ax.collections) for ax in fig.axes[2:])
     renders(fig)
+
+
+def test_compare_figure_ratios_hold_across_micro_batch_counts(profile):
+    """m = 2, 4 and 8 of one split: the step bars carry the ratios, fastest on top."""
+    cluster = Cluster.homogeneous(3, 2**40)
+    runs = [solve_dp(profile, cluster, PlanOptions(microbatches=m)) for m in (2, 4, 8)]
+    fig = plots.compare_figure(runs, names=["m2", "m4", "m8"])
+    step = fig.axes[0]
+    best = min(p.step_time_s for p in runs)
+    order = sorted(range(3), key=lambda i: runs[i].step_time_s)
+    ticks = [t.get_text() for t in step.get_yticklabels()]
+    assert ticks == [f"m{2 ** (i + 1)} (m={2 ** (i + 1)})" for i in order]
+    for i, plan in enumerate(runs):
+        (label,) = [t.get_text() for t in step.texts if t.get_gid() == f"step-label/{i}"]
+        tag = "best" if i == order[0] else f"{plan.step_time_s / best:.2f}×"
+        assert label == f"{plan.step_time_s * 1e3:.1f} ms  {tag}"
+        busy = [r for r in fig.axes[1].patches if r.get_gid().startswith(f"stage-busy/{i}/")]
+        assert sum(r.get_height() for r in busy) == pytest.approx(
+            plan.microbatches * sum(s.time_s for s in plan.stages) * 1e3
+        )
 
 
 def test_plot_inputs_are_checked(plans):

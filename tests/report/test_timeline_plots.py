@@ -139,3 +139,27 @@ def test_measured_vs_simulated_share_the_time_axis(plans, renders):
     renders(fig)
     with pytest.raises(ValueError, match="pass the plan file the run executed"):
         timeline_plots.measured_vs_simulated(report, plans[1])
+
+
+def test_gantt_tells_waiting_at_the_tied_all_reduce_from_its_work():
+    """Stage 1 finishes its backwards 1 ms before stage 0: that 1 ms is drawn as waiting
+    (light, hatched), and only the all-reduce's own 0.5 ms as the tied block on both."""
+    timeline = simulate([1e-3, 1e-3], [1e-3, 3e-3], [0.0, 0.0], 1, syncs=[((0, 1), 0.5e-3)])
+    fig = timeline_plots.gantt(timeline)
+    ax = fig.axes[0]
+    by_gid = {r.get_gid(): r for r in ax.patches}
+    wait, tied = by_gid["wait/1/-1"], by_gid["tied/1/-1"]
+    assert (wait.get_x(), wait.get_width()) == pytest.approx((5.0, 1.0))
+    assert (tied.get_x(), tied.get_width()) == pytest.approx((6.0, 0.5))
+    assert by_gid["tied/0/-1"].get_width() == pytest.approx(0.5) and "wait/0/-1" not in by_gid
+    assert wait.get_hatch() and wait.get_facecolor() != tied.get_facecolor()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "waiting for the others" in legend
+    busy = (1 + 1 + 1 + 3 + 2 * 0.5) / 2  # F, B and the all-reduce per device, ms
+    assert f"bubble {1 - busy / 6.5:.1%}" in ax.get_title()
+
+
+def test_split_waits_leaves_events_without_collectives_alone():
+    timeline = simulate([1e-3, 2e-3], [2e-3, 4e-3], [0.0, 0.0], 2)
+    df = frames.timeline_frame(timeline)
+    assert frames.split_waits(df).equals(df)

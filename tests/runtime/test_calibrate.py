@@ -75,9 +75,9 @@ def test_each_launch_reports_its_phases() -> None:
 
 def test_calibrate_bad_input(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["calibrate", "--nproc", "1", "-o", str(tmp_path / "c.json")])
+        main(["calibrate", "--nproc", "0", "-o", str(tmp_path / "c.json")])
     assert info.value.code == 2
-    assert "--nproc 1" in capsys.readouterr().err
+    assert "--nproc 0" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
 
 
@@ -92,6 +92,31 @@ def test_calibrate_bad_counts(tmp_path: Path, capsys, flag: list[str]) -> None:
     assert info.value.code != 0
     assert flag[0] in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_one_rank_calibrates_the_engine_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--nproc 1 (one GPU): only 1-rank launches, at least one, at the widths asked for; a
+    one-device cluster charged the engine's cost alone, with no link measured."""
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def measure(n: int, device: str, *args: object, **kwargs: object) -> dict:
+        widths = tuple(args[4])  # type: ignore[arg-type]
+        seen.append((n, widths))
+        slope = 1e-3 * (1 + len(seen))  # the launches' slopes: 2, 3 and 4 ms per micro-batch
+        steps = {str(m): [m * slope + 5e-3] * 3 for m in (2, 16)}
+        return {"memory": 2**30, "engine": [{"width": w, "compute": 0.0, "steps": steps}
+                                            for w in widths]}  # fmt: skip
+
+    monkeypatch.setattr(calibrate_module, "measure", measure)
+    cluster, samples = calibrate_module.calibrate(1, solo_launches=3, widths=(64,), device="cuda")
+    assert seen == [(1, (64,))] * 3 and samples == []
+    assert (cluster.n_stages, cluster.devices[0].name) == (1, "gpu0")
+    assert cluster.solo_op_overhead_s == cluster.op_overhead_s == pytest.approx(1.5e-3)
+    assert cluster.step_overhead_s == pytest.approx(5e-3)
+    assert cluster.link.bandwidth_Bps is None and cluster.allreduce is None
+    seen.clear()
+    calibrate_module.calibrate(1, solo_launches=0)  # one launch at least, at the 1-rank widths
+    assert seen == [(1, calibrate_module.SOLO_WIDTHS)]
 
 
 def test_calibrate_takes_the_median_of_launches(

@@ -1,0 +1,58 @@
+"""The GPU check (benchmarks/gpu) dry-run on CPU at small sizes, so that it cannot rot between
+loans of a GPU: every stage runs and produces its numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.gpu.main import check
+
+
+@pytest.mark.xdist_group("gpu-check")
+def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path: Path) -> None:
+    results = check(tmp_path, "cpu", "small")
+    assert results["errors"] == {}, results["errors"]
+    st = results["stages"]
+    assert list(st) == ["environment", "profile", "calibrate", "run", "alone", "nccl"]
+    assert st["environment"]["torch"] and st["environment"]["gpu"] is None
+
+    def positive(*values: object) -> bool:
+        return all(isinstance(v, (int, float)) and v > 0 and math.isfinite(v) for v in values)
+
+    assert [p["model"] for p in st["profile"]] == ["gpt", "llama"]
+    assert st["profile"][1]["method"] == "units"
+    for p in st["profile"]:
+        assert p["units"] and all(
+            positive(u["forward_ms"], u["backward_ms"], u["param_bytes"]) for u in p["units"]
+        )
+    c = st["calibrate"]
+    assert positive(c["op_overhead_us"], c["memory_bytes"]) and c["step_overhead_us"] >= 0
+    assert (tmp_path / "home" / "cluster-cpu.json").exists()  # kept there, not in ~/.cache
+    (r,) = st["run"]
+    assert r["m"] == 4 and r["calibrated"]
+    assert positive(r["predicted_ms"], r["measured_ms"], r["step_ratio"], r["peak_bytes"])
+    assert len(st["alone"]) == 4
+    for s in st["alone"]:
+        assert positive(s["measured_s"], s["predicted_s"], s["peak_bytes"], s["time_ratio"])
+    assert st["nccl"]["backend"] == "gloo" and positive(*st["nccl"]["allreduce_us"].values())
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["stages"]["run"][0]["m"] == 4
+    table = (tmp_path / "table.md").read_text()
+    assert "| p = 1, m = 4: step |" in table and "| p = 4, stage 3 alone: F + B |" in table
+
+
+def test_the_environment_stage_names_the_gpu_and_nccl(fake_cuda: SimpleNamespace) -> None:
+    from benchmarks.gpu.main import environment
+
+    env = environment("cuda")
+    assert (env["gpu"], env["gpu_memory_bytes"], env["capability"]) == (
+        "Fake H100",
+        80 * 2**30,
+        "9.0",
+    )
+    assert env["nccl"] == "2.27.3" and "driver" in env
