@@ -9,14 +9,14 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
 ``fqns``
     The module names as the plan names them.  A list of module names per stage.
 ``torchtitan``
-    The model's direct children and the items of its block list (``embed``, ``blocks.3``,
+    torchtitan 0.3.x's ``--parallelism.*`` overrides and the same settings for a config function
+    (:mod:`pipeplan.export.torchtitan`).  The model's direct children and the items of its block list (``embed``, ``blocks.3``,
     ``head``): what torchtitan's ``_split_module`` keeps per stage (``module_fqns_per_model_part``:
     a direct child by name, or ``child.i`` of a direct ``ModuleList``/``ModuleDict``; nested
     lists are not supported).  A transformers decoder, whose blocks lie in ``model.layers``, is
     named as torchtitan's transformers backend flattens it: ``tok_embeddings`` (for
     ``model.embed_tokens``), ``layers.N``, ``norm``, ``lm_head``, and ``rotary_emb`` on every
-    stage; a unit before the first layer named ``lm_head`` is the embedding tied to it (a unit
-    is named after the parameters it reads, and a tied one has the head's name).  Any other
+    stage.  Any other
     model whose block list is not a direct child cannot be named (an error).  A block list
     that is an ``nn.Sequential`` is kept whole by torchtitan; pipeplan does not load the model
     to check.
@@ -29,7 +29,10 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
     last block): the ``--pipeline-model-parallel-layout`` string, and the
     ``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts.
 
-A module named in several stages (a tied embedding and head) gets a note on each export.
+A tied weight is named under the module torch names it after (GPT-2's ``transformer.wte``), not
+after the head that shares it (:func:`pipeplan.export.layout.owner_names`; the plan's profile
+tells which, without it a transformers decoder's tied embedding is ``model.embed_tokens``).  A
+module named in several stages gets a note on each export.
 
 Cut snapping lives in :mod:`pipeplan.export.snap`.  A cut between two units is expressible when no key lies on both sides of it (parameter-free glue
 has no key and is transparent).  A plan with a cut the target cannot express is moved to the
@@ -43,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeplan.export.deepspeed import deepspeed_text, fqns_text
-from pipeplan.export.layout import TARGETS, ModelLayout, Target
+from pipeplan.export.layout import TARGETS, ModelLayout, Target, owner_names
 from pipeplan.export.megatron import megatron_layout, megatron_text
 from pipeplan.export.snap import (
     Adjustment,
@@ -52,6 +55,7 @@ from pipeplan.export.snap import (
     pricer,
     stage_keys_of,
     starts_of,
+    target_cuts,
     tied_notes,
 )
 from pipeplan.export.torchtitan import torchtitan_text
@@ -66,6 +70,7 @@ __all__ = [
     "Target",
     "export_plan",
     "megatron_layout",
+    "target_cuts",
 ]
 
 
@@ -99,6 +104,11 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             "so no framework can name them; profile with --granularity auto and plan again"
         )
     names = [n for s in plan.stages for n in s.unit_names]
+    if profile is not None:
+        shared = [(sp.name, sp.units) for sp in profile.shared_params]
+        names = owner_names(names, shared, [u.params for u in profile.units])
+    else:
+        names = owner_names(names)
     layout = ModelLayout.of(names)
     keys = layout.keys(target)
     legal = legal_cuts(keys)
@@ -131,7 +141,8 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             for j, ks in enumerate(stage_keys)
         ]
     elif target == "torchtitan":
-        text, out_keys = torchtitan_text(layout, stage_keys, plan)
+        text, out_keys, more = torchtitan_text(layout, stage_keys, plan)
+        notes += more
     elif target == "deepspeed":
         text, out_keys = deepspeed_text(stage_keys), stage_keys
     else:

@@ -48,7 +48,26 @@ from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.profiler import profile_model
 
 GiB = 2**30
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+: reads torchtitan's TOML fragment
+
+
+def titan_config(text: str) -> dict[str, object]:
+    """The ``--parallelism.*``/``--training.*`` override line (torchtitan 0.3's ConfigManager
+    reads it in test_targets.py), as field -> value."""
+    line = next(ln for ln in text.splitlines() if not ln.startswith("#"))
+    words: dict[str, list[str]] = {}
+    key = ""
+    for w in shlex.split(line):
+        if w.startswith("--"):
+            key = w.split(".", 1)[1]
+            words[key] = []
+        else:
+            words[key].append(w)
+    return {
+        "module_fqns_per_model_part": [v.split(",") for v in words["module_fqns_per_model_part"]],
+        "pipeline_parallel_degree": int(words["pipeline_parallel_degree"][0]),
+        "microbatches": int(words["local_batch_size"][0])
+        // int(words["pipeline_parallel_microbatch_size"][0]),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,13 +305,9 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
     stages = json.loads(text)
     want = stage_params(prof, target_plan("fqns", err), root, prefix)
     got = [params_of([root.get_submodule(n) for n in ns]) for ns in stages]
-    if name == "bert":  # the first unit is named after the tied word embedding's other owner
-        alias = root.get_submodule("cls.predictions.decoder")
-        assert "cls.predictions.decoder" in stages[0] and alias.weight is root.get_parameter(
-            "bert.embeddings.word_embeddings.weight"
-        )
-        assert got[0] - want[0] == {id(alias.bias)}  # its bias is the head's, in the last stage
-        got[0] -= {id(alias.bias)}
+    if name == "bert":  # the tied word embedding is named under its owner, as torch names it
+        assert "bert.embeddings.word_embeddings" in stages[0]
+        assert all("cls.predictions.decoder" not in ns for ns in stages[:-1])
     assert got == want
 
     # deepspeed: parts over the layer list; stage s holds layers[parts[s]:parts[s + 1]].
@@ -307,8 +322,6 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
         owned[deepspeed_owner(parts, i)].append(root.get_submodule(layer))
     want = stage_params(prof, target_plan("deepspeed", err), root, prefix)
     got = [params_of(ms) for ms in owned]
-    if name == "bert":  # as above: the first stage's "cls" is the tied word embedding
-        got[0] = {i for i in got[0] if i in want[0] or i not in params_of([root.cls])}
     assert got == want
 
     # megatron: the layout parses, validates, and holds each stage's decoder layers.
@@ -341,10 +354,11 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
         assert f"torchtitan: the block list {MODELS[name][3]} is not a direct child" in err
         return
     assert code == 0, err
-    config = tomllib.loads(text)["parallelism"]
+    config = titan_config(text)
     assert config["pipeline_parallel_degree"] == 3
-    assert config["num_pp_microbatches"] == plan.microbatches
+    assert config["microbatches"] == plan.microbatches
     names = config["module_fqns_per_model_part"]
+    assert isinstance(names, list)
     kept = [titan_split(children, ns) for ns in names]
     if not containers:  # mlp, resnet: a Sequential block list, which _split_module keeps whole
         assert name in ("mlp", "resnet")
@@ -395,7 +409,8 @@ def test_a_cut_inside_a_block_moves_to_the_cheaper_neighbour(real, tmp_path: Pat
     assert err.count("\n") == 1 and f"starts its stages at units [0, {best}]" in err
     assert f"predicted step {priced[best].step_time_s * 1e3:.4g} ms" in err
     assert f"vs {plan.step_time_s * 1e3:.4g} ms planned" in err
-    parts = tomllib.loads(text)["parallelism"]["module_fqns_per_model_part"]
+    parts = titan_config(text)["module_fqns_per_model_part"]
+    assert isinstance(parts, list)
     first = [layout.block_key(m).removeprefix("model.") for ps in layout.modules[:best] for m in ps]
     assert {n for n in parts[0] if n != "rotary_emb"} == {
         {"embed_tokens": "tok_embeddings"}.get(n, n) for n in first
@@ -527,8 +542,9 @@ def test_torchtitan_speaks_its_own_generator_s_names(real, tmp_path: Path, cli) 
         ),
     )
     code, text, err = export_cli(cli, plan_file, "torchtitan", tmp_path)
-    assert code == 0 and err == ""
-    assert tomllib.loads(text)["parallelism"]["module_fqns_per_model_part"] == want
+    assert code == 0 and err.count("\n") == 1
+    assert "stage(s) [2] hold no decoder layer" in err  # 0.3.0's transformers backend fails
+    assert titan_config(text)["module_fqns_per_model_part"] == want
 
 
 def test_stdout_and_file_agree_and_tied_modules_stay_in_both_stages(tmp_path, cli) -> None:
