@@ -21,9 +21,10 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
     that is an ``nn.Sequential`` is kept whole by torchtitan; pipeplan does not load the model
     to check.
 ``deepspeed``
-    The same modules, with their full names, as the flat ``layers`` list of ``PipelineModule``;
-    the plan is its ``parts``: stage s holds ``layers[parts[s]:parts[s + 1]]``.  A tied module
-    is listed in each stage that uses it, as DeepSpeed's ``TiedLayerSpec`` is.
+    The same modules, with their full names, as the flat ``LAYERS`` of a small Python module that
+    builds DeepSpeed's ``PipelineModule`` with the plan's ``PARTS`` (stage s holds
+    ``LAYERS[PARTS[s]:PARTS[s + 1]]``) and ``TiedLayerSpec`` for a parameter shared across
+    stages (:mod:`pipeplan.export.deepspeed`).
 ``megatron``
     ``E`` (every unit before the first block), one ``t`` per block, ``L`` (every unit after the
     last block): the ``--pipeline-model-parallel-layout`` string, and the
@@ -80,7 +81,8 @@ class Export:
 
     target: Target
     text: str
-    """What the target reads (TOML, JSON or command-line arguments), ending in a newline."""
+    """What the target reads (command-line arguments, a Python module or JSON), ending in a
+    newline."""
     stage_keys: tuple[tuple[str, ...], ...]
     """Per stage, the target's names in order (megatron: ``E``, ``t``, ``L``)."""
     adjustment: Adjustment | None = None
@@ -144,7 +146,7 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
         text, out_keys, more = torchtitan_text(layout, stage_keys, plan)
         notes += more
     elif target == "deepspeed":
-        text, out_keys = deepspeed_text(stage_keys), stage_keys
+        text, out_keys = deepspeed_text(stage_keys, plan.model), stage_keys
     else:
         text, out_keys = fqns_text(stage_keys), stage_keys
     return Export(

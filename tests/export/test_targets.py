@@ -207,11 +207,10 @@ def test_megatron_core_reads_the_export(llama) -> None:
                 )
 
 
-def titan_split(n_layers: int, override_line: str, port: int) -> dict:
+def titan_split(n_layers: int, lines: list[str], port: int) -> list[dict]:
     pytest.importorskip("torchtitan")
     run = subprocess.run(
-        [sys.executable, str(HERE / "titan_split.py"), str(n_layers), str(port)]
-        + shlex.split(override_line),
+        [sys.executable, str(HERE / "titan_split.py"), str(n_layers), str(port), *lines],
         capture_output=True,
         text=True,
         timeout=240,
@@ -236,7 +235,15 @@ def test_torchtitan_reads_the_export(llama) -> None:
     result = export_plan(plan, "torchtitan", prof)
     lines = [ln for ln in result.text.splitlines() if not ln.startswith("#")]
     assert len(lines) == 1
-    got = titan_split(4, lines[0], 29541)
+    # Stage 0 holding only the embedding: the note, and torchtitan's own failure.
+    bad = evaluate(
+        prof, Cluster.homogeneous(2, GiB), PlanOptions(), [1], plan.microbatches, solver="dp"
+    )
+    bad_result = export_plan(bad, "torchtitan", prof)
+    assert any("stage(s) [0] hold no decoder layer" in n for n in bad_result.notes)
+    bad_line = next(ln for ln in bad_result.text.splitlines() if not ln.startswith("#"))
+    got, got_bad = titan_split(4, [lines[0], bad_line], 29541)
+    assert got_bad["error"] is not None and "unhashable type: 'slice'" in got_bad["error"]
     assert got["degree"] == 3 and got["schedule"] == "GPipe"
     assert got["parts"] == [list(ks) for ks in result.stage_keys]
     assert got["local_batch_size"] == plan.batch_size
@@ -252,16 +259,6 @@ def test_torchtitan_reads_the_export(llama) -> None:
             fragment[key] = eval(value)  # a Python literal
     assert fragment["parallelism.module_fqns_per_model_part"] == got["parts"]
     assert fragment["parallelism.pipeline_parallel_degree"] == got["degree"]
-
-    # Stage 0 holds only the embedding: the note, and torchtitan's own failure.
-    bad = evaluate(
-        prof, Cluster.homogeneous(2, GiB), PlanOptions(), [1], plan.microbatches, solver="dp"
-    )
-    result = export_plan(bad, "torchtitan", prof)
-    assert any("stage(s) [0] hold no decoder layer" in n for n in result.notes)
-    line = next(ln for ln in result.text.splitlines() if not ln.startswith("#"))
-    got = titan_split(4, line, 29542)
-    assert got["error"] is not None and "unhashable type: 'slice'" in got["error"]
 
 
 def test_a_tied_weight_is_named_under_its_owner(tmp_path: Path) -> None:
@@ -281,3 +278,53 @@ def test_a_tied_weight_is_named_under_its_owner(tmp_path: Path) -> None:
         result = export_plan(plan, target, prof)  # type: ignore[arg-type]
         assert result.stage_keys[0][0] == "transformer.wte", target
         assert "lm_head" in result.stage_keys[-1] and "lm_head" not in result.stage_keys[0]
+
+
+def test_deepspeed_builds_the_export(tmp_path: Path) -> None:
+    """The exported module on two gloo ranks with DeepSpeed 0.19's own PipelineModule: each
+    rank holds exactly the parameters of its stage's layers, the tied embedding and head are
+    one TiedLayerSpec key, DeepSpeed's broadcast gives rank 1 (whose tied weight was shifted)
+    rank 0's weight, and its all-reduce sums the tied gradients (1 + 2)."""
+    pytest.importorskip("deepspeed")
+    model = "pipeplan.models.gpt:gpt"
+    kwargs = {"vocab": 64, "d_model": 16, "n_layers": 4, "seq_len": 8}
+    prof = profile_model(
+        model, batch_size=4, model_kwargs=kwargs, microbatch_sizes=[2], warmup=0, repeats=1
+    )
+    plan = SOLVERS["dp"](
+        prof,
+        Cluster.homogeneous(2, GiB),
+        PlanOptions(allowed_cuts=target_allowed_cuts(prof, "deepspeed")),
+    )
+    result = export_plan(plan, "deepspeed", prof)
+    export = tmp_path / "planned.py"
+    export.write_text(result.text)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "ds_pipeline.py"), str(rank), "2", "29571", model]
+            + [json.dumps(kwargs), str(export)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = []
+    for run in runs:
+        out, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    from pipeplan.intake.model import load_model
+
+    root = load_model(model, kwargs).module
+    for rank, got in enumerate(outs):
+        assert got["stage"] == rank and got["layers"] == list(result.stage_keys[rank])
+        torch_name = {id(p): n for n, p in root.named_parameters()}  # a tied one: its owner's
+        want = {
+            torch_name[id(p)]
+            for layer in got["layers"]
+            for p in root.get_submodule(layer).parameters()
+        }
+        assert set(got["held"]) == want  # the tied head's weight by its owner's name
+        assert got["tie_keys"] == ["embed_tok_weight"]
+        assert got["tied_equal"] == [True] and got["tied_grads"] == [3.0]

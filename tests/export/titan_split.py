@@ -1,9 +1,9 @@
 """torchtitan 0.3's own code reads a pipeplan export (run as a script by test_targets.py).
 
-``python titan_split.py N_LAYERS PORT ARG...``: ARG... are the export's override line.  Its
-``ConfigManager`` parses them on the transformers backend's debug config; the backend builds
+``python titan_split.py N_LAYERS PORT LINE...``: each LINE an export's override line (one
+argument each; torchtitan is imported once for them all).  Its ``ConfigManager`` parses each on the transformers backend's debug config; the backend builds
 a Llama of N_LAYERS layers from a local transformers config (no hub); its
-``pipeline_module_split`` cuts it on a one-rank gloo mesh.  Prints one JSON line: the parsed
+``pipeline_module_split`` cuts it on a one-rank gloo mesh.  Prints one JSON line, a list with per LINE: the parsed
 settings, each stage's parameter names, whether the chained stages equal the whole model, and
 the error a stage raised, if one did.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import tempfile
 import types
@@ -48,10 +49,20 @@ def _install_stand_ins() -> None:
     sys.modules["datasets"].Dataset = type("Dataset", (), {})  # type: ignore[attr-defined]
 
 
-def main(n_layers: int, port: int, args: list[str]) -> dict[str, Any]:
+def main(n_layers: int, port: int, lines: list[str]) -> list[dict[str, Any]]:
     _install_stand_ins()
-    import torch
     import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        return [_split(n_layers, shlex.split(line)) for line in lines]
+    finally:
+        dist.destroy_process_group()
+
+
+def _split(n_layers: int, args: list[str]) -> dict[str, Any]:
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.config.manager import ConfigManager
     from torchtitan.experiments.transformers_modeling_backend.pipeline import (
@@ -94,32 +105,27 @@ def main(n_layers: int, port: int, args: list[str]) -> dict[str, Any]:
         "parts": par.module_fqns_per_model_part,
         "whole": [n for n, _ in model.named_parameters()],
     }
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
-        _, chunks = pipeline_module_split(
-            model,
-            mesh,
-            par.pipeline_parallel_schedule,
-            torch.device("cpu"),
-            par.module_fqns_per_model_part,
-        )
-        out["stages"] = [[n for n, _ in c.named_parameters()] for c in chunks]
-        ids = torch.randint(0, 64, (2, 8))
-        out["error"] = None
-        with torch.no_grad():
-            want = model(ids)
-            x = ids
-            try:
-                for chunk in chunks:
-                    chunk.eval()
-                    x = chunk(x)
-                out["chained_equal"] = bool(torch.allclose(x, want))
-            except (TypeError, RuntimeError, ValueError) as exc:  # what a user would meet
-                out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
+    _, chunks = pipeline_module_split(
+        model,
+        mesh,
+        par.pipeline_parallel_schedule,
+        torch.device("cpu"),
+        par.module_fqns_per_model_part,
+    )
+    out["stages"] = [[n for n, _ in c.named_parameters()] for c in chunks]
+    ids = torch.randint(0, 64, (2, 8))
+    out["error"] = None
+    with torch.no_grad():
+        want = model(ids)
+        x = ids
+        try:
+            for chunk in chunks:
+                chunk.eval()
+                x = chunk(x)
+            out["chained_equal"] = bool(torch.allclose(x, want))
+        except (TypeError, RuntimeError, ValueError) as exc:  # what a user would meet
+            out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
