@@ -1,12 +1,13 @@
 """DeepSpeed's own PipelineModule builds a pipeplan export (run as a script by test_targets.py).
 
-``python ds_pipeline.py RANK WORLD PORT MODEL KWARGS_JSON EXPORT.py``: one gloo rank.  It loads
-MODEL (pipeplan's loader), imports the exported module and builds its ``pipeline_module`` with
-DeepSpeed 0.19 (``deepspeed.init_distributed`` on gloo, CPU).  Rank 1 first shifts the model's
+``python ds_pipeline.py RANK WORLD PORT JOBS.json``: one gloo rank (``deepspeed.init_distributed``
+on gloo, CPU).  JOBS.json lists ``{"model", "kwargs", "export"}``; for each it loads the model
+(pipeplan's loader), imports the exported module and builds its ``pipeline_module`` with
+DeepSpeed 0.19.  Rank 1 first shifts the model's
 tied weights, so that only DeepSpeed's broadcast can make the ranks agree.  Prints one JSON
 line: the model's parameter names this rank's PipelineModule holds, the stage's layers, the
 tie keys, whether every tied weight equals rank 0's after the build, and the tied gradients
-after DeepSpeed's all-reduce of gradients rank + 1.
+after DeepSpeed's all-reduce of gradients rank + 1, per job.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
-def main(rank: int, world: int, port: int, model: str, kwargs: str, export: str) -> dict[str, Any]:
+def main(rank: int, world: int, port: int, jobs: str) -> list[dict[str, Any]]:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -27,15 +29,23 @@ def main(rank: int, world: int, port: int, model: str, kwargs: str, export: str)
         MASTER_PORT=str(port),
     )
     import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    with open(jobs) as f:
+        return [_build(rank, world, **job) for job in json.load(f)]
+
+
+def _build(
+    rank: int, world: int, model: str, kwargs: dict[str, Any], export: str
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     from pipeplan.intake.model import NamedInputs, load_model
 
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    module = load_model(model, json.loads(kwargs)).module
+    module = load_model(model, kwargs).module
     root = module.model if isinstance(module, NamedInputs) else module
-    spec = importlib.util.spec_from_file_location("planned", export)
+    spec = importlib.util.spec_from_file_location(Path(export).stem, export)
     assert spec is not None and spec.loader is not None
     planned = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(planned)
@@ -79,4 +89,4 @@ def main(rank: int, world: int, port: int, model: str, kwargs: str, export: str)
 
 if __name__ == "__main__":
     r, w, port = (int(x) for x in sys.argv[1:4])
-    print(json.dumps(main(r, w, port, *sys.argv[4:7])))
+    print(json.dumps(main(r, w, port, sys.argv[4])))

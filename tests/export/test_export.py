@@ -386,6 +386,65 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
     assert [params_of(list(k.values())) for k in kept] == want
 
 
+def test_deepspeed_builds_every_model(real, tmp_path: Path) -> None:
+    """Each model's 2-stage plan ``--for deepspeed``, exported and built by DeepSpeed 0.19.8's
+    own PipelineModule on two gloo ranks (``ds_pipeline.py``): each rank holds exactly the
+    parameters of its stage's layers, a tied weight (GPT's, GPT-2's, Gemma's, BERT's embedding
+    and head) is one TiedLayerSpec key, DeepSpeed's broadcast gives rank 1 (whose tied weights
+    were shifted) rank 0's weight, and its all-reduce sums the tied gradients (1 + 2)."""
+    pytest.importorskip("deepspeed")
+    from pipeplan.api import target_allowed_cuts
+    from pipeplan.solvers import SOLVERS
+
+    jobs, stage_keys = [], {}
+    for name, (model, kwargs, _, _) in MODELS.items():
+        _, prof = real(name)
+        options = PlanOptions(allowed_cuts=target_allowed_cuts(prof, "deepspeed"))
+        plan = SOLVERS["dp"](prof, Cluster.homogeneous(2, GiB), options)
+        result = export_plan(plan, "deepspeed", prof)
+        export = tmp_path / f"ds_{name}.py"
+        export.write_text(result.text)
+        jobs.append({"model": model, "kwargs": kwargs, "export": str(export)})
+        stage_keys[name] = result.stage_keys
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    script = Path(__file__).parent / "ds_pipeline.py"
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "2", "29571", str(tmp_path / "jobs.json")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for i, name in enumerate(MODELS):
+        root, _ = user_model(name)
+        torch_name = {id(p): n for n, p in root.named_parameters()}  # a tied one: its owner's
+        tied = {
+            n for n, p in root.named_parameters(remove_duplicate=False) if torch_name[id(p)] != n
+        }
+        for rank in range(2):
+            got = outs[rank][i]
+            assert got["stage"] == rank and got["layers"] == list(stage_keys[name][rank])
+            want = {
+                torch_name[id(p)]
+                for layer in got["layers"]
+                for p in root.get_submodule(layer).parameters()
+            }
+            assert set(got["held"]) == want, name
+            assert got["tied_equal"] == [True] * len(got["tied_equal"]), name
+            assert got["tied_grads"] == [3.0] * len(got["tied_grads"]), name
+            if tied and len(got["tie_keys"]) == 0:
+                assert name not in ("gpt", "gpt2", "gemma", "bert"), (name, tied)
+        if name in ("gpt", "gpt2", "gemma", "bert"):
+            assert outs[0][i]["tie_keys"] and outs[0][i]["tie_keys"] == outs[1][i]["tie_keys"]
+
+
 # --------------------------------------------------------------------------------------------
 # A cut inside a block: the closest plan the target can run, priced by the cost model
 # --------------------------------------------------------------------------------------------
