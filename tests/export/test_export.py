@@ -111,8 +111,49 @@ def megatron_uneven(num_layers: int, pp: int, first: int, last: int) -> list[int
 
 
 def megatron_args(line: str) -> dict[str, str]:
+    """A command line's flags; the commented alternative's after its ``:``."""
+    if line.startswith("#"):
+        assert line.startswith("# or, replacing the line above"), line
+        line = line.split(":", 1)[1]
     words = shlex.split(line)
     return dict(zip(words[::2], words[1::2]))
+
+
+def megatron_core_layers(text: str) -> list[list[int]]:
+    """Per line of a Megatron export, the decoder layers per stage megatron-core builds from it
+    (its own TransformerConfig, layout parser and get_num_layers_to_build); skipped without
+    megatron-core (the ``targets`` extra)."""
+    torch = pytest.importorskip("torch")
+    config_mod = pytest.importorskip("megatron.core.transformer.transformer_config")
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    out = []
+    for line in text.splitlines():
+        flags = megatron_args(line)
+        pp = int(flags["--pipeline-model-parallel-size"])
+        common = {
+            "num_layers": int(flags["--num-layers"]),
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "pipeline_model_parallel_size": pp,
+            "pipeline_dtype": torch.float32,
+        }
+        if "--pipeline-model-parallel-layout" in flags:
+            config = config_mod.TransformerConfig(
+                **common, pipeline_model_parallel_layout=flags["--pipeline-model-parallel-layout"]
+            )
+            layout = config.pipeline_model_parallel_layout
+            out.append([layout.get_num_layers_to_build(pp_rank=j) for j in range(pp)])
+        else:
+            config = config_mod.TransformerConfig(
+                **common,
+                num_layers_in_first_pipeline_stage=int(
+                    flags["--decoder-first-pipeline-num-layers"]
+                ),
+                num_layers_in_last_pipeline_stage=int(flags["--decoder-last-pipeline-num-layers"]),
+            )
+            out.append([get_num_layers_to_build(config, pp_rank=j) for j in range(pp)])
+    return out
 
 
 def titan_split(children: dict[str, nn.Module], names: list[str]) -> dict[str, nn.Module]:
@@ -350,6 +391,7 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
     megatron_validate(parsed, pp, n_layers)
     blocks = blocks_per_stage(target_plan("megatron", err), MODELS[name][3])
     assert [stage.count("t") for stage in parsed] == blocks
+    assert megatron_core_layers(text) == [blocks] * len(text.splitlines())
     if len(text.splitlines()) > 1:  # the first/last pair says the same
         flags = megatron_args(text.splitlines()[1])
         first = int(flags["--decoder-first-pipeline-num-layers"])
@@ -536,9 +578,10 @@ def test_megatron_layout_and_first_last_counts(starts, layout, counts, tmp_path,
     parsed = megatron_parse(layout)
     megatron_validate(parsed, len(starts), 8)
     bounds = [*starts, len(GPT_NAMES)]
-    assert [st.count("t") for st in parsed] == [
-        sum(n.startswith("blocks.") for n in GPT_NAMES[a:b]) for a, b in pairwise(bounds)
-    ]
+    expected = [sum(n.startswith("blocks.") for n in GPT_NAMES[a:b]) for a, b in pairwise(bounds)]
+    assert [st.count("t") for st in parsed] == expected
+    if len(starts) > 1:  # megatron-core wants pipeline_dtype only with pipeline parallelism
+        assert megatron_core_layers(out) == [expected] * len(lines)
     if counts is None:
         assert len(lines) == 1
         assert len(starts) == 1 or "cannot express this plan" in err
