@@ -97,6 +97,9 @@ def _split(n_layers: int, args: list[str]) -> dict[str, Any]:
     model = model_config.build()
     model.eval()
     par = config.parallelism
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    get_schedule_class(par.pipeline_parallel_schedule)  # a name torch's schedules know
     out: dict[str, Any] = {
         "degree": par.pipeline_parallel_degree,
         "schedule": par.pipeline_parallel_schedule,
