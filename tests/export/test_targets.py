@@ -278,3 +278,17 @@ def test_a_tied_weight_is_named_under_its_owner(tmp_path: Path) -> None:
         result = export_plan(plan, target, prof)  # type: ignore[arg-type]
         assert result.stage_keys[0][0] == "transformer.wte", target
         assert "lm_head" in result.stage_keys[-1] and "lm_head" not in result.stage_keys[0]
+
+
+def test_devices_leave_out_depths_the_target_cannot_cut(llama) -> None:
+    """--devices with --for: a depth needing more cuts than the target allows is a row of the
+    frontier that says so, not an error."""
+    from pipeplan.solvers.devices import plan_devices
+
+    _, prof = llama
+    options = PlanOptions(allowed_cuts=(5,))
+    choices = plan_devices(prof, 4, Cluster.homogeneous(1, GiB), options, SOLVERS["dp"])
+    by_depth = {c.stages: c for c in choices}
+    assert by_depth[4].plan is None and "only 1 allowed cut(s)" in by_depth[4].reason
+    plan = by_depth[2].plan
+    assert plan is not None and [s.first_unit for s in plan.stages] == [0, 5]
