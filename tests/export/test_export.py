@@ -1,4 +1,8 @@
-"""`pipeplan export` against each target's own rules, written down from its source.
+"""`pipeplan export` against each target's own rules, written down from its source, and, where
+the ``targets`` extra is installed, against the targets' own code: megatron-core reads every
+model's Megatron export (``megatron_core_layers``) and DeepSpeed 0.19.8 builds every model's
+DeepSpeed export on two gloo ranks (``test_deepspeed_builds_every_model``); torchtitan 0.3.0's
+own reading is in test_targets.py.
 
 The targets' rules, re-implemented here from their source (mirrors fetched 2026-11-24):
 

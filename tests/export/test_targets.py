@@ -8,8 +8,9 @@ torchtitan 0.3.0, megatron-core, deepspeed).
 * megatron-core's ``TransformerConfig`` parses the layout (``PipelineParallelLayerLayout``) and
   the commented first/last pair, and builds the plan's layers per stage.
 * torchtitan 0.3.0's ``ConfigManager`` parses the override line and its transformers backend's
-  ``pipeline_module_split`` cuts a Llama by it: every parameter on one stage, the chained stages
-  equal to the whole model (``titan_split.py``, in its own process).
+  ``pipeline_module_split`` cuts a Llama and a Gemma by it: every parameter on one stage (Gemma's
+  tied head keeps a copy on the last), the chained stages equal to the whole model
+  (``titan_split.py``, in its own process).
 """
 
 from __future__ import annotations
@@ -207,10 +208,10 @@ def test_megatron_core_reads_the_export(llama) -> None:
                 )
 
 
-def titan_split(n_layers: int, lines: list[str], port: int) -> list[dict]:
+def titan_split(jobs: list[str], port: int) -> list[dict]:
     pytest.importorskip("torchtitan")
     run = subprocess.run(
-        [sys.executable, str(HERE / "titan_split.py"), str(n_layers), str(port), *lines],
+        [sys.executable, str(HERE / "titan_split.py"), str(port), *jobs],
         capture_output=True,
         text=True,
         timeout=240,
@@ -242,7 +243,33 @@ def test_torchtitan_reads_the_export(llama) -> None:
     bad_result = export_plan(bad, "torchtitan", prof)
     assert any("stage(s) [0] hold no decoder layer" in n for n in bad_result.notes)
     bad_line = next(ln for ln in bad_result.text.splitlines() if not ln.startswith("#"))
-    got, got_bad = titan_split(4, [lines[0], bad_line], 29541)
+    # Gemma ties its head to its embedding: a plan of its unit names.
+    gemma_names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(3))]
+    gemma_prof = synthetic_profile(5, batch_size=8, seed=2)
+    units = tuple(
+        u.model_copy(update={"name": n})
+        for u, n in zip(gemma_prof.units, [*gemma_names, "model.norm+lm_head"])
+    )
+    gemma_prof = gemma_prof.model_copy(update={"units": units})
+    gemma_plan = SOLVERS["dp"](
+        gemma_prof,
+        Cluster.homogeneous(2, GiB),
+        PlanOptions(allowed_cuts=target_allowed_cuts(gemma_prof, "torchtitan")),
+    )
+    gemma = export_plan(gemma_plan, "torchtitan", gemma_prof)
+    gemma_line = next(ln for ln in gemma.text.splitlines() if not ln.startswith("#"))
+    got, got_bad, got_gemma = titan_split(
+        [f"llama:4 {lines[0]}", f"llama:4 {bad_line}", f"gemma:3 {gemma_line}"], 29541
+    )
+    # torchtitan 0.3.0 keeps a copy of the tied weight on the last stage as lm_head.weight (and
+    # does not tie it across stages: its init_states ties only when both are on one stage).
+    assert got_gemma["parts"] == [list(ks) for ks in gemma.stage_keys]
+    assert "model.lm_head.weight" in got_gemma["stages"][-1]
+    assert "model.model.embed_tokens.weight" in got_gemma["stages"][0]
+    gemma_flat = [n for s in got_gemma["stages"] for n in s]
+    assert sorted(set(gemma_flat) - {"model.lm_head.weight"}) == sorted(got_gemma["whole"])
+    assert len(gemma_flat) == len(set(gemma_flat))
+    assert got_gemma["error"] is None and got_gemma["chained_equal"] is True
     assert got_bad["error"] is not None and "unhashable type: 'slice'" in got_bad["error"]
     assert got["degree"] == 3 and got["schedule"] == "GPipe"
     assert got["parts"] == [list(ks) for ks in result.stage_keys]

@@ -1,6 +1,7 @@
 """torchtitan 0.3's own code reads a pipeplan export (run as a script by test_targets.py).
 
-``python titan_split.py N_LAYERS PORT LINE...``: each LINE an export's override line (one
+``python titan_split.py PORT JOB...``, each JOB ``ARCH:N_LAYERS LINE`` (ARCH ``llama`` or
+``gemma``; LINE an export's override line): each LINE an export's override line (one
 argument each; torchtitan is imported once for them all).  Its ``ConfigManager`` parses each on the transformers backend's debug config; the backend builds
 a Llama of N_LAYERS layers from a local transformers config (no hub); its
 ``pipeline_module_split`` cuts it on a one-rank gloo mesh.  Prints one JSON line, a list with per LINE: the parsed
@@ -49,26 +50,26 @@ def _install_stand_ins() -> None:
     sys.modules["datasets"].Dataset = type("Dataset", (), {})  # type: ignore[attr-defined]
 
 
-def main(n_layers: int, port: int, lines: list[str]) -> list[dict[str, Any]]:
+def main(port: int, jobs: list[str]) -> list[dict[str, Any]]:
     _install_stand_ins()
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        return [_split(n_layers, shlex.split(line)) for line in lines]
+        return [_split(job.split(" ", 1)[0], shlex.split(job.split(" ", 1)[1])) for job in jobs]
     finally:
         dist.destroy_process_group()
 
 
-def _split(n_layers: int, args: list[str]) -> dict[str, Any]:
+def _split(arch: str, args: list[str]) -> dict[str, Any]:
     import torch
+    import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.config.manager import ConfigManager
     from torchtitan.experiments.transformers_modeling_backend.pipeline import (
         pipeline_module_split,
     )
-    from transformers import LlamaConfig
 
     config = ConfigManager().parse_args(
         [
@@ -80,14 +81,17 @@ def _split(n_layers: int, args: list[str]) -> dict[str, Any]:
         ]
     )
     hf = tempfile.mkdtemp()
-    LlamaConfig(
+    kind, n_layers = arch.split(":")
+    hf_config = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig}[kind]
+    hf_config(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=n_layers,
+        num_hidden_layers=int(n_layers),
         num_attention_heads=4,
         num_key_value_heads=4,
-        architectures=["LlamaForCausalLM"],
+        head_dim=8,
+        architectures=[f"{kind.capitalize()}ForCausalLM"],
     ).save_pretrained(hf)
     config.hf_model = hf
     config.training.seq_len = 8
@@ -133,4 +137,4 @@ def _split(n_layers: int, args: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])))
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2:])))
