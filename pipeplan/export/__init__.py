@@ -45,9 +45,10 @@ evaluate` on the plan's profile) is taken.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from pipeplan.export.deepspeed import deepspeed_text, fqns_text
-from pipeplan.export.layout import TARGETS, ModelLayout, Target, owner_names
+from pipeplan.export.layout import TARGETS, ModelLayout, Target, owner_names, param_prefix
 from pipeplan.export.megatron import megatron_layout, megatron_text
 from pipeplan.export.snap import (
     Adjustment,
@@ -59,7 +60,7 @@ from pipeplan.export.snap import (
     target_cuts,
     tied_notes,
 )
-from pipeplan.export.torchtitan import torchtitan_text
+from pipeplan.export.torchtitan import TORCHTITAN_VERSION, torchtitan_text
 from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
 from pipeplan.planner.types import Plan, Profile
 
@@ -145,6 +146,20 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
     elif target == "torchtitan":
         text, out_keys, more = torchtitan_text(layout, stage_keys, plan)
         notes += more
+        if profile is not None:
+            bounds = [*starts, len(names)]
+            stage_of = [j for j, (a, b) in enumerate(pairwise(bounds)) for _ in range(a, b)]
+            prefix = param_prefix(names, [u.params for u in profile.units])
+            for sp in profile.shared_params:
+                spans = sorted({stage_of[u] for u in sp.units})
+                if len(spans) > 1:
+                    notes.append(
+                        f"torchtitan: {sp.name.removeprefix(prefix)} is tied across stages "
+                        f"{spans}; torchtitan "
+                        f"{TORCHTITAN_VERSION} keeps a copy on each and does not synchronise "
+                        f"them (its transformers backend unties a tied head), so they train "
+                        f"apart"
+                    )
     elif target == "deepspeed":
         text, out_keys = deepspeed_text(stage_keys, plan.model), stage_keys
     else:

@@ -10,7 +10,7 @@ from typing import Final, Literal
 
 from pipeplan.planner.errors import InvalidRequestError
 
-__all__ = ["TARGETS", "ModelLayout", "Target", "owner_names", "unit_modules"]
+__all__ = ["TARGETS", "ModelLayout", "Target", "owner_names", "param_prefix", "unit_modules"]
 
 
 Target = Literal["torchtitan", "megatron", "deepspeed", "fqns"]
@@ -76,7 +76,7 @@ def owner_names(
                     break
                 names[u] = _rename(names[u], "lm_head", "model.embed_tokens")
         return names
-    prefix = _param_prefix(names, unit_params)
+    prefix = param_prefix(names, unit_params)
     for param, users in shared:
         u = users[0]
         for path in unit_modules(names[u]):
@@ -85,7 +85,7 @@ def owner_names(
     return names
 
 
-def _param_prefix(names: Sequence[str], unit_params: Sequence[Sequence[str]]) -> str:
+def param_prefix(names: Sequence[str], unit_params: Sequence[Sequence[str]]) -> str:
     """What the parameter names carry before the unit names' module paths (``model.`` where
     pipeplan wrapped the model)."""
     for name, params in zip(names, unit_params):

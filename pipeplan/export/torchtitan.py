@@ -17,7 +17,9 @@ flattens it (``HFTransformerModel.named_children``): ``tok_embeddings``, ``layer
 ``lm_head`` and ``rotary_emb`` on every stage.  Its decoder calls ``self.layers[:n]`` on the
 stage's layers, which a stage holding no layer (an emptied ``ModuleDict``) fails with
 ``TypeError: unhashable type: 'slice'``: such a plan gets a note, and ``plan --for torchtitan``
-plans around it (:func:`pipeplan.export.snap.target_cuts`).
+plans around it (:func:`pipeplan.export.snap.target_cuts`).  A weight tied across stages (a
+tied head and embedding) gets a note too: 0.3.0 keeps a copy on each stage and never
+synchronises them (its transformers backend even unties them for FSDP).
 """
 
 from __future__ import annotations

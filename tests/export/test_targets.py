@@ -31,7 +31,7 @@ from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import load_plan, write_json
 from pipeplan.planner.synthetic import synthetic_profile
-from pipeplan.planner.types import Cluster, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, PlanOptions, Profile, SharedParam
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.profiler import profile_model
 from pipeplan.solvers import SOLVERS
@@ -250,13 +250,19 @@ def test_torchtitan_reads_the_export(llama) -> None:
         u.model_copy(update={"name": n})
         for u, n in zip(gemma_prof.units, [*gemma_names, "model.norm+lm_head"])
     )
-    gemma_prof = gemma_prof.model_copy(update={"units": units})
+    tie = SharedParam(name="model.embed_tokens.weight", bytes=4096, units=(0, 4))
+    gemma_prof = gemma_prof.model_copy(update={"units": units, "shared_params": (tie,)})
     gemma_plan = SOLVERS["dp"](
         gemma_prof,
         Cluster.homogeneous(2, GiB),
         PlanOptions(allowed_cuts=target_allowed_cuts(gemma_prof, "torchtitan")),
     )
     gemma = export_plan(gemma_plan, "torchtitan", gemma_prof)
+    assert any(
+        n.startswith("torchtitan: model.embed_tokens.weight is tied across stages [0, 1]")
+        and "does not synchronise" in n
+        for n in gemma.notes
+    )
     gemma_line = next(ln for ln in gemma.text.splitlines() if not ln.startswith("#"))
     got, got_bad, got_gemma = titan_split(
         [f"llama:4 {lines[0]}", f"llama:4 {bad_line}", f"gemma:3 {gemma_line}"], 29541
