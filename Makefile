@@ -6,6 +6,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.pipeplan-installed
+# The frameworks the export tests run (pyproject's `targets` extra has their pure-Python imports):
+# pinned, and without their declared dependencies, which would pull a second torch or CUDA.
+TARGETS_NO_DEPS ?= torchtitan==0.3.0 megatron-core==0.16.1 deepspeed==0.19.8 torchdata==0.11.0 \
+	spmd_types==0.2.3 torch_checkpointing==0.1.1
 
 .PHONY: demo test lint venv clean gpu-wheels
 
@@ -15,7 +19,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,targets]"
+	$(PY) -m pip install -q --no-deps $(TARGETS_NO_DEPS)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -37,7 +37,16 @@ if TYPE_CHECKING:
     from pipeplan.intake.model import ModelSpec
     from pipeplan.runtime.split import StageSplit
 
-__all__ = ["calibration", "load", "make_cluster", "plan", "profile", "save", "split"]
+__all__ = [
+    "calibration",
+    "load",
+    "make_cluster",
+    "plan",
+    "profile",
+    "save",
+    "split",
+    "target_allowed_cuts",
+]
 
 PathLike = str | os.PathLike[str]
 
@@ -140,6 +149,24 @@ def make_cluster(
     return Cluster.homogeneous(stages, mem, link)
 
 
+def target_allowed_cuts(profile: Profile, target: str) -> tuple[int, ...]:
+    """The units a stage may start at when ``target`` (torchtitan, megatron, deepspeed, fqns)
+    runs the plan: :func:`pipeplan.export.snap.target_cuts` on the profile's unit names, for
+    ``PlanOptions.allowed_cuts`` (``pipeplan plan --for``).  Raises
+    :class:`~pipeplan.planner.errors.InvalidRequestError` for a target that cannot name the
+    model."""
+    from pipeplan.export import TARGETS, target_cuts
+
+    if target not in TARGETS:
+        raise InvalidRequestError(f"--for {target!r} is not one of {', '.join(TARGETS)}")
+    if profile.granularity == "node":
+        raise InvalidRequestError(
+            "the profile's units are graph nodes (--granularity node), not modules, so no "
+            "framework can name them; profile with --granularity auto"
+        )
+    return target_cuts([u.name for u in profile.units], target)  # type: ignore[arg-type]
+
+
 def plan(
     profile: Profile | PathLike,
     *,
@@ -149,6 +176,7 @@ def plan(
     devices: int | None = None,
     solver: str = "dp",
     calibrated: bool = True,
+    target: str | None = None,
     **options: Any,
 ) -> Plan:
     """The best plan for ``profile`` (a Profile or its file), as ``pipeplan plan``.
@@ -162,6 +190,8 @@ def plan(
     ``dp`` (exact), ``cpsat``, or a baseline (``uniform``, ``params``, ``torchgpipe``).
     ``options`` are :class:`~pipeplan.planner.types.PlanOptions` fields: ``microbatches``
     (``None``: chosen), ``checkpoint``, ``schedule``, ``optimizer``, ``time_limit_s``, ...
+    With ``target`` (``torchtitan``, ``megatron``, ``deepspeed``, ``fqns``) only the cuts that
+    framework can make are planned (:func:`target_allowed_cuts`).
     Raises :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits.
     """
     from pipeplan.solvers import SOLVERS
@@ -171,6 +201,8 @@ def plan(
         raise InvalidRequestError(
             f"solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
         )
+    if target is not None:
+        options["allowed_cuts"] = target_allowed_cuts(prof, target)
     try:
         opts = PlanOptions(**options)
     except ValidationError as exc:

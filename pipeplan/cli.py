@@ -175,6 +175,14 @@ def plan(
     record_solve_time: Annotated[
         bool, typer.Option(help="Store the solve time (the file is then not reproducible).")
     ] = False,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--for",
+            help="torchtitan, megatron, deepspeed or fqns: plan only cuts that framework can "
+            "make (the best plan it can run, from this profile).",
+        ),
+    ] = None,
     calibration: Annotated[
         bool,
         typer.Option(
@@ -186,6 +194,7 @@ def plan(
 ) -> None:
     """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
     from pipeplan.api import calibration as find_calibration
+    from pipeplan.api import target_allowed_cuts
     from pipeplan.solvers import SOLVERS
 
     check_output(output)
@@ -216,6 +225,7 @@ def plan(
         min_units=max(1, min_units),
         max_units=max_units,
         time_limit_s=time_limit,
+        allowed_cuts=None if target is None else target_allowed_cuts(prof, target),
     )
     found = None
     if calibration and cluster is None and bandwidth is None and latency is None:

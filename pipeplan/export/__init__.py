@@ -9,27 +9,31 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
 ``fqns``
     The module names as the plan names them.  A list of module names per stage.
 ``torchtitan``
-    The model's direct children and the items of its block list (``embed``, ``blocks.3``,
+    torchtitan 0.3.x's ``--parallelism.*`` overrides and the same settings for a config function
+    (:mod:`pipeplan.export.torchtitan`).  The model's direct children and the items of its block list (``embed``, ``blocks.3``,
     ``head``): what torchtitan's ``_split_module`` keeps per stage (``module_fqns_per_model_part``:
     a direct child by name, or ``child.i`` of a direct ``ModuleList``/``ModuleDict``; nested
     lists are not supported).  A transformers decoder, whose blocks lie in ``model.layers``, is
     named as torchtitan's transformers backend flattens it: ``tok_embeddings`` (for
     ``model.embed_tokens``), ``layers.N``, ``norm``, ``lm_head``, and ``rotary_emb`` on every
-    stage; a unit before the first layer named ``lm_head`` is the embedding tied to it (a unit
-    is named after the parameters it reads, and a tied one has the head's name).  Any other
+    stage.  Any other
     model whose block list is not a direct child cannot be named (an error).  A block list
     that is an ``nn.Sequential`` is kept whole by torchtitan; pipeplan does not load the model
     to check.
 ``deepspeed``
-    The same modules, with their full names, as the flat ``layers`` list of ``PipelineModule``;
-    the plan is its ``parts``: stage s holds ``layers[parts[s]:parts[s + 1]]``.  A tied module
-    is listed in each stage that uses it, as DeepSpeed's ``TiedLayerSpec`` is.
+    The same modules, with their full names, as the flat ``LAYERS`` of a small Python module that
+    builds DeepSpeed's ``PipelineModule`` with the plan's ``PARTS`` (stage s holds
+    ``LAYERS[PARTS[s]:PARTS[s + 1]]``) and ``TiedLayerSpec`` for a parameter shared across
+    stages (:mod:`pipeplan.export.deepspeed`).
 ``megatron``
     ``E`` (every unit before the first block), one ``t`` per block, ``L`` (every unit after the
     last block): the ``--pipeline-model-parallel-layout`` string, and the
     ``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts.
 
-A module named in several stages (a tied embedding and head) gets a note on each export.
+A tied weight is named under the module torch names it after (GPT-2's ``transformer.wte``), not
+after the head that shares it (:func:`pipeplan.export.layout.owner_names`; the plan's profile
+tells which, without it a transformers decoder's tied embedding is ``model.embed_tokens``).  A
+module named in several stages gets a note on each export.
 
 Cut snapping lives in :mod:`pipeplan.export.snap`.  A cut between two units is expressible when no key lies on both sides of it (parameter-free glue
 has no key and is transparent).  A plan with a cut the target cannot express is moved to the
@@ -41,9 +45,10 @@ evaluate` on the plan's profile) is taken.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from pipeplan.export.deepspeed import deepspeed_text, fqns_text
-from pipeplan.export.layout import TARGETS, ModelLayout, Target
+from pipeplan.export.layout import TARGETS, ModelLayout, Target, owner_names, param_prefix
 from pipeplan.export.megatron import megatron_layout, megatron_text
 from pipeplan.export.snap import (
     Adjustment,
@@ -52,9 +57,10 @@ from pipeplan.export.snap import (
     pricer,
     stage_keys_of,
     starts_of,
+    target_cuts,
     tied_notes,
 )
-from pipeplan.export.torchtitan import torchtitan_text
+from pipeplan.export.torchtitan import TORCHTITAN_VERSION, torchtitan_text
 from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
 from pipeplan.planner.types import Plan, Profile
 
@@ -66,6 +72,7 @@ __all__ = [
     "Target",
     "export_plan",
     "megatron_layout",
+    "target_cuts",
 ]
 
 
@@ -75,7 +82,8 @@ class Export:
 
     target: Target
     text: str
-    """What the target reads (TOML, JSON or command-line arguments), ending in a newline."""
+    """What the target reads (command-line arguments, a Python module or JSON), ending in a
+    newline."""
     stage_keys: tuple[tuple[str, ...], ...]
     """Per stage, the target's names in order (megatron: ``E``, ``t``, ``L``)."""
     adjustment: Adjustment | None = None
@@ -99,6 +107,11 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             "so no framework can name them; profile with --granularity auto and plan again"
         )
     names = [n for s in plan.stages for n in s.unit_names]
+    if profile is not None:
+        shared = [(sp.name, sp.units) for sp in profile.shared_params]
+        names = owner_names(names, shared, [u.params for u in profile.units])
+    else:
+        names = owner_names(names)
     layout = ModelLayout.of(names)
     keys = layout.keys(target)
     legal = legal_cuts(keys)
@@ -131,9 +144,24 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             for j, ks in enumerate(stage_keys)
         ]
     elif target == "torchtitan":
-        text, out_keys = torchtitan_text(layout, stage_keys, plan)
+        text, out_keys, more = torchtitan_text(layout, stage_keys, plan)
+        notes += more
+        if profile is not None:
+            bounds = [*starts, len(names)]
+            stage_of = [j for j, (a, b) in enumerate(pairwise(bounds)) for _ in range(a, b)]
+            prefix = param_prefix(names, [u.params for u in profile.units])
+            for sp in profile.shared_params:
+                spans = sorted({stage_of[u] for u in sp.units})
+                if len(spans) > 1:
+                    notes.append(
+                        f"torchtitan: {sp.name.removeprefix(prefix)} is tied across stages "
+                        f"{spans}; torchtitan "
+                        f"{TORCHTITAN_VERSION} keeps a copy on each and does not synchronise "
+                        f"them (its transformers backend unties a tied head), so they train "
+                        f"apart"
+                    )
     elif target == "deepspeed":
-        text, out_keys = deepspeed_text(stage_keys), stage_keys
+        text, out_keys = deepspeed_text(stage_keys, plan.model), stage_keys
     else:
         text, out_keys = fqns_text(stage_keys), stage_keys
     return Export(

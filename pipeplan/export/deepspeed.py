@@ -1,5 +1,16 @@
-"""DeepSpeed: the flat ``layers`` list of ``PipelineModule`` and its ``parts``: stage s holds
-``layers[parts[s]:parts[s + 1]]``; and the plain per-stage module lists (``fqns``)."""
+"""DeepSpeed: a small Python module that builds DeepSpeed's ``PipelineModule`` with the plan's
+``parts`` (stage s holds ``LAYERS[PARTS[s]:PARTS[s + 1]]``); and the plain per-stage module lists
+(``fqns``).
+
+DeepSpeed 0.19's ``PipelineModule._partition_layers`` knows ``uniform``, ``parameters`` and
+``type:`` only, so the module's ``PlannedPipeline`` overrides it to set the plan's parts.  Each
+layer is a module of the user's model by name, wrapped in ``ModelLayer`` (one input, one
+output).  A parameter that layers on different stages share (a tied embedding and head) becomes
+a ``TiedLayerSpec`` keyed by the parameter's name as torch names it (dots as ``_``: DeepSpeed keeps
+the tied modules in a ``ModuleDict``), with the attribute it has
+in each layer, so that DeepSpeed broadcasts it at start and all-reduces its gradient.  The
+ties are found on the model itself when the module runs, not written into the file.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +26,92 @@ def json_object(fields: dict[str, object]) -> str:
     return "{\n" + body + "\n}\n"
 
 
-def deepspeed_text(stage_keys: Sequence[Sequence[str]]) -> str:
-    """The ``{num_stages, parts, layers}`` object."""
+_MODULE = '''"""DeepSpeed PipelineModule for a pipeplan plan ({model}): {p} stages.
+
+Written by `pipeplan export --to deepspeed` for DeepSpeed 0.19.  Stage s builds
+LAYERS[PARTS[s]:PARTS[s + 1]], each a module of your model by name.  Parameters shared by layers
+on different stages are TiedLayerSpecs (DeepSpeed broadcasts them and all-reduces their
+gradients).  Use:
+
+    from this_file import pipeline_module
+    net = pipeline_module(model, loss_fn=...)      # after deepspeed.init_distributed()
+
+Each layer is called with the previous one's output (ModelLayer); a module that needs more
+inputs (a transformers decoder layer's position embeddings) needs a ModelLayer subclass, given
+as layer_type=.
+"""
+
+from torch import nn
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+NUM_STAGES = {p}
+PARTS = {parts}
+LAYERS = {layers}
+
+
+class ModelLayer(nn.Module):
+    """One module of the user's model as a pipeline layer."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+class PlannedPipeline(PipelineModule):
+    """PipelineModule with the plan's parts instead of one of DeepSpeed's partition methods."""
+
+    def _partition_layers(self, method="plan"):
+        self.parts = list(PARTS)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def layer_specs(model, layer_type=ModelLayer):
+    """LAYERS as LayerSpecs, TiedLayerSpecs where a parameter spans stages."""
+    modules = [model.get_submodule(name) for name in LAYERS]
+    names = {{}}  # id(parameter) -> its name in the model, as torch names it
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+    stage_of = [s for s in range(NUM_STAGES) for _ in range(PARTS[s], PARTS[s + 1])]
+    stages = {{}}  # id(parameter) -> the stages whose layers use it
+    for i, module in enumerate(modules):
+        for param in module.parameters():
+            stages.setdefault(id(param), set()).add(stage_of[i])
+    specs = []
+    for module in modules:
+        tied = {{}}
+        for attr, param in module.named_parameters(remove_duplicate=False):
+            if len(stages[id(param)]) > 1:
+                tied.setdefault(names[id(param)], []).append("layer." + attr)
+        if len(tied) > 1:
+            raise ValueError(f"{{sorted(tied)}}: DeepSpeed ties one parameter group per layer")
+        if tied:
+            (name, attrs), = tied.items()
+            key = name.replace(".", "_")  # a ModuleDict key: no dots
+            specs.append(TiedLayerSpec(key, layer_type, module, tied_weight_attr=attrs))
+        else:
+            specs.append(LayerSpec(layer_type, module))
+    return specs
+
+
+def pipeline_module(model, layer_type=ModelLayer, **kwargs):
+    """The plan's PipelineModule over ``model``'s modules (kwargs: PipelineModule's)."""
+    return PlannedPipeline(layers=layer_specs(model, layer_type), num_stages=NUM_STAGES, **kwargs)
+'''
+
+
+def deepspeed_text(stage_keys: Sequence[Sequence[str]], model: str = "") -> str:
+    """The Python module (see the module docstring)."""
     flat = [k for ks in stage_keys for k in ks]
     parts = [0]
     for ks in stage_keys:
         parts.append(parts[-1] + len(ks))
-    return json_object({"num_stages": len(stage_keys), "parts": parts, "layers": flat})
+    return _MODULE.format(
+        model=model or "your model", p=len(stage_keys), parts=parts, layers=json.dumps(flat)
+    )
 
 
 def fqns_text(stage_keys: Sequence[Sequence[str]]) -> str:

@@ -10,7 +10,7 @@ from typing import Final, Literal
 
 from pipeplan.planner.errors import InvalidRequestError
 
-__all__ = ["TARGETS", "ModelLayout", "Target", "unit_modules"]
+__all__ = ["TARGETS", "ModelLayout", "Target", "owner_names", "param_prefix", "unit_modules"]
 
 
 Target = Literal["torchtitan", "megatron", "deepspeed", "fqns"]
@@ -33,6 +33,68 @@ def unit_modules(name: str) -> tuple[str, ...]:
         if path and path not in ("glue", "root") and path not in paths:
             paths.append(path)
     return tuple(paths)
+
+
+def _rename(name: str, old: str, new: str) -> str:
+    """``name`` with its module path ``old`` (whole, in any ``+`` part) replaced by ``new``."""
+    parts = []
+    for part in name.split("+"):
+        path, bracket, rest = part.partition("[")
+        path, hash_, num = path.partition("#")
+        if path == old:
+            path = new
+        parts.append(path + hash_ + num + bracket + rest)
+    return "+".join(parts)
+
+
+def owner_names(
+    unit_names: Sequence[str],
+    shared: Sequence[tuple[str, Sequence[int]]] = (),
+    unit_params: Sequence[Sequence[str]] = (),
+) -> list[str]:
+    """The unit names with a tied weight's first user named after the module torch names it
+    under (``transformer.wte`` for GPT-2's tied ``transformer.wte.weight``), not after the
+    head that shares it.
+
+    A unit is named after the modules whose parameters it reads, and the tracer names a tied
+    parameter after its last module (``lm_head``).  ``shared``: (parameter name as torch names
+    it, the units that use it) per tied parameter, with ``unit_params`` the parameter names
+    each unit reads (a profile's); a module of the first user that holds none of the unit's
+    parameters is the tie's alias and takes the owner's name.  Without them, a transformers
+    decoder's unit named ``lm_head`` before its first layer is ``model.embed_tokens``.
+
+    >>> owner_names(["lm_head+wpe", "h.0", "ln_f+lm_head"], [("m.wte.weight", (0, 2))],
+    ...             [("m.wte.weight", "m.wpe.weight"), ("m.h.0.w",), ("m.ln_f.w", "m.wte.weight")])
+    ['wte+wpe', 'h.0', 'ln_f+lm_head']
+    """
+    names = list(unit_names)
+    if not shared:
+        layout = ModelLayout.of(names)
+        if layout.wrapper == "model" and layout.container == "model.layers":
+            for u, paths in enumerate(layout.modules):
+                if any(_item(p) for p in paths):
+                    break
+                names[u] = _rename(names[u], "lm_head", "model.embed_tokens")
+        return names
+    prefix = param_prefix(names, unit_params)
+    for param, users in shared:
+        u = users[0]
+        for path in unit_modules(names[u]):
+            if not any(f".{path}." in f".{q}" for q in unit_params[u]):
+                names[u] = _rename(names[u], path, param.rsplit(".", 1)[0].removeprefix(prefix))
+    return names
+
+
+def param_prefix(names: Sequence[str], unit_params: Sequence[Sequence[str]]) -> str:
+    """What the parameter names carry before the unit names' module paths (``model.`` where
+    pipeplan wrapped the model)."""
+    for name, params in zip(names, unit_params):
+        for path in unit_modules(name):
+            for q in params:
+                at = f".{q}".find(f".{path}.")
+                if at >= 0:
+                    return q[:at]
+    return ""
 
 
 def _item(path: str) -> str | None:

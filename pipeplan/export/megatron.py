@@ -1,6 +1,8 @@
 """Megatron-LM: ``E`` (every unit before the first block), one ``t`` per block, ``L`` (every
 unit after the last block) as the ``--pipeline-model-parallel-layout`` string, and the
-``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts."""
+``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts, in a
+comment: Megatron refuses the two together ("cannot be set with other pipeline layout
+arguments"), so the file's one command line is the layout's."""
 
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def megatron_text(
     middle = layers[1:-1]
     if min(layers) > 0 and len(set(middle)) <= 1:
         lines.append(
-            f"{size} --decoder-first-pipeline-num-layers {layers[0]} "
+            f"# or, replacing the line above (Megatron refuses the layout with these): {size} "
+            f"--decoder-first-pipeline-num-layers {layers[0]} "
             f"--decoder-last-pipeline-num-layers {layers[-1]}"
         )
         return "\n".join(lines) + "\n", []

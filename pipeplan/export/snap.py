@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from itertools import pairwise, product
 from typing import Final
 
+from pipeplan.export.layout import ModelLayout, Target
+from pipeplan.export.torchtitan import check_torchtitan, needs_layer_per_stage
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.types import Plan, PlanOptions, Profile
@@ -24,6 +26,7 @@ __all__ = [
     "pricer",
     "stage_keys_of",
     "starts_of",
+    "target_cuts",
     "tied_notes",
 ]
 
@@ -52,6 +55,23 @@ def _inside(keys: Sequence[tuple[str, ...]], b: int) -> str:
     """The key the cut before unit b divides."""
     before, after = _neighbours(keys, b)
     return min(before & after)
+
+
+def target_cuts(unit_names: Sequence[str], target: Target) -> tuple[int, ...]:
+    """The units a stage may start at (beyond unit 0) when ``target`` runs the plan: the legal
+    cuts of its keys, and for torchtitan's transformers backend only cuts that leave a decoder
+    layer on every stage (0.3.0 fails on a stage without one, see
+    :mod:`pipeplan.export.torchtitan`).  Raises what the export would for a model the target
+    cannot name.  Passed to the solvers as ``PlanOptions.allowed_cuts`` (``plan --for``)."""
+    layout = ModelLayout.of(unit_names)
+    keys = layout.keys(target)
+    legal = legal_cuts(keys)
+    if target == "torchtitan":
+        check_torchtitan(layout, [list(dict.fromkeys(k for ks in keys for k in ks))])
+        if needs_layer_per_stage(layout):
+            blocks = [u for u, ks in enumerate(keys) if any(layout.is_block(k) for k in ks)]
+            legal = [ok and blocks[0] < b <= blocks[-1] for b, ok in enumerate(legal)]
+    return tuple(b for b in range(1, len(keys)) if legal[b])
 
 
 def legal_cuts(keys: Sequence[tuple[str, ...]]) -> list[bool]:

@@ -1,63 +1,110 @@
-"""torchtitan: the model's direct children and the items of its block list per model part
-(``module_fqns_per_model_part``), as its ``_split_module`` keeps them."""
+"""torchtitan 0.3.x: the model's direct children and the items of its block list per model part
+(``parallelism.module_fqns_per_model_part``), as its ``_split_module`` keeps them.
+
+torchtitan 0.3.0 (the current release) configures a job with a Python config function and
+``--section.field`` overrides that its ``ConfigManager`` (tyro) parses; it reads no TOML.  The
+export is those overrides on one line (a ``list[str]`` is comma-separated, a list of them one
+argument each) and, in comments, the same settings for a config function:
+
+* ``--parallelism.pipeline_parallel_degree p``, ``--parallelism.pipeline_parallel_schedule``
+  (``GPipe`` or ``1F1B``), ``--parallelism.module_fqns_per_model_part``;
+* the micro-batches as ``--training.local_batch_size B`` and
+  ``--parallelism.pipeline_parallel_microbatch_size B / m`` (0.3.0 has no micro-batch count);
+* ``--training.disable_cuda_graphs``: 0.3.0 refuses pipeline parallelism with CUDA graphs.
+
+A transformers decoder (blocks in ``model.layers``) is named as 0.3.0's transformers backend
+flattens it (``HFTransformerModel.named_children``): ``tok_embeddings``, ``layers.N``, ``norm``,
+``lm_head`` and ``rotary_emb`` on every stage.  Its decoder calls ``self.layers[:n]`` on the
+stage's layers, which a stage holding no layer (an emptied ``ModuleDict``) fails with
+``TypeError: unhashable type: 'slice'``: such a plan gets a note, and ``plan --for torchtitan``
+plans around it (:func:`pipeplan.export.snap.target_cuts`).  A weight tied across stages (a
+tied head and embedding) gets a note too: 0.3.0 keeps a copy on each stage and never
+synchronises them (its transformers backend even unties them for FSDP).
+"""
 
 from __future__ import annotations
 
-import json
+import shlex
 from typing import Final
 
 from pipeplan.export.layout import ModelLayout
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Plan
 
-__all__ = ["torchtitan_text"]
+__all__ = ["TORCHTITAN_VERSION", "check_torchtitan", "needs_layer_per_stage", "torchtitan_text"]
 
+#: The release whose configuration the export is written for.
+TORCHTITAN_VERSION: Final = "0.3.0"
 
 #: torchtitan's transformers backend's names for a Llama-like model's modules under ``model.``
 #: (torchtitan/experiments/transformers_modeling_backend/model.py, ``named_children``).
 _TITAN_HF_NAMES: Final = {"embed_tokens": "tok_embeddings", "final_layernorm": "norm"}
 
 
-def torchtitan_text(
-    layout: ModelLayout, stage_keys: list[list[str]], plan: Plan
-) -> tuple[str, list[list[str]]]:
-    prefix = layout.wrapper + "." if layout.wrapper else ""
-    names = [[k.removeprefix(prefix) for k in ks] for ks in stage_keys]
-    if layout.wrapper == "model" and layout.container == "model.layers":
-        # Before the first layer a decoder only embeds: a unit there named lm_head reads the
-        # embedding tied to it (units are named after the parameters they read).
-        first = next(
-            j for j, ns in enumerate(names) if any(layout.is_block(k) for k in stage_keys[j])
-        )
-        for j in range(first + 1):
-            block = next((i for i, k in enumerate(stage_keys[j]) if layout.is_block(k)), None)
-            cut = len(names[j]) if block is None else block
-            names[j] = [
-                "embed_tokens" if n == "lm_head" and i < cut else n for i, n in enumerate(names[j])
-            ]
-            names[j] = list(dict.fromkeys(names[j]))
-        names = [[_TITAN_HF_NAMES.get(n, n) for n in ns] + ["rotary_emb"] for ns in names]
-    elif layout.wrapper:
+def needs_layer_per_stage(layout: ModelLayout) -> bool:
+    """Whether torchtitan runs this model through its transformers backend, whose stages must
+    each hold a decoder layer."""
+    return layout.wrapper == "model" and layout.container == "model.layers"
+
+
+def check_torchtitan(layout: ModelLayout, names: list[list[str]]) -> None:
+    """Raise unless torchtitan can keep every name: a direct child of the model or an item of
+    a direct block list (after the transformers backend's flattening)."""
+    if layout.wrapper and not needs_layer_per_stage(layout):
         raise InvalidRequestError(
             f"torchtitan: the block list {layout.container} is not a direct child of the model, "
             f"and torchtitan keeps only the model's direct children and the items of a direct "
             f"ModuleList (its transformers backend flattens Llama-like models only); "
             f"export --to deepspeed or fqns"
         )
-    for n in sorted({n for ns in names for n in ns}):
+    prefix = layout.wrapper + "." if layout.wrapper else ""
+    for n in sorted({n.removeprefix(prefix) for ns in names for n in ns}):
         parts = n.split(".")
-        if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        if n != "lm_head" and (len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit())):
             raise InvalidRequestError(
                 f"torchtitan: {n} is neither a direct child of the model nor an item of a "
                 f"direct ModuleList, and torchtitan keeps only those; export --to deepspeed or "
                 f"fqns"
             )
+
+
+def torchtitan_text(
+    layout: ModelLayout, stage_keys: list[list[str]], plan: Plan
+) -> tuple[str, list[list[str]], list[str]]:
+    """The overrides line and its Python form, the names per stage, and notes."""
+    check_torchtitan(layout, stage_keys)
+    prefix = layout.wrapper + "." if layout.wrapper else ""
+    names = [[k.removeprefix(prefix) for k in ks] for ks in stage_keys]
+    notes: list[str] = []
+    if needs_layer_per_stage(layout):
+        names = [[_TITAN_HF_NAMES.get(n, n) for n in ns] + ["rotary_emb"] for ns in names]
+        empty = [j for j, ks in enumerate(stage_keys) if not any(layout.is_block(k) for k in ks)]
+        if empty:
+            notes.append(
+                f"torchtitan: stage(s) {empty} hold no decoder layer, and torchtitan "
+                f"{TORCHTITAN_VERSION}'s transformers backend fails on such a stage (TypeError: "
+                f"unhashable type: 'slice'); plan again with --for torchtitan"
+            )
     schedule = {"gpipe": "GPipe", "1f1b": "1F1B"}[plan.schedule]
+    settings: list[tuple[str, str, object]] = [
+        ("parallelism", "pipeline_parallel_degree", len(names)),
+        ("parallelism", "pipeline_parallel_schedule", schedule),
+        ("parallelism", "module_fqns_per_model_part", names),
+        ("parallelism", "pipeline_parallel_microbatch_size", plan.microbatch_size),
+        ("training", "local_batch_size", plan.batch_size),
+        ("training", "disable_cuda_graphs", True),
+    ]
+    args: list[str] = []
+    for section, field, value in settings:
+        args.append(f"--{section}.{field}")
+        if isinstance(value, list):
+            args.extend(",".join(ns) for ns in value)
+        elif not isinstance(value, bool):
+            args.append(str(value))
+    python = "\n".join(f"#   config.{s}.{f} = {v!r}" for s, f, v in settings)
     text = (
-        "[parallelism]\n"
-        f"pipeline_parallel_degree = {len(names)}\n"
-        f'pipeline_parallel_schedule = "{schedule}"\n'
-        f"num_pp_microbatches = {plan.microbatches}\n"
-        f"module_fqns_per_model_part = {json.dumps(names)}\n"
+        f"# torchtitan {TORCHTITAN_VERSION}: add to the launch's arguments after --module and "
+        f"--config\n{shlex.join(args)}\n"
+        f"# or set the same in your config function (a config_registry entry):\n{python}\n"
     )
-    return text, names
+    return text, names, notes

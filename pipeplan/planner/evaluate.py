@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import pairwise
 
+import numpy as np
+
 from pipeplan.planner.costmodel import (
     bubble_fraction,
     contention,
@@ -37,7 +39,16 @@ from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, Stage, T
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.planner.updates import update_cost, update_tail
 
-__all__ = ["build_stages", "check_request", "evaluate"]
+__all__ = ["allowed_starts", "build_stages", "check_request", "evaluate"]
+
+
+def allowed_starts(options: PlanOptions, n: int) -> np.ndarray:
+    """``allowed[b]`` (b = 0..n): a stage may start at unit b (b = n: the end of the last one)."""
+    allowed = np.ones(n + 1, dtype=bool)
+    if options.allowed_cuts is not None:
+        allowed[1:n] = False
+        allowed[[b for b in options.allowed_cuts if b < n]] = True
+    return allowed
 
 
 def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> None:
@@ -64,6 +75,18 @@ def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> N
         raise InvalidRequestError(
             f"min_units {options.min_units} x {p} stages > {n} units; lower --min-units"
         )
+    cuts = options.allowed_cuts
+    if cuts is not None:
+        if cuts and cuts[-1] >= n:
+            raise InvalidRequestError(
+                f"allowed cut {cuts[-1]} is past the profile's last unit ({n - 1}); give the "
+                f"cuts of this profile"
+            )
+        if len(cuts) < p - 1:
+            raise InvalidRequestError(
+                f"{p} stages need {p - 1} cuts but only {len(cuts)} are allowed (at units "
+                f"{list(cuts)}); use --stages {len(cuts) + 1} or fewer"
+            )
 
 
 def build_stages(

@@ -35,12 +35,14 @@ for memory, so that a comparison can show how they fail).
 The micro-batch count is ``options.microbatches`` when given, else the DP's choice
 (:func:`pipeplan.solvers.dp.partition_dp`), or the largest profiled count when the DP finds nothing
 feasible or cannot model the request.  Baselines cannot honour pinned units or per-stage unit
-counts and refuse them with :class:`UnsupportedConstraintError`.
+counts and refuse them with :class:`UnsupportedConstraintError`; allowed cuts
+(``PlanOptions.allowed_cuts``) they keep to by splitting the runs of units between them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 
 import numpy as np
 
@@ -177,8 +179,14 @@ def baseline_microbatches(profile: Profile, cluster: Cluster, options: PlanOptio
 
 
 def _baseline(
-    name: str, choose: Callable[[Profile, Cluster, int], list[int]]
+    name: str,
+    weights: Callable[[Profile, int], list[float]],
+    split: Callable[[Sequence[float], int], list[int]],
 ) -> Callable[[Profile, Cluster, PlanOptions | None], Plan]:
+    """A baseline that ``split``s per-unit ``weights`` (at m micro-batches) into stages.  With
+    ``allowed_cuts`` (a target framework's cuts) it splits the runs of units between them,
+    each weighing its units' sum, as the framework's own splitter sees its layers."""
+
     def solve(profile: Profile, cluster: Cluster, options: PlanOptions | None = None) -> Plan:
         options = options or PlanOptions()
         if options.pinned or options.min_units > 1 or options.max_units is not None:
@@ -187,7 +195,10 @@ def _baseline(
             )
         check_request(profile, cluster, options)
         m = baseline_microbatches(profile, cluster, options)
-        starts = choose(profile, cluster, m)
+        n, w = profile.n_units, weights(profile, m)
+        firsts = [0, *(range(1, n) if options.allowed_cuts is None else options.allowed_cuts)]
+        runs = [float(sum(w[a:b])) for a, b in pairwise([*firsts, n])]
+        starts = [firsts[g] for g in split(runs, cluster.n_stages)]
         return evaluate(profile, cluster, options, starts[1:], m, solver=name, status="heuristic")
 
     solve.__name__ = f"solve_{name}"
@@ -195,18 +206,15 @@ def _baseline(
     return solve
 
 
+def _by_time(profile: Profile, m: int) -> list[float]:
+    c = unit_costs(profile, m)
+    return [float(x) for x in c.f + c.g]
+
+
 solve_uniform = _baseline(
-    "uniform", lambda prof, clus, m: uniform_partition(prof.n_units, clus.n_stages)
+    "uniform", lambda prof, m: [1.0] * prof.n_units, lambda w, p: uniform_partition(len(w), p)
 )
 solve_params = _baseline(
-    "params",
-    lambda prof, clus, m: minmax_partition([u.param_bytes for u in prof.units], clus.n_stages),
+    "params", lambda prof, m: [float(u.param_bytes) for u in prof.units], minmax_partition
 )
-
-
-def _by_time(profile: Profile, cluster: Cluster, m: int) -> list[int]:
-    c = unit_costs(profile, m)
-    return block_partition(list(c.f + c.g), cluster.n_stages)
-
-
-solve_torchgpipe = _baseline("torchgpipe", _by_time)
+solve_torchgpipe = _baseline("torchgpipe", _by_time, block_partition)

@@ -46,7 +46,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from pipeplan.planner.errors import InfeasiblePlanError
-from pipeplan.planner.evaluate import check_request, evaluate
+from pipeplan.planner.evaluate import allowed_starts, check_request, evaluate
 from pipeplan.planner.io import format_bytes
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
@@ -177,6 +177,8 @@ def _satisfies(
     """The step time of a partition that meets every constraint, else ``None``."""
     sizes = np.diff([*starts, profile.n_units])
     if sizes.min() < options.min_units or sizes.max() > (options.max_units or profile.n_units):
+        return None
+    if not allowed_starts(options, profile.n_units)[list(starts)].all():
         return None
     for unit, stage in options.pinned.items():
         if (

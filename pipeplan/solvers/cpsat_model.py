@@ -6,7 +6,8 @@ solves it.  Integer *boundary* variables
     0 = b_0 < b_1 < ... < b_{p-1} < b_p = n,      stage j = units b_j .. b_{j+1} - 1,
 
 with ``min_units <= b_{j+1} - b_j <= max_units`` and, for a unit u pinned to stage j,
-``b_j <= u < b_{j+1}``.  Every per-stage quantity of :mod:`pipeplan.planner.costmodel` is a difference of
+``b_j <= u < b_{j+1}``; with ``allowed_cuts`` (where a target framework can cut) each inner
+``b_j`` lies in that set.  Every per-stage quantity of :mod:`pipeplan.planner.costmodel` is a difference of
 prefix sums, read from constant tables with element constraints on the boundaries:
 
     t_j = Q_j[b_{j+1}] - Q_j[b_j] + C[b_{j+1}] + o_j    (C only for j < p - 1)
@@ -108,6 +109,10 @@ class CpsatModel:
         if any(lo > hi for lo, hi in zip(lower, upper)):
             md.add_bool_or([])  # the pins and unit counts contradict each other
         self.b = [md.new_int_var(lower[j], max(lower[j], upper[j]), f"b{j}") for j in range(p + 1)]
+        if options.allowed_cuts is not None:  # where a target framework can cut
+            cuts = cp_model.Domain.from_values(list(options.allowed_cuts))
+            for j in range(1, p):
+                md.add_linear_expression_in_domain(self.b[j], cuts)
         md.add(self.b[0] == 0)
         md.add(self.b[p] == n)
         for j in range(p):

@@ -97,6 +97,10 @@ def plan_devices(
         if p > profile.n_units:
             out.append(DeviceChoice(p, d, None, f"more stages than the {profile.n_units} units"))
             continue
+        cuts = options.allowed_cuts
+        if cuts is not None and len(cuts) < p - 1:
+            out.append(DeviceChoice(p, d, None, f"only {len(cuts)} allowed cut(s) (--for)"))
+            continue
         try:
             share = replica_profile(profile, d)
         except InvalidRequestError as exc:

@@ -46,6 +46,10 @@ The micro-batch counts are solved in the order of a lower bound of each (:func:`
 compute every partition pays, the bottleneck's min-max and the end stages' tails), and an m
 whose bound cannot beat the incumbent is skipped.
 
+Allowed cuts (``PlanOptions.allowed_cuts``, where a target framework can cut): a stage's cells
+l..r are valid only where a stage may start at r + 1, and the last stage only at an allowed L,
+so every table, bound and search above ranges over the allowed partitions alone.
+
 Restrictions: the devices must share one speed (their memories may differ); pinned units and
 per-stage unit counts are CP-SAT features (:mod:`pipeplan.solvers.cpsat`).
 """

@@ -69,6 +69,7 @@ from pipeplan.planner.costmodel import (
     step_time,
     tied_syncs,
 )
+from pipeplan.planner.evaluate import allowed_starts
 from pipeplan.planner.types import OPTIMIZER_STATES, Cluster, PlanOptions
 from pipeplan.planner.unitcosts import UnitCosts, holds_user
 from pipeplan.planner.updates import UpdateCost, update_tail
@@ -168,6 +169,9 @@ class Instance:
         self.p = cluster.n_stages
         self.m = costs.m
         self.caps = caps
+        # allowed[b]: a stage may start at unit b (PlanOptions.allowed_cuts); a stage's cells
+        # are valid only where the next one may start after them.
+        self.allowed = allowed_starts(options, n)
         speed = cluster.devices[0].speed
         x = costs.x
         one_way = cluster.link.one_way_s(x, costs.msgs)
@@ -252,7 +256,7 @@ class Instance:
             Q, op, _, _ = self.variants[rc]
             full = np.full(L.shape, n - 1)
             mem = sum(memory_parts(costs, options, j, self.p, L, full, w, rc).values())
-            ok = (mem <= caps[j]) & (L < n)
+            ok = (mem <= caps[j]) & (L < n) & self.allowed[L]
             t_last = np.where(ok, Q[n] - Q[L] + op + loss, t_last)
             self.rc_last = np.where(ok, rc, self.rc_last)
         self.t_last = t_last
@@ -499,7 +503,7 @@ class Instance:
         n, c = self.n, self.c
         r = np.arange(n)[:, None]
         l = r - np.arange(W)[None, :]
-        valid = (l >= 0) & (r < n - 1)
+        valid = (l >= 0) & (r < n - 1) & self.allowed[np.minimum(r + 1, n)]
         lc = np.where(valid, l, 0)
         cut = self.comm[np.minimum(r + 1, n)]
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from pipeplan.planner.types.base import (
     PLAN_SCHEMA,
@@ -41,6 +42,19 @@ class PlanOptions(FrozenModel):
     """Most units per stage (CP-SAT only)."""
     time_limit_s: float | None = Field(default=None, gt=0)
     """Wall-clock limit for solvers that search (CP-SAT)."""
+    allowed_cuts: tuple[int, ...] | None = None
+    """The units a stage other than the first may start at (``None``: any unit), in
+    increasing order: where a target framework can cut (``pipeplan plan --for``,
+    :func:`pipeplan.export.snap.target_cuts`).  Every solver and baseline keeps to them."""
+
+    @field_validator("allowed_cuts")
+    @classmethod
+    def _cuts_increase(cls, cuts: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if cuts is not None and (
+            any(b <= a for a, b in itertools.pairwise(cuts)) or (cuts and cuts[0] < 1)
+        ):
+            raise ValueError(f"allowed_cuts {list(cuts)} must be distinct units >= 1, in order")
+        return cuts
 
 
 class MemoryBreakdown(FrozenModel):
