@@ -165,20 +165,24 @@ def run(
 
 
 def check_resume(path: Path) -> None:
-    """``fail`` unless ``path`` is a complete pipeplan save whose files are all there and whole
-    (sizes; each rank checks the SHA-256 of the files it reads)."""
+    """``fail`` unless ``path`` is a complete pipeplan save whose files are all there, whole and
+    of the SHA-256 written (the ranks check the files they read again: a launch of your own
+    torchrun has no preflight)."""
     from pipeplan.planner.checkpoint import CheckpointReader
     from pipeplan.planner.errors import ModelLoadError
+    from pipeplan.planner.snapshots import check_file
 
     if not path.exists():
         fail(f"--resume {path} does not exist; pass the folder given to --save")
     try:
         reader = CheckpointReader(path)
+        if reader.manifest is None:
+            fail(f"--resume {path} is not a pipeplan save (no manifest.json); start from its "
+                 f"weights with --weights instead")  # fmt: skip
+        for name in reader.manifest["files"]:
+            check_file(reader.folder, reader.manifest, name)
     except ModelLoadError as exc:
         fail(str(exc))
-    if reader.manifest is None:
-        fail(f"--resume {path} is not a pipeplan save (no manifest.json); start from its "
-             f"weights with --weights instead")  # fmt: skip
 
 
 def calibrate(

@@ -7,8 +7,9 @@ the cause, exits non-zero, leaves no process behind and keeps the last complete 
 - A rank stopped with SIGSTOP (a hung rank) ends the job within ``--timeout`` plus a margin,
   naming the stalled stage.
 - A full disk during a save (``ENOSPC``, injected) names the stage that could not write it.
-- A truncated shard is refused before launch, a corrupted one by the rank reading it; both
-  name the file and exit 2.
+- A save that is truncated, corrupted or incomplete is refused before launch (``--resume``),
+  naming the file, with status 2 (the ranks' own checks are tested in
+  ``tests/planner/test_snapshots.py``).
 
 Each test prints its time to stop (``pytest -s`` shows them).
 """
@@ -17,14 +18,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _resume_jobs import ENV, PIPEPLAN, beat, state, survivors, wait_for, write_plans
 
+from pipeplan.cli import main
 from pipeplan.planner.checkpoint import shard_name
 from pipeplan.planner.snapshots import step_name
 
@@ -91,16 +95,26 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(plan: Path, tmp_path: Pa
     assert timeout - 1 < took < timeout + 8
 
 
-def test_a_full_disk_during_a_save_names_the_stage_and_keeps_the_last_save(
-    plan: Path, tmp_path: Path
-) -> None:
-    save = tmp_path / "save"
+@pytest.fixture(scope="module")
+def full_disk(plan: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, float]:
+    """A run whose stage 1 finds the disk full in the save of step 2: (save, result, seconds)."""
+    tmp = tmp_path_factory.mktemp("enospc")
+    save = tmp / "save"
     env = {**ENV, "PIPEPLAN_FAIL": "1:2:enospc"}
     cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "4",
            "--optimizer", "adam", "--save-every", "1", "--save", str(save)]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=120)
-    print(f"\nENOSPC in stage 1's save: stopped after {time.monotonic() - start:.1f} s")
+    took = time.monotonic() - start
+    print(f"\nENOSPC in stage 1's save: stopped after {took:.1f} s: {proc.stderr.strip()}")
+    assert not survivors(str(tmp))
+    return save, proc, took
+
+
+def test_a_full_disk_during_a_save_names_the_stage_and_keeps_the_last_save(
+    full_disk: tuple[Path, Any, float],
+) -> None:
+    save, proc, _ = full_disk
     assert proc.returncode == 1, proc.stderr
     assert "stage 1 (rank 1) could not write its part of the save of step 2" in proc.stderr
     assert "No space left on device" in proc.stderr
@@ -108,20 +122,34 @@ def test_a_full_disk_during_a_save_names_the_stage_and_keeps_the_last_save(
     assert (save / "latest").read_text().strip() == step_name(1)
     assert sorted(p.name for p in save.iterdir()) == ["latest", step_name(1)]  # no partial
     assert state(save)
-    assert not survivors(str(tmp_path))
-
-    shard = save / step_name(1) / shard_name(0, 2)  # now damage the save
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    resume = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "1",
-              "--optimizer", "adam", "--resume", str(save)]  # fmt: skip
-    proc = subprocess.run(resume, check=False, capture_output=True, text=True, env=ENV, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert f"{shard} is corrupted" in proc.stderr
-    shard.write_bytes(bytes(data[:-9]))
-    proc = subprocess.run(resume, check=False, capture_output=True, text=True, env=ENV, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert f"{shard} is truncated" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    manifest = json.loads((shard.parent / "manifest.json").read_text())
+    manifest = json.loads((save / step_name(1) / "manifest.json").read_text())
     assert manifest["step"] == 1 and manifest["optimizer"] == "adam"
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated", "incomplete"])
+def test_a_damaged_save_is_refused_before_launch_naming_the_file(
+    plan: Path,
+    full_disk: tuple[Path, Any, float],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: str,
+) -> None:
+    save = tmp_path / "save"
+    shutil.copytree(full_disk[0], save)
+    shard = save / step_name(1) / shard_name(0, 2)
+    data = bytearray(shard.read_bytes())
+    if damage == "corrupted":
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        expected = f"{shard} is corrupted"
+    elif damage == "truncated":
+        shard.write_bytes(bytes(data[:-9]))
+        expected = f"{shard} is truncated"
+    else:
+        (save / step_name(1) / "manifest.json").unlink()
+        expected = f"{save / step_name(1)} is incomplete"
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(plan), "--steps", "1", "--optimizer", "adam", "--resume", str(save)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in " ".join(err.split()) and len(err.strip().splitlines()) <= 2
