@@ -149,23 +149,31 @@ def _save_fault(rank: int) -> Callable[[int], None] | None:
     return fault
 
 
-def _heartbeat(run_dir: str | None, rank: int, period_s: float = 0.5) -> None:
+def _heartbeat(run_dir: str | None, rank: int, period_s: float = 0.5) -> Callable[[], bool]:
     """Rewrite ``beat-<rank>`` (pid, step, time) every ``period_s`` from a daemon thread: it
-    stops when the process is stopped or frozen, not when it waits on a peer."""
+    stops when the process is stopped or frozen, not when it waits on a peer.  Returns the
+    function that writes it, which each step also calls (so the step is current)."""
+    lock = threading.Lock()
     if not run_dir:
-        return
+        return lambda: False
     path, tmp = Path(run_dir) / f"beat-{rank}", Path(run_dir) / f".beat-{rank}.tmp"
 
-    def beat() -> None:
-        while True:
+    def write() -> bool:
+        """Whether it was written (not when the run folder went away with the launcher)."""
+        with lock:
             try:
                 tmp.write_text(json.dumps([os.getpid(), _progress["step"], time.time()]))
                 os.replace(tmp, path)
-            except OSError:  # the run directory went away: the launcher is gone
-                return
+            except OSError:
+                return False
+        return True
+
+    def beat() -> None:
+        while write():
             time.sleep(period_s)
 
     threading.Thread(target=beat, name="pipeplan-heartbeat", daemon=True).start()
+    return write
 
 
 def _is_peer_error(exc: BaseException) -> bool:
@@ -240,7 +248,7 @@ def run(args: argparse.Namespace) -> None:
     from pipeplan.runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
 
     rank = int(os.environ.get("RANK", "0"))
-    _heartbeat(args.run_dir, rank)
+    beat = _heartbeat(args.run_dir, rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     cuda = args.device == "cuda"
@@ -301,6 +309,7 @@ def run(args: argparse.Namespace) -> None:
         if cuda and step == start + args.warmup:
             torch.cuda.reset_peak_memory_stats(device)
         _progress["step"] = step
+        beat()
         if rank == 0 and args.run_dir:  # the launcher's progress bar reads it
             (Path(args.run_dir) / "progress").write_text(str(step - start))
 
