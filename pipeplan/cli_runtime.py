@@ -20,7 +20,7 @@ from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, wri
 from pipeplan.planner.types import OPTIMIZERS
 from pipeplan.report.terminal import batch_norm_note, console, err_console
 
-__all__ = ["calibrate", "run"]
+__all__ = ["calibrate", "check_resume", "run"]
 
 
 def run(
@@ -66,7 +66,21 @@ def run(
     ] = None,
     save: Annotated[
         Path | None,
-        typer.Option(help="Write the trained weights to this folder (sharded safetensors)."),
+        typer.Option(
+            help="Save the run into this folder at its end: weights (sharded safetensors), "
+            "optimizer and RNG states, step; each save is a step-N folder made visible whole, "
+            "and DIR/latest names the newest."
+        ),
+    ] = None,
+    save_every: Annotated[
+        int, typer.Option(min=0, help="Also save every K steps (with --save).")
+    ] = 0,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            help="Continue the run saved in this folder from its latest complete save (or "
+            "from the step-N folder given); --steps counts the steps still to run."
+        ),
     ] = None,
     quiet: Quiet = False,
 ) -> None:
@@ -85,6 +99,12 @@ def run(
              f"dict or a sharded checkpoint folder")  # fmt: skip
     if save is not None and save.exists() and not save.is_dir():
         fail(f"--save {save} is a file; pass a folder for the checkpoint's shards")
+    if save_every and save is None:
+        fail(f"--save-every {save_every} needs --save DIR, the folder to save into")
+    if resume is not None and weights is not None:
+        fail("--resume and --weights both say where to start; pass one")
+    if resume is not None:
+        check_resume(resume)
     p = preflight(
         plan_file,
         model=model,
@@ -122,7 +142,8 @@ def run(
     optimizer = optimizer or p.optimizer
     args = [f"--batch-norm={batch_norm}", f"--init={init}"]
     args += [f"--weights={weights.resolve()}"] if weights else []
-    args += [f"--save={save.resolve()}"] if save else []
+    args += [f"--save={save.resolve()}", f"--save-every={save_every}"] if save else []
+    args += [f"--resume={resume.resolve()}"] if resume else []
     args += [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
     args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]
     args += [f"--model={model}"] if model else []
@@ -131,13 +152,37 @@ def run(
     args += [f"--report={report.resolve()}"] if report else []
     args += [f"--trace={trace.resolve()}"] if trace else []
     try:
-        launch(p, plan_file.resolve(), args, steps=warmup + steps, progress=not quiet)
+        launch(
+            p, plan_file.resolve(), args, steps=warmup + steps, progress=not quiet,
+            timeout_s=timeout,
+        )  # fmt: skip
     except StageFailedError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2 if exc.bad_request else 1) from None
+        raise typer.Exit(exc.exit_code) from None
     for path, what in ((report, "report"), (trace, "trace"), (save, "weights")):
         if path:
             console.print(f"{what} -> {path}")
+
+
+def check_resume(path: Path) -> None:
+    """``fail`` unless ``path`` is a complete pipeplan save whose files are all there, whole and
+    of the SHA-256 written (the ranks check the files they read again: a launch of your own
+    torchrun has no preflight)."""
+    from pipeplan.planner.checkpoint import CheckpointReader
+    from pipeplan.planner.errors import ModelLoadError
+    from pipeplan.planner.snapshots import check_file
+
+    if not path.exists():
+        fail(f"--resume {path} does not exist; pass the folder given to --save")
+    try:
+        reader = CheckpointReader(path)
+        if reader.manifest is None:
+            fail(f"--resume {path} is not a pipeplan save (no manifest.json); start from its "
+                 f"weights with --weights instead")  # fmt: skip
+        for name in reader.manifest["files"]:
+            check_file(reader.folder, reader.manifest, name)
+    except ModelLoadError as exc:
+        fail(str(exc))
 
 
 def calibrate(

@@ -17,6 +17,10 @@ only its stage.
 Writing (:func:`write_shard`, :func:`write_index`) produces the same sharded layout that
 ``transformers`` writes: every stage its own ``model-0000k-of-0000p.safetensors`` and one
 ``model.safetensors.index.json``; each file is written atomically (a temporary file renamed).
+A training run writes them into step folders made visible whole (:mod:`pipeplan.planner.snapshots`):
+given such a save's root, the reader reads the step ``latest`` names, checks every file's size
+against the manifest at once and each shard's SHA-256 and save id when it opens it, so a torn,
+truncated, corrupted or mixed save is refused with the file named.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from torch import Tensor
 
 from pipeplan.planner.errors import ModelLoadError
+from pipeplan.planner.snapshots import check_file, resolve
 
 __all__ = [
     "INDEX",
@@ -66,10 +71,15 @@ class CheckpointReader:
         self.read_keys: list[str] = []
         self._files: dict[Path, Any] = {}
         self._where: dict[str, Path] = {}
-        p = self.path
-        if not p.exists():
-            raise ModelLoadError(f"checkpoint {p} does not exist; pass a .safetensors file, a "
-                                 f"torch state-dict file or a sharded checkpoint folder")  # fmt: skip
+        if not self.path.exists():
+            raise ModelLoadError(f"checkpoint {self.path} does not exist; pass a .safetensors "
+                                 f"file, a torch state-dict file or a sharded checkpoint folder")  # fmt: skip
+        p, self.manifest = resolve(self.path)
+        """The save's manifest (:mod:`pipeplan.planner.snapshots`), ``None`` for other checkpoints."""
+        self.folder = p
+        if self.manifest is not None:
+            for name in self.manifest["files"]:  # every file there and whole, before any read
+                check_file(p, self.manifest, name, sha256=False)
         if p.is_dir():
             index = next((p / n for n in (INDEX, _TORCH_INDEX) if (p / n).is_file()), None)
             if index is not None:
@@ -96,17 +106,35 @@ class CheckpointReader:
             if not file.is_file():
                 raise ModelLoadError(f"checkpoint shard {file} does not exist")
             try:
+                if self.manifest is not None:
+                    check_file(self.folder, self.manifest, file.name, sha256=False)
                 if file.suffix == ".safetensors":
                     from safetensors import safe_open
 
-                    self._files[file] = safe_open(str(file), framework="pt", device="cpu")
+                    handle = safe_open(str(file), framework="pt", device="cpu")
+                    self._check_save_id(file, handle)  # a mix is named as one
+                    self._files[file] = handle
                 else:
                     self._files[file] = _TorchFile(file)
             except ModelLoadError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any unreadable file is reported
                 raise ModelLoadError(f"cannot read checkpoint {file}: {exc}") from None
+            if self.manifest is not None:  # the bytes are the ones written
+                check_file(self.folder, self.manifest, file.name)
         return self._files[file]
+
+    def _check_save_id(self, file: Path, handle: Any) -> None:
+        """Refuse a shard written by another save than the manifest's (a mixed checkpoint)."""
+        if self.manifest is None:
+            return
+        found = (handle.metadata() or {}).get("save_id")
+        if found != self.manifest["save_id"]:
+            raise ModelLoadError(
+                f"checkpoint shard {file} belongs to save {found} but {self.folder}'s manifest "
+                f"is save {self.manifest['save_id']}: a mixed checkpoint; resume from an "
+                f"earlier step-* folder"
+            )
 
     def keys(self) -> set[str]:
         return set(self._where)
@@ -197,15 +225,20 @@ def _atomic(path: Path, write: Any) -> None:
 
 
 def write_shard(
-    directory: str | Path, stage: int, stages: int, tensors: Mapping[str, Tensor]
+    directory: str | Path,
+    stage: int,
+    stages: int,
+    tensors: Mapping[str, Tensor],
+    metadata: dict[str, str] | None = None,
 ) -> int:
-    """Write one stage's tensors as its shard of a sharded checkpoint; returns the bytes."""
+    """Write one stage's tensors as its shard of a sharded checkpoint (``metadata`` in its
+    safetensors header); returns the bytes."""
     from safetensors.torch import save_file
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     data = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    _atomic(d / shard_name(stage, stages), lambda p: save_file(data, str(p)))
+    _atomic(d / shard_name(stage, stages), lambda p: save_file(data, str(p), metadata=metadata))
     return sum(v.numel() * v.element_size() for v in data.values())
 
 

@@ -65,11 +65,23 @@ class StageFailedError(PipeplanError, RuntimeError):
 
     ``bad_request`` is true when the ranks refused the request before the first step (a plan
     for another model, a checkpoint that does not match it): the command exits 2, not 1.
+    ``signal`` is the signal number that stopped the job (SIGTERM, SIGINT), if one did: the
+    command exits 128 + it, as a shell reports a process the signal ended.
     """
 
-    def __init__(self, message: str, *, bad_request: bool = False) -> None:
+    def __init__(
+        self, message: str, *, bad_request: bool = False, signal: int | None = None
+    ) -> None:
         super().__init__(message)
         self.bad_request = bad_request
+        self.signal = signal
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit status: 128 + signal, 2 for a bad request, else 1."""
+        if self.signal is not None:
+            return 128 + self.signal
+        return 2 if self.bad_request else 1
 
 
 class UnitMeasureError(PipeplanError, RuntimeError):

@@ -37,7 +37,7 @@ from pipeplan.intake.meta import has_meta, materialize, trace_meta
 from pipeplan.intake.model import ModelSpec, NamedInputs
 from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.intake.usercode import user_error
-from pipeplan.planner.checkpoint import CheckpointReader, load_checkpoint, write_index, write_shard
+from pipeplan.planner.checkpoint import CheckpointReader, load_checkpoint
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
 from pipeplan.planner.optim import make_optimizer
 from pipeplan.planner.types import Plan
@@ -307,28 +307,20 @@ class PipelineRunner:
                 targets[names[0]], owned[names[0]] = keys, t
         return targets, owned
 
-    def save(self, directory: str) -> None:
-        """Write the stage's parameters and persistent buffers as its shard of a sharded
-        safetensors checkpoint (``pipeplan.planner.checkpoint``); a tied parameter is written by the
-        first stage holding it.  Rank 0 writes the index.  Collective: every rank calls it."""
+    def shard_tensors(self) -> dict[str, Tensor]:
+        """The stage's parameters and persistent buffers by checkpoint key, as its shard of a
+        sharded safetensors checkpoint (:mod:`pipeplan.runtime.saving` writes it); a tied
+        parameter belongs to the first stage holding it."""
         aliases = self._aliases()
         by_id = {id(t): t for t in [*self.stage_module.parameters(), *self.stage_module.buffers()]}
         mods = sorted({n.rpartition(".")[0] for i in by_id for n in aliases.get(i, [])})
         _, owned = self._state(mods, aliases, persistent_only=True)
         first = {t.name: min(t.stages) for t in self.tied}
-        mine = {
+        return {
             name.removeprefix(self._prefix): t
             for name, t in owned.items()
             if id(t) in by_id and first.get(self.names.get(id(t), name), self.rank) == self.rank
         }
-        if self.replica == 0:  # the replicas hold the same weights
-            size = write_shard(directory, self.rank, self.plan.n_stages, mine)
-            gathered: list[Any] = [None] * self.plan.n_stages
-            dist.all_gather_object(gathered, (sorted(mine), size), group=self.pp_group)
-            if self.rank == 0:
-                keys = [k for k, _ in gathered]
-                write_index(directory, keys, sum(b for _, b in gathered))
-        dist.barrier()
 
     # -- tied parameters -------------------------------------------------------------------
 
@@ -488,9 +480,13 @@ class PipelineRunner:
         warmup: int,
         steps: int,
         on_step: Callable[[int], None] | None = None,
+        start: int = 0,
+        after_step: Callable[[int], None] | None = None,
     ) -> RankRecord:
         """Run ``warmup + steps`` timed steps into ``record``: the walls and spans of the
-        measured steps, and every step's loss (last stage).  ``on_step(step)`` runs first.
+        measured steps, and every step's loss (last stage).  Steps are numbered from ``start``
+        (the steps a resumed run has done); ``on_step(step)`` runs before each and
+        ``after_step(step + 1)`` after its optimizer update (a save).
 
         On CPU the last warm-up step runs with its allocations tracked
         (:class:`pipeplan.runtime.memory.TensorPeak`): ``record.peak_memory_bytes`` is the bytes of the
@@ -498,8 +494,8 @@ class PipelineRunner:
         allocations.  With no warm-up it stays
         ``None`` (a tracked step runs slower, so it is never a measured one).
         """
-        tracked = warmup - 1 if self.device.type == "cpu" and warmup > 0 else None
-        for step in range(warmup + steps):
+        tracked = start + warmup - 1 if self.device.type == "cpu" and warmup > 0 else None
+        for step in range(start, start + warmup + steps):
             if on_step is not None:
                 on_step(step)
             if step == tracked:
@@ -514,9 +510,11 @@ class PipelineRunner:
                 wall, spans, loss = self.timed_step(inputs, target, step)
             if loss is not None:
                 record.losses.append(loss)
-            if step >= warmup:
+            if step >= start + warmup:
                 record.walls.append(wall)
                 record.spans.append(spans)
+            if after_step is not None:
+                after_step(step + 1)
         return record
 
     def _pipeline_buffers(self) -> list[Tensor]:

@@ -9,6 +9,10 @@ pipeplan.runtime.worker ...`` with one rank per stage.  If a rank raises or dies
 the others and exits non-zero; :func:`failure` reads the ranks' error files and names the stage
 that failed first (an error caused by a peer's death, such as a closed connection, is not the
 root cause), and :func:`launch` raises :class:`~pipeplan.planner.errors.StageFailedError`.
+
+While the job runs, :func:`pipeplan.runtime.supervise.supervise` forwards SIGTERM and SIGINT to
+torchrun and every rank, and ends the job when a rank stops beating for ``--timeout`` seconds
+(stopped or frozen); the error then names the signal and the step, or the stalled stage.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +33,7 @@ from pipeplan.planner.errors import InvalidRequestError, StageFailedError
 from pipeplan.planner.io import load_plan
 from pipeplan.planner.types import Plan
 from pipeplan.report.progress import progress_bar
+from pipeplan.runtime.supervise import forwarded_signals, supervise
 
 __all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
 
@@ -140,12 +146,21 @@ def _exit_codes(log: str) -> dict[int, str]:
     return codes
 
 
-def failure(run_dir: Path, n_ranks: int, returncode: int, log: str) -> StageFailedError:
+def failure(
+    run_dir: Path,
+    n_ranks: int,
+    returncode: int | None,
+    log: str,
+    frozen: dict[int, float] | None = None,
+    n_stages: int | None = None,
+) -> StageFailedError:
     """The error to raise for a failed run: the stage that failed first and why.
 
-    In order: the earliest error a rank raised itself; else the one rank that left no error
-    file (it died: killed, ``os._exit``, out of memory) and that torchrun did not stop itself;
-    else the earliest error caused by a peer; else the tail of torchrun's log.
+    In order: the earliest error a rank raised itself; else a rank that stopped beating
+    (``frozen``: rank -> seconds without a heartbeat; stopped or frozen, its peers timed out
+    waiting for it); else the one rank that left no error file (it died: killed, ``os._exit``,
+    out of memory) and that torchrun did not stop itself; else the earliest error caused by a
+    peer; else the tail of torchrun's log.
     """
     errors = _errors(run_dir)
     own = sorted((e for e in errors if not e.get("peer")), key=lambda e: e.get("time", 0))
@@ -170,6 +185,14 @@ def failure(run_dir: Path, n_ranks: int, returncode: int, log: str) -> StageFail
             f"stage {e['stage']} failed{at}: {e['type']}: {e['message']}"
             + consequence(int(e["stage"])),
             bad_request=request,
+        )
+    if frozen:
+        rank = min(frozen, key=lambda r: -frozen[r])  # the one silent longest
+        stage = rank % (n_stages or n_ranks)
+        return StageFailedError(
+            f"stage {stage} (rank {rank}) stopped making progress: no heartbeat for "
+            f"{frozen[rank]:.0f} s (the process is stopped or frozen); the job was stopped"
+            + consequence(rank)
         )
     if len(died) == 1:
         stage = died[0]
@@ -218,21 +241,23 @@ def launch(
     env: dict[str, str] | None = None,
     steps: int = 0,
     progress: bool = False,
+    timeout_s: float = 300.0,
 ) -> None:
-    """Run the worker under torchrun; raise :class:`StageFailedError` if any rank fails.
+    """Run the worker under torchrun; raise :class:`StageFailedError` if any rank fails, a
+    rank stalls for ``timeout_s`` or a signal stops the job.
 
     Rank 0's standard output (the comparison table) is passed through; torchrun's and the
     ranks' standard error are kept and shown only when the cause of a failure is unknown.
     With ``progress``, a bar on stderr follows rank 0 through its ``steps`` steps (warm-up
     included).
     """
+    ranks = plan.n_stages * plan.cluster.data_parallel
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         run_dir = Path(tmp)
         cmd = worker_command(plan, plan_path, [*worker_args, "--run-dir", str(run_dir)])
         log_path, step_file = run_dir / "torchrun.log", run_dir / "progress"
         with open(log_path, "w") as log, progress_bar(progress and steps > 0) as bar:
             task = bar.add_task(f"{plan.n_stages} stages: starting", total=steps)
-            proc = subprocess.Popen(cmd, stdout=None, stderr=log, env=env)
 
             def poll() -> None:
                 try:
@@ -241,14 +266,21 @@ def launch(
                 except (OSError, ValueError):  # not started, or being written
                     pass
 
-            code = watch(proc, poll)
-            assert code is not None  # no time limit: the ranks' own timeout stops a hang
-            if code == 0:
+            with forwarded_signals() as received:  # before the job starts: none is missed
+                proc = subprocess.Popen(
+                    cmd, stdout=None, stderr=log, env=env, start_new_session=True
+                )
+                outcome = supervise(proc, run_dir, ranks, poll, timeout_s, received)
+
+            if outcome.code == 0:
                 bar.update(task, completed=steps)
-        if code != 0:
+        if outcome.signal is not None:
+            name = signal.Signals(outcome.signal).name
+            at = f" at step {outcome.step}" if outcome.step is not None else " before step 0"
+            raise StageFailedError(
+                f"stopped by {name}{at}: torchrun and every rank ended", signal=outcome.signal
+            )
+        if outcome.code != 0:
             raise failure(
-                run_dir,
-                plan.n_stages * plan.cluster.data_parallel,
-                code,
-                log_path.read_text(),
+                run_dir, ranks, outcome.code, log_path.read_text(), outcome.frozen, plan.n_stages
             )

@@ -11,8 +11,11 @@ and materializes only its stage's modules (:mod:`pipeplan.intake.meta`), initial
 and each module's name, so the values do not depend on the split; or it reads them from
 ``--weights`` (:mod:`pipeplan.planner.checkpoint`).  ``--init full`` builds the whole model on every
 rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
-``--save DIR`` writes the trained weights, one shard per stage.  Rank 0 gathers the measurements, writes the run
-report (``--report``) and the Chrome trace (``--trace``), and prints measured vs predicted.
+``--save DIR`` saves the run at its end, and every ``--save-every K`` steps, into step folders
+made visible whole (:mod:`pipeplan.runtime.saving`): weights one shard per stage, each rank's
+optimizer and RNG states, the step.  ``--resume DIR`` continues a saved run from its latest
+complete save.  Rank 0 gathers the measurements, writes the run report (``--report``) and the
+Chrome trace (``--trace``), and prints measured vs predicted.
 
 A plan whose stage count is not the world size, a missing model or a plan made for another
 model stops every rank before the pipeline starts, with one line and status 2.
@@ -20,20 +23,26 @@ model stops every rank before the pipeline starts, with one line and status 2.
 Failures: a rank that raises writes ``error-<rank>.json`` (stage, error, traceback) into
 ``--run-dir`` when one is given, prints one line and exits with status 1; torchrun then stops
 the other ranks, and a rank blocked on a dead peer fails on the closed connection or, at the
-latest, at the process group's ``--timeout``.
+latest, at the process group's ``--timeout``.  With ``--run-dir``, each rank also keeps a
+heartbeat there (``beat-<rank>``: pid, step, time, rewritten every 0.5 s by a thread), from
+which ``pipeplan run`` tells a stopped or frozen rank from one waiting on it.
 
 For tests, ``PIPEPLAN_FAIL=STAGE:STEP[:MODE]`` makes stage STAGE fail before its first forward
 of step STEP (0-based, warm-up included): MODE ``raise`` (default) raises a RuntimeError,
-``exit`` calls ``os._exit(3)``, ``kill`` sends itself SIGKILL.
+``exit`` calls ``os._exit(3)``, ``kill`` sends itself SIGKILL; at the save after step STEP
+(1-based: the steps done), once the stage wrote its files, ``kill-save`` sends itself SIGKILL
+and ``enospc`` raises ``OSError(ENOSPC)``, as a full disk would.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -87,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--weights",
         help="checkpoint to start from: .safetensors, torch state dict, or sharded folder",
     )
-    ap.add_argument("--save", help="write the trained weights here (sharded safetensors)")
+    ap.add_argument("--save", help="save the run here at its end (step folders, see above)")
+    ap.add_argument("--save-every", type=int, default=0, help="also save every K steps")
+    ap.add_argument("--resume", help="continue the run saved here (its latest complete save)")
     ap.add_argument(
         "--batch-norm",
         default="deferred",
@@ -120,10 +131,57 @@ def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
     return fault
 
 
+def _save_fault(rank: int) -> Callable[[int], None] | None:
+    """The ``PIPEPLAN_FAIL`` hook of a save (modes ``kill-save`` and ``enospc``), if any."""
+    spec = os.environ.get("PIPEPLAN_FAIL", "")
+    parts = spec.split(":")
+    if len(parts) < 3 or parts[2] not in ("kill-save", "enospc") or int(parts[0]) != rank:
+        return None
+    step, mode = int(parts[1]), parts[2]
+
+    def fault(at_step: int) -> None:
+        if at_step != step:
+            return
+        if mode == "kill-save":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: PIPEPLAN_FAIL={spec})")
+
+    return fault
+
+
+def _heartbeat(run_dir: str | None, rank: int, period_s: float = 0.5) -> Callable[[], bool]:
+    """Rewrite ``beat-<rank>`` (pid, step, time) every ``period_s`` from a daemon thread: it
+    stops when the process is stopped or frozen, not when it waits on a peer.  Returns the
+    function that writes it, which each step also calls (so the step is current)."""
+    lock = threading.Lock()
+    if not run_dir:
+        return lambda: False
+    path, tmp = Path(run_dir) / f"beat-{rank}", Path(run_dir) / f".beat-{rank}.tmp"
+
+    def write() -> bool:
+        """Whether it was written (not when the run folder went away with the launcher)."""
+        with lock:
+            try:
+                tmp.write_text(json.dumps([os.getpid(), _progress["step"], time.time()]))
+                os.replace(tmp, path)
+            except OSError:
+                return False
+        return True
+
+    def beat() -> None:
+        while write():
+            time.sleep(period_s)
+
+    threading.Thread(target=beat, name="pipeplan-heartbeat", daemon=True).start()
+    return write
+
+
 def _is_peer_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a consequence of another rank failing (a closed or timed-out link)."""
     import torch.distributed as dist
 
+    if getattr(exc, "peer", False):
+        return True
     text = str(exc).lower()
     peer_words = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
     return isinstance(exc, dist.DistError) or any(w in text for w in peer_words)
@@ -184,11 +242,13 @@ def run(args: argparse.Namespace) -> None:
     from pipeplan.planner.allocator import keep_heap
     from pipeplan.planner.errors import InvalidRequestError
     from pipeplan.planner.io import load_plan, write_json, write_text
+    from pipeplan.runtime import saving
     from pipeplan.runtime.engine import PipelineRunner
     from pipeplan.runtime.memory import ResidentPeak
     from pipeplan.runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
 
     rank = int(os.environ.get("RANK", "0"))
+    beat = _heartbeat(args.run_dir, rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     cuda = args.device == "cuda"
@@ -220,6 +280,8 @@ def run(args: argparse.Namespace) -> None:
         resident.start()  # the libraries and the process group are loaded; the model is not
     torch.manual_seed(args.seed)
     spec = load_model(args.model or plan.model, kwargs, meta=args.init == "stage")
+    info = saving.run_info(plan, args.optimizer, args.lr, args.seed)
+    resume, start = saving.resume_point(args.resume, info) if args.resume else (None, 0)
     runner = PipelineRunner(
         plan,
         spec,
@@ -229,28 +291,40 @@ def run(args: argparse.Namespace) -> None:
         fault=_fault_hook(rank),
         batch_norm=args.batch_norm,
         seed=args.seed,
-        weights=args.weights,
+        weights=str(resume) if resume is not None else args.weights,
     )
     torch.manual_seed(args.seed + 1)
     inputs, target = spec.batch(plan.batch_size * replicas)  # the global batch
+    if resume is not None:
+        start = saving.restore(runner, resume)
+    saved = [start]
+    save_fault = _save_fault(rank)
+
+    def after_step(done: int) -> None:
+        if args.save and args.save_every > 0 and done % args.save_every == 0:
+            saving.save(runner, args.save, done, info, save_fault)
+            saved[0] = done
 
     def on_step(step: int) -> None:
-        if cuda and step == args.warmup:
+        if cuda and step == start + args.warmup:
             torch.cuda.reset_peak_memory_stats(device)
         _progress["step"] = step
+        beat()
         if rank == 0 and args.run_dir:  # the launcher's progress bar reads it
-            (Path(args.run_dir) / "progress").write_text(str(step))
+            (Path(args.run_dir) / "progress").write_text(str(step - start))
 
     record = runner.measure(
         inputs, target, RankRecord(stage=runner.rank, threads=threads),
-        warmup=args.warmup, steps=args.steps, on_step=on_step,
+        warmup=args.warmup, steps=args.steps, on_step=on_step, start=start,
+        after_step=after_step,
     )  # fmt: skip
     if cuda:
         record.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
     else:
         record.resident_growth_bytes = resident.growth()
-    if args.save:
-        runner.save(args.save)
+    done = start + args.warmup + args.steps
+    if args.save and saved[0] != done:
+        saving.save(runner, args.save, done, info, save_fault)
     if args.weights and args.run_dir:  # what this rank read, for the tests
         write_text(Path(args.run_dir) / f"weights-{rank}.json", json.dumps(runner.checkpoint_reads))
     report = gather_report(plan, record, backend=backend, warmup_steps=args.warmup)

@@ -131,9 +131,12 @@ def test_run_a_replicated_plan(tmp_path: Path) -> None:
     inputs, target = spec.batch(8)
     expected = float(spec.loss(whole(*inputs), target))
     assert rep.losses[0] == pytest.approx(expected, rel=1e-5)  # the global batch, not a share
-    assert sorted(p.name for p in saved.iterdir()) == [
-        "model-00001-of-00001.safetensors",
+    assert sorted(p.name for p in (saved / "step-000003").iterdir()) == [
+        "manifest.json",
+        "model-00001-of-00001.safetensors",  # one copy of the weights
         "model.safetensors.index.json",
+        "train-00000-of-00002.pt",  # each replica its own optimizer and RNG states
+        "train-00001-of-00002.pt",
     ]
 
 

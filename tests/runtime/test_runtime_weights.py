@@ -71,10 +71,14 @@ def test_stage_init_equals_the_whole_model_and_the_unsplit_model_loads_the_shard
     args = ["--steps", "1", "--warmup", "1", "--lr", "0", "--seed", "5"]
     proc = _run([str(plan), *args, "--save", str(saved), "--report", str(report)])
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in saved.iterdir()) == [
+    assert sorted(p.name for p in saved.iterdir()) == ["latest", "step-000002"]
+    assert sorted(p.name for p in (saved / "step-000002").iterdir()) == [
+        "manifest.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
+        "train-00000-of-00002.pt",
+        "train-00001-of-00002.pt",
     ]
     whole = load_model(*GPT, meta=True).module
     materialize(whole, [n for n, _ in whole.named_parameters()], torch.device("cpu"), seed=5)

@@ -1,0 +1,171 @@
+"""Supervising a torchrun job from ``pipeplan run``: signals forwarded, stalls found, no orphans.
+
+torchrun (``torch.distributed.run``) starts each rank in a session of its own
+(``start_new_session``), so a signal sent to ``pipeplan run`` or to its terminal's process group
+never reaches the ranks, and when torchrun itself is stopped it asks them to end with SIGTERM
+and waits 30 s before SIGKILL.  A stopped (SIGSTOP) or frozen rank does not act on SIGTERM.
+:func:`supervise` therefore watches the job itself, every quarter second:
+
+- **a signal** (SIGTERM from a scheduler, SIGINT from Ctrl-C) received by ``pipeplan run`` is
+  forwarded to torchrun and to every rank; whatever is still alive 3 s later is killed
+  (SIGKILL); the job ends as :class:`Outcome` ``signal`` with the step rank 0 was at;
+- **a stall**: each rank's heartbeat thread rewrites ``beat-<rank>`` every 0.5 s
+  (:mod:`pipeplan.runtime.worker`).  A rank blocked on a peer still beats; a rank that is
+  stopped or frozen does not.  A rank silent for ``timeout_s`` (``--timeout``, the process
+  groups' timeout too) stops the job, naming it; so does the collective timeout, whichever
+  comes first;
+- **a failure**: once a rank has written its error file, the others get 3 s to end (torchrun
+  stops them), then are killed, so a stopped peer does not hold the job for torchrun's 30 s.
+
+The ranks' pids come from their heartbeat files; a pid is signalled only while its command
+line is still a ``pipeplan.runtime.worker``.  torchrun's own signal handling (SIGTERM to each
+rank, then SIGKILL) is kept as the first resort; this module only adds the deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Beat", "Outcome", "beats", "forwarded_signals", "supervise"]
+
+#: Seconds the ranks get to end after a signal or a failure before they are killed.
+GRACE_S = 3.0
+#: A rank whose heartbeat is older than this when the job fails is taken as stopped or frozen.
+FROZEN_S = 3.0
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A rank's last heartbeat: its pid, the step it was at, when (``time.time()``)."""
+
+    pid: int
+    step: int | None
+    time: float
+
+
+def beats(run_dir: Path, n_ranks: int) -> dict[int, Beat]:
+    """The heartbeats the ranks have written so far."""
+    out = {}
+    for rank in range(n_ranks):
+        try:
+            pid, step, t = json.loads((run_dir / f"beat-{rank}").read_text())
+        except (OSError, ValueError, TypeError):
+            continue
+        out[rank] = Beat(int(pid), None if step is None else int(step), float(t))
+    return out
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether ``pid`` is alive and still a pipeplan worker (not a reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return b"pipeplan.runtime.worker" in cmdline and state not in ("Z", "X")
+
+
+@dataclass
+class Outcome:
+    """How the job ended: torchrun's exit status (``None`` if it was killed), the signal that
+    stopped it, the ranks that were stopped or frozen (rank -> seconds without a heartbeat,
+    measured when the job ended or stalled) and the step rank 0 was at."""
+
+    code: int | None
+    signal: int | None = None
+    frozen: dict[int, float] = field(default_factory=dict)
+    step: int | None = None
+    stalled: bool = False
+
+
+@contextlib.contextmanager
+def forwarded_signals() -> Iterator[list[int]]:
+    """Catch SIGTERM and SIGINT while the job runs: the list receives each signal number (the
+    main thread only; elsewhere nothing is caught)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, _frame: Any) -> None:
+        received.append(signum)
+
+    for s in previous:
+        signal.signal(s, handler)
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _stop(proc: subprocess.Popen[Any], pids: list[int], sig: int | None) -> int | None:
+    """Send ``sig`` to torchrun and the ranks, wait ``GRACE_S``, then SIGKILL what is left;
+    ``sig=None`` skips to the wait (torchrun is already stopping them)."""
+    if sig is not None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        for pid in pids:
+            if _is_rank(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and (proc.poll() is None or any(_is_rank(p) for p in pids)):
+        time.sleep(0.05)
+    for pid in pids:
+        if _is_rank(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    return None if sig is not None else proc.returncode
+
+
+def supervise(
+    proc: subprocess.Popen[Any],
+    run_dir: Path,
+    n_ranks: int,
+    poll: Callable[[], None],
+    timeout_s: float,
+    received: list[int],
+) -> Outcome:
+    """Watch the job until it ends (module docstring), calling ``poll`` every quarter second
+    and once after it ends."""
+    failed_at: float | None = None
+    while True:
+        try:
+            code: int | None = proc.wait(timeout=0.25)
+        except subprocess.TimeoutExpired:
+            code = None
+        poll()
+        now = time.time()
+        seen = beats(run_dir, n_ranks)
+        pids = [b.pid for b in seen.values()]
+        step = seen[0].step if 0 in seen else None
+        silent = {r: now - b.time for r, b in seen.items() if _is_rank(b.pid)}
+        if code is not None:
+            return Outcome(code, step=step)
+        if received:
+            _stop(proc, pids, received[0])
+            return Outcome(None, signal=received[0], step=step)
+        stalled = {r: age for r, age in silent.items() if age > timeout_s}
+        if stalled:
+            _stop(proc, pids, signal.SIGKILL)
+            return Outcome(None, frozen=stalled, step=step, stalled=True)
+        if failed_at is None and any(run_dir.glob("error-*.json")):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            frozen = {r: age for r, age in silent.items() if age > FROZEN_S}
+            return Outcome(_stop(proc, pids, None), frozen=frozen, step=step)

@@ -1,0 +1,103 @@
+"""Resuming a saved run equals not stopping it, and a run killed between saves loses nothing.
+
+On 2 ranks (4 for pp x dp), a model whose dropout draws from every rank's RNG each step, with
+Adam: a run saving after step 2 and step 4 (the GPipe one saves after every step);
+``--resume`` from the save of step 2 for 2 more steps must write a save of step 4
+bit-identical to the first run's: weights, Adam's moments, step and RNG states (GPipe, 1F1B,
+2 stages x 2 replicas).  Then rank 1 is SIGKILLed during a run saving every step, once inside
+a save (after its files are written, before the commit) and once at a random step and moment
+(a new one each time the suite runs, named in the failure): ``latest`` must name a complete
+save equal to the uninterrupted run's at that step, and resuming from it must end equal to
+the uninterrupted run's last save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from _resume_jobs import ENV, beat, equal, run, state, survivors, wait_for, worker, write_plans
+
+from pipeplan.planner.snapshots import step_name
+
+pytestmark = pytest.mark.xdist_group("resume")
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_plans(tmp_path_factory.mktemp("resume"))
+
+
+@pytest.fixture(scope="module")
+def reference(plans: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted GPipe run of 8 steps saving after every one."""
+    ref = tmp_path_factory.mktemp("reference")
+    proc = run(worker(plans["gpipe"], 2, "--steps", "8", "--save-every", "1", "--save", str(ref)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ref
+
+
+@pytest.mark.parametrize(("name", "world"), [("gpipe", 2), ("1f1b", 2), ("ppdp", 4)])
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(
+    plans: dict[str, Path], reference: Path, tmp_path: Path, name: str, world: int
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    if name == "gpipe":  # the reference is that run
+        a = reference
+    else:
+        cmd = worker(plans[name], world, "--steps", "4", "--save-every", "2", "--save", str(a))
+        proc = run(cmd)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    resume = worker(plans[name], world, "--steps", "2", "--resume", str(a / step_name(2)),
+                    "--save", str(b))  # fmt: skip
+    proc = run(resume)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (b / "latest").read_text().strip() == step_name(4)
+    whole, resumed = state(a / step_name(4)), state(b)
+    assert equal(whole, resumed)
+    assert not equal(state(a / step_name(2)), whole)  # the comparison can fail
+    assert sum(k.startswith("train-") for k in whole) == world  # every rank's state
+
+
+@pytest.mark.parametrize("trial", ["inside-a-save", "random"])
+def test_a_rank_killed_between_saves_resumes_from_the_last_complete_one(
+    plans: dict[str, Path], reference: Path, tmp_path: Path, trial: str
+) -> None:
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    run_dir.mkdir()
+    cmd = worker(plans["gpipe"], 2, "--steps", "8", "--save-every", "1", "--save", str(save),
+                 "--run-dir", str(run_dir))  # fmt: skip
+    env = {**ENV, "PIPEPLAN_FAIL": "1:5:kill-save"} if trial == "inside-a-save" else ENV
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True
+    )
+    where = "in the save of step 5"
+    if trial == "random":  # SIGKILL rank 1 at a random point: a random step, a random moment
+        rng = random.Random()
+        step, delay = rng.randint(1, 4), rng.uniform(0.0, 0.03)
+        where = f"{delay * 1e3:.0f} ms after the save of step {step}"
+        wait_for(lambda: (save / step_name(step)).exists() or proc.poll() is not None, poll=0.002)
+        target = beat(run_dir, 1)
+        assert target is not None
+        time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):  # then the run ended first: fails below
+            os.kill(target[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, f"the run ended before the kill ({where})"
+    last = int((save / "latest").read_text().strip().removeprefix("step-"))
+    if trial == "inside-a-save":
+        assert last == 4 and not (save / step_name(5)).exists()
+    assert 1 <= last < 8, f"{where}: {err[-2000:]}"
+    assert equal(state(save), state(reference / step_name(last))), f"step {last} mixed ({where})"
+    resume = worker(plans["gpipe"], 2, "--steps", str(8 - last), "--resume", str(save),
+                    "--save", str(save))  # fmt: skip
+    done = run(resume)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert equal(state(save), state(reference / step_name(8))), f"resumed from {last} ({where})"
+    assert not survivors(str(tmp_path))
