@@ -42,7 +42,7 @@ from typing import Literal
 
 from pipeplan.planner.types import Plan
 
-__all__ = ["Event", "Timeline", "operation_order", "simulate", "simulate_plan"]
+__all__ = ["Event", "Timeline", "operation_order", "simulate", "simulate_plan", "update_events"]
 
 Kind = Literal["forward", "send", "recv", "recompute", "backward", "tied", "optimizer"]
 
@@ -212,12 +212,14 @@ def simulate(
         for i in members:
             events.append(Event(i, -1, "tied", arrive[i], end))
             arrive[i] = end
-    events += _updates(arrive, update_s, update_contention)
+    events += update_events(arrive, update_s, update_contention)
     makespan = max(e.end_s for e in events) if events else 0.0
     return Timeline(tuple(events), makespan, p, m)
 
 
-def _updates(arrive: Sequence[float], update_s: Sequence[float], kappa_u: float) -> list[Event]:
+def update_events(
+    arrive: Sequence[float], update_s: Sequence[float], kappa_u: float
+) -> list[Event]:
     """The "optimizer" events of updates ``update_s[j]`` released at ``arrive[j]``: advanced from
     event to event (a release or an end), each one's remaining work shrinking at the rate
     1 / (1 + kappa_u (a - 1)) shared by the a under way; in stage order.  With kappa_u = 0 each
