@@ -15,8 +15,9 @@ v_q, engine overhead o per action).  With the tables of :mod:`pipeplan.planner.u
     static_s  = w_s (2 + k) + m x_l + m x_{r+1}      params, gradients, k optimizer states,
                                                      the inputs and the output-gradient buffers
     held_s    = x_{r+1} + [no recompute] sum a_u + [last] (y + a_loss)   per micro-batch
-    weight_held_s = sum of the units' measured bytes alive from I to W (their saved bytes
-                    where not measured; a recomputing chunk keeps its remade activations)
+    weight_held_s = min(held_s, sum a_u + sum d_u)   alive from I until W: the retained
+                    graph's saved bytes and the intermediate gradients d_u that I keeps for W
+                    (a recomputing chunk keeps its remade activations)
     transient_s = [recompute] sum a_u + [s > 0] x_l + [last] 2 y
 
 and :func:`pipeplan.planner.replay.replay` gives the step time and each rank's peak.  The
@@ -135,7 +136,10 @@ class ChunkPlan:
             static, held, wheld, trans,
         )  # fmt: skip
 
-    def replay(self, starts: Sequence[int], recompute: Sequence[bool]) -> Replay:
+    def replay(
+        self, starts: Sequence[int], recompute: Sequence[bool], timeline: bool = False
+    ) -> Replay:
+        """The replay of one partition (its compute events only with ``timeline``)."""
         shared = [(sp.bytes, sp.units) for sp in self.profile.shared_params]
         syncs = tied_syncs(shared, self.cluster, list(starts)) if shared else []
         return replay(
@@ -147,6 +151,7 @@ class ChunkPlan:
             syncs=[(t.stages, t.seconds) for t in syncs],
             step_overhead_s=self.cluster.step_overhead_s,
             update_contention=self.cluster.update_contention,
+            timeline=timeline,
         )
 
     def fits(self, rep: Replay) -> bool:
@@ -166,7 +171,7 @@ def score(
     recompute: Sequence[bool],
 ) -> Replay:
     """The replay of one partition: step time and per-rank peaks."""
-    return ChunkPlan(profile, cluster, options, family, v, m).replay(starts, recompute)
+    return ChunkPlan(profile, cluster, options, family, v, m).replay(starts, recompute, True)
 
 
 def work_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
-from pipeplan.planner.schedules import Action, action_order, rank_of_stage
+from pipeplan.planner.schedules import FAMILIES, Action, action_order, rank_of_stage
 from pipeplan.planner.simulate import update_events
 
 __all__ = ["ChunkCosts", "Replay", "ReplayEvent", "peak_memory", "replay"]
@@ -74,13 +75,11 @@ class Replay:
     p: int
     peak_bytes: tuple[int, ...]
     """Per rank: static bytes plus the largest live bytes of its list."""
+    busy: tuple[float, ...]
+    """Per rank: seconds of compute (F, B, I, W)."""
 
     def busy_s(self, rank: int) -> float:
-        return sum(
-            e.end_s - e.start_s
-            for e in self.events
-            if e.rank == rank and e.kind in ("F", "B", "I", "W")
-        )
+        return self.busy[rank]
 
     @property
     def bubble_fraction(self) -> float:
@@ -114,58 +113,65 @@ def replay(
     syncs: Sequence[tuple[Sequence[int], float]] = (),
     step_overhead_s: float = 0.0,
     update_contention: float = 0.0,
+    timeline: bool = True,
 ) -> Replay:
     """Replay one step of ``family`` on p ranks with v chunks each and m micro-batches.
 
     ``syncs`` are (chunks, seconds) all-reduces of tied gradients, run in order on the ranks
-    that hold those chunks; ``step_overhead_s`` delays the first action.
+    that hold those chunks; ``step_overhead_s`` delays the first action.  Without
+    ``timeline`` only the compute actions' events are left out (a solver's inner loop).
     """
     n = p * v
     if costs.n != n:
         raise ValueError(f"costs name {costs.n} chunks; {family} with p = {p}, v = {v} runs {n}")
-    order = action_order(family, p, v, m)
-    if any(a.kind in "IW" for r in order for a in r) and (
+    if FAMILIES[family].split_backward and (
         costs.backward_input_s is None or costs.backward_weight_s is None
     ):
         raise ValueError(f"{family} splits the backward into I and W: give their times")
     owner = rank_of_stage(family, p, v)
     cross = [owner[s] != owner[s + 1] for s in range(n - 1)] + [False]
-    done: dict[tuple[str, int, int], float] = {}
+    table = {(k, s): _phases(Action(k, s, 0), costs, cross, n)  # type: ignore[arg-type]
+             for s in range(n) for k in ("F", "B", "I", "W")
+             if k in "FB" or costs.backward_input_s is not None}  # fmt: skip
+    took = {key: sum(amount for _, amount in ph) for key, ph in table.items()}
+    compute = {key: sum(amt for kind, amt in ph if kind in "FBIW") for key, ph in table.items()}
+    deps, n_slots = _compiled(family, p, v, m)
+    done = [-1.0] * n_slots
     free = [float(step_overhead_s)] * p
+    busy = [0.0] * p
     pos = [0] * p
     events: list[ReplayEvent] = []
-
-    def dep(a: Action) -> float | None:
-        """When the input of ``a`` is there, or None if not yet."""
-        need = [("F", a.stage, a.microbatch)] if a.kind != "F" else []
-        if a.kind == "F" and a.stage > 0:
-            need.append(("F", a.stage - 1, a.microbatch))
-        if a.kind in "BI" and a.stage < n - 1:
-            grad = ("B", a.stage + 1, a.microbatch)
-            need.append(grad if grad in done else ("I", a.stage + 1, a.microbatch))
-        if a.kind == "W":
-            need.append(("I", a.stage, a.microbatch))
-        if any(k not in done for k in need):
-            return None
-        return max((done[k] for k in need), default=0.0)
-
     progress = True
     while progress:
         progress = False
         for r in range(p):
-            while pos[r] < len(order[r]):
-                a = order[r][pos[r]]
-                ready = dep(a)
-                if ready is None:
-                    break
-                t = max(free[r], ready)
-                for kind, amount in _phases(a, costs, cross, n):
-                    if amount > 0 or kind in "FBIW":
-                        events.append(ReplayEvent(r, a.stage, a.microbatch, kind, t, t + amount))
-                    t += amount
-                done[(a.kind, a.stage, a.microbatch)] = t
+            mine = deps[r]
+            while pos[r] < len(mine):
+                slot, d1, d2, a = mine[pos[r]]
+                t = free[r]
+                if d1 >= 0:
+                    if done[d1] < 0:
+                        break
+                    t = max(t, done[d1])
+                if d2 >= 0:
+                    if done[d2] < 0:
+                        break
+                    t = max(t, done[d2])
+                key = (a.kind, a.stage)
+                if timeline:
+                    start = t
+                    for kind, amount in table[key]:
+                        if amount > 0 or kind in "FBIW":
+                            events.append(
+                                ReplayEvent(r, a.stage, a.microbatch, kind, start, start + amount)
+                            )
+                        start += amount
+                t += took[key]
+                busy[r] += compute[key]
+                done[slot] = t
                 free[r], pos[r] = t, pos[r] + 1
                 progress = True
+    order = action_order(family, p, v, m)
     if any(pos[r] < len(order[r]) for r in range(p)):  # pragma: no cover - torch's lists are valid
         raise RuntimeError(f"{family} deadlocked in the replay")
     arrive = list(free)
@@ -182,8 +188,37 @@ def replay(
         upd[owner[s]] += u
     for e in update_events(arrive, upd if costs.update_s else [], update_contention):
         events.append(ReplayEvent(e.stage, -1, -1, "optimizer", e.start_s, e.end_s))
-    makespan = max((e.end_s for e in events), default=0.0)
-    return Replay(tuple(events), makespan, p, peak_memory(order, costs, p))
+    ends = [*free, *arrive, *(e.end_s for e in events)]
+    makespan = max(ends, default=0.0)
+    return Replay(tuple(events), makespan, p, peak_memory(order, costs, p), tuple(busy))
+
+
+@lru_cache(maxsize=256)
+def _compiled(
+    family: str, p: int, v: int, m: int
+) -> tuple[tuple[tuple[tuple[int, int, int, Action], ...], ...], int]:
+    """Per rank: (slot, dependency slot, dependency slot or -1, action) of every action, the
+    slots numbering the actions; and how many there are."""
+    order = action_order(family, p, v, m)
+    n = p * v
+    slots = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(x for r in order for x in r)}
+    out = []
+    for acts in order:
+        rank = []
+        for a in acts:
+            s, i = a.stage, a.microbatch
+            d1 = d2 = -1
+            if a.kind == "F":
+                d1 = slots[("F", s - 1, i)] if s > 0 else -1
+            elif a.kind == "W":
+                d1 = slots[("I", s, i)]
+            else:
+                d1 = slots[("F", s, i)]
+                if s < n - 1:
+                    d2 = slots.get(("B", s + 1, i), slots.get(("I", s + 1, i), -1))
+            rank.append((slots[(a.kind, s, i)], d1, d2, a))
+        out.append(tuple(rank))
+    return tuple(out), len(slots)
 
 
 def peak_memory(order: Sequence[Sequence[Action]], costs: ChunkCosts, p: int) -> tuple[int, ...]:

@@ -157,14 +157,34 @@ def _local(cp: ChunkPlan, best: Scored, deadline: float) -> Scored:
 
 
 def _exhaustive(cp: ChunkPlan, k: int) -> Scored | None:
+    """Every cut and every recompute mask.  A fixed-order schedule's makespan never falls when
+    an action grows, and recomputing never makes an action shorter, so of the masks that fit
+    only the minimal ones (no fitting proper subset) can win: masks go by popcount, supersets
+    of a fitting one are skipped, and memory (the walk alone) is checked before any replay."""
     best: Scored | None = None
+    order = action_order(cp.family, cp.p, cp.v, cp.m)
+    fixed = _fixed(cp.options, k)
+    masks = (
+        [tuple(fixed)] if fixed is not None else sorted(product((False, True), repeat=k), key=sum)
+    )
+    limits = [d.memory_bytes for d in cp.cluster.devices]
     for cuts in combinations(range(1, cp.costs.n), k - 1):
         starts = [0, *cuts]
-        fixed = _fixed(cp.options, k)
-        for rc in [tuple(fixed)] if fixed is not None else product((False, True), repeat=k):
+        fitting: list[tuple[bool, ...]] = []
+        for rc in masks:
+            if any(all(r or not f for r, f in zip(rc, fit, strict=True)) for fit in fitting):
+                continue  # a superset of a mask that fits: never faster
+            costs = cp.costs_of(starts, rc)
+            if any(
+                pk > lim for pk, lim in zip(peak_memory(order, costs, cp.p), limits, strict=True)
+            ):
+                continue
+            fitting.append(rc)
             cand = _scored(cp, starts, list(rc))
             if best is None or cand[0] < best[0]:
                 best = cand
+    if best is None:  # nothing fits: the seed reports the least peak
+        return _seed(cp, k)
     return best
 
 
