@@ -10,7 +10,7 @@ walked along the same order fits its device.  We minimise T over all of them.
 Algorithm.
   1. Seed each candidate with the min-max partition of the units' F + B at m
      (:func:`pipeplan.solvers.baselines.minmax_partition`) and the recompute flags of
-     :func:`_recompute_to_fit` (none; then, while a rank is over its memory, the chunk of that
+     :func:`recompute_to_fit` (none; then, while a rank is over its memory, the chunk of that
      rank with the most held bytes recomputes).
   2. If every candidate's space is small (sum over candidates of C(n - 1, k - 1) 2^k at most
      ``exhaustive_limit``), enumerate it all: the answer is ``optimal`` under the simulator.
@@ -43,7 +43,7 @@ from pipeplan.planner.types.base import OPTIMIZER_STATES
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.baselines import minmax_partition
 
-__all__ = ["Candidate", "candidates", "solve_schedule"]
+__all__ = ["Candidate", "candidates", "recompute_to_fit", "solve_schedule"]
 
 Candidate = tuple[str, int, int]
 """(family, v, m)."""
@@ -85,7 +85,7 @@ def _fixed(options: PlanOptions, k: int) -> list[bool] | None:
     return [policy == "always" or (policy == "except_last" and s < k - 1) for s in range(k)]
 
 
-def _recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
+def recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
     """No chunk recomputes; then, while a rank is over its memory, its chunk with the most held
     bytes does (until all of that rank's do).  A fixed policy's flags as they are."""
     fixed = _fixed(cp.options, len(starts))
@@ -113,7 +113,7 @@ def _scored(cp: ChunkPlan, starts: list[int], rc: list[bool]) -> Scored:
 def _seed(cp: ChunkPlan, k: int) -> Scored:
     c = cp.costs
     starts = minmax_partition(list(c.f + c.g), k)
-    return _scored(cp, starts, _recompute_to_fit(cp, starts))
+    return _scored(cp, starts, recompute_to_fit(cp, starts))
 
 
 def _dp_seeds(
@@ -150,7 +150,7 @@ def _local(cp: ChunkPlan, best: Scored, deadline: float) -> Scored:
                     or (starts[j + 1] if j + 1 < len(starts) else n) <= starts[j]
                 ):
                     continue
-                cand = _scored(cp, starts, _recompute_to_fit(cp, starts))
+                cand = _scored(cp, starts, recompute_to_fit(cp, starts))
                 if cand[0] < best[0] * (1 - 1e-12):
                     best, improved = cand, True
     return best
