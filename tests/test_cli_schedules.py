@@ -24,7 +24,7 @@ def test_interleaved_plan_is_written_shown_and_refused_by_run(tmp_path: Path, cl
     code, out, _ = cli(["show", str(out_file)])
     assert code == 0 and "interleaved1f1b" in out
     code, out, err = cli(["run", str(out_file), "--steps", "1"])
-    assert code == 2 and "not run yet" in out + err
+    assert code == 2 and "ChunkedRunner" in out + err
     code, out, err = cli(
         cli_argv("plan", profile_file, out_file, "--stages 2 --memory 1GiB --schedule zbv")
     )
