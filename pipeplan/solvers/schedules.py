@@ -286,6 +286,8 @@ def _plan(
                 forward_s=F,
                 backward_s=B,
                 comm_s=C,
+                backward_input_s=costs.backward_input_s[s] if costs.backward_input_s else None,
+                backward_weight_s=costs.backward_weight_s[s] if costs.backward_weight_s else None,
                 time_s=F + B + C,
                 update_s=costs.update_s[s],
                 memory=MemoryBreakdown(**parts, total=sum(parts.values())),

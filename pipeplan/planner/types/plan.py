@@ -85,6 +85,10 @@ class Stage(FrozenModel):
     """B_j per micro-batch, recompute included."""
     comm_s: float
     """C_j: send the cut's activations forward and receive their gradient back."""
+    backward_input_s: float | None = None
+    """I_j: the backward's input-gradient part, for schedules that split it (zero-bubble)."""
+    backward_weight_s: float | None = None
+    """W_j: the backward's weight-gradient part (zero-bubble schedules)."""
     time_s: float
     """t_j = F_j + B_j + C_j."""
     update_s: float = 0.0
