@@ -25,13 +25,14 @@ FAMILIES = {"interleaved1f1b": 2, "loopedbfs": 2, "zb-interleaved": 2, "zbv": 2,
 pytestmark = pytest.mark.xdist_group("torchrun")
 
 
-def test_every_family_gets_the_unsplit_models_loss_and_gradients(tmp_path: Path) -> None:
-    p, m, batch = 2, 4, 8
-    spec = load_model(*GPT)
+def _launch(tmp_path: Path, gpt: tuple, p: int, m: int, starts: list[int], families: dict) -> None:
+    """Run every family's plan over ``starts`` on p gloo ranks; check loss and gradients."""
+    batch = 2 * m
+    spec = load_model(*gpt)
     traced = trace_model(spec.module, spec.batch(batch // m)[0])
     files = []
-    for fam, v in FAMILIES.items():
-        plan = make_plan(*GPT, traced, starts=[0, 2, 3, 5], batch_size=batch, microbatches=m,
+    for fam, v in families.items():
+        plan = make_plan(*gpt, traced, starts=starts, batch_size=batch, microbatches=m,
                          dtype="float32", checkpoint="never")  # fmt: skip
         devices = plan.cluster.devices[:p]
         plan = plan.model_copy(update={
@@ -49,11 +50,11 @@ def test_every_family_gets_the_unsplit_models_loss_and_gradients(tmp_path: Path)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     torch.manual_seed(3)
-    whole = load_model(*GPT).module
+    whole = load_model(*gpt).module
     loss = spec.loss(whole(*inputs), target)
     loss.backward()
     want = {n: prm.grad for n, prm in whole.named_parameters()}
-    for fam in FAMILIES:
+    for fam in families:
         ranks = [torch.load(tmp_path / f"{fam}-rank{r}.pt") for r in range(p)]
         losses = [r["loss"] for r in ranks if r["loss"] is not None]
         assert len(losses) == 1 and losses[0] == pytest.approx(loss.item(), rel=1e-5), fam
@@ -63,3 +64,15 @@ def test_every_family_gets_the_unsplit_models_loss_and_gradients(tmp_path: Path)
         assert got.keys() == want.keys(), fam
         for name, g in want.items():
             torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=f"{fam} {name}")
+
+
+def test_every_family_on_2_ranks_gets_the_unsplit_models_loss_and_gradients(
+    tmp_path: Path,
+) -> None:
+    _launch(tmp_path, GPT, 2, 4, [0, 2, 3, 5], FAMILIES)
+
+
+def test_interleaved_and_v_on_4_ranks(tmp_path: Path) -> None:
+    """p = 4, v = 2: 8 chunks of one unit each (embedding, 6 blocks, head)."""
+    gpt6 = (GPT[0], {**GPT[1], "n_layers": 6})
+    _launch(tmp_path, gpt6, 4, 8, list(range(8)), {"interleaved1f1b": 2, "zbv": 2})
