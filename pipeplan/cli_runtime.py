@@ -10,7 +10,7 @@ import the runtime lazily, so other commands do not pay for torch.distributed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -85,6 +85,12 @@ def run(
              f"dict or a sharded checkpoint folder")  # fmt: skip
     if save is not None and save.exists() and not save.is_dir():
         fail(f"--save {save} is a file; pass a folder for the checkpoint's shards")
+    if _multi_chunk(plan_file):
+        _run_chunked(plan_file, device, [("--report", report), ("--trace", trace),
+                     ("--save", save), ("--weights", weights), ("--model", model)],
+                     steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, seed=seed,
+                     threads=threads)  # fmt: skip
+        return
     p = preflight(
         plan_file,
         model=model,
@@ -138,6 +144,33 @@ def run(
     for path, what in ((report, "report"), (trace, "trace"), (save, "weights")):
         if path:
             console.print(f"{what} -> {path}")
+
+
+def _multi_chunk(plan_file: Path) -> bool:
+    from pipeplan.planner.io import load_plan
+
+    return plan_file.exists() and load_plan(plan_file).schedule not in ("gpipe", "1f1b")
+
+
+def _run_chunked(
+    plan_file: Path, device: str, unsupported: list[tuple[str, object]], **kw: Any
+) -> None:
+    """A multi-chunk plan: torch's schedule class on gloo (:mod:`pipeplan.runtime.chunked`)."""
+    from pipeplan.planner.io import load_plan
+    from pipeplan.runtime.chunked import launch_chunked
+
+    schedule = load_plan(plan_file).schedule
+    given = [flag for flag, value in unsupported if value]
+    if device != "cpu" or given:
+        fail(
+            f"{schedule} plans run on CPU (gloo) without "
+            f"{', '.join(given) or '--device cuda'} for now; drop "
+            f"{'it' if len(given) < 2 else 'them'}, or plan --schedule gpipe or 1f1b"
+        )
+    kw["optimizer"] = kw["optimizer"] or load_plan(plan_file).optimizer
+    code = launch_chunked(plan_file.resolve(), **kw)
+    if code:
+        raise typer.Exit(1)
 
 
 def calibrate(

@@ -13,10 +13,19 @@ stage, which divides a weight two chunks of a rank share twice.
 
 :func:`chunked_step` runs one forward and backward and hands back the loss and this rank's
 gradients by the unsplit model's parameter names: what the equivalence tests compare.
+``pipeplan run`` runs such a plan with :func:`launch_chunked`: torchrun, one rank per device,
+each running :func:`main` (the optimizer's step after every pipelined step); the rank of the
+last chunk prints each step's loss and time, and the median step beside the plan's.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +43,7 @@ from pipeplan.planner.types import Plan
 from pipeplan.runtime.engine import Recompute
 from pipeplan.runtime.stages import build_stages, parameter_names, tied_parameters
 
-__all__ = ["ChunkedRunner", "chunked_step"]
+__all__ = ["ChunkedRunner", "chunked_step", "launch_chunked", "main"]
 
 
 @dataclass
@@ -152,3 +161,76 @@ def chunked_step(
         for k, prm in runner.parameters().items()
         if prm.grad is not None
     }
+
+
+def launch_chunked(
+    plan_path: str | os.PathLike[str],
+    *,
+    steps: int,
+    warmup: int,
+    optimizer: str,
+    lr: float,
+    seed: int,
+    threads: int | None = None,
+) -> int:
+    """Run the plan's steps under torchrun on this machine's CPUs (gloo); the exit status."""
+    from pipeplan.planner.io import load_plan
+
+    p = load_plan(plan_path).cluster.n_stages
+    per_rank = threads or max(1, (os.cpu_count() or 1) // p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={p}", "-m", "pipeplan.runtime.chunked", str(plan_path),
+           f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}",
+           f"--lr={lr}", f"--seed={seed}", f"--threads={per_rank}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(per_rank)}
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank of ``pipeplan run`` on a multi-chunk plan (see the module docstring)."""
+    from pipeplan.intake.model import load_model
+    from pipeplan.planner.io import load_plan
+    from pipeplan.planner.optim import make_optimizer
+
+    ap = argparse.ArgumentParser(prog="pipeplan.runtime.chunked")
+    ap.add_argument("plan")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    plan = load_plan(args.plan)
+    torch.manual_seed(args.seed)
+    spec = load_model(plan.model, dict(plan.model_kwargs))
+    runner = ChunkedRunner.build(plan, spec, torch.device("cpu"))
+    opt = make_optimizer(args.optimizer, list(runner.parameters().values()), args.lr)
+    torch.manual_seed(args.seed + 1)
+    inputs, target = spec.batch(plan.batch_size)
+    times = []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = runner.step(inputs, target)
+        opt.step()
+        dist.barrier()
+        took = time.perf_counter() - t0
+        if step >= args.warmup:
+            times.append(took)
+        if loss is not None:
+            print(f"step {step}: loss {loss:.6f}, {took * 1e3:.1f} ms", flush=True)
+    if runner.last:
+        print(
+            f"{plan.schedule}, {plan.cluster.n_stages} ranks x {plan.stages_per_rank} chunks, "
+            f"m = {plan.microbatches}: median step {statistics.median(times) * 1e3:.1f} ms "
+            f"over {len(times)} steps, predicted {plan.step_time_s * 1e3:.1f} ms",
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

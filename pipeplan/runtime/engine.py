@@ -133,10 +133,9 @@ def check_schedule(plan: Plan) -> None:
         )
     if plan.schedule not in ("gpipe", "1f1b"):
         raise InvalidRequestError(
-            f"pipeplan run executes one stage per rank (gpipe, 1f1b); the plan's schedule "
-            f"{plan.schedule} with {plan.stages_per_rank} chunks per rank is not run by it yet: "
-            "step it in your own loop with pipeplan.runtime.chunked.ChunkedRunner, or plan "
-            "with --schedule gpipe or 1f1b"
+            f"this runner takes one stage per rank (gpipe, 1f1b); the plan's schedule "
+            f"{plan.schedule} with {plan.stages_per_rank} chunks per rank runs with "
+            "pipeplan.runtime.chunked.ChunkedRunner (pipeplan run uses it)"
         )
     if plan.schedule == "1f1b" and plan.microbatches < plan.n_stages:
         raise InvalidRequestError(
