@@ -18,6 +18,18 @@ __all__ = ["torchtitan_text"]
 _TITAN_HF_NAMES: Final = {"embed_tokens": "tok_embeddings", "final_layernorm": "norm"}
 
 
+#: torchtitan's ``pipeline_parallel_schedule`` names (torch's ``get_schedule_class``).
+_TITAN_SCHEDULES: Final = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved1f1b": "Interleaved1F1B",
+    "loopedbfs": "LoopedBFS",
+    "zb-interleaved": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+
+
 def torchtitan_text(
     layout: ModelLayout, stage_keys: list[list[str]], plan: Plan
 ) -> tuple[str, list[list[str]]]:
@@ -52,10 +64,10 @@ def torchtitan_text(
                 f"direct ModuleList, and torchtitan keeps only those; export --to deepspeed or "
                 f"fqns"
             )
-    schedule = {"gpipe": "GPipe", "1f1b": "1F1B"}[plan.schedule]
+    schedule = _TITAN_SCHEDULES[plan.schedule]
     text = (
         "[parallelism]\n"
-        f"pipeline_parallel_degree = {len(names)}\n"
+        f"pipeline_parallel_degree = {len(names) // plan.stages_per_rank}\n"
         f'pipeline_parallel_schedule = "{schedule}"\n'
         f"num_pp_microbatches = {plan.microbatches}\n"
         f"module_fqns_per_model_part = {json.dumps(names)}\n"

@@ -266,11 +266,12 @@ def _split(
     clock: Clock,
 ) -> tuple[float, float, int]:
     """(I, W, bytes held from I until W) of one unit's backward, run as torch's
-    ``stage_backward_input`` then ``stage_backward_weight`` (a pipeline stage's split
-    backward).  A unit whose inputs need no gradient (the model's first) runs no I: its W is the
-    full backward, as on torch's first stage.  The bytes held are the intermediate gradients
-    ``stage_backward_input`` keeps for W plus the unit's weights' saved inputs (bounded by what
-    it saved in the forward; :mod:`pipeplan.planner.chunks` caps it so)."""
+        ``stage_backward_input`` then ``stage_backward_weight`` (a pipeline stage's split
+        backward).  A unit whose inputs need no gradient (the model's first) runs no I: its W is the
+        full backward, as on torch's first stage; so is one whose graph torch cannot split (I = 0, W
+    the full backward, retimed).  The bytes held are the intermediate gradients
+        ``stage_backward_input`` keeps for W plus the unit's weights' saved inputs (bounded by what
+        it saved in the forward; :mod:`pipeplan.planner.chunks` caps it so)."""
     from torch.distributed.pipelining._backward import (
         stage_backward_input,
         stage_backward_weight,
@@ -278,14 +279,21 @@ def _split(
 
     if not tensors:
         return 0.0, 0.0, 0
+    # stage_backward_input detaches the outputs in place, which a view refuses: a view
+    # output goes in as its copy (the copy's backward, a gradient's copy, is timed with I).
+    tensors = [t.clone() if t._is_view() else t for t in tensors]
     inputs = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t.requires_grad]
     weights = [w for w in module.parameters() if w.requires_grad]
     if not inputs:
         _, w_s = clock.time(functools.partial(torch.autograd.backward, tensors, grads))
         return 0.0, w_s, 0
-    (_, groups), i_s = clock.time(
-        lambda: stage_backward_input(tensors, grads, inputs, iter(weights))
-    )
+    try:
+        (_, groups), i_s = clock.time(
+            lambda: stage_backward_input(tensors, grads, inputs, iter(weights))
+        )
+    except RuntimeError:  # torch cannot split this unit's graph: time it whole, as W
+        _, w_s = clock.time(functools.partial(torch.autograd.backward, tensors, grads))
+        return 0.0, w_s, 0
     held = sum(
         value_bytes(g) for group in groups for g in (group.get("grads") or ()) if g is not None
     )
