@@ -29,9 +29,9 @@ checkpoint call each, r_u' - c = (r_u - c) (R - c) / sum_u (r_u - c), with R the
 pass's time and c one call's own cost.  A fourth pass runs each unit's backward split as the
 zero-bubble schedules run it: torch's ``stage_backward_input`` (I, the inputs' gradient) then
 ``stage_backward_weight`` (W), timed apart, with the intermediate gradients kept between them.
-Every repeat runs the four passes in turn
-(batch-norm statistics restored after the last two), so all are timed in the same context.  The first
-pass counts each unit's saved bytes with ``saved_tensors_hooks`` (each storage once,
+Every repeat runs the first three passes in turn, the last two repeats the fourth as well
+(batch-norm statistics restored after all but the first), so all are timed in the same
+context.  The first pass counts each unit's saved bytes with ``saved_tensors_hooks`` (each storage once,
 parameters and buffers excluded) and its output bytes, and doubles as the first warm-up.
 Times are medians over ``repeats`` passes after ``warmup``; spreads are interquartile ranges.
 Parameter gradients accumulate across passes, as they do across a step's micro-batches.
@@ -56,6 +56,10 @@ from pipeplan.profiler.measure import differentiable, median_iqr, storage, value
 from pipeplan.profiler.split import UnitModule
 
 __all__: list[str] = []
+
+#: Repeats (the last ones) that also run the split pass: I and W serve as the backward's
+#: proportions in the schedule solver, so two samples keep their cost to a fraction.
+SPLIT_REPEATS = 2
 
 #: The model's output from a lookup of values by node name (the graph's output node).
 OutputFn = Callable[[Callable[[str], Any]], Any]
@@ -405,11 +409,12 @@ def measure_sweep(
             )
         with _buffers_restored(pieces):
             f, b = _whole_pass(pieces, inputs, loss, output, clock)
-        with _buffers_restored(pieces):
-            _run_pass(
-                pieces, inputs, loss, output,
-                clock=clock, frozen=frozen, recompute=False, record=rec, split=True,
-            )  # fmt: skip
+        if i >= warm + repeats - SPLIT_REPEATS:  # the split pass: the last repeats only
+            with _buffers_restored(pieces):
+                _run_pass(
+                    pieces, inputs, loss, output,
+                    clock=clock, frozen=frozen, recompute=False, record=rec, split=True,
+                )  # fmt: skip
         if rec is not None:
             whole.fwd.append(f)
             whole.bwd.append(b)
