@@ -33,7 +33,7 @@ from math import comb
 import numpy as np
 
 from pipeplan.planner.chunks import ChunkPlan, has_split_backward, refuse_split, work_bound
-from pipeplan.planner.costmodel import tied_syncs
+from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.evaluate import profile_fields
 from pipeplan.planner.replay import Replay, peak_memory
@@ -263,8 +263,7 @@ def _plan(
         r = (starts[s + 1] if s + 1 < k else n) - 1
         q = cp.owner[s]
         dev = cluster.devices[q]
-        w = costs.static_bytes[s] - m * int(cp.costs.x[l] + cp.costs.x[r + 1])
-        params = w // (2 + states)
+        params = int(stage_params(cp.costs, l, r))
         parts = {
             "params": params,
             "grads": params,
