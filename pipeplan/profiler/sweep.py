@@ -283,9 +283,10 @@ def _split(
 
     if not tensors:
         return 0.0, 0.0, 0
-    # stage_backward_input detaches the outputs in place, which a view refuses: a view
-    # output goes in as its copy (the copy's backward, a gradient's copy, is timed with I).
-    tensors = [t.clone() if t._is_view() else t for t in tensors]
+    # stage_backward_input detaches the outputs in place, which a view refuses and which
+    # breaks W when the unit's graph saved its own output (GPT-2's blocks do): the outputs go
+    # in as their copies (the copies' backward, a gradient's copy, is timed with I).
+    tensors = [t.clone() for t in tensors]
     inputs = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t.requires_grad]
     weights = [w for w in module.parameters() if w.requires_grad]
     if not inputs:
