@@ -213,6 +213,10 @@ def plan(
     base = found[0] if found else None
     if devices is None:
         clus = make_cluster(stages, memory, cluster=cluster, calibrated=base)
+        if opts.schedule not in ("gpipe", "1f1b"):
+            from pipeplan.solvers.schedules import solve_schedule
+
+            return solve_schedule(prof, clus, opts)
         return SOLVERS[solver](prof, clus, opts)
     if stages is not None:
         raise InvalidRequestError("devices chooses the stage count; drop stages")

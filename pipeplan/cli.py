@@ -162,7 +162,14 @@ def plan(
             "always, except_last or never."
         ),
     ] = "auto",
-    schedule: Annotated[str, typer.Option(help="gpipe or 1f1b.")] = "gpipe",
+    schedule: Annotated[
+        str,
+        typer.Option(
+            help="gpipe, 1f1b, interleaved1f1b, loopedbfs, zb-interleaved, zbv, dualpipev (torch's "
+            "schedules), or auto: the family, chunks per rank, cuts, m and recomputation chosen "
+            "together, scored by replaying torch's action order."
+        ),
+    ] = "gpipe",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum or adam.")] = "adam",
     bandwidth: Annotated[str | None, typer.Option(help="Link bandwidth, e.g. 10GB/s.")] = None,
     latency: Annotated[str | None, typer.Option(help="Link latency, e.g. 5us.")] = None,
@@ -195,7 +202,9 @@ def plan(
     """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
     from pipeplan.api import calibration as find_calibration
     from pipeplan.api import target_allowed_cuts
+    from pipeplan.planner.schedules import FAMILIES
     from pipeplan.solvers import SOLVERS
+    from pipeplan.solvers.schedules import solve_schedule
 
     check_output(output)
     prof = load_profile(profile_file)
@@ -210,7 +219,7 @@ def plan(
         m = int(microbatches)
     choices = {
         "--checkpoint": (checkpoint, ("auto", "always", "except_last", "never")),
-        "--schedule": (schedule, ("gpipe", "1f1b")),
+        "--schedule": (schedule, ("auto", *FAMILIES)),
         "--optimizer": (optimizer, OPTIMIZERS),
     }
     for flag, (value, allowed) in choices.items():
@@ -237,6 +246,12 @@ def plan(
                 highlight=False,
             )
     base = found[0] if found else None
+    by_order = schedule not in ("gpipe", "1f1b")
+    if by_order and (devices is not None or solver != "dp"):
+        fail(
+            f"--schedule {schedule} is planned by the schedule solver on --stages; "
+            "drop --devices and --solver, or plan --schedule gpipe or 1f1b"
+        )
     if devices is not None:
         if stages is not None:
             fail("--devices chooses the stage count; drop --stages")
@@ -245,7 +260,7 @@ def plan(
     else:
         clus = make_cluster(stages, memory, bandwidth, latency, cluster, base)
         try:
-            result = SOLVERS[solver](prof, clus, options)
+            result = (solve_schedule if by_order else SOLVERS[solver])(prof, clus, options)
         except InfeasiblePlanError as exc:
             fail(str(exc))
     if not record_solve_time:

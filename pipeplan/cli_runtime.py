@@ -10,7 +10,7 @@ import the runtime lazily, so other commands do not pay for torch.distributed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -105,6 +105,13 @@ def run(
         fail("--resume and --weights both say where to start; pass one")
     if resume is not None:
         check_resume(resume)
+    if _multi_chunk(plan_file):
+        _run_chunked(plan_file, device, [("--report", report), ("--trace", trace),
+                     ("--save", save), ("--weights", weights), ("--model", model),
+                      ("--resume", resume), ("--save-every", save_every)],
+                     steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, seed=seed,
+                     threads=threads)  # fmt: skip
+        return
     p = preflight(
         plan_file,
         model=model,
@@ -183,6 +190,33 @@ def check_resume(path: Path) -> None:
             check_file(reader.folder, reader.manifest, name)
     except ModelLoadError as exc:
         fail(str(exc))
+
+
+def _multi_chunk(plan_file: Path) -> bool:
+    from pipeplan.planner.io import load_plan
+
+    return plan_file.exists() and load_plan(plan_file).schedule not in ("gpipe", "1f1b")
+
+
+def _run_chunked(
+    plan_file: Path, device: str, unsupported: list[tuple[str, object]], **kw: Any
+) -> None:
+    """A multi-chunk plan: torch's schedule class on gloo (:mod:`pipeplan.runtime.chunked`)."""
+    from pipeplan.planner.io import load_plan
+    from pipeplan.runtime.chunked import launch_chunked
+
+    schedule = load_plan(plan_file).schedule
+    given = [flag for flag, value in unsupported if value]
+    if device != "cpu" or given:
+        fail(
+            f"{schedule} plans run on CPU (gloo) without "
+            f"{', '.join(given) or '--device cuda'} for now; drop "
+            f"{'it' if len(given) < 2 else 'them'}, or plan --schedule gpipe or 1f1b"
+        )
+    kw["optimizer"] = kw["optimizer"] or load_plan(plan_file).optimizer
+    code = launch_chunked(plan_file.resolve(), **kw)
+    if code:
+        raise typer.Exit(1)
 
 
 def calibrate(

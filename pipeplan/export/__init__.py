@@ -29,6 +29,12 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
     ``E`` (every unit before the first block), one ``t`` per block, ``L`` (every unit after the
     last block): the ``--pipeline-model-parallel-layout`` string, and the
     ``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts.
+    A plan with v chunks per rank in a loop lists its p v chunks in the layout and the size p,
+    which makes Megatron's virtual pipeline size v (its VPP runs its own interleaved
+    schedule); V-placed plans are refused.
+
+Schedules: torchtitan gets the plan's family by torch's name and its p v model parts; DeepSpeed
+runs only its own schedule, so plans of the other families are refused for it.
 
 A tied weight is named under the module torch names it after (GPT-2's ``transformer.wte``), not
 after the head that shares it (:func:`pipeplan.export.layout.owner_names`; the plan's profile
@@ -106,6 +112,17 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             "the plan's units are graph nodes (profiled with --granularity node), not modules, "
             "so no framework can name them; profile with --granularity auto and plan again"
         )
+    chunked = plan.schedule not in ("gpipe", "1f1b")
+    if chunked and target == "deepspeed":
+        raise InvalidRequestError(
+            f"deepspeed runs its own schedule (one stage per rank, 1F1B-like), not "
+            f"{plan.schedule}; plan with --schedule 1f1b to export it there"
+        )
+    if chunked and target == "megatron" and plan.schedule in ("zbv", "dualpipev"):
+        raise InvalidRequestError(
+            f"megatron runs virtual stages in a loop (VPP), not {plan.schedule}'s V; plan with "
+            "--schedule interleaved1f1b to export it there"
+        )
     names = [n for s in plan.stages for n in s.unit_names]
     if profile is not None:
         shared = [(sp.name, sp.units) for sp in profile.shared_params]
@@ -118,7 +135,7 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
     starts = starts_of(plan)
     adjustment = None
     if not all(legal[b] for b in starts[1:]):
-        price = None if profile is None else pricer(plan, profile)
+        price = None if profile is None or chunked else pricer(plan, profile)
         cuts, reason, nearest = closest_plan(plan, keys, legal, price, target)
         if nearest is None:
             raise InvalidRequestError(
@@ -134,8 +151,10 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             min(u for u, ks in enumerate(keys) if k in ks)
             for k in dict.fromkeys(k for ks in keys for k in ks if k not in ("E", "L"))
         ]
-        price = None if profile is None else pricer(plan, profile)
-        text, more = megatron_text(stage_keys, block_starts, price, plan.step_time_s)
+        price = None if profile is None or chunked else pricer(plan, profile)
+        text, more = megatron_text(
+            stage_keys, block_starts, price, plan.step_time_s, plan.stages_per_rank
+        )
         notes += more
         out_keys = [
             (["E"] if j == 0 else [])

@@ -53,18 +53,26 @@ def megatron_text(
     block_starts: Sequence[int],
     price: Callable[[list[int]], Plan] | None,
     planned_s: float,
+    virtual: int = 1,
 ) -> tuple[str, list[str]]:
     """The layout line, the first/last line when it says the same, and a note when it cannot:
     the closest first/last counts, priced when ``price`` is given (``block_starts``: the unit
-    each block starts at)."""
+    each block starts at).  With ``virtual`` v > 1 chunks per rank the layout lists all p v
+    chunks and the size is p: Megatron's virtual pipeline size is then v."""
     last = len(stage_keys) - 1
     counts = [
         (j == 0, sum(k not in ("E", "L") for k in ks), j == last) for j, ks in enumerate(stage_keys)
     ]
     p = len(counts)
     layers = [t for _, t, _ in counts]
-    size = f"--pipeline-model-parallel-size {p} --num-layers {sum(layers)}"
+    size = f"--pipeline-model-parallel-size {p // virtual} --num-layers {sum(layers)}"
     lines = [f"{size} --pipeline-model-parallel-layout '{megatron_layout(counts)}'"]
+    if virtual > 1:  # Megatron reads v from the layout: len(stages) / pipeline size
+        note = (
+            f"megatron: the layout lists the plan's {p} chunks, {virtual} per rank in a loop, "
+            f"which sets Megatron's virtual pipeline size to {virtual} (its interleaved schedule)"
+        )
+        return lines[0] + "\n", [note]
     if p == 1:
         return lines[0] + "\n", []
     middle = layers[1:-1]

@@ -7,7 +7,8 @@ export is those overrides on one line (a ``list[str]`` is comma-separated, a lis
 argument each) and, in comments, the same settings for a config function:
 
 * ``--parallelism.pipeline_parallel_degree p``, ``--parallelism.pipeline_parallel_schedule``
-  (``GPipe`` or ``1F1B``), ``--parallelism.module_fqns_per_model_part``;
+  (torch's class name: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble``, ...),
+  ``--parallelism.module_fqns_per_model_part`` (p·v model parts for v stages per rank);
 * the micro-batches as ``--training.local_batch_size B`` and
   ``--parallelism.pipeline_parallel_microbatch_size B / m`` (0.3.0 has no micro-batch count);
 * ``--training.disable_cuda_graphs``: 0.3.0 refuses pipeline parallelism with CUDA graphs.
@@ -39,6 +40,18 @@ TORCHTITAN_VERSION: Final = "0.3.0"
 #: torchtitan's transformers backend's names for a Llama-like model's modules under ``model.``
 #: (torchtitan/experiments/transformers_modeling_backend/model.py, ``named_children``).
 _TITAN_HF_NAMES: Final = {"embed_tokens": "tok_embeddings", "final_layernorm": "norm"}
+
+
+#: torchtitan's ``pipeline_parallel_schedule`` names (torch's ``get_schedule_class``).
+_TITAN_SCHEDULES: Final = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved1f1b": "Interleaved1F1B",
+    "loopedbfs": "LoopedBFS",
+    "zb-interleaved": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
 
 
 def needs_layer_per_stage(layout: ModelLayout) -> bool:
@@ -85,9 +98,9 @@ def torchtitan_text(
                 f"{TORCHTITAN_VERSION}'s transformers backend fails on such a stage (TypeError: "
                 f"unhashable type: 'slice'); plan again with --for torchtitan"
             )
-    schedule = {"gpipe": "GPipe", "1f1b": "1F1B"}[plan.schedule]
+    schedule = _TITAN_SCHEDULES[plan.schedule]
     settings: list[tuple[str, str, object]] = [
-        ("parallelism", "pipeline_parallel_degree", len(names)),
+        ("parallelism", "pipeline_parallel_degree", len(names) // plan.stages_per_rank),
         ("parallelism", "pipeline_parallel_schedule", schedule),
         ("parallelism", "module_fqns_per_model_part", names),
         ("parallelism", "pipeline_parallel_microbatch_size", plan.microbatch_size),

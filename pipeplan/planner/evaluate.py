@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, Stage, T
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.planner.updates import update_cost, update_tail
 
-__all__ = ["allowed_starts", "build_stages", "check_request", "evaluate"]
+__all__ = ["allowed_starts", "build_stages", "check_request", "evaluate", "profile_fields"]
 
 
 def allowed_starts(options: PlanOptions, n: int) -> np.ndarray:
@@ -54,6 +55,12 @@ def allowed_starts(options: PlanOptions, n: int) -> np.ndarray:
 def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> None:
     """Reject requests no solver can satisfy, with the numbers and the fix."""
     n, p = profile.n_units, cluster.n_stages
+    if options.schedule not in ("gpipe", "1f1b"):
+        raise InvalidRequestError(
+            f"schedule {options.schedule!r}: this solver plans gpipe and 1f1b under the closed "
+            "form; plan the other families with pipeplan.solvers.schedules.solve_schedule "
+            "(pipeplan plan --solver dp --schedule NAME does)"
+        )
     if p > n:
         raise InvalidRequestError(
             f"{p} stages but the profile has only {n} units; use --stages {n} or fewer, "
@@ -165,6 +172,26 @@ def _simulated(
     ).makespan_s
 
 
+def profile_fields(profile: Profile, m: int) -> dict[str, Any]:
+    """The Plan fields every solver copies from the profile, for m micro-batches."""
+    return {
+        "model": profile.model,
+        "model_kwargs": profile.model_kwargs,
+        "profile_fingerprint": profile.fingerprint,
+        "graph_fingerprint": profile.graph_fingerprint,
+        "tracer": profile.tracer,
+        "granularity": profile.granularity,
+        "dtype": profile.dtype,
+        "profiled_threads": profile.device.threads if profile.device.kind == "cpu" else None,
+        "batch_size": profile.batch_size,
+        "microbatches": m,
+        "microbatch_size": profile.batch_size // m,
+        "model_sha256": profile.model_sha256,
+        "batch_dependent_layers": profile.batch_dependent_layers,
+        "unit_expansions": profile.grouping.expanded if profile.grouping else (),
+    }
+
+
 def evaluate(
     profile: Profile,
     cluster: Cluster,
@@ -203,18 +230,8 @@ def evaluate(
     if not feasible:
         status = "infeasible"
     return Plan(
-        model=profile.model,
-        model_kwargs=profile.model_kwargs,
-        profile_fingerprint=profile.fingerprint,
-        graph_fingerprint=profile.graph_fingerprint,
-        tracer=profile.tracer,
-        granularity=profile.granularity,
-        dtype=profile.dtype,
-        profiled_threads=profile.device.threads if profile.device.kind == "cpu" else None,
-        batch_size=profile.batch_size,
-        microbatches=m,
-        microbatch_size=profile.batch_size // m,
-        schedule=options.schedule,
+        **profile_fields(profile, m),
+        schedule=options.schedule,  # type: ignore[arg-type]  # check_request: gpipe or 1f1b
         checkpoint=options.checkpoint,
         optimizer=options.optimizer,
         cluster=cluster,
@@ -238,7 +255,4 @@ def evaluate(
         gap=gap,
         lower_bound_s=lower_bound(profile, cluster, options),
         solve_time_s=solve_time_s,
-        model_sha256=profile.model_sha256,
-        batch_dependent_layers=profile.batch_dependent_layers,
-        unit_expansions=profile.grouping.expanded if profile.grouping else (),
     )

@@ -42,9 +42,19 @@ from typing import Literal
 
 from pipeplan.planner.types import Plan
 
-__all__ = ["Event", "Timeline", "operation_order", "simulate", "simulate_plan"]
+__all__ = ["Event", "Timeline", "operation_order", "simulate", "simulate_plan", "update_events"]
 
-Kind = Literal["forward", "send", "recv", "recompute", "backward", "tied", "optimizer"]
+Kind = Literal[
+    "forward",
+    "send",
+    "recv",
+    "recompute",
+    "backward",
+    "backward_input",
+    "backward_weight",
+    "tied",
+    "optimizer",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,12 +222,14 @@ def simulate(
         for i in members:
             events.append(Event(i, -1, "tied", arrive[i], end))
             arrive[i] = end
-    events += _updates(arrive, update_s, update_contention)
+    events += update_events(arrive, update_s, update_contention)
     makespan = max(e.end_s for e in events) if events else 0.0
     return Timeline(tuple(events), makespan, p, m)
 
 
-def _updates(arrive: Sequence[float], update_s: Sequence[float], kappa_u: float) -> list[Event]:
+def update_events(
+    arrive: Sequence[float], update_s: Sequence[float], kappa_u: float
+) -> list[Event]:
     """The "optimizer" events of updates ``update_s[j]`` released at ``arrive[j]``: advanced from
     event to event (a release or an end), each one's remaining work shrinking at the rate
     1 / (1 + kappa_u (a - 1)) shared by the a under way; in stage order.  With kappa_u = 0 each
@@ -257,7 +269,11 @@ def _phase(cur: tuple[int, list[tuple[Kind, float, bool]], int] | None) -> tuple
 
 
 def simulate_plan(plan: Plan) -> Timeline:
-    """Simulate a plan's step with its stage times, schedule and micro-batch count."""
+    """Simulate a plan's step with its stage times, schedule and micro-batch count.  Plans of
+    the other families (several chunks per rank, a split backward) are replayed from torch's
+    order (:mod:`pipeplan.planner.replay`): one row per rank, its chunks' actions on it."""
+    if plan.schedule not in ("gpipe", "1f1b"):
+        return _replayed(plan)
     return simulate(
         [s.forward_s for s in plan.stages],
         [s.backward_s for s in plan.stages],
@@ -271,3 +287,45 @@ def simulate_plan(plan: Plan) -> Timeline:
         step_overhead_s=plan.cluster.step_overhead_s,
         update_contention=plan.cluster.update_contention,
     )
+
+
+_KINDS: dict[str, Kind] = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward_input",
+    "W": "backward_weight",
+    "send": "send",
+    "recv": "recv",
+    "tied": "tied",
+    "optimizer": "optimizer",
+}
+
+
+def _replayed(plan: Plan) -> Timeline:
+    from pipeplan.planner.replay import ChunkCosts, replay
+
+    st = plan.stages
+    split = all(s.backward_input_s is not None for s in st)
+    costs = ChunkCosts(
+        [s.forward_s for s in st],
+        [s.backward_s for s in st],
+        [s.comm_s for s in st],
+        [s.backward_input_s or 0.0 for s in st] if split else None,
+        [s.backward_weight_s or 0.0 for s in st] if split else None,
+        [s.update_s for s in st],
+    )
+    p = plan.cluster.n_stages
+    rep = replay(
+        plan.schedule,
+        p,
+        plan.stages_per_rank,
+        plan.microbatches,
+        costs,
+        syncs=[(t.stages, t.seconds) for t in plan.tied_syncs],
+        step_overhead_s=plan.cluster.step_overhead_s,
+        update_contention=plan.cluster.update_contention,
+    )
+    events = tuple(
+        Event(e.rank, e.microbatch, _KINDS[e.kind], e.start_s, e.end_s) for e in rep.events
+    )
+    return Timeline(events, rep.makespan_s, p, plan.microbatches)

@@ -26,9 +26,12 @@ units' own checkpoints summed cost more than that (on the MLP above at micro-bat
 the plain pass, against 1.45x for one checkpoint around the model).  So a third pass runs
 all the units under one checkpoint, and the recomputing times are scaled to it: net of one
 checkpoint call each, r_u' - c = (r_u - c) (R - c) / sum_u (r_u - c), with R the whole
-pass's time and c one call's own cost.  Every repeat runs the three passes in turn
-(batch-norm statistics restored after the last two), so all are timed in the same context.  The first
-pass counts each unit's saved bytes with ``saved_tensors_hooks`` (each storage once,
+pass's time and c one call's own cost.  A fourth pass runs each unit's backward split as the
+zero-bubble schedules run it: torch's ``stage_backward_input`` (I, the inputs' gradient) then
+``stage_backward_weight`` (W), timed apart, with the intermediate gradients kept between them.
+Every repeat runs the first three passes in turn, the last two repeats the fourth as well
+(batch-norm statistics restored after all but the first), so all are timed in the same
+context.  The first pass counts each unit's saved bytes with ``saved_tensors_hooks`` (each storage once,
 parameters and buffers excluded) and its output bytes, and doubles as the first warm-up.
 Times are medians over ``repeats`` passes after ``warmup``; spreads are interquartile ranges.
 Parameter gradients accumulate across passes, as they do across a step's micro-batches.
@@ -54,6 +57,10 @@ from pipeplan.profiler.split import UnitModule
 
 __all__: list[str] = []
 
+#: Repeats (the last ones) that also run the split pass: I and W serve as the backward's
+#: proportions in the schedule solver, so two samples keep their cost to a fraction.
+SPLIT_REPEATS = 2
+
 #: The model's output from a lookup of values by node name (the graph's output node).
 OutputFn = Callable[[Callable[[str], Any]], Any]
 
@@ -76,6 +83,9 @@ class _Samples:
     bwd: list[float] = field(default_factory=list)
     rec_fwd: list[float] = field(default_factory=list)
     rec_bwd: list[float] = field(default_factory=list)
+    bwd_input: list[float] = field(default_factory=list)
+    bwd_weight: list[float] = field(default_factory=list)
+    weight_held: int | None = None
     peak: int | None = None
     saved: int = 0
     output: int = 0
@@ -93,6 +103,9 @@ class _Samples:
             peak_bytes=self.peak,
             recompute_forward_s=median_iqr(self.rec_fwd)[0] if self.rec_fwd else None,
             recompute_backward_s=median_iqr(self.rec_bwd)[0] if self.rec_bwd else None,
+            backward_input_s=median_iqr(self.bwd_input)[0] if self.bwd_input else None,
+            backward_weight_s=median_iqr(self.bwd_weight)[0] if self.bwd_weight else None,
+            weight_held_bytes=self.weight_held,
         )
 
 
@@ -186,9 +199,12 @@ def _run_pass(
     recompute: bool,
     record: list[_Samples] | None,
     count: set[int] | None = None,
+    split: bool = False,
 ) -> dict[str, Any]:
     """One pass (see the module docstring); appends its times to ``record`` (units, then the
-    loss) when given.  ``count`` (storages to leave out) turns on the saved-bytes count."""
+    loss) when given.  ``count`` (storages to leave out) turns on the saved-bytes count.
+    ``split`` runs each unit's backward as torch's zero-bubble schedules do (:func:`_split`) and
+    records only those times."""
     state = _Pass(inputs, frozen)
     outs: list[tuple[Any, ...]] = []
     for k, piece in enumerate(pieces):
@@ -203,7 +219,7 @@ def _run_pass(
         state.values.update(
             zip(piece.outputs, (t.detach() if isinstance(t, Tensor) else t for t in out))
         )
-        if record is not None:
+        if record is not None and not split:
             (record[k].rec_fwd if recompute else record[k].fwd).append(f)
             record[k].peak = _max_peak(record[k].peak, clock.peak_since(base))
             if count is not None:
@@ -216,7 +232,7 @@ def _run_pass(
     else:
         value, lf = clock.time(lambda: loss(*loss_args))
     _, lb = clock.time(lambda: torch.autograd.backward(differentiable(value)))
-    if record is not None and not recompute:
+    if record is not None and not recompute and not split:
         record[-1].fwd.append(lf)
         record[-1].bwd.append(lb)
         if count is not None:
@@ -224,6 +240,15 @@ def _run_pass(
     for k in reversed(range(len(pieces))):
         names = pieces[k].outputs
         tensors, grads = state.output_grads(names, outs[k])
+        if split:
+            args = [state.leaf(n) for n in pieces[k].inputs]
+            i_s, w_s, held = _split(pieces[k].module, args, tensors, grads, clock)
+            outs[k] = ()
+            if record is not None:
+                record[k].bwd_input.append(i_s)
+                record[k].bwd_weight.append(w_s)
+                record[k].weight_held = held
+            continue
         base = clock.reset_peak()
         b = (
             clock.time(functools.partial(torch.autograd.backward, tensors, grads))[1]
@@ -235,6 +260,50 @@ def _run_pass(
             (record[k].rec_bwd if recompute else record[k].bwd).append(b)
             record[k].peak = _max_peak(record[k].peak, clock.peak_since(base))
     return state.values
+
+
+def _split(
+    module: torch.nn.Module,
+    args: list[Any],
+    tensors: list[Tensor],
+    grads: list[Tensor],
+    clock: Clock,
+) -> tuple[float, float, int]:
+    """(I, W, bytes held from I until W) of one unit's backward, run as torch's
+        ``stage_backward_input`` then ``stage_backward_weight`` (a pipeline stage's split
+        backward).  A unit whose inputs need no gradient (the model's first) runs no I: its W is the
+        full backward, as on torch's first stage; so is one whose graph torch cannot split (I = 0, W
+    the full backward, retimed).  The bytes held are the intermediate gradients
+        ``stage_backward_input`` keeps for W plus the unit's weights' saved inputs (bounded by what
+        it saved in the forward; :mod:`pipeplan.planner.chunks` caps it so)."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    if not tensors:
+        return 0.0, 0.0, 0
+    # stage_backward_input detaches the outputs in place, which a view refuses and which
+    # breaks W when the unit's graph saved its own output (GPT-2's blocks do): the outputs go
+    # in as their copies (the copies' backward, a gradient's copy, is timed with I).
+    tensors = [t.clone() for t in tensors]
+    inputs = [t for t in tree_leaves(args) if isinstance(t, Tensor) and t.requires_grad]
+    weights = [w for w in module.parameters() if w.requires_grad]
+    if not inputs:
+        _, w_s = clock.time(functools.partial(torch.autograd.backward, tensors, grads))
+        return 0.0, w_s, 0
+    try:
+        (_, groups), i_s = clock.time(
+            lambda: stage_backward_input(tensors, grads, inputs, iter(weights))
+        )
+    except RuntimeError:  # torch cannot split this unit's graph: time it whole, as W
+        _, w_s = clock.time(functools.partial(torch.autograd.backward, tensors, grads))
+        return 0.0, w_s, 0
+    held = sum(
+        value_bytes(g) for group in groups for g in (group.get("grads") or ()) if g is not None
+    )
+    _, w_s = clock.time(lambda: stage_backward_weight(iter(weights), groups))
+    return i_s, w_s, int(held)
 
 
 @contextlib.contextmanager
@@ -341,6 +410,12 @@ def measure_sweep(
             )
         with _buffers_restored(pieces):
             f, b = _whole_pass(pieces, inputs, loss, output, clock)
+        if i >= warm + repeats - SPLIT_REPEATS:  # the split pass: the last repeats only
+            with _buffers_restored(pieces):
+                _run_pass(
+                    pieces, inputs, loss, output,
+                    clock=clock, frozen=frozen, recompute=False, record=rec, split=True,
+                )  # fmt: skip
         if rec is not None:
             whole.fwd.append(f)
             whole.bwd.append(b)

@@ -105,6 +105,20 @@ def print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    if p.rank_peak_bytes:
+        from pipeplan.planner.schedules import stages_of_rank
+
+        ranks = p.cluster.n_stages
+        console.print(
+            f"{p.schedule}: {p.stages_per_rank} chunk(s) per rank; "
+            + "; ".join(
+                f"rank {r} runs chunks "
+                f"{', '.join(map(str, stages_of_rank(p.schedule, ranks, p.stages_per_rank, r)))}"
+                f" (peak {format_bytes(p.rank_peak_bytes[r])})"
+                for r in range(ranks)
+            ),
+            highlight=False,
+        )
     d = p.cluster.data_parallel
     if d > 1:
         alpha, beta = p.cluster.replica_allreduce()

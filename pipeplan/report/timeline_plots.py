@@ -36,6 +36,8 @@ __all__ = ["KIND_STYLE", "gantt", "measured_vs_simulated"]
 KIND_STYLE: dict[str, tuple[str, str]] = {
     "forward": ("#4C72B0", ""),
     "backward": ("#55A868", ""),
+    "backward_input": ("#8FD19E", ""),
+    "backward_weight": ("#2E7D46", ""),
     "recompute": ("#A6C8E8", "///"),
     "send": ("#C8C8C8", "..."),
     "recv": ("#C8C8C8", "..."),
@@ -44,7 +46,7 @@ KIND_STYLE: dict[str, tuple[str, str]] = {
     "optimizer": ("#CCB974", ""),
     "wait": ("#F0F0F0", "\\\\\\"),
 }
-_LABELLED = {"forward", "backward", "loss"}
+_LABELLED = {"forward", "backward", "backward_input", "backward_weight", "loss"}
 
 
 def _draw_schedule(ax: Axes, events: pd.DataFrame, p: int, xmax_s: float) -> None:
@@ -91,6 +93,14 @@ def _bubble(events: pd.DataFrame, p: int, end_s: float) -> float:
 
 
 def _stage_labels(ax: Axes, plan: Plan | None, p: int) -> None:
+    if plan is not None and len(plan.stages) != p:  # several chunks per rank: one row each
+        from pipeplan.planner.schedules import stages_of_rank
+
+        ax.set_yticklabels([
+            f"rank {r}\nchunks {', '.join(map(str, stages_of_rank(plan.schedule, p, plan.stages_per_rank, r)))}"
+            for r in range(p)
+        ])  # fmt: skip
+        return
     devices = [s.device for s in plan.stages] if plan is not None else [None] * p
     ax.set_yticklabels([f"stage {j}" + (f"\n{d}" if d else "") for j, d in enumerate(devices)])
 

@@ -131,6 +131,12 @@ def check_schedule(plan: Plan) -> None:
             f"plan splits batch {plan.batch_size} into {plan.microbatches} micro-batches of "
             f"{plan.microbatch_size}; make the plan again"
         )
+    if plan.schedule not in ("gpipe", "1f1b"):
+        raise InvalidRequestError(
+            f"this runner takes one stage per rank (gpipe, 1f1b); the plan's schedule "
+            f"{plan.schedule} with {plan.stages_per_rank} chunks per rank runs with "
+            "pipeplan.runtime.chunked.ChunkedRunner (pipeplan run uses it)"
+        )
     if plan.schedule == "1f1b" and plan.microbatches < plan.n_stages:
         raise InvalidRequestError(
             f"1F1B needs at least as many micro-batches as stages ({plan.microbatches} < "

@@ -71,6 +71,7 @@ def titan_config(text: str) -> dict[str, object]:
     return {
         "module_fqns_per_model_part": [v.split(",") for v in words["module_fqns_per_model_part"]],
         "pipeline_parallel_degree": int(words["pipeline_parallel_degree"][0]),
+        "pipeline_parallel_schedule": words["pipeline_parallel_schedule"][0],
         "microbatches": int(words["local_batch_size"][0])
         // int(words["pipeline_parallel_microbatch_size"][0]),
     }
@@ -940,3 +941,30 @@ def test_console_script(plan_file: Path, tmp_path: Path) -> None:
     assert bad.stderr.startswith("error: --to 'xla' is not one of")
     usage = subprocess.run(exe, capture_output=True, text=True, check=False)  # no --to
     assert usage.returncode == 2 and "--to" in usage.stderr and "Traceback" not in usage.stderr
+
+
+def test_schedules_export_their_family_and_chunks() -> None:
+    """torchtitan: the family by torch's name and p v model parts; Megatron: the p v chunks in
+    the layout (VPP v); DeepSpeed and Megatron's loop refuse what they cannot run."""
+    from pipeplan.planner.errors import InvalidRequestError
+    from pipeplan.planner.io import load_profile
+    from pipeplan.solvers.schedules import solve_schedule
+
+    profile = load_profile(Path(__file__).parents[2] / "benchmarks/schedules/out/gpt.profile.json")
+    cluster = Cluster.homogeneous(2, 1 << 30)
+    plan = solve_schedule(profile, cluster, PlanOptions(schedule="interleaved1f1b"))
+    config = titan_config(export_plan(plan, "torchtitan").text)
+    assert config["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert config["pipeline_parallel_degree"] == 2
+    assert len(config["module_fqns_per_model_part"]) == 4
+    line = export_plan(plan, "megatron").text.splitlines()[0]
+    args = megatron_args(line)
+    stages = megatron_parse(args["--pipeline-model-parallel-layout"])
+    pp = int(args["--pipeline-model-parallel-size"])
+    assert pp == 2 and len(stages) == 4 and len(stages) // pp == 2  # VPP 2
+    with pytest.raises(InvalidRequestError, match="deepspeed runs its own schedule"):
+        export_plan(plan, "deepspeed")
+    zbv = solve_schedule(profile, cluster, PlanOptions(schedule="zbv"))
+    assert "ZBVZeroBubble" in export_plan(zbv, "torchtitan").text
+    with pytest.raises(InvalidRequestError, match="VPP"):
+        export_plan(zbv, "megatron")

@@ -47,10 +47,11 @@ def _grads(traced: Any) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "model, kwargs", [("pipeplan.models.gpt:gpt", GPT), ("pipeplan.models.resnet:resnet", RESNET)]
 )
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize(("recompute", "split"), [(False, False), (True, False), (False, True)])
 def test_a_pass_gives_the_whole_models_gradients(
-    model: str, kwargs: dict[str, Any], recompute: bool
+    model: str, kwargs: dict[str, Any], recompute: bool, split: bool
 ) -> None:
+    """Plain, recomputing, and split into torch's I and W (the zero-bubble backward)."""
     spec, traced, pieces, inputs, loss, output = _setup(model, kwargs, 4)
     assert len(pieces) >= 3
     buffers = [b.clone() for b in traced.gm.buffers()]
@@ -60,7 +61,7 @@ def test_a_pass_gives_the_whole_models_gradients(
         for b, v in zip(traced.gm.buffers(), buffers):
             b.copy_(v)
     _run_pass(pieces, inputs, loss, output, clock=CPU, frozen=frozenset(inputs),
-              recompute=recompute, record=None)  # fmt: skip
+              recompute=recompute, record=None, split=split)  # fmt: skip
     split = _grads(traced)
     assert split.keys() == whole.keys() and whole
     for name, g in whole.items():
@@ -84,6 +85,11 @@ def test_measure_sweep_times_every_unit_plain_and_recomputing() -> None:
     for t in result.units:
         assert t.forward_s > 0 and t.backward_s > 0 and t.peak_bytes is None
         assert t.recompute_forward_s and t.recompute_backward_s and t.output_bytes > 0
+        assert t.backward_weight_s and t.backward_weight_s > 0
+    # The first unit reads only the model's inputs: no I, its W the full backward (torch's
+    # first stage); every later unit runs both.
+    assert result.units[0].backward_input_s == 0
+    assert all(t.backward_input_s and t.weight_held_bytes is not None for t in result.units[1:])
     assert all(t.saved_bytes > 0 for t in result.units[1:])  # the embedding saves only ids
     assert result.loss.forward_s > 0 and result.loss.saved_bytes > 0
     made = {n for p in pieces for n in p.outputs}

@@ -27,6 +27,7 @@ from pipeplan.planner.types.base import (
     REPORT_SCHEMA,
     CheckpointPolicy,
     OptimizerName,
+    ScheduleChoice,
     ScheduleName,
 )
 from pipeplan.planner.types.cluster import Cluster, Device, Link
@@ -64,6 +65,7 @@ __all__ = [
     "PlanOptions",
     "Profile",
     "RunReport",
+    "ScheduleChoice",
     "ScheduleName",
     "SharedParam",
     "Stage",

@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointPolicy",
     "FrozenModel",
     "OptimizerName",
+    "ScheduleChoice",
     "ScheduleName",
     "canonical_hash",
 ]
@@ -28,7 +29,13 @@ CLUSTER_SCHEMA: Final = "pipeplan.cluster/1"
 REPORT_SCHEMA: Final = "pipeplan.run-report/1"
 
 CheckpointPolicy = Literal["auto", "always", "except_last", "never"]
-ScheduleName = Literal["gpipe", "1f1b"]
+ScheduleName = Literal[
+    "gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zb-interleaved", "zbv", "dualpipev"
+]
+#: What a request may ask for: a family, or ``auto`` (every family, chosen by the simulator).
+ScheduleChoice = Literal[
+    "auto", "gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zb-interleaved", "zbv", "dualpipev"
+]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 #: ``--optimizer`` choices (``momentum`` is SGD with momentum 0.9).
 OPTIMIZERS: tuple[OptimizerName, ...] = ("sgd", "momentum", "adam")

@@ -12,6 +12,7 @@ from pipeplan.planner.types.base import (
     CheckpointPolicy,
     FrozenModel,
     OptimizerName,
+    ScheduleChoice,
     ScheduleName,
     canonical_hash,
 )
@@ -32,7 +33,9 @@ class PlanOptions(FrozenModel):
     """Which stages recompute their forward in the backward: ``auto`` (each stage keeps its
     activations where that fits its device, and only where it does not recomputes: never
     slower than any fixed policy), ``always``, ``except_last`` (torchgpipe's) or ``never``."""
-    schedule: ScheduleName = "gpipe"
+    schedule: ScheduleChoice = "gpipe"
+    """A schedule family (:mod:`pipeplan.planner.schedules`) or ``auto``: every family, its
+    chunks per rank, cuts, m and recomputation chosen together (:mod:`pipeplan.solvers.schedules`)."""
     optimizer: OptimizerName = "adam"
     pinned: dict[int, int] = {}
     """unit index -> stage index (CP-SAT only)."""
@@ -96,6 +99,10 @@ class Stage(FrozenModel):
     """B_j per micro-batch, recompute included."""
     comm_s: float
     """C_j: send the cut's activations forward and receive their gradient back."""
+    backward_input_s: float | None = None
+    """I_j: the backward's input-gradient part, for schedules that split it (zero-bubble)."""
+    backward_weight_s: float | None = None
+    """W_j: the backward's weight-gradient part (zero-bubble schedules)."""
     time_s: float
     """t_j = F_j + B_j + C_j."""
     update_s: float = 0.0
@@ -134,6 +141,12 @@ class Plan(FrozenModel):
     microbatches: int
     microbatch_size: int
     schedule: ScheduleName
+    stages_per_rank: int = Field(default=1, ge=1)
+    """v: the chunks each rank runs; ``stages`` then lists p v chunks, chunk s on the rank
+    :func:`pipeplan.planner.schedules.rank_of_stage` names (a loop, or a V for zbv/dualpipev)."""
+    rank_peak_bytes: tuple[int, ...] = ()
+    """Per rank: the peak memory walked along torch's action order
+    (:func:`pipeplan.planner.replay.peak_memory`); empty for plans of the closed-form solvers."""
     checkpoint: CheckpointPolicy
     optimizer: OptimizerName
     cluster: Cluster

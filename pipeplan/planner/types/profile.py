@@ -60,6 +60,13 @@ class Timing(FrozenModel):
     recomputing stage runs first, its saved tensors packed away by the checkpoint's hooks.  It
     costs more than forward_s (one hook call per saved tensor).  When absent the cost model uses
     forward_s."""
+    backward_input_s: float | None = Field(default=None, ge=0)
+    """I: median seconds of the gradient with respect to the unit's inputs alone (torch's
+    ``stage_backward_input``); with ``backward_weight_s`` needed by the zero-bubble schedules."""
+    backward_weight_s: float | None = Field(default=None, ge=0)
+    """W: median seconds of the gradient with respect to its weights (``stage_backward_weight``)."""
+    weight_held_bytes: int | None = Field(default=None, ge=0)
+    """Bytes that stay alive from I until W (what the weight gradient still needs)."""
 
 
 class Grouping(FrozenModel):

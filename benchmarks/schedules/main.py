@@ -1,0 +1,141 @@
+"""Schedule benchmark: the best plan of each of torch's schedule families over the best 1F1B plan.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.schedules.main [-o benchmarks/schedules/results.json]
+
+For each profile and p in 4, 8, 16 (where the profile has units for p chunks), each family is
+planned with ``pipeplan.solvers.schedules.solve_schedule`` (family fixed; v, cuts, m and
+per-chunk recompute chosen under the memory limit), and its replayed step time is divided by
+the best 1F1B plan's (the same solver, ``--schedule 1f1b``).  Beside it, torchtitan's own
+split under the same schedule, v and m: the p v chunks take equal numbers of units, the
+embedding and the head counting as one layer each (torchtitan's
+``generate_llm_fqn_per_model_part`` with input and output weight 1), recomputing only where
+memory demands it.  The planning time of ``--schedule auto`` is measured on each profile.
+
+Profiles:
+  gpt     the bundled GPT (``pipeplan profile pipeplan.models.gpt:gpt --batch-size 32``, this
+          tree, I and W measured), 256 MiB per device;
+  llama7b benchmarks/profile_units/out/llama7b.profile.json (``--method units``, 34 units, m =
+          32 only), 80 GiB per device.  That profile predates I and W: they are MODELLED here as
+          I = W = B / 2 per unit (Qi et al.'s F = I = W setting), not measured;
+  synth   ``synthetic_profile(48, heavy_ends=True)`` with I = 0.4 B, W = 0.6 B (modelled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine
+from pipeplan.planner.chunks import ChunkPlan
+from pipeplan.planner.errors import PipeplanError
+from pipeplan.planner.io import load_profile
+from pipeplan.planner.schedules import FAMILIES
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Timing
+from pipeplan.solvers.baselines import uniform_partition
+from pipeplan.solvers.schedules import recompute_to_fit, solve_schedule
+
+HERE = Path(__file__).parent
+LINK = Link(bandwidth_Bps=1e10, latency_s=1e-5)
+
+
+def with_split(profile: Profile, input_share: float) -> Profile:
+    """The profile with I = input_share B and W = (1 - input_share) B where not measured."""
+    units = []
+    for u in profile.units:
+        timings = {}
+        for b, t in u.timings.items():
+            if t.backward_input_s is None:
+                t = Timing(**{**t.model_dump(), "backward_input_s": input_share * t.backward_s,
+                              "backward_weight_s": (1 - input_share) * t.backward_s})  # fmt: skip
+            timings[b] = t
+        units.append(u.model_copy(update={"timings": timings}))
+    return profile.model_copy(update={"units": tuple(units)})
+
+
+def profiles() -> dict[str, tuple[Profile, int, str]]:
+    llama = load_profile(HERE.parent / "profile_units/out/llama7b.profile.json")
+    synth = synthetic_profile(48, batch_size=64, microbatch_sizes=[1, 2, 4, 8], heavy_ends=True,
+                              seed=7, loss=True)  # fmt: skip
+    return {
+        "gpt": (load_profile(HERE / "out/gpt.profile.json"), 256 * 2**20, "measured"),
+        "llama7b": (with_split(llama, 0.5), 80 * 2**30, "modelled I = W = B/2"),
+        "synth": (with_split(synth, 0.4), 2**40, "modelled I = 0.4 B"),
+    }
+
+
+def torchtitan_split(profile: Profile, cluster: Cluster, plan: Plan) -> float | None:
+    """The step of torchtitan's equal-layer split under the plan's family, v and m."""
+    k = cluster.n_stages * plan.stages_per_rank
+    if k > profile.n_units:
+        return None
+    cp = ChunkPlan(profile, cluster, PlanOptions(schedule=plan.schedule), plan.schedule,
+                   plan.stages_per_rank, plan.microbatches)  # fmt: skip
+    starts = uniform_partition(profile.n_units, k)
+    rep = cp.replay(starts, recompute_to_fit(cp, starts))
+    return rep.makespan_s if cp.fits(rep) else None
+
+
+def run(out: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name, (prof, memory, split) in profiles().items():
+        for p in (4, 8, 16):
+            if p > prof.n_units:
+                continue
+            cluster = Cluster.homogeneous(p, memory, LINK)
+            best: dict[str, Plan] = {}
+            for fam in FAMILIES:
+                try:
+                    best[fam] = solve_schedule(prof, cluster, PlanOptions(schedule=fam))  # type: ignore[arg-type]
+                except PipeplanError as exc:
+                    print(f"{name} p={p} {fam}: {exc}")
+            t0 = time.perf_counter()
+            auto = solve_schedule(prof, cluster, PlanOptions(schedule="auto"))
+            auto_s = time.perf_counter() - t0
+            base = best["1f1b"].step_time_s if "1f1b" in best else None
+            for fam, plan in best.items():
+                tt = torchtitan_split(prof, cluster, plan)
+                row = {
+                    "profile": name, "split": split, "p": p, "family": fam,
+                    "v": plan.stages_per_rank, "m": plan.microbatches,
+                    "step_s": plan.step_time_s, "bubble": plan.bubble_fraction,
+                    "status": plan.status, "gap": plan.gap,
+                    "ratio_1f1b": plan.step_time_s / base if base else None,
+                    "torchtitan_ratio_1f1b": tt / base if tt and base else None,
+                    "recomputing_chunks": sum(s.recompute for s in plan.stages),
+                    "auto_family": auto.schedule, "auto_ratio_1f1b":
+                    auto.step_time_s / base if base else None, "auto_plan_s": auto_s,
+                }  # fmt: skip
+                print(json.dumps(row))
+                rows.append(row)
+    out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| profile | p | family | v | m | step / best 1F1B | torchtitan split / best 1F1B | bubble | status (gap) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tt = f"{r['torchtitan_ratio_1f1b']:.3f}" if r["torchtitan_ratio_1f1b"] else "-"
+        gap = f" ({r['gap']:.2f})" if r["gap"] is not None else ""
+        lines.append(
+            f"| {r['profile']} | {r['p']} | {r['family']} | {r['v']} | {r['m']} | "
+            f"{r['ratio_1f1b']:.3f} | {tt} | {r['bubble']:.3f} | {r['status']}{gap} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-o", "--output", default=str(HERE / "results.json"))
+    rows = run(Path(ap.parse_args().output))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

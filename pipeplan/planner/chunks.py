@@ -1,0 +1,190 @@
+"""A partition into p v chunks under a schedule family, evaluated by replaying torch's order.
+
+Chunk s covers units l..r and runs on rank q = ``rank_of_stage(family, p, v)[s]`` (speed
+v_q, engine overhead o per action).  With the tables of :mod:`pipeplan.planner.unitcosts`:
+
+    F_s = sum f_u / v_q + o             (fc_u - c_F, plus c_F once, when it recomputes)
+    B_s = sum g_u / v_q + o             (r_u - c_B, plus c_B once, when it recomputes)
+    I_s = sum i_u / v_q + o,  W_s = sum w_u / v_q + o     (profiles that measured I and W; a
+                                        recomputing chunk's I also remakes its forward:
+                                        I_s = B_s - W_s + o)
+    C_s = 2 transfer(x_{r+1})           (paid in the replay only across ranks)
+
+(the loss's forward and backward on the last chunk, its backward in I).  Memory, per chunk:
+
+    static_s  = w_s (2 + k) + m x_l + m x_{r+1}      params, gradients, k optimizer states,
+                                                     the inputs and the output-gradient buffers
+    held_s    = x_{r+1} + [no recompute] sum a_u + [last] (y + a_loss)   per micro-batch
+    weight_held_s = min(held_s, sum a_u + sum d_u)   alive from I until W: the retained
+                    graph's saved bytes and the intermediate gradients d_u that I keeps for W
+                    (a recomputing chunk keeps its remade activations)
+    transient_s = [recompute] sum a_u + [s > 0] x_l + [last] 2 y
+
+and :func:`pipeplan.planner.replay.replay` gives the step time and each rank's peak.  The
+bound :func:`work_bound` holds for every family, v and partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pipeplan.planner.costmodel import stage_params, tied_syncs
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.replay import ChunkCosts, Replay, replay
+from pipeplan.planner.schedules import FAMILIES, rank_of_stage
+from pipeplan.planner.types import Cluster, PlanOptions, Profile
+from pipeplan.planner.types.base import OPTIMIZER_STATES
+from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
+from pipeplan.planner.updates import update_cost
+
+__all__ = ["ChunkPlan", "has_split_backward", "refuse_split", "score", "work_bound"]
+
+
+def has_split_backward(profile: Profile) -> bool:
+    """Whether every unit's every timing measured I and W (``pipeplan profile`` does)."""
+    return all(
+        t.backward_input_s is not None and t.backward_weight_s is not None
+        for u in profile.units
+        for t in u.timings.values()
+    )
+
+
+def refuse_split(profile: Profile, family: str) -> None:
+    """The one line for a zero-bubble family on a profile without I and W."""
+    if FAMILIES[family].split_backward and not has_split_backward(profile):
+        raise InvalidRequestError(
+            f"schedule {family} splits the backward into I and W, which this profile did not "
+            "measure; re-profile with this version's pipeplan profile (either --method)"
+        )
+
+
+class ChunkPlan:
+    """The chunk costs of one (family, v, m) for any cuts and recomputation: the tables once."""
+
+    def __init__(
+        self, profile: Profile, cluster: Cluster, options: PlanOptions, family: str, v: int, m: int
+    ) -> None:
+        self.profile, self.cluster, self.options = profile, cluster, options
+        self.family, self.v, self.m, self.p = family, v, m, cluster.n_stages
+        self.costs = unit_costs(profile, m)
+        self.owner = rank_of_stage(family, self.p, v)
+        self.update = update_cost(profile, options.optimizer, cluster)
+        self.split = FAMILIES[family].split_backward
+        b = profile.batch_size // m
+        if self.split:
+            refuse_split(profile, family)
+            ts = [u.timings[b] for u in profile.units]
+            self.Pi = np.concatenate([[0.0], np.cumsum([t.backward_input_s for t in ts])])
+            self.Pw = np.concatenate([[0.0], np.cumsum([t.backward_weight_s for t in ts])])
+            held = [
+                t.saved_bytes if t.weight_held_bytes is None else t.weight_held_bytes for t in ts
+            ]
+            self.Ph = np.concatenate([[0.0], np.cumsum(held)])
+
+    def costs_of(self, starts: Sequence[int], recompute: Sequence[bool]) -> ChunkCosts:
+        c, n = self.costs, self.costs.n
+        k = len(starts)
+        o = self.cluster.engine_overhead_s
+        states = OPTIMIZER_STATES[self.options.optimizer]
+        F, B, C, I, W, U = [], [], [], [], [], []
+        static, held, wheld, trans = [], [], [], []
+        for s, l in enumerate(starts):
+            r = (starts[s + 1] if s + 1 < k else n) - 1
+            speed = self.cluster.devices[self.owner[s]].speed
+            last, rc = s == k - 1, bool(recompute[s])
+            if rc:
+                f = float(c.Pfc[r + 1] - c.Pfc[l]) + c.call_f
+                g = float(c.Pr[r + 1] - c.Pr[l]) + c.call_b
+            else:
+                f, g = float(c.Pf[r + 1] - c.Pf[l]), float(c.Pg[r + 1] - c.Pg[l])
+            f += c.loss_f if last else 0.0
+            g += c.loss_g if last else 0.0
+            F.append(f / speed + o)
+            B.append(g / speed + o)
+            if self.split:
+                w = float(self.Pw[r + 1] - self.Pw[l])
+                i = (
+                    g - w
+                    if rc
+                    else float(self.Pi[r + 1] - self.Pi[l]) + (c.loss_g if last else 0.0)
+                )
+                I.append(max(i, 0.0) / speed + o)
+                W.append(w / speed + o)
+            x_in, x_out = float(c.x[l]), float(c.x[r + 1])
+            cut = r + 1
+            C.append(
+                2.0 * self.cluster.link.transfer_s(x_out, int(c.msgs[cut]))
+                if not last and x_out > 0
+                else 0.0
+            )
+            params = stage_params(c, l, r)
+            acts = float(c.Pa[r + 1] - c.Pa[l])
+            U.append(self.update.seconds(params) / speed)
+            static.append(int(params * (2 + states) + self.m * (x_in + x_out)))
+            h = x_out + (0.0 if rc else acts) + ((c.out + c.loss_a) if last else 0.0)
+            held.append(int(h))
+            if self.split:
+                kept = float(self.Ph[r + 1] - self.Ph[l])
+                wheld.append(int(acts if rc else min(kept, h)))
+            trans.append(
+                int((acts if rc else 0.0) + (x_in if s > 0 else 0.0) + (2 * c.out if last else 0.0))
+            )
+        return ChunkCosts(
+            F, B, C, I if self.split else None, W if self.split else None, U,
+            static, held, wheld, trans,
+        )  # fmt: skip
+
+    def replay(
+        self, starts: Sequence[int], recompute: Sequence[bool], timeline: bool = False
+    ) -> Replay:
+        """The replay of one partition (its compute events only with ``timeline``)."""
+        shared = [(sp.bytes, sp.units) for sp in self.profile.shared_params]
+        syncs = tied_syncs(shared, self.cluster, list(starts)) if shared else []
+        return replay(
+            self.family,
+            self.p,
+            self.v,
+            self.m,
+            self.costs_of(starts, recompute),
+            syncs=[(t.stages, t.seconds) for t in syncs],
+            step_overhead_s=self.cluster.step_overhead_s,
+            update_contention=self.cluster.update_contention,
+            timeline=timeline,
+        )
+
+    def fits(self, rep: Replay) -> bool:
+        return all(
+            peak <= self.cluster.devices[q].memory_bytes for q, peak in enumerate(rep.peak_bytes)
+        )
+
+
+def score(
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    family: str,
+    v: int,
+    m: int,
+    starts: Sequence[int],
+    recompute: Sequence[bool],
+) -> Replay:
+    """The replay of one partition: step time and per-rank peaks."""
+    return ChunkPlan(profile, cluster, options, family, v, m).replay(starts, recompute, True)
+
+
+def work_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
+    """min over m of max(m S_m / sum_q v_q, S_m / v_max) + c, S_m = sum_u min(plain_u,
+    recomputed_u) at m (the loss's included): the ranks share all the work, and one
+    micro-batch's forward and backward through every unit run one after the other.  No family,
+    v, partition or recomputation beats it."""
+    speed = sum(d.speed for d in cluster.devices)
+    fastest = max(d.speed for d in cluster.devices)
+    best = np.inf
+    for m in microbatch_choices(profile, options):
+        c = unit_costs(profile, m)
+        least = np.minimum(c.f + c.g, np.diff(c.Pfc) + np.diff(c.Pr))
+        work = float(least.sum()) + c.loss_f + c.loss_g
+        best = min(best, max(m * work / speed, work / fastest))
+    return float(best) + cluster.step_overhead_s

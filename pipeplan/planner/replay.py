@@ -1,0 +1,255 @@
+"""Replay of torch's per-rank action lists: step time and per-rank peak memory of any schedule.
+
+Chunk s (of n = p v) has per micro-batch: forward F_s, full backward B_s (recompute
+included), and for the split families I_s + W_s (input and weight gradients); C_s is the round
+trip across the cut after chunk s, paid only where chunks s and s + 1 sit on different ranks.
+Each rank runs :func:`pipeplan.planner.schedules.action_order`'s list in order, each action as
+soon as its rank is free and its input has arrived:
+
+    F(s, i)     needs F(s - 1, i);  runs F_s, then the blocking send C_s / 2
+    B/I(s, i)   needs F(s, i) and the B or I of (s + 1, i);  runs the receive C_s / 2, then B_s or I_s
+    W(s, i)     needs I(s, i);  runs W_s
+
+torch's special case: chunk 0 has no input gradient to make, so its I does nothing and its W is
+the full backward (I_0 = 0, W_0 = B_0).  Then every rank updates its chunks' parameters
+(U_r = sum of its chunks' U_s) after its last action; ``syncs`` (all-reduces of tied gradients
+between chunks) run before, as in :mod:`pipeplan.planner.simulate`, whose GPipe and 1F1B
+timelines this reproduces exactly without contention (k = 0; the replay has no contention).
+
+Memory follows the same list, so a rank's peak is independent of timing: a chunk's micro-batch
+holds ``held_s`` bytes (its outputs, its saved activations, or only its input when it
+recomputes) from its F until its B, or until its W for the part ``weight_held_s`` that the
+weight gradient still needs after I; during a backward ``transient_s`` more (the activations a
+recomputing chunk remakes, the working gradients).  Peak_r = static_r + max over the list of
+the live bytes, static_r the parameters, gradients, optimizer states and buffers of its chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pipeplan.planner.schedules import FAMILIES, Action, action_order, rank_of_stage
+from pipeplan.planner.simulate import update_events
+
+__all__ = ["ChunkCosts", "Replay", "ReplayEvent", "peak_memory", "replay"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCosts:
+    """Per-chunk, per-micro-batch costs (seconds and bytes), indexed by chunk."""
+
+    forward_s: Sequence[float]
+    backward_s: Sequence[float]
+    comm_s: Sequence[float]
+    backward_input_s: Sequence[float] | None = None
+    """I_s; with ``backward_weight_s`` needed by the split families."""
+    backward_weight_s: Sequence[float] | None = None
+    update_s: Sequence[float] = ()
+    static_bytes: Sequence[int] = ()
+    held_bytes: Sequence[int] = ()
+    weight_held_bytes: Sequence[int] = ()
+    transient_bytes: Sequence[int] = ()
+
+    @property
+    def n(self) -> int:
+        return len(self.forward_s)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayEvent:
+    rank: int
+    stage: int
+    microbatch: int
+    kind: str
+    """F, B, I, W, send, recv, tied or optimizer."""
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    events: tuple[ReplayEvent, ...]
+    makespan_s: float
+    p: int
+    peak_bytes: tuple[int, ...]
+    """Per rank: static bytes plus the largest live bytes of its list."""
+    busy: tuple[float, ...]
+    """Per rank: seconds of compute (F, B, I, W)."""
+
+    def busy_s(self, rank: int) -> float:
+        return self.busy[rank]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """1 - average compute time per rank / makespan."""
+        if self.makespan_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s(r) for r in range(self.p)) / self.p / self.makespan_s
+
+
+def _phases(a: Action, costs: ChunkCosts, cross: Sequence[bool], n: int) -> list[tuple[str, float]]:
+    s = a.stage
+    half = costs.comm_s[s] / 2 if s < n - 1 and cross[s] else 0.0
+    if a.kind == "F":
+        return [("F", costs.forward_s[s]), ("send", half)]
+    if a.kind == "W":
+        assert costs.backward_weight_s is not None
+        return [("W", costs.backward_s[s] if s == 0 else costs.backward_weight_s[s])]
+    if a.kind == "I":
+        assert costs.backward_input_s is not None
+        return [("recv", half), ("I", 0.0 if s == 0 else costs.backward_input_s[s])]
+    return [("recv", half), ("B", costs.backward_s[s])]
+
+
+def replay(
+    family: str,
+    p: int,
+    v: int,
+    m: int,
+    costs: ChunkCosts,
+    *,
+    syncs: Sequence[tuple[Sequence[int], float]] = (),
+    step_overhead_s: float = 0.0,
+    update_contention: float = 0.0,
+    timeline: bool = True,
+) -> Replay:
+    """Replay one step of ``family`` on p ranks with v chunks each and m micro-batches.
+
+    ``syncs`` are (chunks, seconds) all-reduces of tied gradients, run in order on the ranks
+    that hold those chunks; ``step_overhead_s`` delays the first action.  Without
+    ``timeline`` only the compute actions' events are left out (a solver's inner loop).
+    """
+    n = p * v
+    if costs.n != n:
+        raise ValueError(f"costs name {costs.n} chunks; {family} with p = {p}, v = {v} runs {n}")
+    if FAMILIES[family].split_backward and (
+        costs.backward_input_s is None or costs.backward_weight_s is None
+    ):
+        raise ValueError(f"{family} splits the backward into I and W: give their times")
+    owner = rank_of_stage(family, p, v)
+    cross = [owner[s] != owner[s + 1] for s in range(n - 1)] + [False]
+    table = {(k, s): _phases(Action(k, s, 0), costs, cross, n)  # type: ignore[arg-type]
+             for s in range(n) for k in ("F", "B", "I", "W")
+             if k in "FB" or costs.backward_input_s is not None}  # fmt: skip
+    took = {key: sum(amount for _, amount in ph) for key, ph in table.items()}
+    compute = {key: sum(amt for kind, amt in ph if kind in "FBIW") for key, ph in table.items()}
+    deps, n_slots = _compiled(family, p, v, m)
+    done = [-1.0] * n_slots
+    free = [float(step_overhead_s)] * p
+    busy = [0.0] * p
+    pos = [0] * p
+    events: list[ReplayEvent] = []
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            mine = deps[r]
+            while pos[r] < len(mine):
+                slot, d1, d2, a = mine[pos[r]]
+                t = free[r]
+                if d1 >= 0:
+                    if done[d1] < 0:
+                        break
+                    t = max(t, done[d1])
+                if d2 >= 0:
+                    if done[d2] < 0:
+                        break
+                    t = max(t, done[d2])
+                key = (a.kind, a.stage)
+                if timeline:
+                    start = t
+                    for kind, amount in table[key]:
+                        if amount > 0 or kind in "FBIW":
+                            events.append(
+                                ReplayEvent(r, a.stage, a.microbatch, kind, start, start + amount)
+                            )
+                        start += amount
+                t += took[key]
+                busy[r] += compute[key]
+                done[slot] = t
+                free[r], pos[r] = t, pos[r] + 1
+                progress = True
+    order = action_order(family, p, v, m)
+    if any(pos[r] < len(order[r]) for r in range(p)):  # pragma: no cover - torch's lists are valid
+        raise RuntimeError(f"{family} deadlocked in the replay")
+    arrive = list(free)
+    for members, seconds in syncs:
+        ranks = sorted({owner[s] for s in members})
+        if len(ranks) < 2:
+            continue
+        end = max(arrive[r] for r in ranks) + seconds
+        for r in ranks:
+            events.append(ReplayEvent(r, -1, -1, "tied", arrive[r], end))
+            arrive[r] = end
+    upd = [0.0] * p
+    for s, u in enumerate(costs.update_s):
+        upd[owner[s]] += u
+    for e in update_events(arrive, upd if costs.update_s else [], update_contention):
+        events.append(ReplayEvent(e.stage, -1, -1, "optimizer", e.start_s, e.end_s))
+    ends = [*free, *arrive, *(e.end_s for e in events)]
+    makespan = max(ends, default=0.0)
+    return Replay(tuple(events), makespan, p, peak_memory(order, costs, p), tuple(busy))
+
+
+@lru_cache(maxsize=256)
+def _compiled(
+    family: str, p: int, v: int, m: int
+) -> tuple[tuple[tuple[tuple[int, int, int, Action], ...], ...], int]:
+    """Per rank: (slot, dependency slot, dependency slot or -1, action) of every action, the
+    slots numbering the actions; and how many there are."""
+    order = action_order(family, p, v, m)
+    n = p * v
+    slots = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(x for r in order for x in r)}
+    out = []
+    for acts in order:
+        rank = []
+        for a in acts:
+            s, i = a.stage, a.microbatch
+            d1 = d2 = -1
+            if a.kind == "F":
+                d1 = slots[("F", s - 1, i)] if s > 0 else -1
+            elif a.kind == "W":
+                d1 = slots[("I", s, i)]
+            else:
+                d1 = slots[("F", s, i)]
+                if s < n - 1:
+                    d2 = slots.get(("B", s + 1, i), slots.get(("I", s + 1, i), -1))
+            rank.append((slots[(a.kind, s, i)], d1, d2, a))
+        out.append(tuple(rank))
+    return tuple(out), len(slots)
+
+
+def peak_memory(order: Sequence[Sequence[Action]], costs: ChunkCosts, p: int) -> tuple[int, ...]:
+    """Per rank: its chunks' static bytes plus the largest live bytes while it runs its list."""
+    if not costs.held_bytes:
+        return (0,) * p
+    static = [0] * p
+    n = costs.n
+    wkeep = costs.weight_held_bytes or [0] * n
+    trans = costs.transient_bytes or [0] * n
+    peaks = []
+    for r in range(p):
+        live = peak = 0
+        chunks = {a.stage for a in order[r]}
+        static[r] = sum(int(costs.static_bytes[s]) for s in chunks) if costs.static_bytes else 0
+        for a in order[r]:
+            s = a.stage
+            if a.kind == "F":
+                live += int(costs.held_bytes[s])
+                peak = max(peak, live)
+            elif a.kind == "B":
+                peak = max(peak, live + int(trans[s]))
+                live -= int(costs.held_bytes[s])
+            elif a.kind == "I":
+                if s > 0:  # chunk 0's I does nothing: its W is the full backward
+                    peak = max(peak, live + int(trans[s]))
+                    live -= int(costs.held_bytes[s]) - int(wkeep[s])
+            elif s == 0:
+                peak = max(peak, live + int(trans[s]))
+                live -= int(costs.held_bytes[s])
+            else:
+                live -= int(wkeep[s])
+        peaks.append(static[r] + peak)
+    return tuple(peaks)

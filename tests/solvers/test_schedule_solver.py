@@ -1,0 +1,119 @@
+"""The schedule solver against brute force: chunk partitions x m x family x per-chunk recompute."""
+
+from __future__ import annotations
+
+from itertools import combinations, product
+
+import pytest
+
+from pipeplan.planner.chunks import score, work_bound
+from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
+from pipeplan.planner.schedules import FAMILIES, check
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, PlanOptions, Profile
+from pipeplan.planner.types.profile import Timing
+from pipeplan.solvers.schedules import solve_schedule
+
+
+def _with_split(profile: Profile) -> Profile:
+    """The profile with I = 0.4 B and W = 0.6 B, as a profiler that measured them would give."""
+    units = []
+    for u in profile.units:
+        timings = {
+            b: Timing(**{**t.model_dump(), "backward_input_s": 0.4 * t.backward_s,
+                         "backward_weight_s": 0.6 * t.backward_s})
+            for b, t in u.timings.items()
+        }  # fmt: skip
+        units.append(u.model_copy(update={"timings": timings}))
+    return profile.model_copy(update={"units": tuple(units)})
+
+
+def _brute(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
+    n, p = profile.n_units, cluster.n_stages
+    best = float("inf")
+    families = FAMILIES if options.schedule == "auto" else [options.schedule]
+    for fam in families:
+        for v in FAMILIES[fam].v:
+            k = p * v
+            for b in profile.microbatch_sizes:
+                m = profile.batch_size // b
+                if k > n or check(fam, p, v, m) is not None:
+                    continue
+                for cuts in combinations(range(1, n), k - 1):
+                    for rc in product((False, True), repeat=k):
+                        rep = score(profile, cluster, options, fam, v, m, [0, *cuts], rc)
+                        if all(pk <= cluster.devices[q].memory_bytes
+                               for q, pk in enumerate(rep.peak_bytes)):  # fmt: skip
+                            best = min(best, rep.makespan_s)
+    return best
+
+
+@pytest.fixture(scope="module")
+def small() -> Profile:
+    return _with_split(
+        synthetic_profile(5, batch_size=8, microbatch_sizes=[2, 4], seed=2, loss=True)
+    )
+
+
+@pytest.mark.parametrize("schedule", ["auto", "1f1b", "zbv"])
+def test_optimal_equals_brute_force(small: Profile, schedule: str) -> None:
+    options = PlanOptions(schedule=schedule)  # type: ignore[arg-type]
+    cluster = Cluster.homogeneous(2, 10**9)
+    plan = solve_schedule(small, cluster, options)
+    assert plan.status == "optimal"
+    assert plan.step_time_s == pytest.approx(_brute(small, cluster, options), rel=1e-12)
+    if schedule != "auto":
+        assert plan.schedule == schedule
+
+
+def test_memory_forces_recompute_and_the_brute_force_agrees(small: Profile) -> None:
+    options = PlanOptions(schedule="1f1b")
+    free = solve_schedule(small, Cluster.homogeneous(2, 10**9), options)
+    tight_bytes = int(max(free.rank_peak_bytes) * 0.9)
+    tight = Cluster.homogeneous(2, tight_bytes)
+    plan = solve_schedule(small, tight, options)
+    assert max(plan.rank_peak_bytes) <= tight_bytes
+    assert plan.step_time_s == pytest.approx(_brute(small, tight, options), rel=1e-12)
+    with pytest.raises(InfeasiblePlanError, match="GiB"):
+        solve_schedule(small, Cluster.homogeneous(2, 1000), options)
+
+
+def test_local_search_is_bounded_by_brute_force_and_the_bound(small: Profile) -> None:
+    options = PlanOptions(schedule="auto")
+    cluster = Cluster.homogeneous(2, 10**9)
+    plan = solve_schedule(small, cluster, options, exhaustive_limit=0)
+    best = _brute(small, cluster, options)
+    assert plan.status == "feasible" and plan.gap is not None
+    assert plan.lower_bound_s == pytest.approx(work_bound(small, cluster, options))
+    assert plan.lower_bound_s <= best <= plan.step_time_s
+    assert plan.step_time_s * (1 - plan.gap) == pytest.approx(plan.lower_bound_s)
+
+
+def test_zero_bubble_needs_i_and_w() -> None:
+    plain = synthetic_profile(5, batch_size=8, microbatch_sizes=[2, 4], seed=2)
+    with pytest.raises(InvalidRequestError, match="re-profile"):
+        solve_schedule(plain, Cluster.homogeneous(2, 10**9), PlanOptions(schedule="zbv"))
+    auto = solve_schedule(plain, Cluster.homogeneous(2, 10**9), PlanOptions(schedule="auto"))
+    assert not FAMILIES[auto.schedule].split_backward
+
+
+def test_chunks_sit_on_their_ranks(small: Profile) -> None:
+    plan = solve_schedule(small, Cluster.homogeneous(2, 10**9), PlanOptions(schedule="zbv"))
+    assert plan.stages_per_rank == 2 and len(plan.stages) == 4
+    assert [s.device for s in plan.stages] == [
+        plan.cluster.devices[q].name for q in (0, 1, 1, 0)
+    ]  # the V: chunks 0 and 3 on rank 0
+
+
+def test_the_plans_timeline_is_the_replay_one_row_per_rank(small: Profile) -> None:
+    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.report.timeline_plots import gantt
+
+    plan = solve_schedule(small, Cluster.homogeneous(2, 10**9), PlanOptions(schedule="zbv"))
+    timeline = simulate_plan(plan)
+    assert timeline.makespan_s == pytest.approx(plan.step_time_s, rel=1e-12)
+    assert timeline.n_stages == 2 and {e.stage for e in timeline.events} == {0, 1}
+    kinds = {e.kind for e in timeline.events}
+    assert {"forward", "backward_input", "backward_weight"} <= kinds
+    labels = [t.get_text() for t in gantt(plan).axes[0].get_yticklabels()]
+    assert labels == ["rank 0\nchunks 0, 3", "rank 1\nchunks 1, 2"]

@@ -1,0 +1,35 @@
+"""`pipeplan plan --schedule` over torch's families: written, shown, and refused with one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _cli_argv import cli_argv
+
+from pipeplan.planner.io import load_plan, write_json
+from pipeplan.planner.synthetic import synthetic_profile
+
+
+def test_interleaved_plan_is_written_shown_and_refused_by_run(tmp_path: Path, cli) -> None:
+    profile_file = tmp_path / "profile.json"
+    write_json(profile_file, synthetic_profile(12, batch_size=16, heavy_ends=True, seed=4))
+    out_file = tmp_path / "plan.json"
+    options = "--stages 2 --memory 1GiB --schedule interleaved1f1b --no-calibration"
+    code, out, _ = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0, out
+    plan = load_plan(out_file)
+    assert plan.schedule == "interleaved1f1b" and plan.stages_per_rank == 2
+    assert len(plan.stages) == 4 and plan.solver == "schedules"
+    assert len(plan.rank_peak_bytes) == 2 and plan.simulated_step_time_s == plan.step_time_s
+    code, out, _ = cli(["show", str(out_file)])
+    assert code == 0 and "rank 0 runs chunks 0, 2" in out and "rank 1 runs chunks 1, 3" in out
+    code, out, err = cli(["run", str(out_file), "--steps", "1", "--report", "r.json"])
+    assert code == 2 and "without --report for now" in out + err
+    code, out, err = cli(
+        cli_argv("plan", profile_file, out_file, "--stages 2 --memory 1GiB --schedule zbv")
+    )
+    assert code == 2 and "re-profile" in out + err and "Traceback" not in out + err
+    code, out, err = cli(
+        cli_argv("plan", profile_file, out_file, "--stages 2 --memory 1GiB --schedule zb")
+    )
+    assert code == 2 and "--schedule 'zb' is not one of" in out + err
