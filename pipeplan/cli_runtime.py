@@ -54,9 +54,10 @@ def run(
         str,
         typer.Option(
             help="stage: each rank builds the model on meta and materializes only its stage; "
-            "full: each rank builds the whole model."
+            "full: each rank builds the whole model; auto: stage, unless something on meta has "
+            "no initializer and the whole model fits in host memory, then full."
         ),
-    ] = "stage",
+    ] = "auto",
     weights: Annotated[
         Path | None,
         typer.Option(
@@ -78,8 +79,8 @@ def run(
         fail(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if batch_norm not in ("deferred", "microbatch"):
         fail(f"--batch-norm {batch_norm!r} is not deferred or microbatch")
-    if init not in ("stage", "full"):
-        fail(f"--init {init!r} is not stage or full")
+    if init not in ("auto", "stage", "full"):
+        fail(f"--init {init!r} is not auto, stage or full")
     if weights is not None and not weights.exists():
         fail(f"--weights {weights} does not exist; pass a .safetensors file, a torch state "
              f"dict or a sharded checkpoint folder")  # fmt: skip

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import operator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -73,15 +74,26 @@ def _trace_fx(module: nn.Module, n_inputs: int) -> GraphModule:
     graph = tracer.trace(module, concrete_args=fixed or None)
     gm = GraphModule(tracer.root, graph, type(module).__name__)
     if fixed:
-        assert_none = torch.fx._symbolic_trace._assert_is_none
         for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
             for user in list(node.users):
-                if user.target is assert_none and not user.users:
-                    gm.graph.erase_node(user)
+                _erase_check(gm.graph, user)
             if not node.users:
                 gm.graph.erase_node(node)
         gm.recompile()
     return gm
+
+
+def _erase_check(graph: Graph, node: Node) -> None:
+    """Erase fx's check that a fixed argument kept its value: ``_assert_is_none(x)`` for a
+    ``None`` default, ``_assert(eq(x, value))`` for any other (``is_causal=False``)."""
+    if node.target is torch.fx._symbolic_trace._assert_is_none and not node.users:
+        graph.erase_node(node)
+    elif node.target is operator.eq and all(u.target is torch._assert for u in node.users):
+        for user in list(node.users):
+            if not user.users:
+                graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
 
 
 def _defaults_after(module: nn.Module, n_inputs: int) -> dict[str, Any]:
