@@ -95,18 +95,12 @@ def run(
         outputs=[report, trace],
     )
     if device == "cpu":
+        from pipeplan.planner.host import threads_mismatch
         from pipeplan.runtime.worker import default_threads
 
         per_rank = threads or default_threads(p.n_stages * p.cluster.data_parallel)
-        if p.profiled_threads is not None and p.profiled_threads != per_rank:
-            err_console.print(
-                f"[yellow]warning:[/] the profile was measured with {p.profiled_threads} "
-                f"thread(s) but each rank runs {per_rank}; predictions assume "
-                f"{p.profiled_threads} (profile with --threads {per_rank}, or run with "
-                f"--threads {p.profiled_threads})",
-                highlight=False,
-                soft_wrap=True,
-            )
+        if (warning := threads_mismatch(p.profiled_threads, per_rank)) is not None:
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if optimizer is not None and optimizer != p.optimizer:
         err_console.print(
             f"[yellow]warning:[/] the plan was made for {p.optimizer} (its memory and update "

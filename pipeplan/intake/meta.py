@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -59,7 +58,6 @@ __all__ = [
     "dematerialize",
     "empty_parameters",
     "has_meta",
-    "host_available_bytes",
     "materialize",
     "module_seed",
     "owners",
@@ -204,18 +202,6 @@ class MetaInterpreter(Interpreter):
         return torch.func.functional_call(
             sub, state, tuple(tree_map(_to_meta, args)), tree_map(_to_meta, kwargs)
         )
-
-
-def host_available_bytes() -> int:
-    """The host's ``MemAvailable`` (``/proc/meminfo``; physical memory where there is none)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def module_seed(seed: int, name: str) -> int:

@@ -4,7 +4,7 @@ Each callable builds the library's own model at its real structure (random weigh
 download) with a small class count, and returns it as it is: the ``nn.Module``, a
 ``make_batch`` of seeded ``(B, 3, image, image)`` images with integer labels, and cross
 entropy on the logits.  Nothing here adapts the model to pipeplan.  Dropout and drop-path are
-off (``drop_rate=0``) so two runs of a step agree, except where noted.
+off (``drop_rate=0``, timm's default ``drop_path_rate=0``) so two runs of a step agree.
 
 ======================  =====================================  =================================
 name                    model                                  what it exercises (issue 31)
@@ -24,7 +24,6 @@ name                    model                                  what it exercises
 ``timm_convnext``       timm ``convnext_atto``                 ``gamma`` bare parameter
 ``timm_mixer``          timm ``mixer_s16_224``                 MLP-Mixer
 ``timm_mobilevit``      timm ``mobilevit_xxs``                 conv + transformer hybrid
-``timm_droppath``       timm ``convnext_atto`` drop-path 0.1   stochastic depth in training
 ======================  =====================================  =================================
 
 ``pipeplan.models.vision:NAME`` takes ``image`` (side, default 64), ``classes`` (default 10) and
@@ -103,7 +102,6 @@ _TABLE: dict[str, Callable[[int, int], nn.Module]] = {
     "timm_convnext": _timm("convnext_atto"),
     "timm_mixer": _timm("mixer_s16_224", sized=True),
     "timm_mobilevit": _timm("mobilevit_xxs"),
-    "timm_droppath": _timm("convnext_atto", drop_path_rate=0.1),
 }
 
 

@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import torch
 
-from pipeplan.intake.meta import host_available_bytes
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.host import host_available_bytes
 from pipeplan.planner.types import DeviceInfo
 
 __all__: list[str] = []

@@ -54,11 +54,9 @@ _progress: dict[str, int | None] = {"step": None}
 
 def default_threads(local_ranks: int) -> int:
     """CPU threads per rank: the cores this process may use, shared evenly among local ranks."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
+    from pipeplan.planner.host import threads_per_rank
+
+    return threads_per_rank(local_ranks)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,7 +109,8 @@ def _whole_build_needed(spec: ModelSpec, local_world: int, rank: int) -> bool:
     a tied parameter gets one value.  Otherwise the stage-local build goes on (and refuses,
     naming the tensor, where one has no initializer).
     """
-    from pipeplan.intake.meta import host_available_bytes, uninitialised
+    from pipeplan.intake.meta import uninitialised
+    from pipeplan.planner.host import host_available_bytes
 
     missing = uninitialised(spec.module, spec.init_weights)
     if not missing:
