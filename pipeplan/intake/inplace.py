@@ -18,7 +18,9 @@ What mutates (:func:`mutated_args`): a ``call_module`` whose module has ``inplac
 ``i`` (``torch.relu_``, ``operator.iadd``), or an ``OpOverload`` whose schema writes an
 argument (``aten.relu_``, ``aten.add_.Tensor``); a ``call_method`` named ``foo_``.  Values
 that are parameters, buffers (``get_attr``) or model inputs (``placeholder``) do not count: no
-stage differentiates them.
+stage differentiates them.  A write through an alias (an ``nn.Identity``, a view, a reshape,
+an item of a tuple) is a write of the value it aliases: timm's ResNet-D runs ``act2``
+in place on the output of a disabled ``drop_block``, which is ``bn2``'s output itself.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.fx import GraphModule, Node
 
 __all__ = ["keep_mutations_whole", "mutated_args"]
@@ -86,7 +89,42 @@ def mutated_args(gm: GraphModule, node: Node) -> list[Node]:
             or _is_inplace_name(getattr(target, "__name__", ""))
         ):
             written.append(first)
-    return [n for n in written if n.op not in ("get_attr", "placeholder")]
+    roots = [_alias_root(gm, n) for n in written]
+    return [n for n in roots if n.op not in ("get_attr", "placeholder")]
+
+
+#: Methods and functions whose result may share the storage of their first argument.
+_VIEWS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "t",
+    "permute", "unsqueeze", "squeeze", "expand", "expand_as", "contiguous", "narrow", "select",
+    "as_strided", "movedim", "swapaxes", "chunk", "split", "unbind", "getitem",
+}  # fmt: skip
+
+
+def _alias_root(gm: GraphModule, node: Node) -> Node:
+    """The node whose value ``node``'s value aliases (itself when it is new storage): through
+    ``nn.Identity`` (timm's disabled ``drop_block``), a dropout that drops nothing, views,
+    reshapes and items of a tuple; an in-place op on any of them writes the root's value."""
+    while node.args and isinstance(node.args[0], Node):
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            passes = isinstance(module, (nn.Identity, nn.Flatten)) or (
+                isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0.0
+            )
+            if not passes:
+                break
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            returns = node.target._schema.returns
+            if not (returns and returns[0].alias_info is not None):
+                break
+        elif node.op in ("call_function", "call_method"):
+            name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+            if name not in _VIEWS:
+                break
+        else:
+            break
+        node = node.args[0]
+    return node
 
 
 def keep_mutations_whole(

@@ -50,11 +50,14 @@ from pipeplan.solvers.dp import solve_dp
 pytest.importorskip("timm")
 
 
-def test_inplace_op_never_opens_a_unit() -> None:
+@pytest.mark.parametrize("name", ["resnet18", "timm_resnetd"])
+def test_inplace_op_never_opens_a_unit(name: str) -> None:
     """Class 1: refinement splits ResNet-18's blocks into their children, and a
-    ``ReLU(inplace=True)`` would open a unit; it stays with the node that made its input, and
-    the profiler's sweep (leaves that require grad, checkpointed passes) runs."""
-    spec = build("resnet18", image=32)
+    ``ReLU(inplace=True)`` would open a unit; it stays with the node that made its input, also
+    through an alias (timm's ResNet-D: ``act2`` in place on a disabled ``drop_block``, an
+    ``nn.Identity``), and the profiler's sweep (leaves that require grad, checkpointed passes)
+    runs."""
+    spec = build(name, image=32)
     inputs, _ = spec.batch(2)
     traced = trace_model(spec.module, inputs)
     units, opened = refine_units(traced, node_costs(traced, inputs), 8)
@@ -65,7 +68,7 @@ def test_inplace_op_never_opens_a_unit() -> None:
         written = [a.name for x in u.nodes for a in mutated_args(traced.gm, nodes[x])]
         assert set(written) <= inside, (u.name, written)
     prof = profile_model(
-        "pipeplan.models.vision:resnet18",
+        f"pipeplan.models.vision:{name}",
         batch_size=2,
         microbatch_sizes=[2],
         model_kwargs={"image": 32},
