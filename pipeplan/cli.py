@@ -23,7 +23,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeplan.cli_options import Output, Quiet, check_output, fail, make_cluster, parse_pins
+from pipeplan.cli_options import (
+    DEBUG,
+    Output,
+    Quiet,
+    check_output,
+    fail,
+    make_cluster,
+    parse_pins,
+)
 from pipeplan.cli_runtime import calibrate, run
 from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
 from pipeplan.planner.io import format_bytes, load_any, load_profile, write_json
@@ -447,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("PIPEPLAN_DEBUG", "") not in ("", "0")
+    DEBUG[0] = debug
     args = [a for a in args if a != "--debug"]
     try:
         app(args=args)

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from pipeplan.cli_options import Output, Quiet, check_output, fail
+from pipeplan.cli_options import DEBUG, Output, Quiet, check_output, fail
 from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, write_json
 from pipeplan.planner.types import OPTIMIZERS
 from pipeplan.report.terminal import batch_norm_note, console, err_console
@@ -128,6 +128,8 @@ def run(
     try:
         launch(p, plan_file.resolve(), args, steps=warmup + steps, progress=not quiet)
     except StageFailedError as exc:
+        if exc.rank_traceback and DEBUG[0]:
+            err_console.print(exc.rank_traceback, highlight=False, soft_wrap=True, markup=False)
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2 if exc.bad_request else 1) from None
     for path, what in ((report, "report"), (trace, "trace"), (save, "weights")):

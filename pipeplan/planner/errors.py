@@ -65,11 +65,16 @@ class StageFailedError(PipeplanError, RuntimeError):
 
     ``bad_request`` is true when the ranks refused the request before the first step (a plan
     for another model, a checkpoint that does not match it): the command exits 2, not 1.
+    ``rank_traceback`` is the failing rank's own traceback, where it wrote one (``--debug``
+    prints it: the rank's error file goes with the run's temporary folder).
     """
 
-    def __init__(self, message: str, *, bad_request: bool = False) -> None:
+    def __init__(
+        self, message: str, *, bad_request: bool = False, rank_traceback: str | None = None
+    ) -> None:
         super().__init__(message)
         self.bad_request = bad_request
+        self.rank_traceback = rank_traceback
 
 
 class UnitMeasureError(PipeplanError, RuntimeError):

@@ -164,12 +164,15 @@ def failure(run_dir: Path, n_ranks: int, returncode: int, log: str) -> StageFail
         if len(own) == n_ranks > 1 and len({(o["type"], o["message"]) for o in own}) == 1:
             # the same error on every rank (the model run once on each to build the stages)
             return StageFailedError(
-                f"every stage failed{at}: {e['type']}: {e['message']}", bad_request=request
+                f"every stage failed{at}: {e['type']}: {e['message']}",
+                bad_request=request,
+                rank_traceback=e.get("traceback"),
             )
         return StageFailedError(
             f"stage {e['stage']} failed{at}: {e['type']}: {e['message']}"
             + consequence(int(e["stage"])),
             bad_request=request,
+            rank_traceback=e.get("traceback"),
         )
     if len(died) == 1:
         stage = died[0]
