@@ -13,11 +13,15 @@ rebuilds the graph the plan was made from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
+import io
 import json
+import logging
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -121,6 +125,24 @@ def _trace_export(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> Grap
             continue
     ep = torch.export.export(module, example_inputs, strict=False)
     return ep.module()  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Torch's loggers at ERROR and stderr kept aside for the block: a failing
+    ``torch.export`` logs and prints its partial graphs (some 65 lines for one data-dependent
+    ``if``), and the one-line error says what matters (``--debug`` shows the traceback)."""
+    names = [n for n in logging.root.manager.loggerDict if n == "torch" or n.startswith("torch.")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _normalise(gm: GraphModule) -> None:
@@ -235,7 +257,7 @@ def trace_model(
     """
     if tracer not in ("auto", "fx", "export"):
         raise InvalidRequestError(f"tracer {tracer!r} is not one of 'auto', 'fx', 'export'")
-    from pipeplan.intake.usercode import model_name
+    from pipeplan.intake.usercode import model_name, user_location
 
     name = model_name(module)
     errors: list[str] = []
@@ -248,9 +270,11 @@ def trace_model(
             errors.append(f"torch.fx failed ({_one_line(exc)})")
     if gm is None and tracer in ("auto", "export"):
         try:
-            gm, used = _trace_export(module, tuple(example_inputs)), "export"
+            with _quiet_export():
+                gm, used = _trace_export(module, tuple(example_inputs)), "export"
         except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
-            errors.append(f"torch.export failed ({_one_line(exc)})")
+            at = user_location(exc, user_only=True)
+            errors.append(f"torch.export failed{f' at {at}' if at else ''} ({_one_line(exc)})")
     if gm is None:
         run_eagerly(module, example_inputs)  # the user's forward itself may be what fails
         hint = (

@@ -189,3 +189,27 @@ def test_profile_threads_agree_with_a_two_stage_run(tmp_path: Path) -> None:
                          env={**os.environ, "COLUMNS": "200"})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "each rank runs" in out.stderr and "--threads" in out.stderr
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent: neither fx nor export traces it
+            h = h * 2
+        return h
+
+
+def test_untraceable_forward_is_one_line_naming_the_users_line(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Also seen in issue 31: export's partial graphs (some 65 lines) no longer precede the
+    error, and the error names the user's file and line."""
+    from pipeplan.planner.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"torch.export failed at .*test_vision.py:\d+"):
+        trace_model(_DataDependent(), (torch.randn(2, 4),))
+    assert "def forward" not in capfd.readouterr().err
