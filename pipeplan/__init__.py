@@ -26,6 +26,10 @@ stand on: the shared types, the cost model, the simulator and the plan file.
 
 from types import ModuleType
 
+from pipeplan.intake.torchvision_ops import define_missing_ops
+
+define_missing_ops()  # before anything imports torchvision (transformers, timm): see its module
+
 from pipeplan import _compat
 from pipeplan.api import calibration, load, make_cluster, plan, profile, save, split
 from pipeplan.intake.spec import ModelSpec

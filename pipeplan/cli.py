@@ -23,7 +23,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeplan.cli_options import Output, Quiet, check_output, fail, make_cluster, parse_pins
+from pipeplan.cli_options import (
+    DEBUG,
+    Output,
+    Quiet,
+    check_output,
+    fail,
+    make_cluster,
+    parse_pins,
+)
 from pipeplan.cli_runtime import calibrate, run
 from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
 from pipeplan.planner.io import format_bytes, load_any, load_profile, write_json
@@ -68,7 +76,10 @@ def profile(
     ] = None,
     quiet: Quiet = False,
     threads: Annotated[
-        int | None, typer.Option(help="CPU threads while measuring: use the runtime's per rank.")
+        int | None,
+        typer.Option(
+            help="CPU threads while measuring (default: cores // 2, what each rank of a 2-stage run on this host gets)."
+        ),
     ] = None,
     rounds: Annotated[
         int, typer.Option(help="Repeat the whole sweep; median of rounds (robust to bursts).")
@@ -265,6 +276,14 @@ def plan(
             fail(str(exc))
     if not record_solve_time:
         result = result.model_copy(update={"solve_time_s": None})
+    if result.profiled_threads is not None:  # before anything runs: what run will give a rank
+        from pipeplan.planner.host import threads_mismatch, threads_per_rank
+
+        per_rank = threads_per_rank(result.n_stages * result.cluster.data_parallel)
+        if (warning := threads_mismatch(result.profiled_threads, per_rank)) is not None:
+            err_console.print(
+                f"[yellow]warning:[/] on this host {warning}", highlight=False, soft_wrap=True
+            )
     write_json(output, result)
     print_plan(result)
     console.print(f"-> {output}")
@@ -460,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("PIPEPLAN_DEBUG", "") not in ("", "0")
+    DEBUG[0] = debug
     args = [a for a in args if a != "--debug"]
     try:
         app(args=args)

@@ -17,13 +17,18 @@ import typer
 from pipeplan.planner.types import Cluster
 from pipeplan.report.terminal import err_console
 
-__all__ = ["Output", "Quiet", "check_output", "fail", "make_cluster", "parse_pins"]
+__all__ = ["DEBUG", "Output", "Quiet", "check_output", "fail", "make_cluster", "parse_pins"]
 
 Output = Annotated[Path, typer.Option("-o", "--output", help="File to write (atomically).")]
 """The ``-o/--output`` option of the commands that write a file."""
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 """The ``-q/--quiet`` option of the commands that take long (profile, calibrate, run)."""
+
+
+#: Whether the command line asked for tracebacks (``--debug`` or ``PIPEPLAN_DEBUG``; set by
+#: :func:`pipeplan.cli.main`).
+DEBUG = [False]
 
 
 def fail(message: str) -> NoReturn:

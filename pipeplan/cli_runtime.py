@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeplan.cli_options import Output, Quiet, check_output, fail
+from pipeplan.cli_options import DEBUG, Output, Quiet, check_output, fail
 from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, write_json
 from pipeplan.planner.types import OPTIMIZERS
 from pipeplan.report.terminal import batch_norm_note, console, err_console
@@ -54,9 +54,10 @@ def run(
         str,
         typer.Option(
             help="stage: each rank builds the model on meta and materializes only its stage; "
-            "full: each rank builds the whole model."
+            "full: each rank builds the whole model; auto: stage, unless something on meta has "
+            "no initializer and the whole model fits in host memory, then full."
         ),
-    ] = "stage",
+    ] = "auto",
     weights: Annotated[
         Path | None,
         typer.Option(
@@ -92,8 +93,8 @@ def run(
         fail(f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if batch_norm not in ("deferred", "microbatch"):
         fail(f"--batch-norm {batch_norm!r} is not deferred or microbatch")
-    if init not in ("stage", "full"):
-        fail(f"--init {init!r} is not stage or full")
+    if init not in ("auto", "stage", "full"):
+        fail(f"--init {init!r} is not auto, stage or full")
     if weights is not None and not weights.exists():
         fail(f"--weights {weights} does not exist; pass a .safetensors file, a torch state "
              f"dict or a sharded checkpoint folder")  # fmt: skip
@@ -121,18 +122,12 @@ def run(
         outputs=[report, trace],
     )
     if device == "cpu":
+        from pipeplan.planner.host import threads_mismatch
         from pipeplan.runtime.worker import default_threads
 
         per_rank = threads or default_threads(p.n_stages * p.cluster.data_parallel)
-        if p.profiled_threads is not None and p.profiled_threads != per_rank:
-            err_console.print(
-                f"[yellow]warning:[/] the profile was measured with {p.profiled_threads} "
-                f"thread(s) but each rank runs {per_rank}; predictions assume "
-                f"{p.profiled_threads} (profile with --threads {per_rank}, or run with "
-                f"--threads {p.profiled_threads})",
-                highlight=False,
-                soft_wrap=True,
-            )
+        if (warning := threads_mismatch(p.profiled_threads, per_rank)) is not None:
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if optimizer is not None and optimizer != p.optimizer:
         err_console.print(
             f"[yellow]warning:[/] the plan was made for {p.optimizer} (its memory and update "
@@ -164,6 +159,8 @@ def run(
             timeout_s=timeout,
         )  # fmt: skip
     except StageFailedError as exc:
+        if exc.rank_traceback and DEBUG[0]:
+            err_console.print(exc.rank_traceback, highlight=False, soft_wrap=True, markup=False)
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     for path, what in ((report, "report"), (trace, "trace"), (save, "weights")):

@@ -1,7 +1,9 @@
 """One torchrun job for the zoo: every case's 2-stage plan, 2 steps, in the plan's dtype, gloo.
 
 ``python -m torch.distributed.run --nproc-per-node 2 -m benchmarks.zoo.job job.json``: the job file lists
-each case's model, kwargs and plan file.  Each rank writes ``rank<r>.pt``: case -> the losses
+each case's model, kwargs, plan file and whether to build it as ``pipeplan run`` does by
+default (``meta``: on meta, each rank materializing its stage, or the whole model where
+something has no initializer, ``--init auto``).  Each rank writes ``rank<r>.pt``: case -> the losses
 of the steps (last rank), the first step's gradients, and an error line if the case failed.
 """
 
@@ -18,11 +20,14 @@ import torch.distributed as dist
 from pipeplan.intake.model import load_model
 from pipeplan.planner.io import load_plan
 from pipeplan.runtime.engine import PipelineRunner
+from pipeplan.runtime.worker import _whole_build_needed
 
 
 def _run_case(case: dict[str, Any], steps: int) -> dict[str, Any]:
     plan = load_plan(case["plan"])
-    spec = load_model(case["model"], case["kwargs"])
+    spec = load_model(case["model"], case["kwargs"], meta=case.get("meta", False))
+    if case.get("meta") and _whole_build_needed(spec, dist.get_world_size(), dist.get_rank()):
+        spec = load_model(case["model"], case["kwargs"])  # as pipeplan run's --init auto
     spec.module.to(getattr(torch, plan.dtype))
     runner = PipelineRunner(plan, spec, device=torch.device("cpu"), optimizer="sgd", lr=0.1)
     inputs, target = spec.batch(plan.batch_size)

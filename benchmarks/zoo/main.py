@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from pipeplan.intake.model import load_model
 from pipeplan.planner.io import write_json
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 
-__all__ = ["ZooRun", "compare", "dtype_of", "reference", "run_zoo"]
+__all__ = ["ZooRun", "compare", "dtype_of", "launch", "reference", "run_zoo", "sgd_steps"]
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,10 +50,10 @@ def dtype_of(name: str) -> str:
     return "float32" if name in FLOAT32 else "float64"
 
 
-def _plan(profile: Profile, stages: int, m: int | None) -> Plan:
+def _plan(profile: Profile, stages: int, m: int | None, memory: int = 1 << 30) -> Plan:
     from pipeplan.solvers import SOLVERS
 
-    cluster = Cluster.homogeneous(stages, 1 << 30)
+    cluster = Cluster.homogeneous(stages, memory)
     return SOLVERS["dp"](profile, cluster, PlanOptions(microbatches=m, optimizer="sgd"))
 
 
@@ -78,17 +79,24 @@ def run_zoo(out: Path, names: list[str] | None = None) -> ZooRun:
         path = out / f"{name}.plan.json"
         write_json(path, _plan(profile, 2, MICROBATCHES))
         cases[name] = {"model": model, "kwargs": kwargs, "plan": str(path)}
+    launch(out, cases, STEPS, run, timeout=900)
+    return run
+
+
+def launch(out: Path, cases: dict[str, Any], steps: int, run: ZooRun, timeout: int) -> None:
+    """Run ``cases`` (:mod:`benchmarks.zoo.job`'s job file) in one 2-rank torchrun launch;
+    each rank's results and the launch's stderr go into ``run``."""
     job_file = out / "job.json"
-    job_file.write_text(json.dumps({"cases": cases, "steps": STEPS, "out": str(out)}))
+    job_file.write_text(json.dumps({"cases": cases, "steps": steps, "out": str(out)}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "benchmarks.zoo.job", str(job_file)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
+                          env=env)  # fmt: skip
     run.stderr = proc.stderr
     run.ranks = [
         torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else {} for r in (0, 1)
     ]
-    return run
 
 
 def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -99,13 +107,21 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     module = spec.module.to(dtype)
     inputs, target = spec.batch(BATCH)
     inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    return sgd_steps(module, lambda: spec.loss(module(*inputs), target), STEPS)
+
+
+def sgd_steps(
+    module: torch.nn.Module, step_loss: Callable[[], torch.Tensor], steps: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` SGD steps (lr 0.1) of ``module`` on ``step_loss()``: each step's loss and the
+    first step's gradients, by parameter name."""
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     named = dict(module.named_parameters())
     losses: list[float] = []
     grads: dict[str, torch.Tensor] = {}
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = spec.loss(module(*inputs), target)
+        loss = step_loss()
         loss.backward()
         losses.append(loss.item())
         if step == 0:
@@ -114,8 +130,13 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, grads
 
 
-def compare(name: str, run: ZooRun) -> dict[str, Any]:
-    """The case's pipelined losses and gradients against :func:`reference`.
+def compare(
+    name: str,
+    run: ZooRun,
+    reference_fn: Callable[[str], tuple[list[float], dict[str, torch.Tensor]]] | None = None,
+) -> dict[str, Any]:
+    """The case's pipelined losses and gradients against ``reference_fn``
+    (default :func:`reference`).
 
     Returns ``error`` (a rank's failure, or None), ``loss_rel`` (largest relative loss error),
     ``grad_rel`` (largest gradient error, max |got - ref| over a parameter, divided by the
@@ -129,7 +150,7 @@ def compare(name: str, run: ZooRun) -> dict[str, Any]:
     if errors or not all(ranks):
         return {"error": errors[0] if errors else "did not run", "loss_rel": None,
                 "grad_rel": None, "missing": []}  # fmt: skip
-    ref_losses, ref_grads = reference(name)
+    ref_losses, ref_grads = (reference_fn or reference)(name)
     got = ranks[-1]["losses"]  # type: ignore[index]
     loss_rel = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, ref_losses))
     grad_rel, seen = 0.0, set()

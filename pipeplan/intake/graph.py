@@ -14,6 +14,8 @@ two agree on the units.  The graph comes from :func:`pipeplan.intake.trace.trace
    :mod:`pipeplan.intake.refine` chooses the entries so that no unit is too heavy to balance.
    ``top`` and ``depth:N`` key each node by its module N levels deep (nodes of shallower
    modules are glue); ``node`` makes every node a unit (a ``get_attr`` joins its user).
+   Whatever the granularity, a node that mutates a value in place stays in the unit that made
+   the value (:mod:`pipeplan.intake.inplace`).
 2. :func:`cut_tensors` lists, for each cut, the nodes produced before it and used after it:
    the activations, residuals and skip connections a pipeline stage must send.
 
@@ -32,6 +34,7 @@ from typing import Any
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
+from pipeplan.intake.inplace import keep_mutations_whole
 from pipeplan.intake.trace import TracedModel, get_attr
 from pipeplan.planner.errors import InvalidRequestError
 
@@ -279,6 +282,7 @@ def group_units(
         module_of = {n: ".".join(p[strip:]) for n, p in paths.items()}
         bounds = _apply_cuts(bounds, nodes, cuts, piece_label, module_of)
 
+    bounds = keep_mutations_whole(bounds, nodes, gm)
     units: list[UnitSpec] = []
     seen: Counter[str] = Counter()
     for lo, hi, name in bounds:

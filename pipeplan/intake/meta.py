@@ -62,6 +62,7 @@ __all__ = [
     "module_seed",
     "owners",
     "trace_meta",
+    "uninitialised",
 ]
 
 META = torch.device("meta")
@@ -229,16 +230,22 @@ def owners(module: nn.Module, names: Iterable[str]) -> list[str]:
 
 
 def _initializer(root: nn.Module, init_weights: InitFn | None) -> Callable[[nn.Module], bool]:
-    """The first initializer of the contract (module docstring) that applies to a module."""
-    from pipeplan.intake.spec import NamedInputs, is_transformers_model
+    """The first initializer of the contract (module docstring) that applies to a module.
 
-    inner = root.model if isinstance(root, NamedInputs) else root
-    hf = inner if is_transformers_model(inner) else None
+    A ``transformers`` model anywhere in ``root`` (a user's wrapper holding one) initialises
+    the modules inside it with its own ``_init_weights``."""
+    from pipeplan.intake.spec import is_transformers_model
+
+    hf_of: dict[int, nn.Module] = {}
+    for mod in root.modules():  # pre-order: the outermost transformers model wins
+        if is_transformers_model(mod) and id(mod) not in hf_of:
+            for sub in mod.modules():
+                hf_of.setdefault(id(sub), mod)
 
     def init(mod: nn.Module) -> bool:
         if init_weights is not None:
             init_weights(mod)
-        elif hf is not None:
+        elif (hf := hf_of.get(id(mod))) is not None:
             hf._init_weights(mod)  # type: ignore[operator]
         elif callable(getattr(mod, "reset_parameters", None)):
             mod.reset_parameters()  # type: ignore[operator]
@@ -247,6 +254,35 @@ def _initializer(root: nn.Module, init_weights: InitFn | None) -> Callable[[nn.M
         return True
 
     return init
+
+
+def uninitialised(module: nn.Module, init_weights: InitFn | None = None) -> list[str]:
+    """The ``cls.name`` of each ``meta`` parameter or buffer of ``module`` that no initializer
+    of the contract reaches (its owner has no ``reset_parameters``, no hook, no
+    ``transformers`` model above it): what a stage-local build would refuse.
+
+    >>> with empty_parameters():
+    ...     net = nn.Sequential(nn.Linear(2, 2))
+    >>> net.register_parameter("token", nn.Parameter(torch.zeros(2, device="meta")))
+    >>> uninitialised(net)
+    ['Sequential.token']
+    """
+    if init_weights is not None:
+        return []
+    from pipeplan.intake.spec import is_transformers_model
+
+    covered: set[int] = set()
+    for mod in module.modules():
+        if is_transformers_model(mod):
+            covered.update(id(sub) for sub in mod.modules())
+    out: list[str] = []
+    for mod_name, mod in module.named_modules():
+        if id(mod) in covered or callable(getattr(mod, "reset_parameters", None)):
+            continue
+        for key, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            if t is not None and t.is_meta:
+                out.append(f"{type(mod).__name__}.{f'{mod_name}.{key}' if mod_name else key}")
+    return out
 
 
 def materialize(

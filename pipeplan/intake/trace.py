@@ -13,10 +13,15 @@ rebuilds the graph the plan was made from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
+import io
 import json
+import logging
+import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -73,15 +78,26 @@ def _trace_fx(module: nn.Module, n_inputs: int) -> GraphModule:
     graph = tracer.trace(module, concrete_args=fixed or None)
     gm = GraphModule(tracer.root, graph, type(module).__name__)
     if fixed:
-        assert_none = torch.fx._symbolic_trace._assert_is_none
         for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
             for user in list(node.users):
-                if user.target is assert_none and not user.users:
-                    gm.graph.erase_node(user)
+                _erase_check(gm.graph, user)
             if not node.users:
                 gm.graph.erase_node(node)
         gm.recompile()
     return gm
+
+
+def _erase_check(graph: Graph, node: Node) -> None:
+    """Erase fx's check that a fixed argument kept its value: ``_assert_is_none(x)`` for a
+    ``None`` default, ``_assert(eq(x, value))`` for any other (``is_causal=False``)."""
+    if node.target is torch.fx._symbolic_trace._assert_is_none and not node.users:
+        graph.erase_node(node)
+    elif node.target is operator.eq and all(u.target is torch._assert for u in node.users):
+        for user in list(node.users):
+            if not user.users:
+                graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
 
 
 def _defaults_after(module: nn.Module, n_inputs: int) -> dict[str, Any]:
@@ -109,6 +125,24 @@ def _trace_export(module: nn.Module, example_inputs: tuple[Tensor, ...]) -> Grap
             continue
     ep = torch.export.export(module, example_inputs, strict=False)
     return ep.module()  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Torch's loggers at ERROR and stderr kept aside for the block: a failing
+    ``torch.export`` logs and prints its partial graphs (some 65 lines for one data-dependent
+    ``if``), and the one-line error says what matters (``--debug`` shows the traceback)."""
+    names = [n for n in logging.root.manager.loggerDict if n == "torch" or n.startswith("torch.")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _normalise(gm: GraphModule) -> None:
@@ -223,7 +257,7 @@ def trace_model(
     """
     if tracer not in ("auto", "fx", "export"):
         raise InvalidRequestError(f"tracer {tracer!r} is not one of 'auto', 'fx', 'export'")
-    from pipeplan.intake.usercode import model_name
+    from pipeplan.intake.usercode import model_name, user_location
 
     name = model_name(module)
     errors: list[str] = []
@@ -236,9 +270,11 @@ def trace_model(
             errors.append(f"torch.fx failed ({_one_line(exc)})")
     if gm is None and tracer in ("auto", "export"):
         try:
-            gm, used = _trace_export(module, tuple(example_inputs)), "export"
+            with _quiet_export():
+                gm, used = _trace_export(module, tuple(example_inputs)), "export"
         except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
-            errors.append(f"torch.export failed ({_one_line(exc)})")
+            at = user_location(exc, user_only=True)
+            errors.append(f"torch.export failed{f' at {at}' if at else ''} ({_one_line(exc)})")
     if gm is None:
         run_eagerly(module, example_inputs)  # the user's forward itself may be what fails
         hint = (

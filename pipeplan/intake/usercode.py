@@ -54,13 +54,14 @@ def _short(filename: str) -> str:
     return rel if not rel.startswith("..") else filename
 
 
-def user_location(exc: BaseException) -> str | None:
+def user_location(exc: BaseException, *, user_only: bool = False) -> str | None:
     """``file:line`` of the deepest frame of ``exc``'s traceback in the user's code (or the
-    deepest frame at all when every frame is a library's); ``None`` without a traceback."""
+    deepest frame at all when every frame is a library's, unless ``user_only``); ``None``
+    without a traceback."""
     frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return None
     mine = [f for f in frames if not _is_library(f.filename)]
+    if not (mine or frames) or (user_only and not mine):
+        return None
     frame = (mine or frames)[-1]
     return f"{_short(frame.filename)}:{frame.lineno}"
 

@@ -67,14 +67,22 @@ class StageFailedError(PipeplanError, RuntimeError):
     for another model, a checkpoint that does not match it): the command exits 2, not 1.
     ``signal`` is the signal number that stopped the job (SIGTERM, SIGINT), if one did: the
     command exits 128 + it, as a shell reports a process the signal ended.
+    ``rank_traceback`` is the failing rank's own traceback, where it wrote one (``--debug``
+    prints it: the rank's error file goes with the run's temporary folder).
     """
 
     def __init__(
-        self, message: str, *, bad_request: bool = False, signal: int | None = None
+        self,
+        message: str,
+        *,
+        bad_request: bool = False,
+        signal: int | None = None,
+        rank_traceback: str | None = None,
     ) -> None:
         super().__init__(message)
         self.bad_request = bad_request
         self.signal = signal
+        self.rank_traceback = rank_traceback
 
     @property
     def exit_code(self) -> int:

@@ -33,13 +33,18 @@ def make_optimizer(name: str, params: Sequence[Tensor], lr: float) -> torch.opti
 
     >>> make_optimizer("momentum", [torch.zeros(2, requires_grad=True)], 0.1).defaults["momentum"]
     0.9
+    >>> make_optimizer("adam", [], 0.1).param_groups[0]["params"]
+    []
     """
+    # One group, possibly empty: a stage without parameters (a lone activation) still steps
+    # (torch refuses a bare empty list: "optimizer got an empty parameter list").
+    groups = [{"params": list(params)}]
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(groups, lr=lr)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, fused=_fusable(params))
+        return torch.optim.Adam(groups, lr=lr, fused=_fusable(params))
     raise InvalidRequestError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
 
 

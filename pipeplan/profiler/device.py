@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.host import host_available_bytes
 from pipeplan.planner.types import DeviceInfo
 
 __all__: list[str] = []
@@ -117,11 +118,4 @@ def available_bytes(dev: torch.device) -> int:
     ``MemAvailable`` (``/proc/meminfo``; physical memory where there is none)."""
     if dev.type == "cuda":
         return int(torch.cuda.mem_get_info(dev)[0])
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return host_available_bytes()

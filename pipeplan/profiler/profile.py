@@ -40,6 +40,7 @@ from pipeplan.intake.refine import DEFAULT_MAX_STAGES
 from pipeplan.intake.trace import run_eagerly, trace_model
 from pipeplan.planner.allocator import keep_heap
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
+from pipeplan.planner.host import PROFILE_RANKS, threads_per_rank
 from pipeplan.planner.types import Profile, Timing, Unit
 from pipeplan.profiler.assemble import (
     LossModule,
@@ -161,7 +162,9 @@ def profile_model(
     ``microbatch_sizes`` defaults to every power of two dividing ``batch_size`` (and
     ``batch_size``).  List or tuple model arguments are recorded as comma-separated strings.
     ``threads`` sets ``torch.set_num_threads`` while measuring on CPU (restored afterwards):
-    profile with the thread count each pipeline rank will use, e.g. 1 for 2 ranks on 2 cores.
+    profile with the thread count each pipeline rank will use.  By default it is what each
+    rank of a 2-stage ``pipeplan run`` on this host gets, cores // 2
+    (:mod:`pipeplan.planner.host`; ``plan`` and ``run`` warn where a plan's ranks get other).
     ``rounds`` repeats the whole sweep over sizes and units; each time is the median of the
     rounds' medians, so a burst of interference from other processes (which slows whatever runs
     during it) is outvoted instead of landing on one unit.  ``max_stages`` is the largest stage
@@ -176,6 +179,8 @@ def profile_model(
         raise InvalidRequestError(f"threads {threads} must be at least 1")
     if method not in METHODS:
         raise InvalidRequestError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    if threads is None and resolve_device(device).type == "cpu":
+        threads = threads_per_rank(PROFILE_RANKS)
     with _threads(threads):
         return _profile(
             model,

@@ -179,12 +179,15 @@ def failure(
         if len(own) == n_ranks > 1 and len({(o["type"], o["message"]) for o in own}) == 1:
             # the same error on every rank (the model run once on each to build the stages)
             return StageFailedError(
-                f"every stage failed{at}: {e['type']}: {e['message']}", bad_request=request
+                f"every stage failed{at}: {e['type']}: {e['message']}",
+                bad_request=request,
+                rank_traceback=e.get("traceback"),
             )
         return StageFailedError(
             f"stage {e['stage']} failed{at}: {e['type']}: {e['message']}"
             + consequence(int(e["stage"])),
             bad_request=request,
+            rank_traceback=e.get("traceback"),
         )
     if frozen:
         rank = min(frozen, key=lambda r: -frozen[r])  # the one silent longest

@@ -39,6 +39,7 @@ from torch.utils._pytree import (
     keystr,
     tree_flatten,
     tree_flatten_with_path,
+    tree_map,
     tree_unflatten,
 )
 
@@ -370,7 +371,18 @@ def probe(
         if isinstance(rec, _MetaRecorder):
             text += "; the model is on meta, where a node that needs values fails: --init full"
         raise StageComputeError(text) from exc
-    return rec.values
+    # Leaves, not the probe's autograd graph: a graph that outlives the probe holds every
+    # parameter's AccumulateGrad node, and materializing then cannot swap the parameter
+    # (``use_count ... got 3``).  Frames kept alive by a reference cycle (fx's ``wrap``, in
+    # code it generates for torchvision and timm models, holds its own frame) would keep it.
+    return tree_map(_without_graph, rec.values)  # type: ignore[no-any-return]
+
+
+def _without_graph(value: Any) -> Any:
+    """``value`` cut from its autograd graph, keeping ``requires_grad``."""
+    if isinstance(value, Tensor) and value.requires_grad:
+        return value.detach().requires_grad_(True)
+    return value
 
 
 def _example(value: Tensor) -> Tensor:

@@ -48,8 +48,12 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeplan.planner.types import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from pipeplan.intake.spec import ModelSpec
 
 __all__ = ["default_threads", "main", "parse_args"]
 
@@ -59,11 +63,9 @@ _progress: dict[str, int | None] = {"step": None}
 
 def default_threads(local_ranks: int) -> int:
     """CPU threads per rank: the cores this process may use, shared evenly among local ranks."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
+    from pipeplan.planner.host import threads_per_rank
+
+    return threads_per_rank(local_ranks)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,10 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quiet", action="store_true", help="do not print the comparison table")
     ap.add_argument(
         "--init",
-        default="stage",
-        choices=("stage", "full"),
-        help="build the model on meta and materialize only this rank's stage (stage), or "
-        "build the whole model on every rank (full)",
+        default="auto",
+        choices=("auto", "stage", "full"),
+        help="build the model on meta and materialize only this rank's stage (stage), "
+        "build the whole model on every rank (full), or stage unless something on meta has "
+        "no initializer and the whole model fits in host memory (auto)",
     )
     ap.add_argument(
         "--weights",
@@ -106,6 +109,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="running statistics once per step (deferred) or once per micro-batch",
     )
     return ap.parse_args(argv)
+
+
+def _whole_build_needed(spec: ModelSpec, local_world: int, rank: int) -> bool:
+    """``--init auto``: whether to build the whole model on every rank, as ``--init full``.
+
+    Yes when a ``meta`` parameter or buffer has no initializer (a bare ``cls_token``: a
+    stage-local build would refuse it) and ``local_world`` copies of the model's parameters fit
+    in half the host's available memory; every rank decides the same from the whole model, so
+    a tied parameter gets one value.  Otherwise the stage-local build goes on (and refuses,
+    naming the tensor, where one has no initializer).
+    """
+    from pipeplan.intake.meta import uninitialised
+    from pipeplan.planner.host import host_available_bytes
+
+    missing = uninitialised(spec.module, spec.init_weights)
+    if not missing:
+        return False
+    params = {id(p): p for p in spec.module.parameters()}.values()
+    need = local_world * sum(p.numel() * p.element_size() for p in params)
+    fits = 2 * need <= host_available_bytes()
+    if rank == 0:
+        what = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        how = (
+            "every rank builds the whole model (--init full)"
+            if fits
+            else f"the whole model ({local_world} x {need // local_world} bytes) does not fit "
+            "in host memory, so each rank builds its stage"
+        )
+        print(f"note: nothing initialises {what} on meta; {how}", file=sys.stderr, flush=True)
+    return fits
 
 
 def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
@@ -279,7 +314,14 @@ def run(args: argparse.Namespace) -> None:
         _preload(args.model or plan.model)
         resident.start()  # the libraries and the process group are loaded; the model is not
     torch.manual_seed(args.seed)
-    spec = load_model(args.model or plan.model, kwargs, meta=args.init == "stage")
+    spec = load_model(args.model or plan.model, kwargs, meta=args.init != "full")
+    if (
+        args.init == "auto"
+        and not (args.weights or args.resume)
+        and _whole_build_needed(spec, local_world, rank)
+    ):
+        torch.manual_seed(args.seed)
+        spec = load_model(args.model or plan.model, kwargs)
     info = saving.run_info(plan, args.optimizer, args.lr, args.seed)
     resume, start = saving.resume_point(args.resume, info) if args.resume else (None, 0)
     runner = PipelineRunner(

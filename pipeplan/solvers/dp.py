@@ -176,7 +176,54 @@ def _partition(
                 inc.offer(by_m[fixed[1]], fixed[0])
     if not inc.starts:
         return None
-    return inc.starts, inc.m, inc.objective, min(bound, inc.objective)
+    by_m = {inst.m: inst for inst in insts}
+    best = _balanced(by_m[inc.m], inc.starts, inc.objective, profile, cluster, options)
+    objective = by_m[inc.m].step_time(best)  # to rounding, the optimum's
+    return best, inc.m, objective, min(bound, objective)
+
+
+def _balanced(
+    inst: Instance,
+    starts: tuple[int, ...],
+    objective: float,
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+) -> tuple[int, ...]:
+    """Among the partitions as fast as ``starts`` (to 1e-12, the
+    tolerance of a proof), the most balanced one that fits,
+    by moving one cut one unit at a time while the stages' busy times, largest first, shrink
+    lexicographically (a strict decrease each move, so it ends).
+
+    At m = 1 (or wherever the step time does not depend on a cut) every partition can tie,
+    and the DP's first optimum is arbitrary: it put one parameter-free activation on a stage
+    of its own (issue 31); a balanced plan does the same step and leaves room for a larger m.
+    """
+
+    def key(s: tuple[int, ...]) -> list[float]:
+        return sorted(inst._stages(s)[0], reverse=True)
+
+    best, best_key = starts, key(starts)
+    moved = True
+    while moved:
+        moved = False
+        for j in range(1, len(best)):
+            for d in (-1, 1):
+                cand = (*best[:j], best[j] + d, *best[j + 1 :])
+                if not all(a < b for a, b in zip(cand, [*cand[1:], inst.n])):
+                    continue
+                if inst.step_time(cand) > objective * (1 + 1e-12):
+                    continue
+                k = key(cand)
+                if k < best_key and _fits(profile, cluster, options, cand, inst.m):
+                    best, best_key, moved = cand, k, True
+    return best
+
+
+def _fits(
+    profile: Profile, cluster: Cluster, options: PlanOptions, starts: tuple[int, ...], m: int
+) -> bool:
+    return evaluate(profile, cluster, options, starts[1:], m, solver="dp").feasible
 
 
 def _check_supported(cluster: Cluster, options: PlanOptions) -> None:

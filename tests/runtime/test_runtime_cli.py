@@ -151,6 +151,16 @@ def test_a_stage_that_raises_stops_every_rank(plans: dict[int, Path], tmp_path: 
     assert "the plan was made for" not in err
 
 
+def test_debug_shows_the_failing_rank_traceback(plans: dict[int, Path]) -> None:
+    """Issue 31: ``--debug`` (``PIPEPLAN_DEBUG=1``) prints the rank's own traceback, which its
+    error file held and the run's temporary folder took away."""
+    code, _, err, _ = _run([str(plans[2]), "--steps", "2"],
+                           {"PIPEPLAN_FAIL": "1:1", "PIPEPLAN_DEBUG": "1"})  # fmt: skip
+    assert code == 1
+    assert "Traceback (most recent call last)" in err and "worker.py" in err
+    assert "error: stage 1 failed at step 1: RuntimeError: injected failure" in err
+
+
 def test_a_stage_that_dies_stops_every_rank(plans: dict[int, Path]) -> None:
     code, _, err, took = _run([str(plans[2]), "--steps", "3"], {"PIPEPLAN_FAIL": "1:1:kill"})
     assert code == 1 and took < 60

@@ -3,6 +3,7 @@ default options and no code beyond the model callable (the command line, as subp
 
 - a plain ``nn.Sequential`` body behind a wrapper, with one dominant layer (``_user_models``);
 - a model whose ``forward`` returns a dict;
+- torchvision's ViT as it is (``pipeplan.models.vision``, issue 31);
 - an unwrapped ``transformers`` model (``pipeplan.models.zoo:llama``: a ``LlamaForCausalLM`` as it is),
   in float32 and in bfloat16 (gloo carries bfloat16 tensors).
 """
@@ -18,10 +19,14 @@ import pytest
 
 HERE = Path(__file__).parent
 
+FAST = ["--warmup", "1", "--repeats", "1"]  # behaviour, not timing
+
 CASES = {
     "sequential": ["_user_models:sequential"],
     "dict_output": ["_user_models:dict_output"],
     "llama": ["pipeplan.models.zoo:llama", "--model-arg", "d_model=16", "--model-arg", "seq_len=8"],
+    # issue 31: a bare class_token, which only --init auto (the default) builds
+    "vision-vit": ["pipeplan.models.vision:vit", "--model-arg", "image=32", *FAST],
     "llama-bfloat16": [
         "pipeplan.models.zoo:llama",
         "--model-arg",
