@@ -4,7 +4,8 @@ Each callable builds the library's own model at its real structure (random weigh
 download) with a small class count, and returns it as it is: the ``nn.Module``, a
 ``make_batch`` of seeded ``(B, 3, image, image)`` images with integer labels, and cross
 entropy on the logits.  Nothing here adapts the model to pipeplan.  Dropout and drop-path are
-off (``drop_rate=0``, timm's default ``drop_path_rate=0``) so two runs of a step agree.
+off (torchvision's ``dropout`` and ``stochastic_depth_prob``, timm's ``drop_rate``; timm's
+``drop_path_rate`` is 0 by default) so that a step is deterministic.
 
 ======================  =====================================  =================================
 name                    model                                  what it exercises (issue 31)
@@ -17,7 +18,8 @@ name                    model                                  what it exercises
 ``convnext``            torchvision ``convnext_tiny``          ``layer_scale`` bare parameter
 ``vit``                 torchvision ``VisionTransformer``      ``class_token`` bare parameter
                         (ViT-Tiny widths, 4 layers)
-``swin``                torchvision ``swin_t``                 relative position bias tables
+``swin``                torchvision ``SwinTransformer``        relative position bias tables
+                        (``swin_t``'s configuration)
 ``timm_resnetd``        timm ``resnet26d``                     deep stem, avg-pool downsample
 ``timm_vit``            timm ``vit_tiny_patch16_224``          ``is_causal=False``, ``cls_token``
 ``timm_deit``           timm ``deit_tiny_patch16_224``         the same, distilled-token family
@@ -64,8 +66,10 @@ def import_torchvision() -> ModuleType:
 def _tv(name: str, **kwargs: Any) -> Callable[[int, int], nn.Module]:
     def make(image: int, classes: int) -> nn.Module:
         models = import_torchvision().models
-        if name in ("VisionTransformer",):  # the class itself: vit_b_16's 86 M are too many here
+        if name == "VisionTransformer":  # the class itself: vit_b_16's 86 M are too many here
             return models.VisionTransformer(image_size=image, num_classes=classes, **kwargs)  # type: ignore[no-any-return]
+        if name == "SwinTransformer":  # swin_t's own config, but swin_t fixes stochastic depth
+            return models.SwinTransformer(num_classes=classes, **kwargs)  # type: ignore[no-any-return]
         return getattr(models, name)(weights=None, num_classes=classes, **kwargs)  # type: ignore[no-any-return]
 
     return make
@@ -87,15 +91,23 @@ def _timm(name: str, sized: bool = False, **kwargs: Any) -> Callable[[int, int],
 #: name -> builder of (image side, classes).
 _TABLE: dict[str, Callable[[int, int], nn.Module]] = {
     "resnet18": _tv("resnet18"),
-    "mobilenet_v3": _tv("mobilenet_v3_small"),
-    "efficientnet": _tv("efficientnet_b0"),
+    "mobilenet_v3": _tv("mobilenet_v3_small", dropout=0.0),
+    "efficientnet": _tv("efficientnet_b0", dropout=0.0, stochastic_depth_prob=0.0),
     "densenet": _tv("densenet121"),
     "regnet": _tv("regnet_y_400mf"),
-    "convnext": _tv("convnext_tiny"),
+    "convnext": _tv("convnext_tiny", stochastic_depth_prob=0.0),
     "vit": _tv(
         "VisionTransformer", patch_size=16, num_layers=4, num_heads=3, hidden_dim=192, mlp_dim=768
     ),
-    "swin": _tv("swin_t"),
+    "swin": _tv(
+        "SwinTransformer",
+        patch_size=[4, 4],
+        embed_dim=96,
+        depths=[2, 2, 6, 2],
+        num_heads=[3, 6, 12, 24],
+        window_size=[7, 7],
+        stochastic_depth_prob=0.0,
+    ),
     "timm_resnetd": _timm("resnet26d"),
     "timm_vit": _timm("vit_tiny_patch16_224", sized=True),
     "timm_deit": _timm("deit_tiny_patch16_224", sized=True),

@@ -139,7 +139,7 @@ def _whole_build_needed(spec: ModelSpec, local_world: int, rank: int) -> bool:
             else f"the whole model ({local_world} x {need // local_world} bytes) does not fit "
             "in host memory, so each rank builds its stage"
         )
-        print(f"note: nothing initialises {what} on meta; {how}", file=sys.stderr, flush=True)
+        print(f"note: nothing initialises {what} on meta; {how}", flush=True)  # shown
     return fits
 
 

@@ -152,19 +152,25 @@ def test_a_parameter_nothing_initialises_stops_the_run_and_init_full_runs_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    """``--init stage`` refuses a parameter nothing initialises, naming it; ``full`` runs it,
+    and so does the default, ``auto``, which builds the whole model where it fits (issue 31)."""
     plan = _plan(tmp_path / "bare.json", BARE, [0, 1])
-    proc = _run([str(plan), "--steps", "1"])
+    proc = _run([str(plan), "--steps", "1", "--init", "stage"])
     assert proc.returncode == 2, proc.stderr
     assert re.search(r"parameter layers\.[01]\.gain \(Scaled\) has no values", proc.stderr)
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = _run([str(plan), "--steps", "1", "--init", "full"])
     assert proc.returncode == 0, proc.stderr
+    proc = _run([str(plan), "--steps", "1"])
+    assert proc.returncode == 0, proc.stderr
+    assert "note: nothing initialises Scaled.layers.0.gain" in proc.stdout
+    assert "every rank builds the whole model" in proc.stdout
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--init", "lazy"], "--init 'lazy' is not stage or full"),
+        (["--init", "lazy"], "--init 'lazy' is not auto, stage or full"),
         (["--weights", "/no/such.safetensors"], "--weights /no/such.safetensors does not exist"),
     ],
 )
