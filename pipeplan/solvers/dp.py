@@ -62,7 +62,7 @@ import time
 import numpy as np
 
 from pipeplan.planner.errors import InfeasiblePlanError, UnsupportedConstraintError
-from pipeplan.planner.evaluate import check_request, evaluate
+from pipeplan.planner.evaluate import allowed_starts, check_request, evaluate
 from pipeplan.planner.io import format_bytes
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
@@ -192,8 +192,9 @@ def _balanced(
 ) -> tuple[int, ...]:
     """Among the partitions as fast as ``starts`` (to 1e-12, the
     tolerance of a proof), the most balanced one that fits,
-    by moving one cut one unit at a time while the stages' busy times, largest first, shrink
-    lexicographically (a strict decrease each move, so it ends).
+    by moving one cut to the next allowed start on either side (``PlanOptions.allowed_cuts``)
+    while the stages' busy times, largest first, shrink lexicographically (a strict decrease
+    each move, so it ends).
 
     At m = 1 (or wherever the step time does not depend on a cut) every partition can tie,
     and the DP's first optimum is arbitrary: it put one parameter-free activation on a stage
@@ -203,13 +204,16 @@ def _balanced(
     def key(s: tuple[int, ...]) -> list[float]:
         return sorted(inst._stages(s)[0], reverse=True)
 
+    allowed = [b for b, ok in enumerate(allowed_starts(options, inst.n)) if ok and 0 < b < inst.n]
     best, best_key = starts, key(starts)
     moved = True
     while moved:
         moved = False
         for j in range(1, len(best)):
-            for d in (-1, 1):
-                cand = (*best[:j], best[j] + d, *best[j + 1 :])
+            below = [b for b in allowed if b < best[j]]
+            above = [b for b in allowed if b > best[j]]
+            for b in below[-1:] + above[:1]:
+                cand = (*best[:j], b, *best[j + 1 :])
                 if not all(a < b for a, b in zip(cand, [*cand[1:], inst.n])):
                     continue
                 if inst.step_time(cand) > objective * (1 + 1e-12):

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pipeplan  # noqa: F401  (defines torchvision's op schemas before transformers imports it)
+
 
 def main(rank: int, world: int, port: int, jobs: str) -> list[dict[str, Any]]:
     os.environ.update(

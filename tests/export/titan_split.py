@@ -24,6 +24,8 @@ import tempfile
 import types
 from typing import Any
 
+import pipeplan  # noqa: F401  (defines torchvision's op schemas before transformers imports it)
+
 
 def _unavailable(what: str) -> Any:
     def call(*args: object, **kwargs: object) -> None:
