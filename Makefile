@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,targets]"
 	$(PY) -m pip install -q --no-deps $(TARGETS_NO_DEPS)
 	# the vision zoo: both depend on torch, so never let pip resolve it (pyproject's "vision")
-	$(PY) -m pip install -q --no-deps "torchvision==0.28.*" "timm>=1.0"
+	$(PY) -m pip install -q --no-deps "torchvision==0.28.0" "timm==1.0.31"
 	touch $(STAMP)
 
 demo: $(STAMP)
