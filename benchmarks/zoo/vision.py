@@ -42,14 +42,15 @@ STEPS = 2
 KWARGS: dict[str, Any] = {"image": 64}
 
 
-def built_as_run(name: str, dtype: torch.dtype = torch.float64) -> ModelSpec:
+def built_as_run(name: str, dtype: torch.dtype = torch.float64, image: int = 64) -> ModelSpec:
     """The model as one rank of ``pipeplan run --init auto`` builds it, whole, in ``dtype``:
     on meta and materialized from seed 0 (in ``dtype``: a float64 draw is not a float32 one),
     or built for real where something has no initializer (then cast)."""
     model = f"pipeplan.models.vision:{name}"
-    spec = load_model(model, KWARGS, meta=True)
+    kwargs = {**KWARGS, "image": image}
+    spec = load_model(model, kwargs, meta=True)
     if _whole_build_needed(spec, 1, 1):
-        spec = load_model(model, KWARGS)
+        spec = load_model(model, kwargs)
         spec.module.to(dtype)
         return spec
     spec.module.to(dtype)
@@ -57,10 +58,10 @@ def built_as_run(name: str, dtype: torch.dtype = torch.float64) -> ModelSpec:
     return spec
 
 
-def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(name: str, image: int = 64) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The unsplit model in float64, micro-batch by micro-batch: each step's loss (the mean
     over micro-batches) and step 1's gradients."""
-    spec = built_as_run(name)
+    spec = built_as_run(name, image=image)
     module = spec.module
     inputs, target = spec.batch(BATCH)
     x = inputs[0].to(torch.float64)
@@ -75,8 +76,9 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return sgd_steps(module, step_loss, STEPS)
 
 
-def run_vision(out: Path, names: list[str]) -> ZooRun:
-    """Profile and plan every model, then run all 2-stage plans in one 2-rank launch."""
+def run_vision(out: Path, names: list[str], image: int = 64, repeats: int = 2) -> ZooRun:
+    """Profile and plan every model (``image``-sided inputs, ``repeats`` timed passes), then
+    run all 2-stage plans in one 2-rank launch."""
     from pipeplan.profiler import profile_model
 
     run = ZooRun()
@@ -84,14 +86,15 @@ def run_vision(out: Path, names: list[str]) -> ZooRun:
     for name in names:
         model = f"pipeplan.models.vision:{name}"
         t0 = time.perf_counter()
-        profile = profile_model(model, batch_size=BATCH, model_kwargs=KWARGS, dtype="float64",
-                                warmup=1, repeats=2, progress=False)  # fmt: skip
+        kwargs = {**KWARGS, "image": image}
+        profile = profile_model(model, batch_size=BATCH, model_kwargs=kwargs, dtype="float64",
+                                warmup=1, repeats=repeats, progress=False)  # fmt: skip
         print(f"{name}: profiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         run.profiles[name] = profile
         run.plans[name] = {p: _plan(profile, p, None, 8 << 30) for p in (2, 4)}
         path = out / f"{name}.plan.json"
         write_json(path, _plan(profile, 2, MICROBATCHES, 8 << 30))
-        cases[name] = {"model": model, "kwargs": KWARGS, "plan": str(path), "meta": True}
+        cases[name] = {"model": model, "kwargs": kwargs, "plan": str(path), "meta": True}
     launch(out, cases, STEPS, run, timeout=3600)
     return run
 
