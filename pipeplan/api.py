@@ -46,6 +46,7 @@ __all__ = [
     "save",
     "split",
     "target_allowed_cuts",
+    "target_families",
 ]
 
 PathLike = str | os.PathLike[str]
@@ -167,6 +168,23 @@ def target_allowed_cuts(profile: Profile, target: str) -> tuple[int, ...]:
     return target_cuts([u.name for u in profile.units], target)  # type: ignore[arg-type]
 
 
+def target_families(target: str, schedule: str) -> tuple[str, ...]:
+    """The schedule families ``target`` runs as planned (:data:`pipeplan.export.TARGET_FAMILIES`),
+    for ``PlanOptions.families``; :class:`~pipeplan.planner.errors.InvalidRequestError` when
+    ``schedule`` names a family it does not run."""
+    from pipeplan.export import TARGET_FAMILIES, TARGETS
+
+    if target not in TARGETS:
+        raise InvalidRequestError(f"--for {target!r} is not one of {', '.join(TARGETS)}")
+    families = TARGET_FAMILIES[target]  # type: ignore[index]
+    if schedule != "auto" and schedule not in families:
+        raise InvalidRequestError(
+            f"--schedule {schedule} is not what {target} runs ({', '.join(families)}); "
+            "choose one of those, or auto"
+        )
+    return families
+
+
 def plan(
     profile: Profile | PathLike,
     *,
@@ -189,19 +207,26 @@ def plan(
     (:func:`pipeplan.solvers.devices.plan_devices` gives the whole frontier).  ``solver`` is
     ``dp`` (exact), ``cpsat``, or a baseline (``uniform``, ``params``, ``torchgpipe``).
     ``options`` are :class:`~pipeplan.planner.types.PlanOptions` fields: ``microbatches``
-    (``None``: chosen), ``checkpoint``, ``schedule``, ``optimizer``, ``time_limit_s``, ...
-    With ``target`` (``torchtitan``, ``megatron``, ``deepspeed``, ``fqns``) only the cuts that
-    framework can make are planned (:func:`target_allowed_cuts`).
+    (``None``: chosen), ``checkpoint``, ``schedule`` (default ``auto``: the family, chunks per
+    rank, cuts, m and recomputation chosen together, :mod:`pipeplan.solvers.choose`),
+    ``optimizer``, ``time_limit_s``, ...  With ``target`` (``torchtitan``, ``megatron``,
+    ``deepspeed``, ``fqns``) only the cuts that framework can make and the schedules it runs
+    are planned (:func:`target_allowed_cuts`, :func:`target_families`).
     Raises :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits.
     """
+    from functools import partial
+
     from pipeplan.solvers import SOLVERS
+    from pipeplan.solvers.choose import solve
 
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     if solver not in SOLVERS:
         raise InvalidRequestError(
             f"solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
         )
+    options.setdefault("schedule", "auto")
     if target is not None:
+        options["families"] = target_families(target, options["schedule"])
         options["allowed_cuts"] = target_allowed_cuts(prof, target)
     try:
         opts = PlanOptions(**options)
@@ -213,18 +238,19 @@ def plan(
     base = found[0] if found else None
     if devices is None:
         clus = make_cluster(stages, memory, cluster=cluster, calibrated=base)
-        if opts.schedule not in ("gpipe", "1f1b"):
-            from pipeplan.solvers.schedules import solve_schedule
-
-            return solve_schedule(prof, clus, opts)
-        return SOLVERS[solver](prof, clus, opts)
+        return solve(prof, clus, opts, solver)
     if stages is not None:
         raise InvalidRequestError("devices chooses the stage count; drop stages")
     from pipeplan.planner.errors import InfeasiblePlanError
     from pipeplan.solvers.devices import plan_devices
 
     one = make_cluster(None if cluster is not None else 1, memory, cluster=cluster, calibrated=base)
-    choices = plan_devices(prof, devices, one, opts, SOLVERS[solver])
+    if opts.schedule not in ("auto", "gpipe", "1f1b"):
+        raise InvalidRequestError(
+            f"schedule {opts.schedule} runs one pipeline, so it is planned on stages, not "
+            "devices; plan schedule auto, gpipe or 1f1b for devices"
+        )
+    choices = plan_devices(prof, devices, one, opts, partial(solve, solver=solver))
     if choices[0].plan is None:
         reasons = "; ".join(f"p={c.stages}: {c.reason}" for c in choices)
         raise InfeasiblePlanError(f"no depth fits {devices} devices: {reasons}")

@@ -180,7 +180,7 @@ def plan(
             "schedules), or auto: the family, chunks per rank, cuts, m and recomputation chosen "
             "together, scored by replaying torch's action order."
         ),
-    ] = "gpipe",
+    ] = "auto",
     optimizer: Annotated[str, typer.Option(help="sgd, momentum or adam.")] = "adam",
     bandwidth: Annotated[str | None, typer.Option(help="Link bandwidth, e.g. 10GB/s.")] = None,
     latency: Annotated[str | None, typer.Option(help="Link latency, e.g. 5us.")] = None,
@@ -211,11 +211,13 @@ def plan(
     ] = True,
 ) -> None:
     """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
+    from functools import partial
+
     from pipeplan.api import calibration as find_calibration
-    from pipeplan.api import target_allowed_cuts
+    from pipeplan.api import target_allowed_cuts, target_families
     from pipeplan.planner.schedules import FAMILIES
     from pipeplan.solvers import SOLVERS
-    from pipeplan.solvers.schedules import solve_schedule
+    from pipeplan.solvers.choose import ONE_CHUNK, solve
 
     check_output(output)
     prof = load_profile(profile_file)
@@ -245,6 +247,7 @@ def plan(
         min_units=max(1, min_units),
         max_units=max_units,
         time_limit_s=time_limit,
+        families=None if target is None else target_families(target, schedule),  # type: ignore[arg-type]
         allowed_cuts=None if target is None else target_allowed_cuts(prof, target),
     )
     found = None
@@ -257,21 +260,20 @@ def plan(
                 highlight=False,
             )
     base = found[0] if found else None
-    by_order = schedule not in ("gpipe", "1f1b")
-    if by_order and (devices is not None or solver != "dp"):
+    if schedule not in ("auto", *ONE_CHUNK) and (devices is not None or solver != "dp"):
         fail(
             f"--schedule {schedule} is planned by the schedule solver on --stages; "
-            "drop --devices and --solver, or plan --schedule gpipe or 1f1b"
+            "drop --devices and --solver, or plan --schedule auto, gpipe or 1f1b"
         )
     if devices is not None:
         if stages is not None:
             fail("--devices chooses the stage count; drop --stages")
         clus = make_cluster(None if cluster else 1, memory, bandwidth, latency, cluster, base)
-        result = _plan_devices(prof, devices, clus, options, SOLVERS[solver])
+        result = _plan_devices(prof, devices, clus, options, partial(solve, solver=solver))
     else:
         clus = make_cluster(stages, memory, bandwidth, latency, cluster, base)
         try:
-            result = (solve_schedule if by_order else SOLVERS[solver])(prof, clus, options)
+            result = solve(prof, clus, options, solver)
         except InfeasiblePlanError as exc:
             fail(str(exc))
     if not record_solve_time:

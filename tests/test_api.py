@@ -18,6 +18,7 @@ import pipeplan
 from pipeplan._compat import MOVED
 from pipeplan.planner.errors import FileFormatError, InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.io import calibration_file, load_plan
+from pipeplan.solvers.choose import solve
 from pipeplan.solvers.dp import solve_dp
 
 CliRunner = Callable[[list[str]], tuple[int, str, str]]  # the ``cli`` fixture
@@ -38,7 +39,7 @@ def test_the_api_plans_what_the_command_line_plans(
     loaded = pipeplan.load(saved)
     assert loaded == prof
     plan = pipeplan.plan(saved, stages=2, memory="64MiB", microbatches=2)
-    assert isinstance(plan, pipeplan.Plan) and plan.n_stages == 2 and plan.microbatches == 2
+    assert isinstance(plan, pipeplan.Plan) and plan.cluster.n_stages == 2 and plan.microbatches == 2
     code, _, err = cli(["plan", str(saved), "--stages", "2", "--memory", "64MiB",
                         "--microbatches", "2", "-o", str(tmp_path / "cli.json")])  # fmt: skip
     assert code == 0, err
@@ -46,7 +47,14 @@ def test_the_api_plans_what_the_command_line_plans(
     # a Cluster object and an int memory plan the same
     clus = pipeplan.make_cluster(2, 64 << 20)
     assert pipeplan.plan(prof, cluster=clus, microbatches=2).stages == plan.stages
-    assert solve_dp(prof, clus, pipeplan.PlanOptions(microbatches=2)).stages == plan.stages
+    again = solve(prof, clus, pipeplan.PlanOptions(microbatches=2, schedule="auto"))
+    assert again.model_copy(update={"solve_time_s": None}) == plan.model_copy(
+        update={"solve_time_s": None}
+    )
+    # schedule auto (the default) is the faster of every family: never slower than the DP's
+    for fam in ("gpipe", "1f1b"):
+        dp = solve_dp(prof, clus, pipeplan.PlanOptions(microbatches=2, schedule=fam))
+        assert plan.step_time_s <= dp.step_time_s * (1 + 1e-12)
 
 
 def test_the_api_plans_for_n_devices(prof: pipeplan.Profile) -> None:

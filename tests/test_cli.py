@@ -25,7 +25,7 @@ def profile_file(tmp_path: Path) -> Path:
 
 def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
     out_file = tmp_path / "plan.json"
-    options = "--stages 3 --memory 1GiB --bandwidth 10GB/s --latency 5us"
+    options = "--stages 3 --memory 1GiB --bandwidth 10GB/s --latency 5us --schedule gpipe"
     code, out, _ = cli(cli_argv("plan", profile_file, out_file, options))
     assert code == 0
     plan = load_plan(out_file)
@@ -215,7 +215,8 @@ def test_plan_reports_the_tied_gradient_all_reduce(tmp_path: Path, cli) -> None:
         update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3), "step_overhead_s": 4e-4}
     ))  # fmt: skip
     out_file = tmp_path / "plan.json"
-    code, out, err = cli(cli_argv("plan", prof, out_file, args=["--cluster", str(clus)]))
+    args = ["--cluster", str(clus), "--schedule", "gpipe"]
+    code, out, err = cli(cli_argv("plan", prof, out_file, args=args))
     assert code == 0, err
     assert "tied gradients: stages 0, 1" in out
     plan = load_plan(out_file)

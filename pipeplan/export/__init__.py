@@ -54,7 +54,14 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from pipeplan.export.deepspeed import deepspeed_text, fqns_text
-from pipeplan.export.layout import TARGETS, ModelLayout, Target, owner_names, param_prefix
+from pipeplan.export.layout import (
+    TARGET_FAMILIES,
+    TARGETS,
+    ModelLayout,
+    Target,
+    owner_names,
+    param_prefix,
+)
 from pipeplan.export.megatron import megatron_layout, megatron_text
 from pipeplan.export.snap import (
     Adjustment,
@@ -72,6 +79,7 @@ from pipeplan.planner.types import Plan, Profile
 
 __all__ = [
     "TARGETS",
+    "TARGET_FAMILIES",
     "Adjustment",
     "Export",
     "ModelLayout",

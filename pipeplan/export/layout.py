@@ -6,16 +6,35 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.types.base import ScheduleName
 
-__all__ = ["TARGETS", "ModelLayout", "Target", "owner_names", "param_prefix", "unit_modules"]
+__all__ = [
+    "TARGETS",
+    "TARGET_FAMILIES",
+    "ModelLayout",
+    "Target",
+    "owner_names",
+    "param_prefix",
+    "unit_modules",
+]
 
 
 Target = Literal["torchtitan", "megatron", "deepspeed", "fqns"]
 
 TARGETS: Final[tuple[Target, ...]] = ("torchtitan", "megatron", "deepspeed", "fqns")
+
+#: The schedule families each target runs as planned (``pipeplan plan --for`` lets ``auto``
+#: choose among these): torchtitan takes any of torch's classes by name; Megatron-LM runs 1F1B,
+#: or its interleaved 1F1B with virtual stages (VPP); DeepSpeed its own 1F1B-like schedule.
+TARGET_FAMILIES: Final[dict[Target, tuple[ScheduleName, ...]]] = {
+    "torchtitan": get_args(ScheduleName),
+    "megatron": ("1f1b", "interleaved1f1b"),
+    "deepspeed": ("1f1b",),
+    "fqns": get_args(ScheduleName),
+}
 
 
 def unit_modules(name: str) -> tuple[str, ...]:

@@ -56,7 +56,8 @@ def candidates(profile: Profile, cluster: Cluster, options: PlanOptions) -> list
     n, p = profile.n_units, cluster.n_stages
     if options.schedule == "auto":
         split = has_split_backward(profile)
-        families = [f for f in FAMILIES if split or not FAMILIES[f].split_backward]
+        allowed: tuple[str, ...] = options.families or tuple(FAMILIES)
+        families = [f for f in allowed if split or not FAMILIES[f].split_backward]
     else:
         refuse_split(profile, options.schedule)
         families = [options.schedule]

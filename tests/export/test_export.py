@@ -343,7 +343,8 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
     profile_file, prof = real(name)
     plan_file = tmp_path / "plan.json"
     code, _, err = cli(
-        ["plan", str(profile_file), "--stages", "3", "--memory", "1GiB"] + ["-o", str(plan_file)]
+        ["plan", str(profile_file), "--stages", "3", "--memory", "1GiB", "--schedule", "gpipe"]
+        + ["-o", str(plan_file)]
     )
     assert code == 0, err
     plan = load_plan(plan_file)

@@ -45,6 +45,9 @@ class PlanOptions(FrozenModel):
     """Most units per stage (CP-SAT only)."""
     time_limit_s: float | None = Field(default=None, gt=0)
     """Wall-clock limit for solvers that search (CP-SAT)."""
+    families: tuple[ScheduleName, ...] | None = None
+    """The families ``schedule="auto"`` may choose among (``None``: every one): the schedules a
+    target framework runs (``pipeplan plan --for``, :data:`pipeplan.export.TARGET_FAMILIES`)."""
     allowed_cuts: tuple[int, ...] | None = None
     """The units a stage other than the first may start at (``None``: any unit), in
     increasing order: where a target framework can cut (``pipeplan plan --for``,

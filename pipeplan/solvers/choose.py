@@ -1,0 +1,128 @@
+"""One request, one plan: which solver plans which schedule families.
+
+``PlanOptions.schedule`` names a family or ``auto`` (the default of ``pipeplan plan`` and
+:func:`pipeplan.plan`).  Two kinds of solver plan them:
+
+* the one-chunk solvers (``SOLVERS``: the exact DP, CP-SAT, the baselines) plan GPipe and 1F1B
+  by the closed form (:mod:`pipeplan.planner.costmodel`, with compute contention k);
+* the schedule solver (:func:`pipeplan.solvers.schedules.solve_schedule`) plans every family,
+  its chunks per rank v, cuts, m and recomputation, by replaying torch's own action order.
+
+:func:`solve` decides:
+
+``schedule`` = a multi-chunk family
+    the schedule solver; only with the DP solver and one pipeline (multi-chunk plans run without
+    data-parallel replicas), otherwise :class:`~pipeplan.planner.errors.InvalidRequestError`.
+``schedule`` = ``gpipe`` or ``1f1b``
+    the named solver.
+``schedule`` = ``auto``, DP solver, one pipeline
+    T* = min(T_sched, T_gpipe, T_1f1b): the schedule solver's best plan over every allowed
+    family (``PlanOptions.families``), beside the DP's GPipe and 1F1B plans.  Where a one-chunk
+    plan wins, the DP's own plan is returned (its closed form charges the contention the replay
+    does not).  Status ``optimal`` when the schedule solver's was (it enumerated every family,
+    cut, m and mask) and the winner is no slower than its plan; otherwise ``feasible`` with the
+    gap (T* - L) / T* to the schedule solver's work bound L, which holds for every family.
+``schedule`` = ``auto``, another solver or data-parallel replicas
+    the faster of that solver's GPipe and 1F1B plans (a plan that fits before one that does not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
+from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
+from pipeplan.solvers import SOLVERS
+
+__all__ = ["ONE_CHUNK", "solve"]
+
+#: The families the one-chunk solvers plan (by the closed form).
+ONE_CHUNK: tuple[str, ...] = ("gpipe", "1f1b")
+
+
+def _fastest(plans: Sequence[Plan]) -> Plan:
+    """A plan that fits before one that does not, then the least step time, then the earlier."""
+    return min(plans, key=lambda p: (not p.feasible, p.step_time_s))
+
+
+def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver: str) -> Plan:
+    """The faster of ``solver``'s GPipe and 1F1B plans (of those ``options.families`` allows)."""
+    families = [f for f in ONE_CHUNK if options.families is None or f in options.families]
+    if not families:
+        raise InvalidRequestError(
+            f"solver {solver} plans gpipe and 1f1b only, and the request allows "
+            f"{', '.join(options.families or ())}; use the dp solver"
+        )
+    plans: list[Plan] = []
+    error: InfeasiblePlanError | None = None
+    for fam in families:
+        try:
+            plans.append(
+                SOLVERS[solver](profile, cluster, options.model_copy(update={"schedule": fam}))
+            )
+        except InfeasiblePlanError as exc:
+            error = exc
+    if not plans:
+        assert error is not None
+        raise error
+    return _fastest(plans)
+
+
+def solve(
+    profile: Profile, cluster: Cluster, options: PlanOptions | None = None, solver: str = "dp"
+) -> Plan:
+    """The plan for ``options.schedule`` by ``solver`` (module docstring).  Raises
+    :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits and
+    :class:`~pipeplan.planner.errors.InvalidRequestError` for a combination no solver plans."""
+    from pipeplan.solvers.schedules import solve_schedule
+
+    options = options or PlanOptions(schedule="auto")
+    if solver not in SOLVERS:
+        raise InvalidRequestError(
+            f"solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
+        )
+    one_pipeline = solver == "dp" and cluster.data_parallel == 1
+    fam = options.schedule
+    if fam in ONE_CHUNK:
+        return SOLVERS[solver](profile, cluster, options)
+    if fam != "auto":
+        if not one_pipeline:
+            why = f"--solver {solver}" if solver != "dp" else "data-parallel replicas"
+            raise InvalidRequestError(
+                f"schedule {fam} is planned by the schedule solver on one pipeline, not with "
+                f"{why}; drop it, or plan schedule gpipe or 1f1b"
+            )
+        return solve_schedule(profile, cluster, options)
+    multi = options.families is None or any(f not in ONE_CHUNK for f in options.families)
+    if not (one_pipeline and multi):
+        return _one_chunk(profile, cluster, options, solver)
+    singles: list[Plan] = []
+    failed: InfeasiblePlanError | None = None
+    if any(f in ONE_CHUNK for f in options.families or ONE_CHUNK):
+        try:  # a bad request for one chunk per rank is bad for every family: it stands
+            singles.append(_one_chunk(profile, cluster, options, "dp"))
+        except InfeasiblePlanError as exc:
+            failed = exc
+    try:
+        sched = solve_schedule(profile, cluster, options)
+    except InfeasiblePlanError:
+        if singles:
+            return singles[0]
+        if failed is not None:  # the DP's reason names the least memory a partition needs
+            raise failed from None
+        raise
+    # a one-chunk family's plan is the DP's own (exact under the closed form, with contention)
+    best = _fastest([*singles] if singles and sched.schedule in ONE_CHUNK else [sched, *singles])
+    if best is sched:
+        return sched
+    T = best.step_time_s
+    bound = sched.lower_bound_s or 0.0
+    optimal = sched.status == "optimal" and T <= sched.step_time_s * (1 + 1e-9)
+    return best.model_copy(
+        update={
+            "status": "optimal" if optimal else "feasible",
+            "gap": None if optimal else (max(0.0, (T - bound) / T) if T > 0 else 0.0),
+            "lower_bound_s": bound,
+            "solve_time_s": (best.solve_time_s or 0.0) + (sched.solve_time_s or 0.0),
+        }
+    )
