@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, pipeplan
+from pipeplan.runtime.supervise import live_processes
 
 HERE = Path(__file__).parent
 _PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
@@ -54,21 +55,6 @@ def _pids(run_root: Path, ranks: int) -> dict[int, int]:
             except (OSError, ValueError):
                 pass
     return out
-
-
-def _alive(marker: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if marker in cmdline and state != "Z":
-            found.append(int(proc.name))
-    return found
 
 
 def _survived(save: Path) -> str:
@@ -120,7 +106,7 @@ def case(plan: Path, ranks: int, fault: str, work: Path) -> dict[str, Any]:
     elif fault == "SIGSTOP rank 1":
         os.kill(pids[1], signal.SIGSTOP)
     _, err = popen.communicate(timeout=600)
-    while _alive(str(save)):
+    while live_processes(str(save)):
         time.sleep(0.02)
     return _row(ranks, fault, time.monotonic() - start, popen.returncode, err, save)
 
@@ -133,7 +119,7 @@ def _row(ranks: int, fault: str, took: float, code: int, err: str, save: Path) -
         "status": code,
         "message": " ".join(err[err.find("error:") :].split())[:300],
         "survived": _survived(save),
-        "left_behind": len(_alive(str(save))),
+        "left_behind": len(live_processes(str(save))),
     }
 
 

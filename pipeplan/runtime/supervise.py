@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Beat", "Outcome", "beats", "forwarded_signals", "supervise"]
+__all__ = ["Beat", "Outcome", "beats", "forwarded_signals", "live_processes", "supervise"]
 
 #: Seconds the ranks get to end after a signal or a failure before they are killed.
 GRACE_S = 3.0
@@ -65,14 +65,33 @@ def beats(run_dir: Path, n_ranks: int) -> dict[int, Beat]:
     return out
 
 
-def _is_rank(pid: int) -> bool:
-    """Whether ``pid`` is alive and still a pipeplan worker (not a reused pid)."""
+def _command_line(pid: int) -> str | None:
+    """The command line of process ``pid`` (arguments joined by spaces), ``None`` when it is
+    gone, a zombie or dead (Linux ``/proc``)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return b"pipeplan.runtime.worker" in cmdline and state not in ("Z", "X")
+        return None
+    return None if state in ("Z", "X") else cmdline.replace(b"\0", b" ").decode(errors="replace")
+
+
+def live_processes(marker: str) -> dict[int, str]:
+    """pid -> command line of every live process but this one whose command line contains
+    ``marker`` (a run's folder, say): what a stopped job may have left behind."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            cmdline = _command_line(int(proc.name))
+            if cmdline is not None and marker in cmdline:
+                found[int(proc.name)] = cmdline
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether ``pid`` is alive and still a pipeplan worker (not a reused pid)."""
+    cmdline = _command_line(pid)
+    return cmdline is not None and "pipeplan.runtime.worker" in cmdline
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
 from pipeplan.planner.checkpoint import CheckpointReader
 from pipeplan.planner.io import write_json
+from pipeplan.runtime.supervise import live_processes
 
 MODEL = ("_weights_models:dropped", {})
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
@@ -94,15 +95,4 @@ def wait_for(predicate: Any, timeout: float = 120.0, poll: float = 0.05) -> None
 
 def survivors(marker: str) -> list[str]:
     """Live processes whose command line contains ``marker`` (a test's own tmp path)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            zombie = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except (OSError, IndexError):
-            continue
-        if marker in cmdline and not zombie:
-            found.append(f"{proc.name}: {cmdline[:200]}")
-    return found
+    return [f"{pid}: {cmd[:200]}" for pid, cmd in live_processes(marker).items()]
