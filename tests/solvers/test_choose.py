@@ -1,0 +1,86 @@
+"""Which solver plans a request (``pipeplan.solvers.choose.solve``): ``schedule="auto"``, the
+default, is never slower than any family, and a request no solver plans is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.schedules import FAMILIES
+from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.planner.types.profile import Timing
+from pipeplan.solvers import SOLVERS
+from pipeplan.solvers.choose import ONE_CHUNK, solve
+from pipeplan.solvers.schedules import solve_schedule
+
+
+def _split(profile: Profile) -> Profile:
+    """I = 0.4 B and W = 0.6 B per unit, as a profiler that measured them would give."""
+    units = []
+    for u in profile.units:
+        timings = {
+            b: Timing(**{**t.model_dump(), "backward_input_s": 0.4 * t.backward_s,
+                         "backward_weight_s": 0.6 * t.backward_s})
+            for b, t in u.timings.items()
+        }  # fmt: skip
+        units.append(u.model_copy(update={"timings": timings}))
+    return profile.model_copy(update={"units": tuple(units)})
+
+
+@pytest.fixture(scope="module")
+def prof() -> Profile:
+    return _split(synthetic_profile(6, batch_size=8, microbatch_sizes=(2, 4), seed=3))
+
+
+def _cluster(replicas: int = 1) -> Cluster:
+    c = Cluster.homogeneous(2, 1 << 34, Link(bandwidth_Bps=1e9, latency_s=1e-5))
+    return c.model_copy(update={"data_parallel": replicas})
+
+
+def test_auto_is_the_fastest_of_every_family_and_optimal_where_every_one_was(
+    prof: Profile,
+) -> None:
+    plan = solve(prof, _cluster(), PlanOptions(schedule="auto"))
+    each = {f: solve_schedule(prof, _cluster(), PlanOptions(schedule=f)) for f in FAMILIES}
+    for f in ONE_CHUNK:
+        each[f] = SOLVERS["dp"](prof, _cluster(), PlanOptions(schedule=f))
+    best = min(p.step_time_s for p in each.values())
+    assert plan.step_time_s == pytest.approx(best, rel=1e-12)
+    assert all(p.status == "optimal" for p in each.values())  # small: every one enumerated
+    assert plan.status == "optimal"
+
+
+def test_families_restrict_auto(prof: Profile) -> None:
+    plan = solve(prof, _cluster(), PlanOptions(schedule="auto", families=("1f1b",)))
+    assert plan.schedule == "1f1b" and plan.solver == "dp"
+    loop = solve(prof, _cluster(), PlanOptions(schedule="auto", families=("interleaved1f1b",)))
+    assert loop.schedule == "interleaved1f1b" and loop.stages_per_rank == 2
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "uniform"])
+def test_auto_with_a_one_chunk_solver_is_its_faster_of_gpipe_and_1f1b(
+    prof: Profile, solver: str
+) -> None:
+    plan = solve(prof, _cluster(), PlanOptions(schedule="auto"), solver)
+    both = [SOLVERS[solver](prof, _cluster(), PlanOptions(schedule=f)) for f in ONE_CHUNK]
+    assert plan.schedule in ONE_CHUNK
+    assert plan.step_time_s == min(p.step_time_s for p in both)
+
+
+def test_auto_with_replicas_plans_one_chunk_per_rank(prof: Profile) -> None:
+    plan = solve(prof, _cluster(replicas=2), PlanOptions(schedule="auto"))
+    assert plan.schedule in ONE_CHUNK and plan.cluster.data_parallel == 2
+
+
+@pytest.mark.parametrize(
+    ("solver", "replicas", "words"),
+    [("cpsat", 1, "not with --solver cpsat"), ("dp", 2, "not with data-parallel replicas")],
+)
+def test_a_multi_chunk_family_needs_the_schedule_solver_on_one_pipeline(
+    prof: Profile, solver: str, replicas: int, words: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=words):
+        solve(prof, _cluster(replicas), PlanOptions(schedule="zbv"), solver)
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        solve(prof, _cluster(), PlanOptions(schedule="auto"), "nope")
