@@ -37,7 +37,7 @@ from torch.distributed.pipelining.microbatch import _CustomReducer
 
 from pipeplan.intake.graph import group_units
 from pipeplan.intake.model import ModelSpec
-from pipeplan.intake.trace import trace_model
+from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.schedules import FAMILIES, stages_of_rank
 from pipeplan.planner.types import Plan
@@ -62,7 +62,11 @@ class ChunkedRunner:
     last: bool
 
     @classmethod
-    def build(cls, plan: Plan, spec: ModelSpec, device: torch.device) -> ChunkedRunner:
+    def build(
+        cls, plan: Plan, spec: ModelSpec, device: torch.device, traced: TracedModel | None = None
+    ) -> ChunkedRunner:
+        """This rank's runner; ``traced``: ``spec.module`` already traced on one micro-batch in
+        the plan's dtype (several plans of one model trace it once)."""
         p, v = plan.cluster.n_stages, plan.stages_per_rank
         if plan.cluster.data_parallel != 1:
             raise InvalidRequestError("multi-chunk plans run one pipeline; plan with --stages")
@@ -75,7 +79,8 @@ class ChunkedRunner:
         dtype = _dtype(plan.dtype)
         module = spec.module.to(dtype=dtype)
         inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
-        traced = trace_model(module, inputs, tracer=plan.tracer)
+        if traced is None:
+            traced = trace_model(module, inputs, tracer=plan.tracer)
         units = group_units(traced, plan.granularity, plan.unit_expansions)
         programs = build_stages(plan, traced, units, inputs)
         names = parameter_names(module, traced.gm)
@@ -165,10 +170,15 @@ def _drop(merged: None, output: Tensor) -> None:
 
 
 def chunked_step(
-    plan: Plan, spec: ModelSpec, inputs: tuple[Tensor, ...], target: Tensor
+    plan: Plan,
+    spec: ModelSpec,
+    inputs: tuple[Tensor, ...],
+    target: Tensor,
+    traced: TracedModel | None = None,
 ) -> tuple[float | None, dict[str, Tensor]]:
-    """(loss or None, this rank's gradients by name) of one step of ``plan`` on the CPU."""
-    runner = ChunkedRunner.build(plan, spec, torch.device("cpu"))
+    """(loss or None, this rank's gradients by name) of one step of ``plan`` on the CPU
+    (``traced`` as in :meth:`ChunkedRunner.build`)."""
+    runner = ChunkedRunner.build(plan, spec, torch.device("cpu"), traced)
     loss = runner.step(inputs, target)
     return loss, {
         k: prm.grad.detach().clone()

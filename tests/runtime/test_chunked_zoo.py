@@ -1,19 +1,23 @@
 """Multi-chunk schedules on models this project did not write: the loss and every gradient
 equal the unsplit model's.
 
-For each model and p (2 ranks: p = 2, v = 2, four chunks; 4 ranks: p = 4, v = 2, eight chunks,
-one unit each) one torchrun launch runs all five multi-chunk families (interleaved1f1b,
-loopedbfs, zb-interleaved, zbv, dualpipev) on torch's own schedule classes over gloo
-(:mod:`_chunked_job`), in float64, and the test compares each family's loss and gradients with
-the unsplit model's on the full batch.  The models:
+On 2 ranks (p = 2, v = 2: four chunks) and on 4 (p = 4, v = 2: eight chunks, one unit each),
+one torchrun launch runs all five multi-chunk families (interleaved1f1b, loopedbfs,
+zb-interleaved, zbv, dualpipev) on torch's own schedule classes over gloo for every model
+(:mod:`_chunked_job`), in float64, with m = 2 p micro-batches (dualpipev's least); each test
+compares one model's families with the unsplit model on the full batch.  The models:
 
-- ``llama`` (``pipeplan.models.zoo``): RoPE's cos and sin and the causal mask, made before the
-  first layer, cross every cut;
+- ``llama`` (``pipeplan.models.zoo``): RoPE's cos and sin (no gradient) and the causal mask,
+  made before the first layer, cross every cut;
 - ``gpt2``: its embedding and LM head are one tensor, held by the first and the last chunk
-  (in a loop on two ranks, in a V on one);
-- ``skip`` (``_carry_models``): a tensor made in chunk 0 used in chunk 3 and later, an integer
-  tensor, a bool mask, a float tensor that needs no gradient and a transposed view, each passing
-  through chunks on other ranks.
+  (on two ranks in a loop, on one rank in a V);
+- ``skip`` (``_carry_models``): a tensor made in chunk 0 and used in chunks 3, 5 and 7 (on
+  other ranks), a view of it, an integer tensor, a bool mask and a float tensor that needs no
+  gradient, each passing through the chunks between; a 0-dim tensor among the outputs.
+
+What each once broke: the runner ignored the plan's dtype; torch's default merge of the last
+stage's outputs cannot concatenate a 0-dim one; torch's zero-bubble backward detaches a stage's
+outputs in place, which a value passed through (a view of what the stage received) refuses.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,63 +40,81 @@ from pipeplan.planner.io import write_json
 JOB = Path(__file__).with_name("_chunked_job.py")
 FAMILIES = ("interleaved1f1b", "loopedbfs", "zb-interleaved", "zbv", "dualpipev")
 ZOO = {"d_model": 16, "vocab": 64, "seq_len": 8}
-#: name -> (model, kwargs at p = 2, kwargs at p = 4): one unit per chunk (p v = 2 p units).
-MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "llama": ("pipeplan.models.zoo:llama", {**ZOO, "n_layers": 2}, {**ZOO, "n_layers": 6}),
-    "gpt2": ("pipeplan.models.zoo:gpt2", {**ZOO, "n_layers": 2}, {**ZOO, "n_layers": 6}),
-    "skip": ("_carry_models:skip", {}, {}),
+#: name -> (model, kwargs by p): 2 p units, one per chunk.
+MODELS: dict[str, tuple[str, dict[int, dict[str, Any]]]] = {
+    "llama": ("pipeplan.models.zoo:llama", {2: {**ZOO, "n_layers": 2}, 4: {**ZOO, "n_layers": 6}}),
+    "gpt2": ("pipeplan.models.zoo:gpt2", {2: {**ZOO, "n_layers": 2}, 4: {**ZOO, "n_layers": 6}}),
+    "skip": ("_carry_models:skip", {2: {}, 4: {}}),
 }
 DTYPE = torch.float64
 pytestmark = pytest.mark.xdist_group("torchrun")
 
 
-def _reference(model: str, kwargs: dict[str, Any], batch: tuple) -> tuple[float, dict]:
-    """The unsplit model's loss and gradients on the full batch, in float64."""
-    inputs, target = batch
-    torch.manual_seed(3)
-    spec = load_model(model, kwargs)
-    whole = spec.module.to(DTYPE)
-    loss = spec.loss(whole(*(t.to(DTYPE) if t.is_floating_point() else t for t in inputs)), target)
-    loss.backward()
-    return loss.item(), {n: prm.grad for n, prm in whole.named_parameters() if prm.grad is not None}
+@dataclass
+class Launch:
+    """One torchrun launch of every model's five plans on p ranks."""
+
+    p: int
+    out: Path
+    batches: dict[str, tuple[Any, torch.Tensor]]
 
 
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("name", list(MODELS))
-def test_every_family_equals_the_unsplit_model(tmp_path: Path, name: str, p: int) -> None:
-    """All five families, v = 2, one torchrun launch: loss and every gradient within 1e-9 of
-    the unsplit model's (float64; the schedules only reorder sums over micro-batches)."""
-    model, kw2, kw4 = MODELS[name]
-    kwargs = kw2 if p == 2 else kw4
-    m = 2 * p
-    batch_size = 2 * m
+def _cast(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(DTYPE) if t.is_floating_point() else t for t in inputs)
+
+
+def _plans(out: Path, name: str, p: int) -> list[str]:
+    """Write ``name``'s plan of each family: 2 p chunks of one unit, v = 2, m = 2 p."""
+    model, kwargs = MODELS[name][0], MODELS[name][1][p]
     spec = load_model(model, kwargs)
     spec.module.to(DTYPE)
-    example = tuple(t.to(DTYPE) if t.is_floating_point() else t for t in spec.batch(2)[0])
-    traced = trace_model(spec.module, example)
+    traced = trace_model(spec.module, _cast(spec.batch(2)[0]))
     files = []
     for fam in FAMILIES:
-        plan = make_plan(model, kwargs, traced, starts=list(range(2 * p)), batch_size=batch_size,
-                         microbatches=m, dtype="float64", checkpoint="never")  # fmt: skip
+        plan = make_plan(model, kwargs, traced, starts=list(range(2 * p)), batch_size=4 * p,
+                         microbatches=2 * p, dtype="float64", checkpoint="never")  # fmt: skip
         plan = plan.model_copy(update={
             "schedule": fam, "stages_per_rank": 2,
             "cluster": plan.cluster.model_copy(update={"devices": plan.cluster.devices[:p]}),
         })  # fmt: skip
-        write_json(tmp_path / f"{fam}.json", plan)
-        files.append(str(tmp_path / f"{fam}.json"))
-    torch.manual_seed(11)
-    batch = spec.batch(batch_size)
-    torch.save(batch, tmp_path / "batch.pt")
+        write_json(out / f"{name}-{fam}.json", plan)
+        files.append(str(out / f"{name}-{fam}.json"))
+    return files
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["p2", "p4"])
+def launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """Every model's plans on p gloo ranks in one torchrun launch (a launch costs seconds)."""
+    p = request.param
+    out = tmp_path_factory.mktemp(f"chunked{p}")
+    files = [f for name in MODELS for f in _plans(out, name, p)]
+    batches = {model: load_model(model, kw[p]).batch(4 * p) for model, kw in MODELS.values()}
+    torch.save(batches, out / "batch.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={p}", str(JOB), str(tmp_path / "batch.pt"), str(tmp_path), *files]  # fmt: skip
+           f"--nproc-per-node={p}", str(JOB), str(out / "batch.pt"), str(out), *files]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    want_loss, want = _reference(model, kwargs, batch)
+    return Launch(p, out, batches)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_family_equals_the_unsplit_model(launch: Launch, name: str) -> None:
+    """Loss within 1e-12 and every gradient within 1e-9 (relative) of the unsplit model's, in
+    float64: the schedules only reorder the sums over micro-batches.  A gradient missing or in
+    another dtype fails too."""
+    model, kwargs = MODELS[name][0], MODELS[name][1][launch.p]
+    inputs, target = launch.batches[model]
+    torch.manual_seed(3)
+    spec = load_model(model, kwargs)
+    whole = spec.module.to(DTYPE)
+    loss = spec.loss(whole(*_cast(inputs)), target)
+    loss.backward()
+    want = {n: prm.grad for n, prm in whole.named_parameters() if prm.grad is not None}
     for fam in FAMILIES:
-        ranks = [torch.load(tmp_path / f"{fam}-rank{r}.pt") for r in range(p)]
+        ranks = [torch.load(launch.out / f"{name}-{fam}-rank{r}.pt") for r in range(launch.p)]
         losses = [r["loss"] for r in ranks if r["loss"] is not None]
-        assert len(losses) == 1 and losses[0] == pytest.approx(want_loss, rel=1e-12), fam
+        assert len(losses) == 1 and losses[0] == pytest.approx(loss.item(), rel=1e-12), fam
         got: dict[str, torch.Tensor] = {}
         for r in ranks:
             got.update(r["grads"])
