@@ -33,14 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.microbatch import _CustomReducer
 
 from pipeplan.intake.graph import group_units
 from pipeplan.intake.model import ModelSpec
-from pipeplan.intake.trace import trace_model
+from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.schedules import FAMILIES, stages_of_rank
 from pipeplan.planner.types import Plan
-from pipeplan.runtime.engine import Recompute
+from pipeplan.runtime.engine import Recompute, _dtype, cast_batch
 from pipeplan.runtime.stages import build_stages, parameter_names, tied_parameters
 
 __all__ = ["ChunkedRunner", "chunked_step", "launch_chunked", "main"]
@@ -61,7 +62,11 @@ class ChunkedRunner:
     last: bool
 
     @classmethod
-    def build(cls, plan: Plan, spec: ModelSpec, device: torch.device) -> ChunkedRunner:
+    def build(
+        cls, plan: Plan, spec: ModelSpec, device: torch.device, traced: TracedModel | None = None
+    ) -> ChunkedRunner:
+        """This rank's runner; ``traced``: ``spec.module`` already traced on one micro-batch in
+        the plan's dtype (several plans of one model trace it once)."""
         p, v = plan.cluster.n_stages, plan.stages_per_rank
         if plan.cluster.data_parallel != 1:
             raise InvalidRequestError("multi-chunk plans run one pipeline; plan with --stages")
@@ -71,9 +76,11 @@ class ChunkedRunner:
                 f"{dist.get_world_size()} (--nproc-per-node {p})"
             )
         rank = dist.get_rank()
-        module = spec.module
-        inputs, _ = spec.batch(plan.microbatch_size)
-        traced = trace_model(module, inputs, tracer=plan.tracer)
+        dtype = _dtype(plan.dtype)
+        module = spec.module.to(dtype=dtype)
+        inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
+        if traced is None:
+            traced = trace_model(module, inputs, tracer=plan.tracer)
         units = group_units(traced, plan.granularity, plan.unit_expansions)
         programs = build_stages(plan, traced, units, inputs)
         names = parameter_names(module, traced.gm)
@@ -110,8 +117,15 @@ class ChunkedRunner:
         # Each torch stage divides its parameters' gradients by m after its last backward; a
         # weight two chunks of one rank share (a tied embedding and head in a V) would be
         # divided twice, part way through its sum.  So the runner divides once, after the step.
+        # The last stage's outputs are left unmerged: the loss is all the runner reads, and
+        # torch's default merge concatenates every output on dim 0, which a 0-dim one lacks.
+        drop = tuple(_CustomReducer(None, _drop) for _ in programs[n - 1].example_outputs)
         sched = cls_(
-            stages[0] if v == 1 else stages, plan.microbatches, loss_fn=loss, scale_grads=False
+            stages[0] if v == 1 else stages,
+            plan.microbatches,
+            loss_fn=loss,
+            output_merge_spec=drop,
+            scale_grads=False,
         )
         return cls(plan, sched, chunks, modules, names, tied, 0 in chunks, n - 1 in chunks)
 
@@ -138,6 +152,7 @@ class ChunkedRunner:
         for prm in self.parameters().values():
             prm.grad = None
         losses: list[Tensor] = []
+        inputs, target = cast_batch(inputs, target, _dtype(self.plan.dtype), torch.device("cpu"))
         args = inputs if self.first else ()
         kwargs: dict[str, Any] = {}
         if self.last:
@@ -150,11 +165,20 @@ class ChunkedRunner:
         return float(torch.stack(losses).mean()) if self.last else None
 
 
+def _drop(merged: None, output: Tensor) -> None:
+    """A last-stage output merged over micro-batches: dropped (see ``ChunkedRunner.build``)."""
+
+
 def chunked_step(
-    plan: Plan, spec: ModelSpec, inputs: tuple[Tensor, ...], target: Tensor
+    plan: Plan,
+    spec: ModelSpec,
+    inputs: tuple[Tensor, ...],
+    target: Tensor,
+    traced: TracedModel | None = None,
 ) -> tuple[float | None, dict[str, Tensor]]:
-    """(loss or None, this rank's gradients by name) of one step of ``plan`` on the CPU."""
-    runner = ChunkedRunner.build(plan, spec, torch.device("cpu"))
+    """(loss or None, this rank's gradients by name) of one step of ``plan`` on the CPU
+    (``traced`` as in :meth:`ChunkedRunner.build`)."""
+    runner = ChunkedRunner.build(plan, spec, torch.device("cpu"), traced)
     loss = runner.step(inputs, target)
     return loss, {
         k: prm.grad.detach().clone()

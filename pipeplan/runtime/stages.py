@@ -75,7 +75,7 @@ class StageModule(nn.Module):
 
     ``body`` takes every value live across the input cut positionally; ``slots`` says, for
     each, whether it is the next received tensor or a :class:`_Const`.  Non-last stages return
-    only the tensor outputs, in order, each contiguous (a transport sends contiguous buffers;
+    only the tensor outputs, in order, each contiguous and none a view (:func:`_sendable`;
     a transposed view or a slice may cross a cut).  The last stage returns the *tensor leaves*
     of the model's output (:func:`torch.utils._pytree.tree_flatten`: nested tuples, lists,
     dicts and ``transformers`` ``ModelOutput`` s), because the pipeline engine hands a stage's
@@ -126,7 +126,7 @@ class StageModule(nn.Module):
         except Exception as exc:
             raise self._locate(full, exc) from exc
         if self._template is None:
-            return tuple(outs[i].contiguous() for i in self._sent)
+            return tuple(_sendable(outs[i]) for i in self._sent)
         leaves, spec = tree_flatten(self._model_output(outs))
         self._out_spec = spec
         self._out_consts = {k: v for k, v in enumerate(leaves) if not isinstance(v, Tensor)}
@@ -160,6 +160,14 @@ class StageModule(nn.Module):
         return StageComputeError(  # the node-by-node rerun passed: no node to name
             f"stage {self._index}: {_what(exc)} (a rerun node by node did not fail)"
         )
+
+
+def _sendable(t: Tensor) -> Tensor:
+    """``t`` contiguous and not a view: a transport sends contiguous buffers, and torch's
+    zero-bubble backward (``stage_backward_input``) detaches a stage's outputs in place, which a
+    view refuses (a value that passes through the stage is a view of what it received)."""
+    t = t.contiguous()
+    return t.clone() if t._is_view() else t
 
 
 def _thaw(value: Any) -> Any:

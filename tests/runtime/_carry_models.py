@@ -4,7 +4,12 @@
 tensor (positions), a bool mask, a float tensor that needs no gradient, and several tensors at
 once; the output is a dict holding a tensor, a tuple and a list.  ``batchnorm``: a small
 convolutional net with BatchNorm (traced by torch.fx); ``batchnorm_export`` the same traced by
-torch.export (``aten.batch_norm`` on its buffers).
+torch.export (``aten.batch_norm`` on its buffers).  ``skip`` (for ``test_chunked_zoo``): eight
+blocks, eight units; block 0's output and its transposed view are used again by blocks 3, 5 and
+7, and an integer tensor, a bool mask and a float tensor that needs no gradient, made from the
+inputs before block 0, by blocks 3, 5 and 7.  Cut into one chunk per block, each crosses chunks
+that sit on other ranks (chunk 3 is on rank 1 of 2, on rank 3 of 4) and passes through the
+chunks between.
 """
 
 from __future__ import annotations
@@ -172,3 +177,37 @@ def hfout(seed: int = 0) -> tuple[nn.Module, Any, Any]:
         return F.mse_loss(output.logits, target) + 0.1 * aux_sum.mean() + 0.01 * aux_mean
 
     return HFOut(), make_batch, loss
+
+
+class Skip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(8))
+
+    def forward(self, x: Tensor, ids: Tensor) -> dict[str, Any]:
+        mask = ids > 2  # bool
+        pos = ids.cumsum(-1)  # int64
+        scale = (x.detach() ** 2).mean(-1, keepdim=True) + 1  # float, no gradient
+        s = self.blocks[0](x)  # made in chunk 0, used in chunks 3, 5 and 7
+        v = s.transpose(1, 2)  # a view of it
+        h = s
+        for i in range(1, 8):
+            h = self.blocks[i](torch.tanh(h))
+            if i == 3:
+                h = h + s * scale
+            elif i == 5:
+                h = h + v.transpose(1, 2) * pos.unsqueeze(-1).to(h.dtype) / 10
+            elif i == 7:
+                h = h.masked_fill(mask.unsqueeze(-1), 0.0)
+        return {"out": h, "aux": (s.sum(-1), v.mean())}
+
+
+def skip(seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    _, make_batch, _ = carry(seed)
+    torch.manual_seed(seed)
+
+    def loss(output: dict[str, Any], target: Tensor) -> Tensor:
+        aux_sum, aux_mean = output["aux"]
+        return F.mse_loss(output["out"], target) + 0.1 * aux_sum.mean() + 0.01 * aux_mean
+
+    return Skip(), make_batch, loss

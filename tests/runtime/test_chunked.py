@@ -43,7 +43,7 @@ def _launch(tmp_path: Path, gpt: tuple, p: int, m: int, starts: list[int], famil
         files.append(str(tmp_path / f"{fam}.json"))
     torch.manual_seed(11)
     inputs, target = spec.batch(batch)
-    torch.save((inputs, target), tmp_path / "batch.pt")
+    torch.save({gpt[0]: (inputs, target)}, tmp_path / "batch.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={p}", str(JOB), str(tmp_path / "batch.pt"), str(tmp_path), *files]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -77,6 +77,26 @@ def test_stages_forward_pass_through_tensors(starts: list[int]) -> None:
     )
 
 
+def test_a_value_passed_through_leaves_as_no_view() -> None:
+    """Pins a bug: stage 1 passes the skip on as a view of what it received, and torch's
+    zero-bubble backward (``stage_backward_input``, the I of zb-interleaved, zbv and
+    dualpipev) detaches a stage's outputs in place, which a view refuses."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    torch.manual_seed(0)
+    model = Skip()
+    x = torch.randn(3, 4)
+    traced = trace_model(model, (x,))
+    plan = make_plan("skip", {}, traced, starts=[0, 1, 3], batch_size=6, microbatches=2)
+    middle = build_stages(plan, traced, group_units(traced), (x,))[1]
+    received = [t.detach().clone().requires_grad_(True) for t in middle.example_inputs]
+    outs = middle.module(*received)
+    assert not any(o._is_view() for o in outs)
+    grads, _ = stage_backward_input(list(outs), [torch.ones_like(o) for o in outs], received,
+                                    iter(middle.module.parameters()))  # fmt: skip
+    assert all(g is not None for g in grads)
+
+
 class Transposed(nn.Module):
     """A transposed view crosses the cut (as attention's ``q.transpose(1, 2)`` does)."""
 
