@@ -267,8 +267,22 @@ def _sparse_max(v: np.ndarray) -> np.ndarray:
     return np.vstack(rows)
 
 
-def microbatch_choices(profile: Profile, options: PlanOptions) -> list[int]:
-    """Micro-batch counts m to consider: the user's, or every m whose size B/m was profiled."""
+def microbatch_choices(
+    profile: Profile, options: PlanOptions, stages: int | None = None
+) -> list[int]:
+    """Micro-batch counts m to consider: the user's, or every m whose size B/m was profiled;
+    for 1F1B on ``stages`` ranks only m >= stages, as torch's ``Schedule1F1B`` requires
+    (:class:`~pipeplan.planner.errors.InvalidRequestError` when none is left)."""
     if options.microbatches is not None:
-        return [options.microbatches]
-    return sorted({profile.batch_size // b for b in profile.microbatch_sizes})
+        ms = [options.microbatches]
+    else:
+        ms = sorted({profile.batch_size // b for b in profile.microbatch_sizes})
+    if options.schedule != "1f1b" or stages is None:
+        return ms
+    kept = [m for m in ms if m >= stages]
+    if not kept:
+        raise InvalidRequestError(
+            f"1F1B needs at least as many micro-batches as stages (m = {max(ms)} < {stages}); "
+            f"plan --microbatches {stages} (a profiled size B/{stages}), or --schedule gpipe"
+        )
+    return kept

@@ -175,7 +175,11 @@ def baseline_microbatches(profile: Profile, cluster: Cluster, options: PlanOptio
         found = partition_dp(profile, cluster, options)
     except UnsupportedConstraintError:
         found = None
-    return found[1] if found is not None else max(microbatch_choices(profile, options))
+    return (
+        found[1]
+        if found is not None
+        else max(microbatch_choices(profile, options, cluster.n_stages))
+    )
 
 
 def _baseline(

@@ -54,17 +54,16 @@ def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver:
             f"{', '.join(options.families or ())}; use the dp solver"
         )
     plans: list[Plan] = []
-    error: InfeasiblePlanError | None = None
+    errors: list[InfeasiblePlanError | InvalidRequestError] = []
     for fam in families:
         try:
             plans.append(
                 SOLVERS[solver](profile, cluster, options.model_copy(update={"schedule": fam}))
             )
-        except InfeasiblePlanError as exc:
-            error = exc
+        except (InfeasiblePlanError, InvalidRequestError) as exc:  # 1F1B with m < p, say
+            errors.append(exc)
     if not plans:
-        assert error is not None
-        raise error
+        raise errors[0]
     return _fastest(plans)
 
 

@@ -76,7 +76,7 @@ class CpsatResult:
 
 def error_bound_s(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
     """Seconds by which a plan CP-SAT proves optimal may exceed the true optimum."""
-    ms = microbatch_choices(profile, options)
+    ms = microbatch_choices(profile, options, cluster.n_stages)
     R = reference_time(profile, cluster, options, ms)
     return 2 * err_ticks(cluster.n_stages, max(ms), len(profile.shared_params)) * R / TICKS
 
@@ -91,7 +91,7 @@ def partition_cpsat(
     """
     check_request(profile, cluster, options)
     deadline = None if options.time_limit_s is None else time.monotonic() + options.time_limit_s
-    ms = microbatch_choices(profile, options)
+    ms = microbatch_choices(profile, options, cluster.n_stages)
     scale = TICKS / reference_time(profile, cluster, options, ms)
     p = cluster.n_stages
     if ignore_memory:

@@ -150,7 +150,7 @@ def _partition(
     update = update_cost(profile, options.optimizer, cluster)
     insts = [
         Instance(unit_costs(profile, m), cluster, options, caps, update)
-        for m in microbatch_choices(profile, options)
+        for m in microbatch_choices(profile, options, cluster.n_stages)
     ]
     # The most promising m first: its step time then cuts the other m's searches short, or
     # skips them.

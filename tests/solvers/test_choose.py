@@ -84,3 +84,14 @@ def test_a_multi_chunk_family_needs_the_schedule_solver_on_one_pipeline(
         solve(prof, _cluster(replicas), PlanOptions(schedule="zbv"), solver)
     with pytest.raises(InvalidRequestError, match="unknown"):
         solve(prof, _cluster(), PlanOptions(schedule="auto"), "nope")
+
+
+@pytest.mark.parametrize("solver", ["dp", "cpsat"])
+def test_1f1b_is_never_planned_with_fewer_micro_batches_than_stages(solver: str) -> None:
+    """torch's Schedule1F1B refuses m < p, so the solvers never choose it (m = 1 was the
+    DP's pick here before), and a request for it is refused with the fix."""
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=(2, 8), seed=0)
+    plan = SOLVERS[solver](prof, _cluster(), PlanOptions(schedule="1f1b"))
+    assert plan.microbatches >= 2
+    with pytest.raises(InvalidRequestError, match="1F1B needs at least as many micro-batches"):
+        SOLVERS[solver](prof, _cluster(), PlanOptions(schedule="1f1b", microbatches=1))
