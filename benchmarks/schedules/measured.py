@@ -3,9 +3,8 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.schedules.measured [--rounds 3 --steps 3]
 
 The bundled GPT's profile (``out/gpt.profile.json``, batch 32) is planned for p = 2 under each
-family (``solve_schedule``, 256 MiB per device), and each plan runs under ``pipeplan run``'s
-runner (:mod:`pipeplan.runtime.chunked`: torch's own schedule class on gloo, 1 thread per
-rank).  Every round runs the three families one after the other, in a rotated order; each
+family (``solve_schedule``, 256 MiB per device), and each plan runs under ``pipeplan run``
+(torch's own schedule class on gloo, 1 thread per rank; the step is the run report's median).  Every round runs the three families one after the other, in a rotated order; each
 run's median step over ``--steps`` (after one warm-up) is divided by the same round's 1F1B
 step.  The table gives the median of the rounds' ratios, their range, and the predicted ratio.
 """
@@ -14,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
-from benchmarks.common import machine
+from benchmarks.common import machine, pipeplan
 from pipeplan.planner.io import load_profile, write_json
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.solvers.schedules import solve_schedule
@@ -30,13 +27,12 @@ FAMILIES = ("1f1b", "interleaved1f1b", "zbv")
 
 
 def step_ms(plan_file: Path, steps: int) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "pipeplan.runtime.chunked", str(plan_file), f"--steps={steps}", "--warmup=1",
-           "--threads=1"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
-    line = next(x for x in out.splitlines() if "median step" in x)
-    return float(line.split("median step ")[1].split(" ms")[0])
+    """The median measured step (ms) of ``pipeplan run`` on the plan: its run report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        pipeplan("run", str(plan_file), f"--steps={steps}", "--warmup=1", "--threads=1",
+                 "--quiet", "--report", str(report))  # fmt: skip
+        return float(json.loads(report.read_text())["step_time_s"]) * 1e3
 
 
 def main() -> None:
