@@ -4,7 +4,7 @@
 
 The bundled GPT's profile (``out/gpt.profile.json``, batch 32) is planned for p = 2 under each
 family (``solve_schedule``, 256 MiB per device), and each plan runs under ``pipeplan run``'s
-runner (:mod:`pipeplan.runtime.chunked`: torch's own schedule class on gloo, 1 thread per
+runner (:mod:`pipeplan.runtime.worker`: torch's own schedule class on gloo, 1 thread per
 rank).  Every round runs the three families one after the other, in a rotated order; each
 run's median step over ``--steps`` (after one warm-up) is divided by the same round's 1F1B
 step.  The table gives the median of the rounds' ratios, their range, and the predicted ratio.
@@ -30,13 +30,14 @@ FAMILIES = ("1f1b", "interleaved1f1b", "zbv")
 
 
 def step_ms(plan_file: Path, steps: int) -> float:
+    """The run report's median step (ms) of ``steps`` steps after one warm-up."""
+    report = plan_file.with_suffix(".report.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "pipeplan.runtime.chunked", str(plan_file), f"--steps={steps}", "--warmup=1",
-           "--threads=1"]  # fmt: skip
+           "-m", "pipeplan.runtime.worker", str(plan_file), f"--steps={steps}", "--warmup=1",
+           "--threads=1", "--quiet", f"--report={report}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
-    line = next(x for x in out.splitlines() if "median step" in x)
-    return float(line.split("median step ")[1].split(" ms")[0])
+    subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return float(json.loads(report.read_text())["step_time_s"]) * 1e3
 
 
 def main() -> None:
