@@ -23,7 +23,8 @@ GPT = (
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
 )
 JOB = Path(__file__).with_name("_chunked_job.py")
-FAMILIES = {"interleaved1f1b": 2, "loopedbfs": 2, "zb-interleaved": 2, "zbv": 2, "dualpipev": 2}
+FAMILIES = {"interleaved1f1b": 2, "loopedbfs": 2, "zb-interleaved": 2, "zbv": 2, "dualpipev": 2,
+            "zbv-always": 2}  # fmt: skip
 pytestmark = pytest.mark.xdist_group("torchrun")
 
 
@@ -33,12 +34,13 @@ def _launch(tmp_path: Path, gpt: tuple, p: int, m: int, starts: list[int], famil
     spec = load_model(*gpt)
     traced = trace_model(spec.module, spec.batch(batch // m)[0])
     files = []
-    for fam in families:
+    for name in families:  # "<family>-always": every chunk recomputes
+        fam = name.removesuffix("-always")
         plan = make_plan(*gpt, traced, starts=starts, batch_size=batch, microbatches=m,
-                         dtype="float32", checkpoint="never")  # fmt: skip
+                         dtype="float32", checkpoint="never" if fam == name else "always")  # fmt: skip
         plan = chunked(plan, fam, p)
-        write_json(tmp_path / f"{fam}.json", plan)
-        files.append(str(tmp_path / f"{fam}.json"))
+        write_json(tmp_path / f"{name}.json", plan)
+        files.append(str(tmp_path / f"{name}.json"))
     torch.manual_seed(11)
     inputs, target = spec.batch(batch)
     torch.save((inputs, target), tmp_path / "batch.pt")
