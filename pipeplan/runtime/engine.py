@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -87,7 +86,7 @@ class Recompute(nn.Module):
     def _contexts(
         self,
     ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-        return contextlib.nullcontext(), _Recomputing(self.inner)
+        return contextlib.nullcontext(), _recompute_context(self.inner)
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -100,29 +99,6 @@ def _recompute_context(inner: nn.Module) -> Iterator[None]:
     """A recomputed forward: buffers restored afterwards, batch-norm statistics not tracked."""
     with preserved_buffers(inner), recomputing():
         yield
-
-
-class _Recomputing(contextlib.AbstractContextManager[None]):
-    """:func:`_recompute_context` that can be entered again: a split backward (I, then W,
-    ``stage_backward_input`` / ``stage_backward_weight``) unpacks a checkpointed chunk's
-    saved tensors twice, and ``checkpoint`` enters the one context it was given each time."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        self.inner = inner
-        self._open: list[contextlib.AbstractContextManager[None]] = []
-
-    def __enter__(self) -> None:
-        ctx = _recompute_context(self.inner)
-        ctx.__enter__()
-        self._open.append(ctx)
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        return self._open.pop().__exit__(kind, exc, tb)
 
 
 class _MeasuredStage(PipelineStage):
