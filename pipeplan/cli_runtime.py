@@ -10,7 +10,7 @@ import the runtime lazily, so other commands do not pay for torch.distributed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -106,13 +106,6 @@ def run(
         fail("--resume and --weights both say where to start; pass one")
     if resume is not None:
         check_resume(resume)
-    if _multi_chunk(plan_file):
-        _run_chunked(plan_file, device, [("--report", report), ("--trace", trace),
-                     ("--save", save), ("--weights", weights), ("--model", model),
-                      ("--resume", resume), ("--save-every", save_every)],
-                     steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, seed=seed,
-                     threads=threads)  # fmt: skip
-        return
     p = preflight(
         plan_file,
         model=model,
@@ -125,7 +118,7 @@ def run(
         from pipeplan.planner.host import threads_mismatch
         from pipeplan.runtime.worker import default_threads
 
-        per_rank = threads or default_threads(p.n_stages * p.cluster.data_parallel)
+        per_rank = threads or default_threads(p.pipeline_ranks * p.cluster.data_parallel)
         if (warning := threads_mismatch(p.profiled_threads, per_rank)) is not None:
             err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if optimizer is not None and optimizer != p.optimizer:
@@ -187,33 +180,6 @@ def check_resume(path: Path) -> None:
             check_file(reader.folder, reader.manifest, name)
     except ModelLoadError as exc:
         fail(str(exc))
-
-
-def _multi_chunk(plan_file: Path) -> bool:
-    from pipeplan.planner.io import load_plan
-
-    return plan_file.exists() and load_plan(plan_file).schedule not in ("gpipe", "1f1b")
-
-
-def _run_chunked(
-    plan_file: Path, device: str, unsupported: list[tuple[str, object]], **kw: Any
-) -> None:
-    """A multi-chunk plan: torch's schedule class on gloo (:mod:`pipeplan.runtime.chunked`)."""
-    from pipeplan.planner.io import load_plan
-    from pipeplan.runtime.chunked import launch_chunked
-
-    schedule = load_plan(plan_file).schedule
-    given = [flag for flag, value in unsupported if value]
-    if device != "cpu" or given:
-        fail(
-            f"{schedule} plans run on CPU (gloo) without "
-            f"{', '.join(given) or '--device cuda'} for now; drop "
-            f"{'it' if len(given) < 2 else 'them'}, or plan --schedule gpipe or 1f1b"
-        )
-    kw["optimizer"] = kw["optimizer"] or load_plan(plan_file).optimizer
-    code = launch_chunked(plan_file.resolve(), **kw)
-    if code:
-        raise typer.Exit(1)
 
 
 def calibrate(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +38,21 @@ POLICIES = ("never", "except_last", "always")
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def run_case(name: str, work: Path) -> list[dict[str, Any]]:
-    from pipeplan.planner.io import load_plan, load_report
-
+def profile_model(name: str, work: Path, max_stages: int) -> Path:
+    """``pipeplan profile`` of ``MODELS[name]`` cut for up to ``max_stages`` stages (one timed
+    pass: only its bytes matter here) into ``work``; the profile's path."""
     model, kwargs, batch = MODELS[name]
     profile = work / f"{name.replace(' ', '_')}.profile.json"
     margs = [a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")]
-    pipeplan("profile", model, *margs, "--batch-size", str(batch), "--max-stages", "2",
-         "--warmup", "0", "--repeats", "1", "-o", str(profile))  # fmt: skip
+    pipeplan("profile", model, *margs, "--batch-size", str(batch), "--max-stages",
+             str(max_stages), "--warmup", "0", "--repeats", "1", "-o", str(profile))  # fmt: skip
+    return profile
+
+
+def run_case(name: str, work: Path) -> list[dict[str, Any]]:
+    from pipeplan.planner.io import load_plan, load_report
+
+    profile = profile_model(name, work, 2)
     rows = []
     for schedule in SCHEDULES:
         for policy in POLICIES:
@@ -70,38 +78,61 @@ def run_case(name: str, work: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def error_table(
+    rows: list[dict[str, Any]], columns: Sequence[str], group: str
+) -> tuple[list[str], dict[str, list[float]]]:
+    """Markdown lines, one per row: its ``columns``, predicted, measured and the relative
+    error; and the |errors| by the rows' ``group`` value."""
     from pipeplan.planner.io import format_bytes
 
     lines = [
-        "| model | schedule | policy | stage | predicted | measured | error |",
-        "|---|---|---|---:|---:|---:|---:|",
+        f"| {' | '.join(columns)} | predicted | measured | error |",
+        "|" + "---|" * len(columns) + "---:|---:|---:|",
     ]
-    errors = []
+    errors: dict[str, list[float]] = {}
     for r in rows:
         err = r["measured"] / r["predicted"] - 1
-        errors.append(abs(err))
+        errors.setdefault(r[group], []).append(abs(err))
+        cells = [
+            ", ".join(map(str, r[c])) if isinstance(r[c], list) else str(r[c]) for c in columns
+        ]
         lines.append(
-            f"| {r['model']} | {r['schedule']} | {r['policy']} | {r['stage']} | "
-            f"{format_bytes(r['predicted'])} | {format_bytes(r['measured'])} | {err:+.1%} |"
+            f"| {' | '.join(cells)} | {format_bytes(r['predicted'])} | "
+            f"{format_bytes(r['measured'])} | {err:+.1%} |"
         )
-    lines.append("")
-    lines.append(
-        f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
-        f"({len(errors)} stages)"
-    )
-    return "\n".join(lines)
+    return lines, errors
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines, by_model = error_table(rows, ("model", "schedule", "policy", "stage"), "model")
+    errors = [e for v in by_model.values() for e in v]
+    return "\n".join([*lines, "", f"{summary(errors)} ({len(errors)} stages)"])
+
+
+def summary(errors: Sequence[float]) -> str:
+    """``median |error| M, worst W`` of relative errors."""
+    return f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}"
+
+
+def run_all(
+    models: Sequence[str],
+    case: Callable[[str, Path], list[dict[str, Any]]],
+    show: Callable[[list[dict[str, Any]]], str],
+    output: str,
+) -> None:
+    """Run ``case`` for every model in one temporary folder, write the rows and the machine to
+    ``output`` and print their table."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            rows += case(name, Path(tmp))
+    Path(output).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
+    print(show(rows))
 
 
 def main() -> None:
-    ap = models_parser(__doc__ or "", MODELS, HERE)
-    args = ap.parse_args()
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            rows += run_case(name, Path(tmp))
-    Path(args.output).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
-    print(table(rows))
+    args = models_parser(__doc__ or "", MODELS, HERE).parse_args()
+    run_all(args.models, run_case, table, args.output)
 
 
 if __name__ == "__main__":

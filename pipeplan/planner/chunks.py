@@ -6,18 +6,30 @@ v_q, engine overhead o per action).  With the tables of :mod:`pipeplan.planner.u
     F_s = sum f_u / v_q + o             (fc_u - c_F, plus c_F once, when it recomputes)
     B_s = sum g_u / v_q + o             (r_u - c_B, plus c_B once, when it recomputes)
     I_s = sum i_u / v_q + o,  W_s = sum w_u / v_q + o     (profiles that measured I and W; a
-                                        recomputing chunk's I also remakes its forward:
-                                        I_s = B_s - W_s + o)
+                                        recomputing chunk runs its whole backward as I:
+                                        I_s = B_s, W_s = 0, see pipeplan.runtime.engine)
     C_s = 2 transfer(x_{r+1})           (paid in the replay only across ranks)
 
 (the loss's forward and backward on the last chunk, its backward in I).  Memory, per chunk:
 
-    static_s  = w_s (2 + k) + m x_l + m x_{r+1}      params, gradients, k optimizer states,
-                                                     the inputs and the output-gradient buffers
+    w_s       = parameter bytes of units l..r, a parameter shared by several chunks of one rank
+                counted once, on the highest of them (whose backward runs first)
+    static_s  = w_s (1 + k) + m x_l + m x_{r+1}      params, k optimizer states, the inputs
+                                                     and the output-gradient buffers
+    grad_s    = w_s                                  the gradients, made by the chunk's first
+                                                     B (or W); set to None at each step start
+    temp_s    = [m > 1] max(0, big_s - [recompute] sum a_u)   a later B or W makes the largest
+                parameter's gradient (big_s bytes) in a temporary before adding it to the held
+                one (beside a recomputing chunk's remade activations, as in the closed form);
+                a chunk whose shared parameter a higher chunk of its rank already made the
+                gradient of pays it from its first backward on (temp_first_s)
     held_s    = x_{r+1} + [no recompute] sum a_u + [last] (y + a_loss)   per micro-batch
-    weight_held_s = min(held_s, sum a_u + sum d_u)   alive from I until W: the retained
-                    graph's saved bytes and the intermediate gradients d_u that I keeps for W
-                    (a recomputing chunk keeps its remade activations)
+    weight_held_s = held_s + sum d_u - [last] (y + a_loss)    alive from I until W: torch's
+                    I (``stage_backward_input``) keeps the graph (``retain_graph=True``) and
+                    the intermediate gradients d_u that W reads (the profile's
+                    ``weight_held_bytes``); it detaches the outputs, which frees the loss's
+                    part on the last chunk (0 for a recomputing chunk: its I is the whole
+                    backward)
     transient_s = [recompute] sum a_u + [s > 0] x_l + [last] 2 y
 
 and :func:`pipeplan.planner.replay.replay` gives the step time and each rank's peak.  The
@@ -90,6 +102,8 @@ class ChunkPlan:
         states = OPTIMIZER_STATES[self.options.optimizer]
         F, B, C, I, W, U = [], [], [], [], [], []
         static, held, wheld, trans = [], [], [], []
+        grads, temp, temp_first = [], [], []
+        copies = self._rank_copies(starts)
         for s, l in enumerate(starts):
             r = (starts[s + 1] if s + 1 < k else n) - 1
             speed = self.cluster.devices[self.owner[s]].speed
@@ -105,13 +119,11 @@ class ChunkPlan:
             B.append(g / speed + o)
             if self.split:
                 w = float(self.Pw[r + 1] - self.Pw[l])
-                i = (
-                    g - w
-                    if rc
-                    else float(self.Pi[r + 1] - self.Pi[l]) + (c.loss_g if last else 0.0)
-                )
+                i = float(self.Pi[r + 1] - self.Pi[l]) + (c.loss_g if last else 0.0)
+                if rc:  # the runtime runs the whole backward as I (pipeplan.runtime.engine)
+                    i, w = g, 0.0
                 I.append(max(i, 0.0) / speed + o)
-                W.append(w / speed + o)
+                W.append(w / speed + (0.0 if rc else o))
             x_in, x_out = float(c.x[l]), float(c.x[r + 1])
             cut = r + 1
             C.append(
@@ -119,22 +131,38 @@ class ChunkPlan:
                 if not last and x_out > 0
                 else 0.0
             )
-            params = stage_params(c, l, r)
+            params = stage_params(c, l, r) - copies[s]
             acts = float(c.Pa[r + 1] - c.Pa[l])
             U.append(self.update.seconds(params) / speed)
-            static.append(int(params * (2 + states) + self.m * (x_in + x_out)))
+            static.append(int(params * (1 + states) + self.m * (x_in + x_out)))
+            grads.append(int(params))
+            remade = acts if rc else 0.0
+            big = float(c.largest_param(l, r)) if self.m > 1 else 0.0
+            temp.append(int(max(0.0, big - remade)))
+            temp_first.append(int(max(0.0, min(copies[s], big) - remade)))
             h = x_out + (0.0 if rc else acts) + ((c.out + c.loss_a) if last else 0.0)
             held.append(int(h))
             if self.split:
-                kept = float(self.Ph[r + 1] - self.Ph[l])
-                wheld.append(int(acts if rc else min(kept, h)))
+                d = float(self.Ph[r + 1] - self.Ph[l])
+                wheld.append(0 if rc else int(h + d - ((c.out + c.loss_a) if last else 0.0)))
             trans.append(
                 int((acts if rc else 0.0) + (x_in if s > 0 else 0.0) + (2 * c.out if last else 0.0))
             )
         return ChunkCosts(
             F, B, C, I if self.split else None, W if self.split else None, U,
-            static, held, wheld, trans,
+            static, held, wheld, trans, grads, temp, temp_first,
         )  # fmt: skip
+
+    def _rank_copies(self, starts: Sequence[int]) -> list[float]:
+        """Per chunk: the bytes of shared parameters it holds that a higher chunk of its rank
+        also holds (the same tensor there: counted on the highest)."""
+        out = [0.0] * len(starts)
+        for nbytes, users in self.costs.shared:
+            holders = sorted({int(np.searchsorted(starts, u, side="right")) - 1 for u in users})
+            for s in holders:
+                if any(self.owner[t] == self.owner[s] for t in holders if t > s):
+                    out[s] += nbytes
+        return out
 
     def replay(
         self, starts: Sequence[int], recompute: Sequence[bool], timeline: bool = False

@@ -18,10 +18,15 @@ timelines this reproduces exactly without contention (k = 0; the replay has no c
 
 Memory follows the same list, so a rank's peak is independent of timing: a chunk's micro-batch
 holds ``held_s`` bytes (its outputs, its saved activations, or only its input when it
-recomputes) from its F until its B, or until its W for the part ``weight_held_s`` that the
-weight gradient still needs after I; during a backward ``transient_s`` more (the activations a
-recomputing chunk remakes, the working gradients).  Peak_r = static_r + max over the list of
-the live bytes, static_r the parameters, gradients, optimizer states and buffers of its chunks.
+recomputes) from its F until its B, or until its I and then ``weight_held_s`` (what W still
+reads, the intermediate gradients I made among it) until its W; during a backward ``transient_s`` more (the activations a
+recomputing chunk remakes, the working gradients).  Gradients are set to None at each step's
+start: a chunk's ``grad_s`` bytes appear with its first B, after the peak of that B (they take
+the place of the activations it frees, as in the closed form of
+:func:`pipeplan.planner.costmodel.memory_parts`), or with its first W, beside what W still
+holds; a later B or W adds ``grad_temp_s`` (its largest parameter's gradient, made in a
+temporary before it is added).  Peak_r = static_r + max over the list of the live bytes,
+static_r the parameters, optimizer states and buffers of its chunks.
 """
 
 from __future__ import annotations
@@ -50,7 +55,14 @@ class ChunkCosts:
     static_bytes: Sequence[int] = ()
     held_bytes: Sequence[int] = ()
     weight_held_bytes: Sequence[int] = ()
+    """What stays from I until W, freed by W (part of ``held_bytes``, plus what I adds)."""
     transient_bytes: Sequence[int] = ()
+    grad_bytes: Sequence[int] = ()
+    """The chunk's parameters' gradients, made by its first B (or W)."""
+    grad_temp_bytes: Sequence[int] = ()
+    """The temporary a later B or W makes its largest parameter's gradient in."""
+    grad_temp_first_bytes: Sequence[int] = ()
+    """That temporary already in its first B or W (a shared gradient its rank made before)."""
 
     @property
     def n(self) -> int:
@@ -227,29 +239,41 @@ def peak_memory(order: Sequence[Sequence[Action]], costs: ChunkCosts, p: int) ->
         return (0,) * p
     static = [0] * p
     n = costs.n
+    held = [int(h) for h in costs.held_bytes]
     wkeep = costs.weight_held_bytes or [0] * n
     trans = costs.transient_bytes or [0] * n
+    grads = costs.grad_bytes or [0] * n
+    temp = costs.grad_temp_bytes or [0] * n
+    temp_first = costs.grad_temp_first_bytes or [0] * n
     peaks = []
     for r in range(p):
         live = peak = 0
+        made: set[int] = set()  # the chunks whose gradients exist
         chunks = {a.stage for a in order[r]}
         static[r] = sum(int(costs.static_bytes[s]) for s in chunks) if costs.static_bytes else 0
         for a in order[r]:
             s = a.stage
+            extra = int(temp[s] if s in made else temp_first[s])
             if a.kind == "F":
-                live += int(costs.held_bytes[s])
+                live += held[s]
                 peak = max(peak, live)
-            elif a.kind == "B":
-                peak = max(peak, live + int(trans[s]))
-                live -= int(costs.held_bytes[s])
+            elif a.kind == "B" or (a.kind == "W" and s == 0):  # chunk 0's W: the full backward
+                peak = max(peak, live + int(trans[s]) + extra)
+                live -= held[s]
+                if s not in made:
+                    made.add(s)
+                    live += int(grads[s])
+                    peak = max(peak, live)
             elif a.kind == "I":
                 if s > 0:  # chunk 0's I does nothing: its W is the full backward
                     peak = max(peak, live + int(trans[s]))
-                    live -= int(costs.held_bytes[s]) - int(wkeep[s])
-            elif s == 0:
-                peak = max(peak, live + int(trans[s]))
-                live -= int(costs.held_bytes[s])
+                    live += int(wkeep[s]) - held[s]
+                    peak = max(peak, live)
             else:
+                if s not in made:
+                    made.add(s)
+                    live += int(grads[s])
+                peak = max(peak, live + extra)
                 live -= int(wkeep[s])
         peaks.append(static[r] + peak)
     return tuple(peaks)

@@ -1,19 +1,24 @@
-"""Run one rank's stage of a plan with ``torch.distributed.pipelining``.
+"""Run one rank's stages (chunks) of a plan with ``torch.distributed.pipelining``.
 
 Each rank builds every stage module (they share the model's parameters, so this is cheap),
-keeps its own, and hands it to a :class:`~torch.distributed.pipelining.PipelineStage` with
-static metadata from :func:`pipeplan.runtime.stages.build_stages`.  The schedule is
-:class:`~torch.distributed.pipelining.ScheduleGPipe` or
-:class:`~torch.distributed.pipelining.Schedule1F1B` (``plan.schedule``); it splits the batch
-into ``plan.microbatches`` micro-batches and divides the gradients by m, so with a loss that is
-a batch mean the result is the full batch's gradient.
+keeps its own, and hands each to a :class:`~torch.distributed.pipelining.PipelineStage` with
+static metadata from :func:`pipeplan.runtime.stages.build_stages`.  A plan of p ranks runs
+p v stages, v per rank (``plan.stages_per_rank``; rank r holds the chunks
+:func:`pipeplan.planner.schedules.stages_of_rank` names: r alone for GPipe and 1F1B, a loop
+or a V for the multi-chunk families).  The schedule is the family's torch class
+(:data:`pipeplan.planner.schedules.FAMILIES`), whose action lists the planner replayed; it
+splits the batch into ``plan.microbatches`` micro-batches.  With one chunk per rank torch
+divides the gradients by m; with several the runner divides them once after the step
+(``scale_grads=False``): torch divides per stage, which would divide a weight two chunks of a
+rank share (a tied embedding and head in a V) twice, part way through its sum.  With a loss
+that is a batch mean the result is the full batch's gradient.
 
 A stage with ``recompute`` runs inside ``torch.utils.checkpoint(use_reentrant=False)``: only
 its inputs are kept per micro-batch and its forward is run again in the backward pass, with
 the RNG state restored and buffer updates (batch-norm statistics) of the rerun undone.
 
-A parameter held by several stages (tied embedding / LM head) gets its gradient summed over
-the ranks that hold it (``all_reduce`` on a group of exactly those ranks) before the optimizer
+A parameter held by stages on several ranks (tied embedding / LM head) gets its gradient
+summed over the ranks that hold it (``all_reduce`` on a group of exactly those ranks) before the optimizer
 steps, so the copies receive the same update and stay equal.
 """
 
@@ -27,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
@@ -40,6 +46,7 @@ from pipeplan.intake.usercode import user_error
 from pipeplan.planner.checkpoint import CheckpointReader, load_checkpoint
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
 from pipeplan.planner.optim import make_optimizer
+from pipeplan.planner.schedules import FAMILIES, check, rank_of_stage, stages_of_rank
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.batchnorm import (
     BATCH_NORM_MODES,
@@ -57,7 +64,7 @@ from pipeplan.runtime.stages import (
     preserved_buffers,
     tied_parameters,
 )
-from pipeplan.runtime.timing import Span, StepTimer
+from pipeplan.runtime.timing import Span, SpanKind, StepTimer
 
 __all__ = [
     "PipelineRunner",
@@ -96,21 +103,46 @@ def _recompute_context(inner: nn.Module) -> Iterator[None]:
 
 
 class _MeasuredStage(PipelineStage):
-    """A PipelineStage that times each micro-batch's forward and backward."""
+    """A PipelineStage that times each micro-batch's forward (F) and backward: the full one
+    (B), or its split halves, the inputs' gradient (I: ``full_backward=False``) and the
+    weights' (W: ``backward_weight_one_chunk``), each span named by its stage (chunk).
+
+    A recomputing stage (``whole_backward``) runs its I as the full backward and its W as
+    nothing: torch's W (``stage_backward_weight``) calls ``autograd.grad`` once per group of
+    parameters, and each call unpacks the checkpoint, which remakes the stage's forward
+    again (a GPT chunk of 3 blocks peaked at 68 MiB that way against 10 MiB without
+    recomputing).  Its I span is then a B."""
 
     timer: StepTimer
     fault: FaultHook | None
     step_index: int
+    whole_backward: bool = False
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.fault is not None:
             self.fault(self.step_index, fwd_chunk_id)
-        with self.timer.span("forward", fwd_chunk_id):
+        with self.timer.span("forward", fwd_chunk_id, self.stage_index):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with self.timer.span("backward", bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: Any = None,
+        full_backward: bool = True,
+        last_backward: Any = False,
+    ) -> Any:
+        full = full_backward or self.whole_backward
+        kind: SpanKind = "backward" if full else "backward_input"
+        with self.timer.span(kind, bwd_chunk_id, self.stage_index):
+            return super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full, last_backward=last_backward
+            )
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.whole_backward:  # its I ran the whole backward
+            return None
+        with self.timer.span("backward_weight", bwd_chunk_id, self.stage_index):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 def cast_batch(
@@ -131,12 +163,20 @@ def check_schedule(plan: Plan) -> None:
             f"plan splits batch {plan.batch_size} into {plan.microbatches} micro-batches of "
             f"{plan.microbatch_size}; make the plan again"
         )
-    if plan.schedule not in ("gpipe", "1f1b"):
+    p, v = plan.pipeline_ranks, plan.stages_per_rank
+    if p * v != plan.n_stages:
         raise InvalidRequestError(
-            f"this runner takes one stage per rank (gpipe, 1f1b); the plan's schedule "
-            f"{plan.schedule} with {plan.stages_per_rank} chunks per rank runs with "
-            "pipeplan.runtime.chunked.ChunkedRunner (pipeplan run uses it)"
+            f"plan has {plan.n_stages} stages, not a multiple of its {v} chunks per rank; "
+            "make the plan again"
         )
+    if v > 1 and plan.cluster.data_parallel != 1:
+        raise InvalidRequestError(
+            f"{plan.schedule} plans run one pipeline, not {plan.cluster.data_parallel} "
+            "replicas; plan with --schedule gpipe or 1f1b for data parallelism"
+        )
+    why = check(plan.schedule, p, v, plan.microbatches) if v > 1 else None
+    if why is not None:
+        raise InvalidRequestError(f"torch refuses the plan's schedule: {why}; plan again")
     if plan.schedule == "1f1b" and plan.microbatches < plan.n_stages:
         raise InvalidRequestError(
             f"1F1B needs at least as many micro-batches as stages ({plan.microbatches} < "
@@ -152,10 +192,11 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class PipelineRunner:
-    """This rank's stage of ``plan``: ``forward_backward`` then ``optimizer_step``.
+    """This rank's stages of ``plan``: ``forward_backward`` then ``optimizer_step``.
 
-    Stage j runs on rank j of the world.  ``spec.module`` must hold the same initial
-    parameters on every rank.  ``traced`` (``spec.module`` already traced, in the plan's dtype)
+    Rank r of replica d (global rank d p + r) runs the chunks ``stages_of_rank`` names (stage
+    r for GPipe and 1F1B).  ``spec.module`` must hold the same initial parameters on every
+    rank.  ``traced`` (``spec.module`` already traced, in the plan's dtype)
     saves tracing it again.
     """
 
@@ -173,16 +214,20 @@ class PipelineRunner:
         seed: int = 0,
         weights: str | None = None,
     ) -> None:
-        world, ranks = dist.get_world_size(), plan.n_stages * plan.cluster.data_parallel
+        p, v = plan.pipeline_ranks, plan.stages_per_rank
+        world, ranks = dist.get_world_size(), p * plan.cluster.data_parallel
         if world != ranks:
             raise InvalidRequestError(
-                f"plan has {plan.n_stages} stages x {plan.cluster.data_parallel} replicas but "
-                f"the world size is {world}; launch one rank per stage and replica "
+                f"plan has {p} ranks x {plan.cluster.data_parallel} replicas but the world "
+                f"size is {world}; launch one rank per stage and replica "
                 f"(--nproc-per-node {ranks})"
             )
         check_schedule(plan)
-        self.replicas = plan.cluster.data_parallel
-        self.replica, rank = divmod(dist.get_rank(), plan.n_stages)  # rank r p + j
+        self.replicas, self.ranks = plan.cluster.data_parallel, p
+        self.replica, rank = divmod(dist.get_rank(), p)  # rank r p + j
+        self.chunks = stages_of_rank(plan.schedule, p, v, rank)
+        """The stages (chunks) this rank runs, in the order torch's schedule takes them."""
+        self.owner = rank_of_stage(plan.schedule, p, v)
         self.pp_group, self.dp_group = _mesh_groups(plan, device)
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
@@ -219,41 +264,64 @@ class PipelineRunner:
         for stats in deferred:  # the probe ran the graph once
             stats.reset()
         self.names = parameter_names(module, traced.gm)
-        self.tied = tied_parameters([p.module for p in programs], self.names)
-        mine = programs[rank]
+        self.tied = [
+            t
+            for t in tied_parameters([p.module for p in programs], self.names)
+            if len({self.owner[s] for s in t.stages}) > 1
+        ]
+        """The parameters held on two or more ranks (their gradients are summed over them)."""
+        mine = [programs[s] for s in self.chunks]
         self._module, self._prefix = module, "model." if isinstance(module, NamedInputs) else ""
         self.materialized: list[str] = []
         self.checkpoint_reads: list[str] = []
         """The checkpoint tensors this rank read (``weights``)."""
         if on_meta or weights is not None:
-            self.materialized = self._materialize(mine.module, spec, seed, weights)
-        self.stage_module = mine.module.to(device)
-        self.recompute = plan.stages[rank].recompute
-        submod: nn.Module = Recompute(self.stage_module) if self.recompute else self.stage_module
-        self.is_first, self.is_last = rank == 0, rank == plan.n_stages - 1
+            mods = [pr.module for pr in mine]
+            self.materialized = self._materialize(mods, spec, seed, weights)
+        self.chunk_modules = [pr.module.to(device) for pr in mine]
+        self.stage_module = self.chunk_modules[0]
+        self.recompute = plan.stages[self.chunks[0]].recompute
+        n = plan.n_stages
+        self.is_first, self.is_last = 0 in self.chunks, n - 1 in self.chunks
+        self._output_module = programs[n - 1].module
+        self._last_outputs = programs[n - 1].example_outputs
 
         def to_dev(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             return tuple(t.to(device).requires_grad_(t.requires_grad) for t in ts)
 
         self.timer = StepTimer(device)
-        stage = _MeasuredStage(
-            submod,
-            rank,
-            plan.n_stages,
-            device,
-            input_args=to_dev(mine.example_inputs),
-            output_args=to_dev(mine.example_outputs),
-            group=self.pp_group,
-        )
-        stage.timer, stage.fault, stage.step_index = self.timer, fault, 0
-        self.stage = stage
+        self.stages: list[_MeasuredStage] = []
+        for s, pr, body in zip(self.chunks, mine, self.chunk_modules, strict=True):
+            stage = _MeasuredStage(
+                Recompute(body) if plan.stages[s].recompute else body,
+                s,
+                n,
+                device,
+                input_args=to_dev(pr.example_inputs),
+                output_args=to_dev(pr.example_outputs),
+                group=self.pp_group,
+            )
+            stage.timer, stage.fault, stage.step_index = self.timer, fault, 0
+            stage.whole_backward = (
+                plan.stages[s].recompute and FAMILIES[plan.schedule].split_backward
+            )
+            self.stages.append(stage)
+        self.stage = self.stages[0]
         del programs, mine
-        schedule_cls = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
+        schedule_cls = getattr(schedules, FAMILIES[plan.schedule].torch_class)
+        self._scale = v > 1  # see the module docstring
+        # The last stage's outputs are left unmerged: the loss is all the runner reads, and
+        # torch's default merge concatenates every output on dim 0, which a 0-dim one lacks.
+        drop = tuple(_CustomReducer(None, _drop) for _ in self._last_outputs)
         self.schedule = schedule_cls(
-            stage, n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=True
+            self.stages[0] if v == 1 else self.stages,
+            n_microbatches=plan.microbatches,
+            loss_fn=self._loss,
+            output_merge_spec=drop,
+            scale_grads=not self._scale,
         )
         self._loss_calls = 0
-        self.params = list(dict.fromkeys(self.stage_module.parameters()))
+        self.params = list(dict.fromkeys(p for m in self.chunk_modules for p in m.parameters()))
         self.optimizer = make_optimizer(optimizer, self.params, lr)
         self._tied_groups = self._make_tied_groups()
 
@@ -271,13 +339,13 @@ class PipelineRunner:
         return names
 
     def _materialize(
-        self, stage: nn.Module, spec: ModelSpec, seed: int, weights: str | None
+        self, chunks: Sequence[nn.Module], spec: ModelSpec, seed: int, weights: str | None
     ) -> list[str]:
-        """Give this stage's modules storage on the device: initialised (the contract of
-        :mod:`pipeplan.intake.meta`, seeded per module) or read from the checkpoint ``weights``.
-        Returns the modules materialized."""
+        """Give this rank's chunks' modules storage on the device: initialised (the contract
+        of :mod:`pipeplan.intake.meta`, seeded per module) or read from the checkpoint
+        ``weights``.  Returns the modules materialized."""
         aliases = self._aliases()
-        tensors = [*stage.parameters(), *stage.buffers()]
+        tensors = list(dict.fromkeys(t for c in chunks for t in [*c.parameters(), *c.buffers()]))
         wanted = [aliases[id(t)][0] for t in tensors if id(t) in aliases]
         mods = materialize(
             self._module,
@@ -314,14 +382,15 @@ class PipelineRunner:
         return targets, owned
 
     def shard_tensors(self) -> dict[str, Tensor]:
-        """The stage's parameters and persistent buffers by checkpoint key, as its shard of a
-        sharded safetensors checkpoint (:mod:`pipeplan.runtime.saving` writes it); a tied
-        parameter belongs to the first stage holding it."""
+        """This rank's parameters and persistent buffers (all its chunks') by checkpoint key,
+        each once, as the rank's shard of a sharded safetensors checkpoint
+        (:mod:`pipeplan.runtime.saving` writes it); a parameter tied across ranks belongs to
+        the lowest rank holding it.  The keys are the unsplit model's, so any plan reads it."""
         aliases = self._aliases()
-        by_id = {id(t): t for t in [*self.stage_module.parameters(), *self.stage_module.buffers()]}
+        by_id = {id(t): t for m in self.chunk_modules for t in [*m.parameters(), *m.buffers()]}
         mods = sorted({n.rpartition(".")[0] for i in by_id for n in aliases.get(i, [])})
         _, owned = self._state(mods, aliases, persistent_only=True)
-        first = {t.name: min(t.stages) for t in self.tied}
+        first = {t.name: min(self.owner[s] for s in t.stages) for t in self.tied}
         return {
             name.removeprefix(self._prefix): t
             for name, t in owned.items()
@@ -335,13 +404,13 @@ class PipelineRunner:
         by_name = {self.names[id(p)]: p for p in self.params}
         owners: dict[tuple[int, ...], list[TiedParameter]] = {}
         for t in self.tied:
-            owners.setdefault(t.stages, []).append(t)
+            owners.setdefault(tuple(sorted({self.owner[s] for s in t.stages})), []).append(t)
         groups = []
-        p = self.plan.n_stages
-        for stages, tied in sorted(owners.items()):
+        p = self.ranks
+        for ranks, tied in sorted(owners.items()):
             for r in range(self.replicas):  # every rank creates every replica's group
-                group = dist.new_group([r * p + j for j in stages])
-                if r == self.replica and self.rank in stages:
+                group = dist.new_group([r * p + j for j in ranks])
+                if r == self.replica and self.rank in ranks:
                     groups.append((group, [by_name[t.name] for t in tied]))
         return groups
 
@@ -404,7 +473,7 @@ class PipelineRunner:
         """The user's loss on the model's output, rebuilt from the last stage's tensors."""
         with self.timer.span("loss", self._loss_calls):
             self._loss_calls += 1
-            rebuilt = self.stage_module.rebuild_output(output)
+            rebuilt = self._output_module.rebuild_output(output)
             try:
                 return self.loss_fn(rebuilt, target)
             except PipeplanError:
@@ -425,7 +494,9 @@ class PipelineRunner:
         the target).  Returns the batch's loss on the last stage, ``None`` elsewhere.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        self.stage.step_index, self._loss_calls = step, 0
+        for stage in self.stages:
+            stage.step_index = step
+        self._loss_calls = 0
         if self.replicas > 1:
             inputs, target = self._share(inputs, target)
         inputs, target = cast_batch(inputs, target, self.dtype, self.device)
@@ -435,6 +506,10 @@ class PipelineRunner:
         if self.is_last:
             kwargs.update(target=target, losses=losses)
         self.schedule.step(*args, **kwargs)
+        if self._scale:
+            for prm in self.params:
+                if prm.grad is not None:
+                    prm.grad.div_(self.plan.microbatches)
         if self._tied_groups:
             with self.timer.span("tied", -1):
                 self._sync_tied()
@@ -526,7 +601,11 @@ class PipelineRunner:
     def _pipeline_buffers(self) -> list[Tensor]:
         """The pipeline's receive buffers, one per micro-batch for the stage's inputs and for
         its output's gradient: made at the first step and kept."""
-        infos = [*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values()]
+        infos = [
+            info
+            for stage in self.stages
+            for info in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+        ]
         return [i.buffer for info in infos for i in info if getattr(i, "buffer", None) is not None]
 
     def _live_bytes(self, inputs: Sequence[Tensor] = ()) -> int:
@@ -534,25 +613,29 @@ class PipelineRunner:
         pipeline's receive buffers, and of ``inputs`` (the first stage's batch, made before
         the step)."""
         state = [t for s in self.optimizer.state.values() for t in s.values()]
-        module = self.stage_module
+        buffers = dict.fromkeys(b for m in self.chunk_modules for b in m.buffers())
         return live_bytes(
             [
                 *inputs,
                 *self._pipeline_buffers(),
-                *module.parameters(),
-                *(p.grad for p in module.parameters()),
-                *module.buffers(),
+                *self.params,
+                *(p.grad for p in self.params),
+                *buffers,
                 *(t for t in state if isinstance(t, Tensor)),
             ]
         )
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        """This stage's parameters under the model's qualified names."""
+        """This rank's parameters under the model's qualified names (a shared one once)."""
         return {self.names[id(p)]: p for p in self.params}  # type: ignore[misc]
 
 
 #: The data-parallel gradient buckets' size (DDP's default, 25 MiB).
 _BUCKET_BYTES = 25 << 20
+
+
+def _drop(merged: None, output: Tensor) -> None:
+    """A last-stage output merged over micro-batches: dropped (the runner reads the losses)."""
 
 
 def _mesh_groups(plan: Plan, device: torch.device) -> tuple[Any, Any]:

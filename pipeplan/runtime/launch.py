@@ -67,7 +67,7 @@ def preflight(
         raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        ranks = plan.n_stages * plan.cluster.data_parallel
+        ranks = plan.pipeline_ranks * plan.cluster.data_parallel
         if have < ranks:
             raise InvalidRequestError(
                 f"the plan needs {ranks} ranks but this machine has {have} CUDA devices; "
@@ -84,6 +84,12 @@ def preflight(
     traced = trace_model(module, inputs, tracer=plan.tracer)
     check_plan(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions))
     return plan
+
+
+def _ranks(plan: Plan) -> str:
+    """``4 stages``, or ``2 ranks x 2 stages`` for a plan of several stages per rank."""
+    v = plan.stages_per_rank
+    return f"{plan.n_stages} stages" if v == 1 else f"{plan.pipeline_ranks} ranks x {v} stages"
 
 
 def check_source(plan: Plan) -> None:
@@ -112,7 +118,7 @@ def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        str(plan.n_stages * plan.cluster.data_parallel),
+        str(plan.pipeline_ranks * plan.cluster.data_parallel),
         "--monitor-interval",
         "0.1",
         "-m",
@@ -254,18 +260,18 @@ def launch(
     With ``progress``, a bar on stderr follows rank 0 through its ``steps`` steps (warm-up
     included).
     """
-    ranks = plan.n_stages * plan.cluster.data_parallel
+    ranks = plan.pipeline_ranks * plan.cluster.data_parallel
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         run_dir = Path(tmp)
         cmd = worker_command(plan, plan_path, [*worker_args, "--run-dir", str(run_dir)])
         log_path, step_file = run_dir / "torchrun.log", run_dir / "progress"
         with open(log_path, "w") as log, progress_bar(progress and steps > 0) as bar:
-            task = bar.add_task(f"{plan.n_stages} stages: starting", total=steps)
+            task = bar.add_task(f"{_ranks(plan)}: starting", total=steps)
 
             def poll() -> None:
                 try:
                     step = int(step_file.read_text())
-                    bar.update(task, completed=step, description=f"{plan.n_stages} stages: step")
+                    bar.update(task, completed=step, description=f"{_ranks(plan)}: step")
                 except (OSError, ValueError):  # not started, or being written
                     pass
 
@@ -285,5 +291,10 @@ def launch(
             )
         if outcome.code != 0:
             raise failure(
-                run_dir, ranks, outcome.code, log_path.read_text(), outcome.frozen, plan.n_stages
+                run_dir,
+                ranks,
+                outcome.code,
+                log_path.read_text(),
+                outcome.frozen,
+                plan.pipeline_ranks,
             )

@@ -1,12 +1,16 @@
 """Turn the ranks' measurements into a RunReport, a Chrome trace, and a measured-vs-predicted table.
 
 Each rank returns a :class:`RankRecord`; rank 0 gathers them.  A step's time is the slowest
-rank's (every rank starts the step after a barrier); a stage's forward and backward seconds
-are per micro-batch medians over the measured steps, the last stage's forward including the
-loss.  The measured bubble fraction is ``1 - mean_j busy_j / step`` on the last measured step,
-where ``busy_j`` is stage j's forward, loss and backward time (what the cost model calls
-F_j + B_j per micro-batch, summed over micro-batches); the tied-gradient sum and the optimizer
-step appear in the trace but not in ``busy_j``.
+rank's (every rank starts the step after a barrier); a stage's (chunk's) forward and backward
+seconds are per micro-batch medians over the measured steps, the last stage's forward
+including the loss, its backward the full backward B or, where a zero-bubble schedule splits
+it, I + W (each also on its own).  Times are compared per stage (chunk) with the plan's
+stages; memory per rank, the unit the planner predicts it for (the stage's own for one chunk
+per rank, ``Plan.rank_peak_bytes`` for several).  The measured bubble fraction is
+``1 - mean_r busy_r / step`` on the last measured step, where ``busy_r`` is rank r's forward,
+loss and backward time (what the cost model calls F + B per micro-batch, summed over its
+chunks and micro-batches); the tied-gradient sum and the optimizer step appear in the trace
+but not in ``busy_r``.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeplan.planner.io import format_bytes
-from pipeplan.planner.simulate import simulate_plan
-from pipeplan.planner.types import Plan, RunReport, StageMeasurement
+from pipeplan.planner.simulate import Timeline, simulate_plan
+from pipeplan.planner.types import Plan, RankMeasurement, RunReport, StageMeasurement
 from pipeplan.runtime.timing import Span
 
 __all__ = ["RankRecord", "build_report", "chrome_trace", "measured_bubble", "print_comparison"]
+
+#: Span kind -> the letter of the schedule's action (F, B, I, W).
+_LETTERS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+_COMPUTE = ("forward", "loss", "backward", "backward_input", "backward_weight")
 
 
 @dataclass(slots=True)
@@ -32,6 +40,7 @@ class RankRecord:
     """What one rank measured over the measured (post-warm-up) steps."""
 
     stage: int
+    """The rank in its pipeline (its stage, for one chunk per rank)."""
     threads: int | None
     walls: list[float] = field(default_factory=list)
     spans: list[list[Span]] = field(default_factory=list)
@@ -39,23 +48,64 @@ class RankRecord:
     """Loss of every step, warm-up included (last stage only)."""
     peak_memory_bytes: int | None = None
     resident_growth_bytes: int | None = None
+    chunks: list[int] = field(default_factory=list)
+    """The stages (chunks) the rank runs; empty means stage ``stage`` alone."""
 
 
-def _per_microbatch(spans: Sequence[Sequence[Span]], kinds: set[str], m: int) -> tuple[float, ...]:
+def _chunk_of(span: Span, chunks: Sequence[int], last: int) -> int:
+    """The stage a span belongs to: its own, else (loss, or a span made without one) the
+    rank's last stage for the loss and its first for the rest."""
+    if span.stage >= 0:
+        return span.stage
+    return last if span.kind == "loss" and last in chunks else chunks[0]
+
+
+def _per_microbatch(
+    spans: Sequence[Sequence[Span]], kinds: set[str], m: int, chunk: int, chunks: Sequence[int],
+    last: int,
+) -> tuple[float, ...]:  # fmt: skip
     per_step = []
     for step in spans:
         t = [0.0] * m
         for s in step:
-            if s.kind in kinds and 0 <= s.microbatch < m:
+            if s.kind in kinds and 0 <= s.microbatch < m and _chunk_of(s, chunks, last) == chunk:
                 t[s.microbatch] += s.duration_s
         per_step.append(t)
     return tuple(statistics.median(col) for col in zip(*per_step)) if per_step else ()
 
 
 def _event_name(span: Span) -> str:
-    if span.kind in ("forward", "backward"):
-        return f"{span.kind[0].upper()}{span.microbatch}"
+    if span.kind in _LETTERS:
+        return f"{_LETTERS[span.kind]}{span.microbatch}"
     return span.kind
+
+
+def _stages(plan: Plan, r: RankRecord) -> list[StageMeasurement]:
+    """The measurements of the stages rank ``r`` ran."""
+    m, last = plan.microbatches, plan.n_stages - 1
+    chunks = r.chunks or [r.stage]
+    one = len(chunks) == 1
+    out = []
+    for c in chunks:
+
+        def per_mb(kinds: set[str], c: int = c) -> tuple[float, ...]:
+            return _per_microbatch(r.spans, kinds, m, c, chunks, last)
+
+        split = any(s.kind == "backward_input" for step in r.spans for s in step)
+        out.append(
+            StageMeasurement(
+                stage=c,
+                forward_s=per_mb({"forward", "loss"}),
+                backward_s=per_mb({"backward", "backward_input", "backward_weight"}),
+                peak_memory_bytes=r.peak_memory_bytes if one else None,
+                threads=r.threads,
+                resident_growth_bytes=r.resident_growth_bytes if one else None,
+                rank=r.stage,
+                backward_input_s=per_mb({"backward_input"}) if split else (),
+                backward_weight_s=per_mb({"backward_weight"}) if split else (),
+            )
+        )
+    return out
 
 
 def build_report(
@@ -66,14 +116,14 @@ def build_report(
     warmup_steps: int,
 ) -> RunReport:
     records = sorted(records, key=lambda r: r.stage)
-    m = plan.microbatches
+    last = plan.n_stages - 1
     n_steps = min(len(r.walls) for r in records)
     step_times = tuple(max(r.walls[i] for r in records) for i in range(n_steps))
-    stages = tuple(
-        StageMeasurement(
-            stage=r.stage,
-            forward_s=_per_microbatch(r.spans, {"forward", "loss"}, m),
-            backward_s=_per_microbatch(r.spans, {"backward"}, m),
+    stages = sorted((s for r in records for s in _stages(plan, r)), key=lambda s: s.stage)
+    ranks = tuple(
+        RankMeasurement(
+            rank=r.stage,
+            stages=tuple(r.chunks or [r.stage]),
             peak_memory_bytes=r.peak_memory_bytes,
             threads=r.threads,
             resident_growth_bytes=r.resident_growth_bytes,
@@ -88,6 +138,7 @@ def build_report(
                     "name": _event_name(s),
                     "kind": s.kind,
                     "stage": r.stage,
+                    "chunk": _chunk_of(s, r.chunks or [r.stage], last),
                     "microbatch": s.microbatch,
                     "start_s": s.start_s,
                     "end_s": s.end_s,
@@ -103,7 +154,8 @@ def build_report(
         step_times_s=step_times,
         step_time_s=statistics.median(step_times) if step_times else 0.0,
         predicted_step_time_s=plan.step_time_s,
-        stages=stages,
+        stages=tuple(stages),
+        ranks=ranks,
         losses=tuple(next((r.losses for r in records if r.losses), [])),
         events=tuple(events),
     )
@@ -113,37 +165,45 @@ def gather_report(
     plan: Plan, record: RankRecord, *, backend: str, warmup_steps: int
 ) -> RunReport | None:
     """Gather every rank's record on rank 0 and build the report there (``None`` elsewhere):
-    the first replica's stages (ranks 0..p-1), whose losses are the global batch's."""
+    the first replica's ranks (0..p-1), whose losses are the global batch's."""
     import torch.distributed as dist
 
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(record, gathered, dst=0)
     if gathered is None:
         return None
-    first = gathered[: plan.n_stages]
+    first = gathered[: plan.pipeline_ranks]
     return build_report(plan, first, backend=backend, warmup_steps=warmup_steps)
 
 
 def measured_bubble(report: RunReport) -> float | None:
-    """1 - mean busy time per stage / step time, on the last measured step."""
+    """1 - mean busy time per rank / step time, on the last measured step."""
     if not report.events or not report.step_times_s:
         return None
     busy = [0.0] * report.world_size
     for e in report.events:
-        if e["kind"] in ("forward", "loss", "backward"):
+        if e["kind"] in _COMPUTE:
             busy[int(e["stage"])] += float(e["end_s"]) - float(e["start_s"])
     step = report.step_times_s[-1]
     return 1.0 - sum(busy) / len(busy) / step if step > 0 else None
 
 
 def chrome_trace(report: RunReport, plan: Plan | None = None) -> dict[str, Any]:
-    """Chrome-trace / Perfetto JSON of the last measured step: one process (pid) per stage.
+    """Chrome-trace / Perfetto JSON of the last measured step: one process (pid) per rank,
+    one thread (tid) per stage (chunk) it runs, F, B, I and W spans named with their
+    micro-batch (``F3``).
 
-    With ``plan``, the simulator's predicted timeline is added as processes ``1000 + j``.
+    With ``plan``, the simulator's predicted timeline is added as processes ``1000 + r``.
     """
     events: list[dict[str, Any]] = []
+    chunks: dict[int, list[int]] = {r.rank: list(r.stages) for r in report.ranks}
     for j in range(report.world_size):
-        events.append({"ph": "M", "name": "process_name", "pid": j, "args": {"name": f"stage {j}"}})
+        mine = chunks.get(j, [j])
+        label = f"stage {j}" if mine == [j] else f"rank {j}"
+        events.append({"ph": "M", "name": "process_name", "pid": j, "args": {"name": label}})
+        for c in mine:
+            thread = {"name": f"stage {c}"}
+            events.append({"ph": "M", "name": "thread_name", "pid": j, "tid": c, "args": thread})
     for e in report.events:
         events.append(
             {
@@ -151,22 +211,22 @@ def chrome_trace(report: RunReport, plan: Plan | None = None) -> dict[str, Any]:
                 "cat": e["kind"],
                 "ph": "X",
                 "pid": e["stage"],
-                "tid": 0,
+                "tid": e.get("chunk", e["stage"]),
                 "ts": float(e["start_s"]) * 1e6,
                 "dur": (float(e["end_s"]) - float(e["start_s"])) * 1e6,
                 "args": {"microbatch": e["microbatch"]},
             }
         )
     if plan is not None:
-        for j in range(plan.n_stages):
-            name = {"name": f"predicted stage {j}"}
+        for j in range(plan.pipeline_ranks):
+            name = {"name": f"predicted {'stage' if plan.stages_per_rank == 1 else 'rank'} {j}"}
             events.append({"ph": "M", "name": "process_name", "pid": 1000 + j, "args": name})
-        for ev in simulate_plan(plan).events:
+        timeline = _simulated(plan)
+        for ev in timeline.events if timeline is not None else ():
+            letter = _LETTERS.get(ev.kind, ev.kind[0].upper())
             events.append(
                 {
-                    "name": f"{ev.kind[0].upper()}{ev.microbatch}"
-                    if ev.microbatch >= 0
-                    else ev.kind,
+                    "name": f"{letter}{ev.microbatch}" if ev.microbatch >= 0 else ev.kind,
                     "cat": f"predicted {ev.kind}",
                     "ph": "X",
                     "pid": 1000 + ev.stage,
@@ -179,36 +239,68 @@ def chrome_trace(report: RunReport, plan: Plan | None = None) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def _simulated(plan: Plan) -> Timeline | None:
+    """The simulator's timeline of ``plan``; ``None`` for a zero-bubble plan whose stages
+    lack I and W times (made by hand: the solvers always give them)."""
+    try:
+        return simulate_plan(plan)
+    except ValueError:
+        return None
+
+
 def _err(measured: float, predicted: float) -> str:
     if predicted <= 0:
         return "-"
     return f"{(measured - predicted) / predicted:+.1%}"
 
 
+def _mean(values: Sequence[float]) -> float:
+    return statistics.mean(values) if values else 0.0
+
+
+def _bytes(n: int | None) -> str:
+    return format_bytes(n) if n is not None else "-"
+
+
 def print_comparison(report: RunReport, plan: Plan, console: Console) -> None:
-    """Measured vs predicted per stage, then step time and bubble fraction, with relative errors."""
-    table = Table(
-        title=f"{report.model}: measured vs predicted ({report.backend}, "
-        f"{report.world_size} ranks, m = {plan.microbatches}, {report.steps} steps)"
+    """Measured vs predicted per stage (per chunk for several chunks per rank: F, B, and I and
+    W where the backward is split), memory per rank, then step time and bubble fraction, with
+    relative errors."""
+    title = (
+        f"{report.model}: measured vs predicted ({report.backend}, {report.world_size} ranks, "
+        f"m = {plan.microbatches}, {report.steps} steps)"
     )
-    for col in (
-        "stage",
-        "threads",
-        "F ms",
-        "pred",
-        "err",
-        "B ms",
-        "pred",
-        "err",
-        "peak mem",
-        "pred mem",
-        "err",
-        "resident",
-    ):
+    if plan.stages_per_rank == 1:
+        _stage_table(report, plan, console, title)
+    else:
+        _chunk_tables(report, plan, console, title)
+    timeline = _simulated(plan)
+    bubble = measured_bubble(report)
+    simulated = (
+        f", {timeline.makespan_s * 1e3:.3f} ms simulated "
+        f"({_err(report.step_time_s, timeline.makespan_s)})"
+        if timeline is not None
+        else ""
+    )
+    console.print(
+        f"step time {report.step_time_s * 1e3:.3f} ms measured (median of {report.steps}), "
+        f"{plan.step_time_s * 1e3:.3f} ms predicted ({_err(report.step_time_s, plan.step_time_s)})"
+        f"{simulated}"
+    )
+    if bubble is not None:
+        console.print(
+            f"bubble fraction {bubble:.1%} measured, {plan.bubble_fraction:.1%} predicted"
+        )
+
+
+def _stage_table(report: RunReport, plan: Plan, console: Console, title: str) -> None:
+    """One chunk per rank: a row per stage, memory on it."""
+    table = Table(title=title)
+    for col in ("stage", "threads", "F ms", "pred", "err", "B ms", "pred", "err", "peak mem",
+                "pred mem", "err", "resident"):  # fmt: skip
         table.add_column(col, justify="right")
     for s, ps in zip(report.stages, plan.stages):
-        f = statistics.mean(s.forward_s) if s.forward_s else 0.0
-        b = statistics.mean(s.backward_s) if s.backward_s else 0.0
+        f, b = _mean(s.forward_s), _mean(s.backward_s)
         table.add_row(
             str(s.stage),
             str(s.threads or "-"),
@@ -218,20 +310,46 @@ def print_comparison(report: RunReport, plan: Plan, console: Console) -> None:
             f"{b * 1e3:.3f}",
             f"{ps.backward_s * 1e3:.3f}",
             _err(b, ps.backward_s),
-            format_bytes(s.peak_memory_bytes) if s.peak_memory_bytes is not None else "-",
+            _bytes(s.peak_memory_bytes),
             format_bytes(ps.memory.total),
             _err(s.peak_memory_bytes, ps.memory.total) if s.peak_memory_bytes else "-",
-            format_bytes(s.resident_growth_bytes) if s.resident_growth_bytes is not None else "-",
+            _bytes(s.resident_growth_bytes),
         )
     console.print(table)
-    sim = simulate_plan(plan).makespan_s
-    bubble = measured_bubble(report)
-    console.print(
-        f"step time {report.step_time_s * 1e3:.3f} ms measured (median of {report.steps}), "
-        f"{plan.step_time_s * 1e3:.3f} ms predicted ({_err(report.step_time_s, plan.step_time_s)}), "
-        f"{sim * 1e3:.3f} ms simulated ({_err(report.step_time_s, sim)})"
-    )
-    if bubble is not None:
-        console.print(
-            f"bubble fraction {bubble:.1%} measured, {plan.bubble_fraction:.1%} predicted"
+
+
+def _chunk_tables(report: RunReport, plan: Plan, console: Console, title: str) -> None:
+    """Several chunks per rank: times per chunk, memory per rank (``Plan.rank_peak_bytes``)."""
+    split = any(s.backward_input_s for s in report.stages)
+    table = Table(title=title)
+    cols = ["stage", "rank", "F ms", "pred", "err", "B ms", "pred", "err"]
+    cols += ["I ms", "pred", "err", "W ms", "pred", "err"] if split else []
+    for col in cols:
+        table.add_column(col, justify="right")
+    for s in report.stages:
+        ps = plan.stages[s.stage]
+        row = [str(s.stage), str(s.rank)]
+        pairs = [(s.forward_s, ps.forward_s), (s.backward_s, ps.backward_s)]
+        if split:
+            pairs += [(s.backward_input_s, ps.backward_input_s or 0.0),
+                      (s.backward_weight_s, ps.backward_weight_s or 0.0)]  # fmt: skip
+        for got, want in pairs:
+            row += [f"{_mean(got) * 1e3:.3f}", f"{want * 1e3:.3f}", _err(_mean(got), want)]
+        table.add_row(*row)
+    console.print(table)
+    mem = Table(title="memory per rank")
+    for col in ("rank", "stages", "threads", "peak mem", "pred mem", "err", "resident"):
+        mem.add_column(col, justify="right")
+    for r in report.ranks:
+        pred = plan.rank_peak_bytes[r.rank] if r.rank < len(plan.rank_peak_bytes) else None
+        peak = r.peak_memory_bytes
+        mem.add_row(
+            str(r.rank),
+            ", ".join(map(str, r.stages)),
+            str(r.threads or "-"),
+            _bytes(peak),
+            _bytes(pred),
+            _err(peak, pred) if peak and pred else "-",
+            _bytes(r.resident_growth_bytes),
         )
+    console.print(mem)

@@ -2,8 +2,9 @@
 
 :func:`save` is collective (every rank calls it after the same step) and follows
 :mod:`pipeplan.planner.snapshots`: rank 0 makes the partial folder and a save id and
-broadcasts the id; replica 0 of each stage writes its weights' shard (the save id in its
-safetensors header) and every rank writes its training state (``train-r-of-n.pt``,
+broadcasts the id; replica 0 of each pipeline rank writes its weights' shard (its stages'
+tensors by the unsplit model's names, a tied one once; the save id in its safetensors
+header) and every rank writes its training state (``train-r-of-n.pt``,
 ``torch.save``: the optimizer's ``state_dict`` with the parameter names it belongs to, the
 step, the CPU and CUDA RNG states); the ranks gather what each wrote, or the error that stopped
 it; rank 0 writes the index and the manifest and commits.  A rank that cannot write (a full
@@ -13,7 +14,7 @@ stage named; the previous save stays ``latest``.
 :func:`restore` is the other half: each rank loads its training state (after its weights were
 read from the same step folder, :class:`~pipeplan.planner.checkpoint.CheckpointReader`) and
 continues from the step saved, so ``run --steps 4`` and ``run --steps 2 --save D`` then
-``run --resume D --steps 2`` end with the same bits (tested for GPipe, 1F1B and pp x dp).
+``run --resume D --steps 2`` end with the same bits (tested for GPipe, 1F1B, pp x dp and a zero-bubble V).
 
 Why not ``torch.distributed.checkpoint`` itself: its strength is resharding a save onto another
 layout, but a pipeline stage's optimizer state only makes sense for the same plan, and the
@@ -122,9 +123,9 @@ def save(
         if runner.replica == 0:  # the replicas hold the same weights
             tensors = runner.shard_tensors()
             meta = {"save_id": save_id, "step": str(step)}
-            size = write_shard(tmp, runner.rank, runner.plan.n_stages, tensors, meta)
+            size = write_shard(tmp, runner.rank, runner.ranks, tensors, meta)
             keys = sorted(tensors)
-            records.append(file_record(tmp / shard_name(runner.rank, runner.plan.n_stages)))
+            records.append(file_record(tmp / shard_name(runner.rank, runner.ranks)))
         state = tmp / train_state_name(rank, world)
         torch.save(_train_state(runner, step), state)
         records.append(file_record(state))
@@ -139,7 +140,7 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         r, why = failed[0]
-        stage = r % runner.plan.n_stages
+        stage = r % runner.ranks
         message = (
             f"stage {stage} (rank {r}) could not write its part of the save of step {step} "
             f"into {tmp}: {why}; the last complete save in {root} is kept"
@@ -147,7 +148,7 @@ def save(
         raise CheckpointWriteError(message) if r == rank else PeerFailedError(message)
     if rank == 0:
         try:
-            shards = [g[2] for g in gathered[: runner.plan.n_stages]]  # replica 0's ranks
+            shards = [g[2] for g in gathered[: runner.ranks]]  # replica 0's ranks
             write_index(tmp, shards, sum(g[3] for g in gathered))
             files = [rec for g in gathered for rec in g[1]] + [file_record(tmp / INDEX)]
             commit(root, step, save_id, files, info)

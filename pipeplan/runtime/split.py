@@ -88,6 +88,12 @@ def split(
     unsplit model would be, or read from the checkpoint ``weights`` (safetensors, a torch
     state dict, or a sharded folder with its index).
     """
+    if plan.stages_per_rank > 1:
+        raise InvalidRequestError(
+            f"pipeplan.split hands each rank one stage; the plan's {plan.schedule} runs "
+            f"{plan.stages_per_rank} chunks per rank: run it with pipeplan run, or plan "
+            "--schedule gpipe or 1f1b for your own loop"
+        )
     if not dist.is_initialized():
         raise InvalidRequestError(
             "pipeplan.split needs a process group: call torch.distributed.init_process_group() "

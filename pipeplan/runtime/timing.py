@@ -1,4 +1,5 @@
-"""Timers for one rank's pipeline step: spans of forward and backward per micro-batch.
+"""Timers for one rank's pipeline step: spans of forward and backward per micro-batch and
+stage (chunk), the backward whole (B) or split into its input and weight halves (I, W).
 
 On CPU a span is two ``time.perf_counter()`` readings; on CUDA two CUDA events, read after the
 step's final synchronisation, so timing never stalls the stream.  Every time is relative to
@@ -17,9 +18,19 @@ import torch
 
 __all__ = ["Span", "SpanKind", "StepTimer"]
 
-SpanKind = Literal["forward", "backward", "loss", "tied", "replicas", "optimizer"]
-"""``tied``: summing tied gradients across ranks; ``optimizer``: the optimizer step (both once
-per step, micro-batch -1)."""
+SpanKind = Literal[
+    "forward",
+    "backward",
+    "backward_input",
+    "backward_weight",
+    "loss",
+    "tied",
+    "replicas",
+    "optimizer",
+]
+"""``backward_input``/``backward_weight``: the zero-bubble schedules' I and W; ``tied``: summing
+tied gradients across ranks; ``optimizer``: the optimizer step (both once per step,
+micro-batch -1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +39,8 @@ class Span:
     microbatch: int
     start_s: float
     end_s: float
+    stage: int = -1
+    """The stage (chunk) it ran; -1 for the rank's own spans (loss, tied, optimizer)."""
 
     @property
     def duration_s(self) -> float:
@@ -42,7 +55,7 @@ class StepTimer:
         self._t0 = 0.0
         self._start_event: torch.cuda.Event | None = None
         self._cpu: list[Span] = []
-        self._gpu: list[tuple[SpanKind, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._gpu: list[tuple[SpanKind, int, int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def begin(self) -> None:
         self._cpu, self._gpu = [], []
@@ -60,19 +73,20 @@ class StepTimer:
         spans = list(self._cpu)
         if self.cuda and self._start_event is not None:
             ref = self._start_event
-            for kind, mb, a, b in self._gpu:
-                spans.append(Span(kind, mb, ref.elapsed_time(a) / 1e3, ref.elapsed_time(b) / 1e3))
+            for kind, mb, st, a, b in self._gpu:
+                start, end = ref.elapsed_time(a) / 1e3, ref.elapsed_time(b) / 1e3
+                spans.append(Span(kind, mb, start, end, st))
         return wall, sorted(spans, key=lambda s: s.start_s)
 
     @contextlib.contextmanager
-    def span(self, kind: SpanKind, microbatch: int) -> Iterator[None]:
+    def span(self, kind: SpanKind, microbatch: int, stage: int = -1) -> Iterator[None]:
         if self.cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             yield
             b.record()
-            self._gpu.append((kind, microbatch, a, b))
+            self._gpu.append((kind, microbatch, stage, a, b))
             return
         start = time.perf_counter() - self._t0
         yield
-        self._cpu.append(Span(kind, microbatch, start, time.perf_counter() - self._t0))
+        self._cpu.append(Span(kind, microbatch, start, time.perf_counter() - self._t0, stage))

@@ -6,18 +6,20 @@ launcher, one rank per stage, e.g. on each of two nodes::
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:29500 \\
         -m pipeplan.runtime.worker plan.json --steps 20 --report report.json
 
-Rank j runs stage j.  By default (``--init stage``) every rank builds the model on ``meta``
-and materializes only its stage's modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
+Rank j runs stage j, or, for a plan of v chunks per rank (interleaved, looped, zero-bubble,
+V), the v stages :func:`pipeplan.planner.schedules.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
+and materializes only its stages' modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
 and each module's name, so the values do not depend on the split; or it reads them from
 ``--weights`` (:mod:`pipeplan.planner.checkpoint`).  ``--init full`` builds the whole model on every
 rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
 ``--save DIR`` saves the run at its end, and every ``--save-every K`` steps, into step folders
-made visible whole (:mod:`pipeplan.runtime.saving`): weights one shard per stage, each rank's
+made visible whole (:mod:`pipeplan.runtime.saving`): weights one shard per rank (its
+stages' tensors by the model's names, each once), each rank's
 optimizer and RNG states, the step.  ``--resume DIR`` continues a saved run from its latest
 complete save.  Rank 0 gathers the measurements, writes the run report (``--report``) and the
 Chrome trace (``--trace``), and prints measured vs predicted.
 
-A plan whose stage count is not the world size, a missing model or a plan made for another
+A plan whose rank count is not the world size, a missing model or a plan made for another
 model stops every rank before the pipeline starts, with one line and status 2.
 
 Failures: a rank that raises writes ``error-<rank>.json`` (stage, error, traceback) into
@@ -299,11 +301,13 @@ def run(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     replicas = plan.cluster.data_parallel
-    if world != plan.n_stages * replicas:
+    p = plan.pipeline_ranks
+    if world != p * replicas:
+        v = plan.stages_per_rank
+        what = f"{p} stages" if v == 1 else f"{p} ranks of {v} stages"
         raise InvalidRequestError(
-            f"{args.plan} has {plan.n_stages} stages x {replicas} replicas but the world size "
-            f"is {world}; launch one rank per stage and replica (e.g. --nproc-per-node "
-            f"{plan.n_stages * replicas})"
+            f"{args.plan} has {what} x {replicas} replicas but the world size is {world}; "
+            f"launch one rank per stage and replica (e.g. --nproc-per-node {p * replicas})"
         )
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
@@ -356,7 +360,7 @@ def run(args: argparse.Namespace) -> None:
             (Path(args.run_dir) / "progress").write_text(str(step - start))
 
     record = runner.measure(
-        inputs, target, RankRecord(stage=runner.rank, threads=threads),
+        inputs, target, RankRecord(stage=runner.rank, threads=threads, chunks=runner.chunks),
         warmup=args.warmup, steps=args.steps, on_step=on_step, start=start,
         after_step=after_step,
     )  # fmt: skip

@@ -51,8 +51,11 @@ Candidate = tuple[str, int, int]
 Scored = tuple[float, list[int], list[bool], Replay]
 
 
-def candidates(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[Candidate]:
-    """Every (family, v, m) the request allows and torch accepts."""
+def candidates(
+    profile: Profile, cluster: Cluster, options: PlanOptions, chunks: int | None = None
+) -> list[Candidate]:
+    """Every (family, v, m) the request allows and torch accepts (v = ``chunks`` alone when
+    given)."""
     n, p = profile.n_units, cluster.n_stages
     if options.schedule == "auto":
         split = has_split_backward(profile)
@@ -64,6 +67,9 @@ def candidates(profile: Profile, cluster: Cluster, options: PlanOptions) -> list
     out, why = [], []
     for fam in families:
         for v in FAMILIES[fam].v:
+            if chunks is not None and v != chunks:
+                why.append(f"{fam} runs v = {v}, not the {chunks} chunks per rank asked")
+                continue
             if p * v > n:
                 why.append(f"{fam} with v = {v} needs {p * v} units (the profile has {n})")
                 continue
@@ -196,11 +202,13 @@ def solve_schedule(
     *,
     exhaustive_limit: int = 4096,
     time_limit_s: float = 4.0,
+    chunks: int | None = None,
 ) -> Plan:
-    """The fastest (family, v, cuts, m, recompute) under memory (module docstring)."""
+    """The fastest (family, v, cuts, m, recompute) under memory (module docstring); v =
+    ``chunks`` alone when given."""
     options = options or PlanOptions(schedule="auto")
     t0 = time.perf_counter()
-    cands = candidates(profile, cluster, options)
+    cands = candidates(profile, cluster, options, chunks)
     n, p = profile.n_units, cluster.n_stages
     size = sum(comb(n - 1, p * v - 1) * 2 ** (p * v) for _, v, _ in cands)
     exact = size <= exhaustive_limit

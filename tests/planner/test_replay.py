@@ -124,3 +124,45 @@ def test_peak_memory_counts_micro_batches_in_flight() -> None:
     kept = replay("zb-interleaved", p, 2, m, split).peak_bytes  # I frees nothing
     early = replay("zb-interleaved", p, 2, m, freed).peak_bytes  # I frees everything
     assert kept == (80, 80, 80, 80) and early == (80, 70, 60, 50)
+
+
+def test_gradients_appear_at_the_first_backward_and_later_ones_add_a_temporary() -> None:
+    """Gradients are None at the step's start: GPipe's rank holds 2 micro-batches (20), its
+    first B frees one and makes the gradients (60), its second adds a temporary (67)."""
+    costs = ChunkCosts(
+        [1.0] * 2, [2.0] * 2, [0.0] * 2, static_bytes=[100] * 2, held_bytes=[10] * 2,
+        grad_bytes=[50] * 2, grad_temp_bytes=[7] * 2,
+    )  # fmt: skip
+    assert replay("gpipe", 2, 1, 2, costs).peak_bytes == (167, 167)
+    no_temp = ChunkCosts(
+        [1.0] * 2, [2.0] * 2, [0.0] * 2, static_bytes=[100] * 2, held_bytes=[10] * 2,
+        grad_bytes=[5] * 2, grad_temp_bytes=[0] * 2,
+    )  # fmt: skip
+    assert replay("gpipe", 2, 1, 2, no_temp).peak_bytes == (120, 120)  # before any gradient
+
+
+def test_a_weight_two_chunks_of_one_rank_share_counts_once() -> None:
+    """A tied first and last unit: on one rank in a V (zbv), on two in a loop."""
+    from pipeplan.planner.chunks import ChunkPlan
+    from pipeplan.planner.synthetic import synthetic_profile
+    from pipeplan.planner.types import Cluster, PlanOptions
+
+    plain = synthetic_profile(8, batch_size=8, microbatch_sizes=[2], tied=True)
+    split = {"backward_input_s": 1e-3, "backward_weight_s": 1e-3, "weight_held_bytes": 0}
+    units = tuple(
+        u.model_copy(update={"timings": {b: t.model_copy(update=split)
+                                         for b, t in u.timings.items()}})
+        for u in plain.units
+    )  # fmt: skip
+    profile = plain.model_copy(update={"units": units})
+    tied = profile.shared_params[0].bytes
+    cluster = Cluster.homogeneous(2, 1 << 40)
+    starts = [0, 2, 4, 6]
+    params = {}
+    for fam in ("zbv", "zb-interleaved"):
+        options = PlanOptions(schedule=fam, checkpoint="never", microbatches=4)
+        plan = ChunkPlan(profile, cluster, options, fam, 2, 4)
+        params[fam] = plan.costs_of(starts, [False] * 4).grad_bytes
+    assert params["zb-interleaved"][0] - params["zbv"][0] == tied  # counted on chunk 3 only
+    assert params["zbv"][3] == params["zb-interleaved"][3]
+    assert sum(params["zb-interleaved"]) - sum(params["zbv"]) == tied

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _runtime_jobs import make_plan
+from _runtime_jobs import chunked, make_plan
 
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
@@ -26,7 +26,8 @@ PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 
 
 def write_plans(directory: Path) -> dict[str, Path]:
-    """GPipe and 1F1B on 2 stages, and GPipe on 2 stages x 2 replicas; Adam."""
+    """GPipe and 1F1B on 2 stages, GPipe on 2 stages x 2 replicas, and ZB-V on 2 ranks x 2
+    chunks (one layer each, rank 0 holding the first and the last); Adam."""
     spec = load_model(*MODEL)
     traced = trace_model(spec.module, spec.batch(2)[0])
     plans = {}
@@ -36,6 +37,9 @@ def write_plans(directory: Path) -> dict[str, Path]:
         plan = make_plan(*MODEL, traced, starts=[0, 2], batch_size=8, microbatches=2,
                          dtype="float32", optimizer="adam", schedule=schedule, replicas=replicas)  # fmt: skip
         write_json(plans[name], plan)
+    plans["zbv"] = directory / "zbv.json"
+    write_json(plans["zbv"], chunked(make_plan(*MODEL, traced, starts=[0, 1, 2, 3], batch_size=8,
+               microbatches=2, dtype="float32", optimizer="adam"), "zbv", 2))  # fmt: skip
     return plans
 
 

@@ -234,3 +234,15 @@ def reference(
 
 if __name__ == "__main__":
     run_job(sys.argv[1])
+
+
+def chunked(plan: Plan, schedule: str, p: int) -> Plan:
+    """``plan``'s stages as the chunks of a ``schedule`` plan on p ranks, with made-up I and W
+    times (half the backward each)."""
+    stages = tuple(s.model_copy(update={"backward_input_s": s.backward_s / 2,
+                                        "backward_weight_s": s.backward_s / 2})
+                   for s in plan.stages)  # fmt: skip
+    return plan.model_copy(update={
+        "schedule": schedule, "stages_per_rank": len(plan.stages) // p, "stages": stages,
+        "cluster": plan.cluster.model_copy(update={"devices": plan.cluster.devices[:p]}),
+    })  # fmt: skip

@@ -3,6 +3,7 @@ gradient equal the unsplit model's, tied embedding and head included."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runtime_jobs import make_plan
+from _runtime_jobs import chunked, make_plan
 
+import pipeplan
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
 from pipeplan.planner.io import write_json
@@ -21,7 +23,8 @@ GPT = (
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
 )
 JOB = Path(__file__).with_name("_chunked_job.py")
-FAMILIES = {"interleaved1f1b": 2, "loopedbfs": 2, "zb-interleaved": 2, "zbv": 2, "dualpipev": 2}
+FAMILIES = {"interleaved1f1b": 2, "loopedbfs": 2, "zb-interleaved": 2, "zbv": 2, "dualpipev": 2,
+            "zbv-always": 2}  # fmt: skip
 pytestmark = pytest.mark.xdist_group("torchrun")
 
 
@@ -31,16 +34,13 @@ def _launch(tmp_path: Path, gpt: tuple, p: int, m: int, starts: list[int], famil
     spec = load_model(*gpt)
     traced = trace_model(spec.module, spec.batch(batch // m)[0])
     files = []
-    for fam, v in families.items():
+    for name in families:  # "<family>-always": every chunk recomputes
+        fam = name.removesuffix("-always")
         plan = make_plan(*gpt, traced, starts=starts, batch_size=batch, microbatches=m,
-                         dtype="float32", checkpoint="never")  # fmt: skip
-        devices = plan.cluster.devices[:p]
-        plan = plan.model_copy(update={
-            "schedule": fam, "stages_per_rank": v,
-            "cluster": plan.cluster.model_copy(update={"devices": devices}),
-        })  # fmt: skip
-        write_json(tmp_path / f"{fam}.json", plan)
-        files.append(str(tmp_path / f"{fam}.json"))
+                         dtype="float32", checkpoint="never" if fam == name else "always")  # fmt: skip
+        plan = chunked(plan, fam, p)
+        write_json(tmp_path / f"{name}.json", plan)
+        files.append(str(tmp_path / f"{name}.json"))
     torch.manual_seed(11)
     inputs, target = spec.batch(batch)
     torch.save({gpt[0]: (inputs, target)}, tmp_path / "batch.pt")
@@ -78,22 +78,33 @@ def test_interleaved_and_v_on_4_ranks(tmp_path: Path) -> None:
     _launch(tmp_path, gpt6, 4, 8, list(range(8)), {"interleaved1f1b": 2, "zbv": 2})
 
 
-def test_pipeplan_run_trains_a_zbv_plan(tmp_path: Path) -> None:
+def test_pipeplan_run_reports_and_traces_a_zbv_plan_per_chunk(tmp_path: Path) -> None:
+    """``pipeplan run`` on ZB-V: the worker's loop, its report (F and I + W per chunk, memory
+    per rank) and its Chrome trace (a process per rank, a thread per chunk)."""
     spec = load_model(*GPT)
     traced = trace_model(spec.module, spec.batch(2)[0])
     plan = make_plan(*GPT, traced, starts=[0, 2, 3, 5], batch_size=8, microbatches=4,
                      dtype="float32", checkpoint="never")  # fmt: skip
-    plan = plan.model_copy(update={
-        "schedule": "zbv", "stages_per_rank": 2,
-        "cluster": plan.cluster.model_copy(update={"devices": plan.cluster.devices[:2]}),
-    })  # fmt: skip
-    write_json(tmp_path / "zbv.json", plan)
-    cmd = [sys.executable, "-m", "pipeplan", "run", str(tmp_path / "zbv.json"), "--steps", "3",
-           "--warmup", "0", "--lr", "0.05", "--optimizer", "adam", "--threads", "1"]  # fmt: skip
+    write_json(tmp_path / "zbv.json", chunked(plan, "zbv", 2))
+    report, trace = tmp_path / "report.json", tmp_path / "trace.json"
+    cmd = [sys.executable, "-m", "pipeplan", "run", str(tmp_path / "zbv.json"), "--steps", "2",
+           "--warmup", "1", "--lr", "0.05", "--optimizer", "adam", "--threads", "1",
+           "--report", str(report), "--trace", str(trace)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = proc.stdout  # the ranks' own output
-    losses = [float(line.split("loss ")[1].split(",")[0]) for line in printed.splitlines()
-              if line.startswith("step ")]  # fmt: skip
-    assert len(losses) == 3 and losses[2] < losses[0]
-    assert "zbv, 2 ranks x 2 chunks, m = 4: median step" in printed
+    assert "memory per rank" in proc.stdout
+    got = pipeplan.load(report)
+    assert isinstance(got, pipeplan.RunReport)
+    assert len(got.losses) == 3 and got.losses[2] < got.losses[0]
+    assert [(s.stage, s.rank) for s in got.stages] == [(0, 0), (1, 1), (2, 1), (3, 0)]
+    assert all(len(s.backward_input_s) == len(s.backward_weight_s) == 4 for s in got.stages)
+    assert [(r.rank, r.stages) for r in got.ranks] == [(0, (0, 3)), (1, (1, 2))]
+    assert all(r.peak_memory_bytes and r.peak_memory_bytes > 0 for r in got.ranks)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    measured = {(e["pid"], e["tid"], e["name"]) for e in events if e["pid"] < 1000}
+    for rank, chunks in ((0, (0, 3)), (1, (1, 2))):
+        for c in chunks:
+            assert {f"{a}{i}" for a in "FIW" for i in range(4)} <= {
+                name for pid, tid, name in measured if (pid, tid) == (rank, c)
+            }
+    assert any(e["pid"] >= 1000 for e in events)  # the replayed prediction

@@ -14,12 +14,14 @@ the uninterrupted run's last save.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _resume_jobs import ENV, beat, equal, run, state, survivors, wait_for, worker, write_plans
@@ -54,15 +56,42 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(
         cmd = worker(plans[name], world, "--steps", "4", "--save-every", "2", "--save", str(a))
         proc = run(cmd)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    resume = worker(plans[name], world, "--steps", "2", "--resume", str(a / step_name(2)),
+    whole = _resumed_equals_whole(plans[name], world, a, b)
+    assert sum(k.startswith("train-") for k in whole) == world  # every rank's state
+
+
+def _resumed_equals_whole(plan: Path, world: int, a: Path, b: Path) -> dict[str, Any]:
+    """Resume the run saved in ``a`` from its step 2 for 2 steps into ``b``; check that it
+    ends bit-identical to ``a``'s step 4 (and that the comparison can fail); ``a``'s step 4."""
+    resume = worker(plan, world, "--steps", "2", "--resume", str(a / step_name(2)),
                     "--save", str(b))  # fmt: skip
     proc = run(resume)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (b / "latest").read_text().strip() == step_name(4)
     whole, resumed = state(a / step_name(4)), state(b)
     assert equal(whole, resumed)
-    assert not equal(state(a / step_name(2)), whole)  # the comparison can fail
-    assert sum(k.startswith("train-") for k in whole) == world  # every rank's state
+    assert not equal(state(a / step_name(2)), whole)
+    return whole
+
+
+def test_a_zbv_run_reads_a_gpipe_save_saves_each_weight_once_and_resumes_bit_identical(
+    plans: dict[str, Path], reference: Path, tmp_path: Path
+) -> None:
+    """ZB-V (2 ranks x 2 chunks, rank 0 holding layers 0 and 3) starts from the GPipe run's
+    weights, writes shards of the unsplit model's names that a GPipe plan reads, and resumes."""
+    a, b, run_dir = tmp_path / "a", tmp_path / "b", tmp_path / "run"
+    run_dir.mkdir()
+    cmd = worker(plans["zbv"], 2, "--steps", "4", "--save-every", "2", "--save", str(a),
+                 "--weights", str(reference / step_name(2)), "--run-dir", str(run_dir))  # fmt: skip
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = [json.loads((run_dir / f"weights-{r}.json").read_text()) for r in range(2)]
+    assert {k.split(".")[1] for k in read[0]} == {"0", "3"}  # its chunks' tensors only
+    assert {k.split(".")[1] for k in read[1]} == {"1", "2"}
+    whole = _resumed_equals_whole(plans["zbv"], 2, a, b)
+    gpipe = state(reference / step_name(2))
+    weights = {k: v.shape for k, v in whole.items() if not k.startswith("train-")}
+    assert weights == {k: v.shape for k, v in gpipe.items() if not k.startswith("train-")}
 
 
 @pytest.mark.parametrize("trial", ["inside-a-save", "random"])

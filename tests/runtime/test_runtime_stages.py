@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runtime_jobs import make_plan
+from _runtime_jobs import chunked, make_plan
 from rich.console import Console
 from torch import Tensor, nn
 
@@ -225,6 +225,49 @@ def test_report_medians_trace_and_bubble() -> None:
     measured = [e for e in trace if e["ph"] == "X" and e["pid"] < 1000]
     assert {e["pid"] for e in measured} == {0, 1} and len(measured) == 8
     assert any(e["pid"] >= 1000 for e in trace if e["ph"] == "X")  # predicted timeline
+
+
+def test_a_multi_chunk_report_has_times_per_chunk_and_memory_per_rank() -> None:
+    """zbv on 2 ranks: rank 0 runs chunks 0 and 3 (the loss on 3), rank 1 chunks 1 and 2; the
+    table compares each chunk's F, B, I and W, and each rank's peak with rank_peak_bytes."""
+    spec = load_model(*GPT)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan = make_plan(GPT[0], GPT[1], traced, starts=[0, 1, 2, 3], batch_size=4, microbatches=2)
+    plan = chunked(plan, "zbv", 2).model_copy(update={"rank_peak_bytes": (1000, 2000)})
+
+    def step(chunks: tuple[int, int]) -> list[Span]:
+        return [
+            *(Span("forward", i, 0.1 * i, 0.1 * i + 0.01, c) for c in chunks for i in range(2)),
+            *([Span("loss", 0, 0.3, 0.302)] if 3 in chunks else []),
+            *(Span("backward_input", i, 0.4, 0.403, c) for c in chunks for i in range(2)),
+            *(Span("backward_weight", i, 0.5, 0.501, c) for c in chunks for i in range(2)),
+        ]
+
+    records = [
+        RankRecord(0, 1, walls=[1.0], spans=[step((0, 3))], losses=[1.0],
+                   peak_memory_bytes=1100, chunks=[0, 3]),
+        RankRecord(1, 1, walls=[1.0], spans=[step((1, 2))], peak_memory_bytes=1800,
+                   chunks=[1, 2]),
+    ]  # fmt: skip
+    report = build_report(plan, records, backend="gloo", warmup_steps=0)
+    assert [(s.stage, s.rank) for s in report.stages] == [(0, 0), (1, 1), (2, 1), (3, 0)]
+    assert report.stages[3].forward_s == pytest.approx((0.012, 0.01))  # the loss on chunk 3
+    assert report.stages[1].forward_s == pytest.approx((0.01, 0.01))
+    assert report.stages[1].backward_s == pytest.approx((0.004, 0.004))  # I + W
+    assert report.stages[1].backward_weight_s == pytest.approx((0.001, 0.001))
+    assert report.stages[0].peak_memory_bytes is None  # memory is the rank's
+    assert [(r.stages, r.peak_memory_bytes) for r in report.ranks] == [((0, 3), 1100),
+                                                                       ((1, 2), 1800)]  # fmt: skip
+    console = Console(width=200, record=True)
+    print_comparison(report, plan, console)
+    text = console.export_text()
+    assert "memory per rank" in text and "I ms" in text and "W ms" in text
+    rows = [[c.strip() for c in x.split("│")] for x in text.splitlines() if "│" in x]
+    assert ["0", "0, 3", "1"] == rows[-2][1:4] and rows[-2][-3] == "+10.0%"
+    assert ["1", "1, 2", "1"] == rows[-1][1:4] and rows[-1][-3] == "-10.0%"
+    trace = chrome_trace(report)["traceEvents"]
+    assert {(e["pid"], e["tid"]) for e in trace if e["ph"] == "X"} == {(0, 0), (0, 3), (1, 1),
+                                                                       (1, 2)}  # fmt: skip
 
 
 def test_comparison_table_shows_measured_memory_against_predicted() -> None:

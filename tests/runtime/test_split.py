@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runtime_jobs import make_plan
+from _runtime_jobs import chunked, make_plan
 
 import pipeplan
 from pipeplan.intake.meta import materialize
@@ -77,6 +77,10 @@ def test_split_without_a_process_group_names_the_fix(tmp_path: Path) -> None:
     plan = make_plan(*GPT, traced, starts=[0, 3], batch_size=4, microbatches=2)
     with pytest.raises(InvalidRequestError, match="init_process_group"):
         pipeplan.split(plan)
+    zbv = chunked(make_plan(*GPT, traced, starts=[0, 1, 2, 3], batch_size=4, microbatches=2),
+                  "zbv", 2)  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="2 chunks per rank: run it with pipeplan run"):
+        pipeplan.split(zbv)
 
 
 def test_the_own_loop_example_trains(tmp_path: Path) -> None:

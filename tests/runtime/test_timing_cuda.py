@@ -29,3 +29,20 @@ def test_cuda_spans_are_events_relative_to_the_steps_start(fake_cuda: SimpleName
         ("forward", 0, pytest.approx(0.5), pytest.approx(1.0)),
         ("backward", 0, pytest.approx(1.0), pytest.approx(2.5)),
     ]
+
+
+def test_cuda_spans_keep_the_stage_a_multi_chunk_rank_ran(fake_cuda: SimpleNamespace) -> None:
+    """A rank of several chunks names each span's chunk, on CUDA as on CPU (the I and W of a
+    zero-bubble schedule included)."""
+    timer = StepTimer(torch.device("cuda", 0))
+    fake_cuda.now = 0.0
+    timer.begin()
+    for stage, kind in ((3, "forward"), (3, "backward_input"), (0, "backward_weight")):
+        with timer.span(kind, 1, stage):  # type: ignore[arg-type]
+            fake_cuda.now += 1.0
+    _, spans = timer.end()
+    assert [(s.kind, s.stage) for s in spans] == [
+        ("forward", 3),
+        ("backward_input", 3),
+        ("backward_weight", 0),
+    ]

@@ -42,7 +42,7 @@ from pipeplan.planner.types.profile import (
     Timing,
     Unit,
 )
-from pipeplan.planner.types.report import RunReport, StageMeasurement
+from pipeplan.planner.types.report import RankMeasurement, RunReport, StageMeasurement
 
 __all__ = [
     "CLUSTER_SCHEMA",
@@ -64,6 +64,7 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "Profile",
+    "RankMeasurement",
     "RunReport",
     "ScheduleChoice",
     "ScheduleName",

@@ -200,6 +200,11 @@ class Plan(FrozenModel):
         return len(self.stages)
 
     @property
+    def pipeline_ranks(self) -> int:
+        """p: the ranks one pipeline runs on, the stages (chunks) over the chunks per rank."""
+        return len(self.stages) // self.stages_per_rank
+
+    @property
     def fingerprint(self) -> str:
         """Hash of the plan's content (a run report records it)."""
         return canonical_hash(self)
