@@ -6,15 +6,21 @@ stage's tensors materialized when the model is built on ``meta``, weights initia
 from a checkpoint, the stage recomputed if the plan says so; batch-norm statistics per micro-batch) and hands back what a training loop
 needs:
 
-    module            the stage's ``nn.Module``: give its parameters to the optimizer
-    stage             a :class:`torch.distributed.pipelining.PipelineStage` around it, with
-                      static shapes: give it to any schedule (ScheduleGPipe, Schedule1F1B, ...)
-    loss              the model's loss on the last stage's output, for the schedule's loss_fn
-    sync_gradients()  after the schedule's step, before the optimizer's: sums tied parameters'
-                      gradients over the stages holding them and averages over replicas
+    module            the stage's ``nn.Module`` (an ``nn.ModuleList`` of the rank's chunks when
+                      the plan runs v > 1 per rank): give its parameters to the optimizer
+    stage, stages     the :class:`torch.distributed.pipelining.PipelineStage` around it (around
+                      each chunk), with static shapes
+    schedule          the plan's own torch schedule (``Schedule1F1B``, ``ScheduleZBVZeroBubble``,
+                      ...) over this rank's stages, with ``loss`` as its loss_fn: call its step
+    loss              the model's loss on the last stage's output, for a schedule's loss_fn
+    sync_gradients()  after the schedule's step, before the optimizer's: divides by m where
+                      the schedule left it (v > 1: see :mod:`pipeplan.runtime.engine`), sums
+                      tied parameters' gradients over the ranks holding them and averages over
+                      replicas
 
-Rank ``r p + j`` runs stage ``j`` of replica ``r`` (``Plan.layout``); every rank of the world
-calls :func:`split`, because building the tied-parameter and replica groups is collective.
+Rank ``r p + j`` runs position ``j`` (its stage, or its chunks ``stages_of_rank``) of replica
+``r`` (``Plan.layout``); every rank of the world calls :func:`split`, because building the
+tied-parameter and replica groups is collective.
 """
 
 from __future__ import annotations
@@ -38,15 +44,35 @@ __all__ = ["StageSplit", "split"]
 
 @dataclass
 class StageSplit:
-    """This rank's stage; unpacks as ``module, stage = split(...)``."""
+    """This rank's stage (or chunks); unpacks as ``module, stage = split(...)``."""
 
     module: nn.Module
-    """The stage's module (its parameters are the ones this rank updates)."""
+    """The stage's module, or an ``nn.ModuleList`` of the rank's chunks (its parameters are
+    the ones this rank updates)."""
     stage: PipelineStage
-    """The stage for a ``torch.distributed.pipelining`` schedule."""
+    """The stage (the first chunk's) for a ``torch.distributed.pipelining`` schedule."""
     index: int
-    """The stage's index j in the pipeline."""
+    """This rank's position j in the pipeline (its stage's index when v = 1)."""
+    stages: tuple[PipelineStage, ...]
+    """Every chunk's stage on this rank, in ``stages_of_rank`` order (one when v = 1)."""
     _runner: PipelineRunner = field(repr=False)
+
+    @property
+    def schedule(self) -> Any:
+        """The plan's torch schedule class over this rank's stages, ``loss`` its loss_fn, the
+        plan's m: ``schedule.step(*inputs)`` on the first rank, ``target=``/``losses=`` on the
+        last (one object per split; build your own from ``stages`` if you prefer)."""
+        return self._runner.schedule
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first chunk (it takes the inputs)."""
+        return self._runner.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last chunk (it takes the target and the losses)."""
+        return self._runner.is_last
 
     def __iter__(self) -> Iterator[Any]:
         yield self.module
@@ -61,6 +87,10 @@ class StageSplit:
         """Make this stage's gradients the whole model's: sum each tied parameter's over the
         stages that hold it, then average over the data-parallel replicas.  Call it on every
         rank after the schedule's step and before the optimizer's."""
+        if self._runner._scale:  # the schedule was built with scale_grads=False
+            for prm in self._runner.params:
+                if prm.grad is not None:
+                    prm.grad.div_(self._runner.plan.microbatches)
         self._runner._sync_tied()
         if self._runner.replicas > 1:
             self._runner._average_replicas()
@@ -81,29 +111,24 @@ def split(
 ) -> StageSplit:
     """This rank's stage of ``plan`` for ``spec``'s model, as :class:`StageSplit`.
 
-    Needs an initialised process group of ``plan.n_stages * plan.cluster.data_parallel``
-    ranks (torchrun).  ``stage`` defaults to this rank's (``rank % p``) and, when given, must
-    be it.  ``device`` defaults to ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
+    Needs an initialised process group of ``plan.pipeline_ranks * plan.cluster.data_parallel``
+    ranks (torchrun).  ``stage`` defaults to this rank's position (``rank % p``) and, when
+    given, must be it.  ``device`` defaults to ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
     A model built on ``meta`` gets only this stage's tensors, initialised with ``seed`` as the
     unsplit model would be, or read from the checkpoint ``weights`` (safetensors, a torch
     state dict, or a sharded folder with its index).
     """
-    if plan.stages_per_rank > 1:
-        raise InvalidRequestError(
-            f"pipeplan.split hands each rank one stage; the plan's {plan.schedule} runs "
-            f"{plan.stages_per_rank} chunks per rank: run it with pipeplan run, or plan "
-            "--schedule gpipe or 1f1b for your own loop"
-        )
     if not dist.is_initialized():
         raise InvalidRequestError(
             "pipeplan.split needs a process group: call torch.distributed.init_process_group() "
-            f"first, under torchrun with {plan.n_stages * plan.cluster.data_parallel} ranks"
+            f"first, under torchrun with {plan.pipeline_ranks * plan.cluster.data_parallel} ranks"
         )
-    mine = dist.get_rank() % plan.n_stages
+    p = plan.pipeline_ranks
+    mine = dist.get_rank() % p
     if stage is not None and stage != mine:
         raise InvalidRequestError(
-            f"rank {dist.get_rank()} runs stage {mine} of the plan's {plan.n_stages} (replica r's "
-            f"stage j is rank r * {plan.n_stages} + j); pass stage={mine} or leave it out"
+            f"rank {dist.get_rank()} runs position {mine} of the plan's {p} (replica r's "
+            f"position j is rank r * {p} + j); pass stage={mine} or leave it out"
         )
     if device is None:
         if torch.cuda.is_available():
@@ -120,4 +145,11 @@ def split(
     runner = PipelineRunner(
         plan, spec, device=device, seed=seed, weights=weights, lr=0.0, batch_norm="microbatch"
     )
-    return StageSplit(module=runner.stage_module, stage=runner.stage, index=mine, _runner=runner)
+    chunks = runner.chunk_modules
+    return StageSplit(
+        module=chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks),
+        stage=runner.stage,
+        index=mine,
+        stages=tuple(runner.stages),
+        _runner=runner,
+    )

@@ -77,21 +77,30 @@ def test_split_without_a_process_group_names_the_fix(tmp_path: Path) -> None:
     plan = make_plan(*GPT, traced, starts=[0, 3], batch_size=4, microbatches=2)
     with pytest.raises(InvalidRequestError, match="init_process_group"):
         pipeplan.split(plan)
-    zbv = chunked(make_plan(*GPT, traced, starts=[0, 1, 2, 3], batch_size=4, microbatches=2),
-                  "zbv", 2)  # fmt: skip
-    with pytest.raises(InvalidRequestError, match="2 chunks per rank: run it with pipeplan run"):
-        pipeplan.split(zbv)
 
 
-def test_the_own_loop_example_trains(tmp_path: Path) -> None:
+def test_the_own_loop_example_trains_a_gpipe_and_a_zbv_plan_alike(tmp_path: Path) -> None:
+    """The example runs whatever family the plan names (split.schedule): a zbv plan (4 chunks
+    on 2 ranks, the last on rank 0) gives the GPipe plan's first loss."""
     spec = load_model(*GPT)
     traced = trace_model(spec.module, spec.batch(2)[0])
     plan = make_plan(*GPT, traced, starts=[0, 2], batch_size=4, microbatches=2, dtype="float32")
-    write_json(tmp_path / "plan.json", plan)
+    zbv = chunked(make_plan(*GPT, traced, starts=[0, 1, 2, 3], batch_size=4, microbatches=2,
+                            dtype="float32"), "zbv", 2)  # fmt: skip
     example = Path(__file__).resolve().parents[2] / "examples" / "own_loop.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(example), str(tmp_path / "plan.json"), "2"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "rank 1 step 0: loss" in proc.stdout and "rank 1 step 1: loss" in proc.stdout
+    losses = {}
+    for name, p in (("gpipe", plan), ("zbv", zbv)):
+        write_json(tmp_path / f"{name}.json", p)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(example), str(tmp_path / f"{name}.json"), "2"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=240, env=env, check=False
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        last = 1 if name == "gpipe" else 0  # zbv's last chunk (2p - 1 = 3) is on rank 0
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(f"rank {last} step ")]
+        assert len(lines) == 2, proc.stdout
+        losses[name] = [float(x.split("loss ")[1]) for x in lines]
+    assert losses["zbv"][0] == pytest.approx(losses["gpipe"][0], rel=1e-4)
+    assert losses["zbv"][1] == pytest.approx(losses["gpipe"][1], rel=1e-3)
