@@ -36,7 +36,7 @@ from pipeplan.planner.replay import ChunkCosts, Replay, replay
 from pipeplan.planner.schedules import FAMILIES, rank_of_stage
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.types.base import OPTIMIZER_STATES
-from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
+from pipeplan.planner.unitcosts import microbatch_choices, tables, unit_costs
 from pipeplan.planner.updates import update_cost
 
 __all__ = [
@@ -51,6 +51,10 @@ __all__ = [
 
 def has_split_backward(profile: Profile) -> bool:
     """Whether every unit's every timing measured I and W (``pipeplan profile`` does)."""
+    return tables(profile).memo("split_backward", lambda: _measured_split(profile))
+
+
+def _measured_split(profile: Profile) -> bool:
     return all(
         t.backward_input_s is not None and t.backward_weight_s is not None
         for u in profile.units
@@ -79,6 +83,7 @@ class ChunkPlan:
         self.owner = rank_of_stage(family, self.p, v)
         self.update = update_cost(profile, options.optimizer, cluster)
         self.split = FAMILIES[family].split_backward
+        self._memo: dict[tuple[int, int, int, bool, int], tuple[float | int, ...]] = {}
         b = profile.batch_size // m
         if self.split:
             refuse_split(profile, family)
@@ -91,57 +96,67 @@ class ChunkPlan:
             self.Ph = np.concatenate([[0.0], np.cumsum(held)])
 
     def costs_of(self, starts: Sequence[int], recompute: Sequence[bool]) -> ChunkCosts:
-        c, n = self.costs, self.costs.n
-        k = len(starts)
-        o = self.cluster.engine_overhead_s
-        states = OPTIMIZER_STATES[self.options.optimizer]
-        F, B, C, I, W, U = [], [], [], [], [], []
-        static, held, wheld, trans = [], [], [], []
-        for s, l in enumerate(starts):
-            r = (starts[s + 1] if s + 1 < k else n) - 1
-            speed = self.cluster.devices[self.owner[s]].speed
-            last, rc = s == k - 1, bool(recompute[s])
-            if rc:
-                f = float(c.Pfc[r + 1] - c.Pfc[l]) + c.call_f
-                g = float(c.Pr[r + 1] - c.Pr[l]) + c.call_b
-            else:
-                f, g = float(c.Pf[r + 1] - c.Pf[l]), float(c.Pg[r + 1] - c.Pg[l])
-            f += c.loss_f if last else 0.0
-            g += c.loss_g if last else 0.0
-            F.append(f / speed + o)
-            B.append(g / speed + o)
-            if self.split:
-                w = float(self.Pw[r + 1] - self.Pw[l])
-                i = (
-                    g - w
-                    if rc
-                    else float(self.Pi[r + 1] - self.Pi[l]) + (c.loss_g if last else 0.0)
-                )
-                I.append(max(i, 0.0) / speed + o)
-                W.append(w / speed + o)
-            x_in, x_out = float(c.x[l]), float(c.x[r + 1])
-            cut = r + 1
-            C.append(
-                2.0 * self.cluster.link.transfer_s(x_out, int(c.msgs[cut]))
-                if not last and x_out > 0
-                else 0.0
-            )
-            params = stage_params(c, l, r)
-            acts = float(c.Pa[r + 1] - c.Pa[l])
-            U.append(self.update.seconds(params) / speed)
-            static.append(int(params * (2 + states) + self.m * (x_in + x_out)))
-            h = x_out + (0.0 if rc else acts) + ((c.out + c.loss_a) if last else 0.0)
-            held.append(int(h))
-            if self.split:
-                kept = float(self.Ph[r + 1] - self.Ph[l])
-                wheld.append(int(acts if rc else min(kept, h)))
-            trans.append(
-                int((acts if rc else 0.0) + (x_in if s > 0 else 0.0) + (2 * c.out if last else 0.0))
-            )
+        n, k = self.costs.n, len(starts)
+        rows = [
+            self._chunk(s, l, (starts[s + 1] if s + 1 < k else n) - 1, bool(recompute[s]), k)
+            for s, l in enumerate(starts)
+        ]
+        F, B, C, I, W, U, static, held, wheld, trans = (
+            list(col) for col in zip(*rows, strict=True)
+        )
         return ChunkCosts(
             F, B, C, I if self.split else None, W if self.split else None, U,
             static, held, wheld, trans,
         )  # fmt: skip
+
+    def _chunk(self, s: int, l: int, r: int, rc: bool, k: int) -> tuple[float | int, ...]:
+        """Chunk s over units l..r (of k): F, B, C, I, W, U, static, held, weight-held and
+        transient bytes, once per (s, l, r, flag) (a search asks for the same chunks often)."""
+        key = (s, l, r, rc, k)
+        got = self._memo.get(key)
+        if got is not None:
+            return got
+        c = self.costs
+        o = self.cluster.engine_overhead_s
+        states = OPTIMIZER_STATES[self.options.optimizer]
+        speed = self.cluster.devices[self.owner[s]].speed
+        last = s == k - 1
+        if rc:
+            f = float(c.Pfc[r + 1] - c.Pfc[l]) + c.call_f
+            g = float(c.Pr[r + 1] - c.Pr[l]) + c.call_b
+        else:
+            f, g = float(c.Pf[r + 1] - c.Pf[l]), float(c.Pg[r + 1] - c.Pg[l])
+        f += c.loss_f if last else 0.0
+        g += c.loss_g if last else 0.0
+        i_s = w_s = 0.0
+        if self.split:
+            w = float(self.Pw[r + 1] - self.Pw[l])
+            i = g - w if rc else float(self.Pi[r + 1] - self.Pi[l]) + (c.loss_g if last else 0.0)
+            i_s, w_s = max(i, 0.0) / speed + o, w / speed + o
+        x_in, x_out = float(c.x[l]), float(c.x[r + 1])
+        comm = (
+            2.0 * self.cluster.link.transfer_s(x_out, int(c.msgs[r + 1]))
+            if not last and x_out > 0
+            else 0.0
+        )
+        params = stage_params(c, l, r)
+        acts = float(c.Pa[r + 1] - c.Pa[l])
+        h = x_out + (0.0 if rc else acts) + ((c.out + c.loss_a) if last else 0.0)
+        kept = float(self.Ph[r + 1] - self.Ph[l]) if self.split else 0.0
+        row = (
+            f / speed + o,
+            g / speed + o,
+            comm,
+            i_s,
+            w_s,
+            self.update.seconds(params) / speed,
+            int(params * (2 + states) + self.m * (x_in + x_out)),
+            int(h),
+            int(acts if rc else min(kept, h)),
+            int((acts if rc else 0.0) + (x_in if s > 0 else 0.0) + (2 * c.out if last else 0.0)),
+        )
+        self._memo[key] = row
+        return row
 
     def replay(
         self,
