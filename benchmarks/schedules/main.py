@@ -14,8 +14,8 @@ memory demands it.  The planning time of ``--schedule auto`` is measured on each
 Profiles (all in out/, made by the commands in README.md):
   gpt        the bundled GPT, batch 32, I and W measured, 256 MiB per device;
   zoo-llama, zoo-bert, zoo-t5   pipeplan.models.zoo models (8 layers, d_model 64, seq 32),
-             batch 16, micro-batch 1, 2, 4, I and W measured; 6, 3 and 16 MiB per device
-             (the limits bind: the 1F1B peak at p = 4 is about 6, 3 and 18 MiB);
+             batch 16, micro-batch 1, 2, 4, I and W measured; 9, 5 and 24 MiB per device
+             (about 1.5 times the unlimited 1F1B peak at p = 4: 6, 3 and 18 MiB);
   llama7b    benchmarks/profile_units/config.json, ``--method units``, batch 16, micro-batch 1
              (m = 16), seq 128, 34 units, I and W measured, 80 GiB per device;
   synth      ``synthetic_profile(48, heavy_ends=True)`` with I = 0.4 B, W = 0.6 B (modelled),
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine
+from pipeplan.export.snap import target_cuts
 from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.io import load_profile
@@ -65,9 +66,9 @@ def profiles() -> dict[str, tuple[Profile, int, str]]:
     out = HERE / "out"
     return {
         "gpt": (load_profile(out / "gpt.profile.json"), 256 * 2**20, "measured"),
-        "zoo-llama": (load_profile(out / "zoo-llama.profile.json"), 6 * 2**20, "measured"),
-        "zoo-bert": (load_profile(out / "zoo-bert.profile.json"), 3 * 2**20, "measured"),
-        "zoo-t5": (load_profile(out / "zoo-t5.profile.json"), 16 * 2**20, "measured"),
+        "zoo-llama": (load_profile(out / "zoo-llama.profile.json"), 9 * 2**20, "measured"),
+        "zoo-bert": (load_profile(out / "zoo-bert.profile.json"), 5 * 2**20, "measured"),
+        "zoo-t5": (load_profile(out / "zoo-t5.profile.json"), 24 * 2**20, "measured"),
         "llama7b": (load_profile(out / "llama7b-ms8.profile.json"), 80 * 2**30, "measured"),
         "synth": (with_split(synth, 0.4), 2**40, "modelled I = 0.4 B"),
     }
@@ -89,14 +90,34 @@ def refined_timing() -> dict[str, Any]:
     return row
 
 
+def torchtitan_starts(profile: Profile, k: int) -> list[int] | None:
+    """torchtitan's default split into k model parts: equal numbers of layers per part, the
+    embedding and the head one layer each (``generate_llm_fqn_per_model_part`` with input and
+    output weight 1).  Where a unit is a layer, the embedding or the head (the 7B profile) that
+    is equal numbers of units; where the units are finer (zoo-llama), equal numbers of the runs
+    of units between the cuts torchtitan can make (:func:`pipeplan.export.snap.target_cuts`,
+    a layer each).  A model torchtitan cannot name (bert, t5) takes equal numbers of units.
+    ``None`` where there are fewer layers than parts."""
+    n = profile.n_units
+    try:
+        cuts = [0, *target_cuts([u.name for u in profile.units], "torchtitan")]
+    except PipeplanError:
+        cuts = list(range(n))
+    if max(b - a for a, b in zip(cuts, [*cuts[1:], n], strict=True)) <= 2:
+        cuts = list(range(n))  # one unit per layer (the first and last glued to the ends)
+    if k > len(cuts):
+        return None
+    return [cuts[i] for i in uniform_partition(len(cuts), k)]
+
+
 def torchtitan_split(profile: Profile, cluster: Cluster, plan: Plan) -> float | None:
-    """The step of torchtitan's equal-layer split under the plan's family, v and m."""
+    """The step of torchtitan's split under the plan's family, v and m."""
     k = cluster.n_stages * plan.stages_per_rank
-    if k > profile.n_units:
+    starts = torchtitan_starts(profile, k)
+    if starts is None:
         return None
     cp = ChunkPlan(profile, cluster, PlanOptions(schedule=plan.schedule), plan.schedule,
                    plan.stages_per_rank, plan.microbatches)  # fmt: skip
-    starts = uniform_partition(profile.n_units, k)
     rep = cp.replay(starts, recompute_to_fit(cp, starts))
     return rep.makespan_s if cp.fits(rep) else None
 
