@@ -215,3 +215,24 @@ def test_family_bound_is_below_every_partition() -> None:
                     prof, cluster, options.model_copy(update={"microbatches": m})
                 )
     assert tight > 0
+
+
+def test_torchtitan_cuts_leave_a_layer_on_every_chunk() -> None:
+    """``plan --for torchtitan``'s allowed cuts (its transformers backend fails on a stage
+    without a decoder layer) hold for every chunk of a V."""
+    from pipeplan.export.snap import target_cuts
+
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(6)), "model.norm+lm_head"]
+    prof = _with_split(synthetic_profile(8, batch_size=4, microbatch_sizes=[1], seed=5,
+                                         heavy_ends=True, loss=True))  # fmt: skip
+    units = tuple(u.model_copy(update={"name": n}) for u, n in zip(prof.units, names, strict=True))
+    prof = prof.model_copy(update={"units": units})
+    allowed = target_cuts(names, "torchtitan")
+    for limit in (0, 2000):
+        plan = solve_schedule(
+            prof, Cluster.homogeneous(2, 2**40), PlanOptions(schedule="zbv", allowed_cuts=allowed),
+            exhaustive_limit=limit,
+        )  # fmt: skip
+        assert all(any(".layers." in n for n in s.unit_names) for s in plan.stages), [
+            s.unit_names for s in plan.stages
+        ]
