@@ -26,8 +26,8 @@ O(k) replays per pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from itertools import combinations, product
+from collections.abc import Iterator, Sequence
+from itertools import combinations
 from math import comb
 
 import numpy as np
@@ -198,9 +198,6 @@ def _exhaustive(
     best: Scored | None = None
     order = action_order(cp.family, cp.p, cp.v, cp.m)
     fixed = _fixed(cp.options, k)
-    masks = (
-        [tuple(fixed)] if fixed is not None else sorted(product((False, True), repeat=k), key=sum)
-    )
     limits = [d.memory_bytes for d in cp.cluster.devices]
     floor = _Floor(cp)
     for cuts_ in combinations(cuts.positions[1:-1], k - 1):
@@ -213,12 +210,12 @@ def _exhaustive(
         if floor(starts) >= min(incumbent, best[0] if best else np.inf):
             continue
         fitting: list[tuple[bool, ...]] = []
-        for rc in masks:
-            if any(all(r or not f for r, f in zip(rc, fit, strict=True)) for fit in fitting):
-                continue  # a superset of a mask that fits: never faster
+        for rc in [tuple(fixed)] if fixed is not None else _masks(k):
             budget[0] -= 1
             if budget[0] < 0:
                 return best, False
+            if any(all(r or not f for r, f in zip(rc, fit, strict=True)) for fit in fitting):
+                continue  # a superset of a mask that fits: never faster
             costs = cp.costs_of(starts, rc)
             if any(
                 pk > lim for pk, lim in zip(peak_memory(order, costs, cp.p), limits, strict=True)
@@ -228,7 +225,17 @@ def _exhaustive(
             cand = _scored(cp, starts, list(rc))
             if cand[0] < min(incumbent, best[0] if best else np.inf):
                 best = cand
+            if not any(rc):
+                break  # no chunk recomputes and it fits: every other mask is a superset
     return best, True
+
+
+def _masks(k: int) -> Iterator[tuple[bool, ...]]:
+    """Every recompute mask of k chunks, fewest recomputing first, made as they are asked for
+    (2^k of them: the budget, which counts each, ends an enumeration that would not)."""
+    for size in range(k + 1):
+        for on in combinations(range(k), size):
+            yield tuple(s in on for s in range(k))
 
 
 def _scored(cp: ChunkPlan, starts: list[int], rc: list[bool]) -> Scored:
