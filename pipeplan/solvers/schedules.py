@@ -66,6 +66,24 @@ Scored = tuple[float, list[int], list[bool], Replay]
 
 def candidates(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[Candidate]:
     """Every (family, v, m) the request allows and torch accepts."""
+    cands, why = _requested(profile, cluster, options)
+    out: list[Candidate] = []
+    for c in cands:
+        reason = check(c[0], cluster.n_stages, c[1], c[2])
+        if reason is None:
+            out.append(c)
+        else:
+            why.append(reason)
+    if not out:
+        raise InvalidRequestError("no schedule can run this request: " + "; ".join(why[:3]))
+    return out
+
+
+def _requested(
+    profile: Profile, cluster: Cluster, options: PlanOptions
+) -> tuple[list[Candidate], list[str]]:
+    """Every (family, v, m) the request allows with p v chunks of at least one unit, before
+    torch is asked (building its schedule object costs milliseconds); and why others are not."""
     n, p = profile.n_units, cluster.n_stages
     if options.schedule == "auto":
         split = has_split_backward(profile)
@@ -73,21 +91,15 @@ def candidates(profile: Profile, cluster: Cluster, options: PlanOptions) -> list
     else:
         refuse_split(profile, options.schedule)
         families = [options.schedule]
-    out, why = [], []
+    out: list[Candidate] = []
+    why: list[str] = []
     for fam in families:
         for v in FAMILIES[fam].v:
             if p * v > n:
                 why.append(f"{fam} with v = {v} needs {p * v} units (the profile has {n})")
                 continue
-            for m in microbatch_choices(profile, options):
-                reason = check(fam, p, v, m)
-                if reason is None:
-                    out.append((fam, v, m))
-                else:
-                    why.append(reason)
-    if not out:
-        raise InvalidRequestError("no schedule can run this request: " + "; ".join(why[:3]))
-    return out
+            out.extend((fam, v, m) for m in microbatch_choices(profile, options))
+    return out, why
 
 
 def _fixed(options: PlanOptions, k: int) -> list[bool] | None:
@@ -312,29 +324,40 @@ def solve_schedule(
         raise UnsupportedConstraintError(
             "the schedule solver cannot pin units to chunks; use --solver cpsat with gpipe or 1f1b"
         )
-    cands = candidates(profile, cluster, options)
+    requested, why = _requested(profile, cluster, options)
     n, p = profile.n_units, cluster.n_stages
     cuts = Cuts.of(options, n)
     inner = len(cuts.positions) - 2
-    size = sum(comb(inner, p * v - 1) for _, v, _ in cands)
-    plans = {c: ChunkPlan(profile, cluster, options, c[0], c[1], c[2]) for c in cands}
-    searches = {c: _Search(cp) for c, cp in plans.items()}
-    dp = _dp_seeds(profile, cluster, options, cands)
+    size = sum(comb(inner, p * v - 1) for _, v, _ in requested)
+    plans = {c: ChunkPlan(profile, cluster, options, c[0], c[1], c[2]) for c in requested}
+    bound_of = {c: _candidate_floor(cp) for c, cp in plans.items()}
+    dp = _dp_seeds(profile, cluster, options, requested)
     stage_seeds = [s for s, _ in dp.values()]
-    for c, cp in plans.items():
-        k = p * c[1]
-        for st in _seeds(cp, k, cuts, stage_seeds, light=size <= exhaustive_limit):
-            searches[c].score(st)
+    searches: dict[Candidate, _Search] = {}
+    incumbent = np.inf
+    for c in sorted(requested, key=bound_of.__getitem__):
+        if bound_of[c] >= incumbent:
+            continue  # cannot win: torch is not even asked
+        reason = check(c[0], p, c[1], c[2])
+        if reason is not None:
+            why.append(reason)
+            continue
+        sr = searches[c] = _Search(plans[c])
+        for st in _seeds(plans[c], p * c[1], cuts, stage_seeds, light=size <= exhaustive_limit):
+            sr.score(st)
         if c in dp:
-            searches[c].score(*dp[c])
+            sr.score(*dp[c])
+        if sr.seen:
+            incumbent = min(incumbent, sr.best()[1][0])
+    if not searches:
+        raise InvalidRequestError("no schedule can run this request: " + "; ".join(why[:3]))
+    cands = list(searches)
     live = {c: sr for c, sr in searches.items() if sr.seen}
     if not live:
         require(None, p * max(v for _, v, _ in cands), cuts)
-    incumbent = min(sr.best()[1][0] for sr in live.values())
     exact = size <= exhaustive_limit
     budget = [exhaustive_limit * 8]
     if exact:
-        bound_of = {c: _candidate_floor(plans[c]) for c in cands}  # also in the gap below
         for c in sorted(cands, key=bound_of.__getitem__):
             if bound_of[c] >= incumbent:
                 continue
@@ -366,7 +389,8 @@ def solve_schedule(
             f"found needs {least / 2**30:.2f} GiB per device",
             min_memory_bytes=int(least),
         )
-    bound = min(_candidate_floor(cp) for cp in plans.values())
+    # candidates torch refuses cannot run; those skipped had bounds above the incumbent
+    bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
     return _plan(
         plans[best_c], starts, rc, rep,
         status="optimal" if exact else "feasible",
