@@ -371,10 +371,16 @@ def solve_schedule(
                 break
     if not exact:
         ranked = sorted(live, key=lambda c: live[c].best()[1])
-        ranked = [c for c in ranked if np.isfinite(live[c].best()[1][0])][:4]
+        ranked = [c for c in ranked if np.isfinite(live[c].best()[1][0])]
+        top = ranked[:4]  # the four best, and each other family's best
+        for c in ranked:
+            if all(t[0] != c[0] for t in top):
+                top.append(c)
+        ranked = [c for c in ranked if c in top]
+        start = time.perf_counter()
         for i, c in enumerate(ranked):
             sr = live[c]
-            share = t0 + (deadline - t0) * (i + 1) / len(ranked) if ranked else deadline
+            share = start + (deadline - start) * (i + 1) / len(ranked)  # unused time passes on
             starts, score, _, _ = sr.best()
             local_search(
                 starts, sr.score, plans[c].owner, cuts, max(share, time.perf_counter()), score
