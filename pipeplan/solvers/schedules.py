@@ -8,19 +8,33 @@ T(family, v, m, starts, rho) (:mod:`pipeplan.planner.chunks`), feasible when eve
 walked along the same order fits its device.  We minimise T over all of them.
 
 Algorithm.
-  1. Seed each candidate with the min-max partition of the units' F + B at m
-     (:func:`pipeplan.solvers.baselines.minmax_partition`) and the recompute flags of
-     :func:`recompute_to_fit` (none; then, while a rank is over its memory, the chunk of that
-     rank with the most held bytes recomputes).
-  2. If every candidate's space is small (sum over candidates of C(n - 1, k - 1) 2^k at most
-     ``exhaustive_limit``), enumerate it all: the answer is ``optimal`` under the simulator.
-  3. Otherwise improve the best seeds by local search (move one cut by one unit while the
-     makespan falls, the flags re-fitted after each move), and report ``feasible`` with the gap
-     (T - L) / T against L = :func:`pipeplan.planner.chunks.work_bound`, which holds for every
-     family, v and partition.
+  0. Candidates (the request's families, v with p v units at least, and m) are taken in the
+     order of their lower bound L_c = :func:`pipeplan.planner.chunks.family_bound`; one whose
+     bound reaches the best step found so far is dropped before torch is asked whether it
+     accepts it (:func:`pipeplan.planner.schedules.check`, which builds the schedule).
+  1. Each candidate left is seeded (:mod:`pipeplan.solvers.schedule_search`: the exact min-max
+     partition over the allowed cuts, torchtitan's equal split, rank-balanced fills, 1F1B's
+     stages cut in v, and for GPipe and 1F1B the closed-form DP's plan), each seed with the
+     flags of :func:`recompute_to_fit` (none; then, while a rank is over its memory, the chunk
+     of that rank with the most held bytes recomputes).
+  2. If the candidates' cut combinations over the allowed cuts number at most
+     ``exhaustive_limit``, enumerate every cut and every minimal fitting recompute mask, a
+     partition skipped where its busiest rank's compute (:class:`_Floor`) reaches the
+     incumbent and a candidate where L_c does; a budget of 8 ``exhaustive_limit`` partitions
+     and masks (a count, not a clock) bounds it.  Finished, the answer is ``optimal`` under the
+     simulator.
+  3. Otherwise (or when the budget runs out) the four best candidates and every other
+     family's best get the iterated local search of :mod:`pipeplan.solvers.schedule_search`,
+     in equal shares of the time left, the flags re-fitted after each move, and the plan is
+     ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
+     every family, v, partition and mask (proof in :func:`family_bound`).
 
-Cost: a replay is O(k m) actions; the seeds cost one per candidate, the local search
-O(k) replays per pass.
+Allowed cuts (``PlanOptions.allowed_cuts``, ``pipeplan plan --for``) and ``min_units`` /
+``max_units`` per chunk are kept by every step; pinned units are refused.
+
+Cost: a replay is O(k m) actions (about 2 ms at p = 8, v = 2, m = 8); a chunk's costs are
+memoised per (chunk, units, flag), so a move re-prices only the chunks it changed (the
+replay itself runs whole).
 """
 
 from __future__ import annotations
