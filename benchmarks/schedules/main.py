@@ -11,13 +11,16 @@ embedding and the head counting as one layer each (torchtitan's
 ``generate_llm_fqn_per_model_part`` with input and output weight 1), recomputing only where
 memory demands it.  The planning time of ``--schedule auto`` is measured on each profile.
 
-Profiles:
-  gpt     the bundled GPT (``pipeplan profile pipeplan.models.gpt:gpt --batch-size 32``, this
-          tree, I and W measured), 256 MiB per device;
-  llama7b benchmarks/profile_units/out/llama7b.profile.json (``--method units``, 34 units, m =
-          32 only), 80 GiB per device.  That profile predates I and W: they are MODELLED here as
-          I = W = B / 2 per unit (Qi et al.'s F = I = W setting), not measured;
-  synth   ``synthetic_profile(48, heavy_ends=True)`` with I = 0.4 B, W = 0.6 B (modelled).
+Profiles (all in out/, made by the commands in README.md):
+  gpt        the bundled GPT, batch 32, I and W measured, 256 MiB per device;
+  zoo-llama, zoo-bert, zoo-t5   pipeplan.models.zoo models (8 layers, d_model 64, seq 32),
+             batch 16, micro-batch 1, 2, 4, I and W measured; 9, 5 and 24 MiB per device
+             (about 1.5 times the unlimited 1F1B peak at p = 4: 6, 3 and 18 MiB);
+  llama7b    benchmarks/profile_units/config.json, ``--method units``, batch 16, micro-batch 1
+             (m = 16), seq 128, 34 units, I and W measured, 80 GiB per device;
+  synth      ``synthetic_profile(48, heavy_ends=True)`` with I = 0.4 B, W = 0.6 B (modelled),
+             unlimited memory.
+Last, ``auto``'s planning time on the 7B profile's refined units (``--max-stages 64``) at p = 8.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine
+from pipeplan.export.snap import target_cuts
 from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.io import load_profile
@@ -57,24 +61,63 @@ def with_split(profile: Profile, input_share: float) -> Profile:
 
 
 def profiles() -> dict[str, tuple[Profile, int, str]]:
-    llama = load_profile(HERE.parent / "profile_units/out/llama7b.profile.json")
     synth = synthetic_profile(48, batch_size=64, microbatch_sizes=[1, 2, 4, 8], heavy_ends=True,
                               seed=7, loss=True)  # fmt: skip
+    out = HERE / "out"
     return {
-        "gpt": (load_profile(HERE / "out/gpt.profile.json"), 256 * 2**20, "measured"),
-        "llama7b": (with_split(llama, 0.5), 80 * 2**30, "modelled I = W = B/2"),
+        "gpt": (load_profile(out / "gpt.profile.json"), 256 * 2**20, "measured"),
+        "zoo-llama": (load_profile(out / "zoo-llama.profile.json"), 9 * 2**20, "measured"),
+        "zoo-bert": (load_profile(out / "zoo-bert.profile.json"), 5 * 2**20, "measured"),
+        "zoo-t5": (load_profile(out / "zoo-t5.profile.json"), 24 * 2**20, "measured"),
+        "llama7b": (load_profile(out / "llama7b-ms8.profile.json"), 80 * 2**30, "measured"),
         "synth": (with_split(synth, 0.4), 2**40, "modelled I = 0.4 B"),
     }
 
 
+def refined_timing() -> dict[str, Any]:
+    """``--schedule auto`` on the 7B profile's refined units (``--max-stages 64``) at p = 8."""
+    prof = load_profile(HERE / "out/llama7b-ms64.profile.json")
+    cluster = Cluster.homogeneous(8, 80 * 2**30, LINK)
+    t0 = time.perf_counter()
+    auto = solve_schedule(prof, cluster, PlanOptions(schedule="auto"))
+    auto_s = time.perf_counter() - t0
+    one = solve_schedule(prof, cluster, PlanOptions(schedule="1f1b"))
+    row = {"profile": "llama7b refined", "units": prof.n_units, "p": 8,
+           "auto_family": auto.schedule, "v": auto.stages_per_rank, "m": auto.microbatches,
+           "auto_ratio_1f1b": auto.step_time_s / one.step_time_s, "auto_plan_s": auto_s,
+           "status": auto.status, "gap": auto.gap}  # fmt: skip
+    print(json.dumps(row))
+    return row
+
+
+def torchtitan_starts(profile: Profile, k: int) -> list[int] | None:
+    """torchtitan's default split into k model parts: equal numbers of layers per part, the
+    embedding and the head one layer each (``generate_llm_fqn_per_model_part`` with input and
+    output weight 1).  Where a unit is a layer, the embedding or the head (the 7B profile) that
+    is equal numbers of units; where the units are finer (zoo-llama), equal numbers of the runs
+    of units between the cuts torchtitan can make (:func:`pipeplan.export.snap.target_cuts`,
+    a layer each).  A model torchtitan cannot name (bert, t5) takes equal numbers of units.
+    ``None`` where there are fewer layers than parts."""
+    n = profile.n_units
+    try:
+        cuts = [0, *target_cuts([u.name for u in profile.units], "torchtitan")]
+    except PipeplanError:
+        cuts = list(range(n))
+    if max(b - a for a, b in zip(cuts, [*cuts[1:], n], strict=True)) <= 2:
+        cuts = list(range(n))  # one unit per layer (the first and last glued to the ends)
+    if k > len(cuts):
+        return None
+    return [cuts[i] for i in uniform_partition(len(cuts), k)]
+
+
 def torchtitan_split(profile: Profile, cluster: Cluster, plan: Plan) -> float | None:
-    """The step of torchtitan's equal-layer split under the plan's family, v and m."""
+    """The step of torchtitan's split under the plan's family, v and m."""
     k = cluster.n_stages * plan.stages_per_rank
-    if k > profile.n_units:
+    starts = torchtitan_starts(profile, k)
+    if starts is None:
         return None
     cp = ChunkPlan(profile, cluster, PlanOptions(schedule=plan.schedule), plan.schedule,
                    plan.stages_per_rank, plan.microbatches)  # fmt: skip
-    starts = uniform_partition(profile.n_units, k)
     rep = cp.replay(starts, recompute_to_fit(cp, starts))
     return rep.makespan_s if cp.fits(rep) else None
 
@@ -92,6 +135,7 @@ def run(out: Path) -> list[dict[str, Any]]:
                     best[fam] = solve_schedule(prof, cluster, PlanOptions(schedule=fam))  # type: ignore[arg-type]
                 except PipeplanError as exc:
                     print(f"{name} p={p} {fam}: {exc}")
+            solve_schedule(prof, cluster, PlanOptions(schedule="auto"))  # torch's orders built
             t0 = time.perf_counter()
             auto = solve_schedule(prof, cluster, PlanOptions(schedule="auto"))
             auto_s = time.perf_counter() - t0
@@ -111,7 +155,10 @@ def run(out: Path) -> list[dict[str, Any]]:
                 }  # fmt: skip
                 print(json.dumps(row))
                 rows.append(row)
-    out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
+    refined = refined_timing()
+    out.write_text(
+        json.dumps({"machine": machine(), "rows": rows, "refined": refined}, indent=1) + "\n"
+    )
     return rows
 
 

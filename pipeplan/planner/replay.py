@@ -126,12 +126,14 @@ def replay(
     step_overhead_s: float = 0.0,
     update_contention: float = 0.0,
     timeline: bool = True,
+    peaks: tuple[int, ...] | None = None,
 ) -> Replay:
     """Replay one step of ``family`` on p ranks with v chunks each and m micro-batches.
 
     ``syncs`` are (chunks, seconds) all-reduces of tied gradients, run in order on the ranks
     that hold those chunks; ``step_overhead_s`` delays the first action.  Without
     ``timeline`` only the compute actions' events are left out (a solver's inner loop).
+    ``peaks``: :func:`peak_memory` of the same costs, when the caller has walked it already.
     """
     n = p * v
     if costs.n != n:
@@ -202,7 +204,9 @@ def replay(
         events.append(ReplayEvent(e.stage, -1, -1, "optimizer", e.start_s, e.end_s))
     ends = [*free, *arrive, *(e.end_s for e in events)]
     makespan = max(ends, default=0.0)
-    return Replay(tuple(events), makespan, p, peak_memory(order, costs, p), tuple(busy))
+    if peaks is None:
+        peaks = peak_memory(order, costs, p)
+    return Replay(tuple(events), makespan, p, peaks, tuple(busy))
 
 
 @lru_cache(maxsize=256)

@@ -8,40 +8,67 @@ T(family, v, m, starts, rho) (:mod:`pipeplan.planner.chunks`), feasible when eve
 walked along the same order fits its device.  We minimise T over all of them.
 
 Algorithm.
-  1. Seed each candidate with the min-max partition of the units' F + B at m
-     (:func:`pipeplan.solvers.baselines.minmax_partition`) and the recompute flags of
-     :func:`recompute_to_fit` (none; then, while a rank is over its memory, the chunk of that
-     rank with the most held bytes recomputes).
-  2. If every candidate's space is small (sum over candidates of C(n - 1, k - 1) 2^k at most
-     ``exhaustive_limit``), enumerate it all: the answer is ``optimal`` under the simulator.
-  3. Otherwise improve the best seeds by local search (move one cut by one unit while the
-     makespan falls, the flags re-fitted after each move), and report ``feasible`` with the gap
-     (T - L) / T against L = :func:`pipeplan.planner.chunks.work_bound`, which holds for every
-     family, v and partition.
+  0. Candidates (the request's families, v with p v units at least, and m) are taken in the
+     order of their lower bound L_c = :func:`pipeplan.planner.chunks.family_bound`; one whose
+     bound reaches the best step found so far is dropped before torch is asked whether it
+     accepts it (:func:`pipeplan.planner.schedules.check`, which builds the schedule).
+  1. Each candidate left is seeded (:mod:`pipeplan.solvers.schedule_search`: the exact min-max
+     partition over the allowed cuts, torchtitan's equal split, rank-balanced fills, 1F1B's
+     stages cut in v, and for GPipe and 1F1B the closed-form DP's plan), each seed with the
+     flags of :func:`recompute_to_fit` (none; then, while a rank is over its memory, the chunk
+     of that rank with the most held bytes recomputes).
+  2. If the candidates' cut combinations over the allowed cuts number at most
+     ``exhaustive_limit``, enumerate every cut and every minimal fitting recompute mask, a
+     partition skipped where its busiest rank's compute (:class:`_Floor`) reaches the
+     incumbent and a candidate where L_c does; a budget of 8 ``exhaustive_limit`` partitions
+     and masks (a count, not a clock) bounds it.  Finished, the answer is ``optimal`` under the
+     simulator.
+  3. Otherwise (or when the budget runs out) the four best candidates and every other
+     family's best get the iterated local search of :mod:`pipeplan.solvers.schedule_search`,
+     in equal shares of the time left, the flags re-fitted after each move, and the plan is
+     ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
+     every family, v, partition and mask (proof in :func:`family_bound`).
 
-Cost: a replay is O(k m) actions; the seeds cost one per candidate, the local search
-O(k) replays per pass.
+Allowed cuts (``PlanOptions.allowed_cuts``, ``pipeplan plan --for``) and ``min_units`` /
+``max_units`` per chunk are kept by every step; pinned units are refused.
+
+Cost: a replay is O(k m) actions (about 2 ms at p = 8, v = 2, m = 8); a chunk's costs are
+memoised per (chunk, units, flag), so a move re-prices only the chunks it changed (the
+replay itself runs whole).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from itertools import combinations, product
+from collections.abc import Iterator, Sequence
+from itertools import combinations
 from math import comb
 
 import numpy as np
 
-from pipeplan.planner.chunks import ChunkPlan, has_split_backward, refuse_split, work_bound
+from pipeplan.planner.chunks import ChunkPlan, family_bound, has_split_backward, refuse_split
 from pipeplan.planner.costmodel import stage_params, tied_syncs
-from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
+from pipeplan.planner.errors import (
+    InfeasiblePlanError,
+    InvalidRequestError,
+    PipeplanError,
+    UnsupportedConstraintError,
+)
 from pipeplan.planner.evaluate import profile_fields
-from pipeplan.planner.replay import Replay, peak_memory
+from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.schedules import FAMILIES, action_order, check
 from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile, Stage
 from pipeplan.planner.types.base import OPTIMIZER_STATES
 from pipeplan.planner.unitcosts import microbatch_choices
-from pipeplan.solvers.baselines import minmax_partition
+from pipeplan.solvers.schedule_search import (
+    Cuts,
+    Score,
+    balanced_seeds,
+    local_search,
+    minmax_starts,
+    require,
+    snap_uniform,
+)
 
 __all__ = ["Candidate", "candidates", "recompute_to_fit", "solve_schedule"]
 
@@ -56,6 +83,24 @@ def candidates(
 ) -> list[Candidate]:
     """Every (family, v, m) the request allows and torch accepts (v = ``chunks`` alone when
     given)."""
+    cands, why = _requested(profile, cluster, options, chunks)
+    out: list[Candidate] = []
+    for c in cands:
+        reason = check(c[0], cluster.n_stages, c[1], c[2])
+        if reason is None:
+            out.append(c)
+        else:
+            why.append(reason)
+    if not out:
+        raise InvalidRequestError("no schedule can run this request: " + "; ".join(why[:3]))
+    return out
+
+
+def _requested(
+    profile: Profile, cluster: Cluster, options: PlanOptions, chunks: int | None = None
+) -> tuple[list[Candidate], list[str]]:
+    """Every (family, v, m) the request allows with p v chunks of at least one unit, before
+    torch is asked (building its schedule object costs milliseconds); and why others are not."""
     n, p = profile.n_units, cluster.n_stages
     if options.schedule == "auto":
         split = has_split_backward(profile)
@@ -64,7 +109,8 @@ def candidates(
     else:
         refuse_split(profile, options.schedule)
         families = [options.schedule]
-    out, why = [], []
+    out: list[Candidate] = []
+    why: list[str] = []
     for fam in families:
         for v in FAMILIES[fam].v:
             if chunks is not None and v != chunks:
@@ -73,15 +119,8 @@ def candidates(
             if p * v > n:
                 why.append(f"{fam} with v = {v} needs {p * v} units (the profile has {n})")
                 continue
-            for m in microbatch_choices(profile, options):
-                reason = check(fam, p, v, m)
-                if reason is None:
-                    out.append((fam, v, m))
-                else:
-                    why.append(reason)
-    if not out:
-        raise InvalidRequestError("no schedule can run this request: " + "; ".join(why[:3]))
-    return out
+            out.extend((fam, v, m) for m in microbatch_choices(profile, options))
+    return out, why
 
 
 def _fixed(options: PlanOptions, k: int) -> list[bool] | None:
@@ -95,32 +134,146 @@ def _fixed(options: PlanOptions, k: int) -> list[bool] | None:
 def recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
     """No chunk recomputes; then, while a rank is over its memory, its chunk with the most held
     bytes does (until all of that rank's do).  A fixed policy's flags as they are."""
+    return _fit(cp, starts)[0]
+
+
+def _fit(cp: ChunkPlan, starts: Sequence[int]) -> tuple[list[bool], ChunkCosts, tuple[int, ...]]:
+    """:func:`recompute_to_fit`'s flags, with the chunk costs and the peaks they give."""
     fixed = _fixed(cp.options, len(starts))
-    if fixed is not None:
-        return fixed
-    rc = [False] * len(starts)
+    rc = fixed if fixed is not None else [False] * len(starts)
     order = action_order(cp.family, cp.p, cp.v, cp.m)
     while True:
         costs = cp.costs_of(starts, rc)
         peaks = peak_memory(order, costs, cp.p)
+        if fixed is not None:
+            return rc, costs, peaks
         over = [q for q, pk in enumerate(peaks) if pk > cp.cluster.devices[q].memory_bytes]
         if not over:
-            return rc
+            return rc, costs, peaks
         flip = [s for s in range(len(starts)) if cp.owner[s] in over and not rc[s]]
         if not flip:
-            return rc
+            return rc, costs, peaks
         rc[max(flip, key=lambda s: costs.held_bytes[s])] = True
+
+
+class _Search:
+    """One candidate's partitions, scored once each: (step or inf, busy largest first, the
+    busiest rank), with the flags and the replay of each."""
+
+    def __init__(self, cp: ChunkPlan) -> None:
+        self.cp = cp
+        self.seen: dict[tuple[int, ...], tuple[Score, list[bool], Replay]] = {}
+
+    def score(self, starts: Sequence[int], rc: Sequence[bool] | None = None) -> Score:
+        key = tuple(starts)
+        if key not in self.seen or rc is not None:
+            if rc is None:
+                flags, costs, peaks = _fit(self.cp, starts)
+                rep = self.cp.replay(starts, flags, costs=costs, peaks=peaks)
+            else:
+                flags = list(rc)
+                rep = self.cp.replay(starts, flags)
+            T = rep.makespan_s if self.cp.fits(rep) else np.inf
+            busy = rep.busy
+            s: Score = (T, tuple(sorted(busy, reverse=True)), int(np.argmax(busy)))
+            if key in self.seen and self.seen[key][0] <= s:
+                return self.seen[key][0]
+            self.seen[key] = (s, flags, rep)
+        return self.seen[key][0]
+
+    def best(self) -> tuple[list[int], Score, list[bool], Replay]:
+        key = min(self.seen, key=lambda k: self.seen[k][0])
+        s, rc, rep = self.seen[key]
+        return list(key), s, rc, rep
+
+
+class _Floor:
+    """The busiest rank's compute under any recompute flags, each chunk at the least of its
+    plain F + B, its recomputing F + B and (split families, chunks s > 0) F + I + W, two
+    engine overheads per chunk and micro-batch: a lower bound on the replay's step (every
+    rank runs its actions one at a time after the step overhead), from prefix sums alone."""
+
+    def __init__(self, cp: ChunkPlan) -> None:
+        c, o = cp.costs, cp.cluster.engine_overhead_s
+        self.cp = cp
+        self.plain = c.Pf + c.Pg
+        self.rc = c.Pfc + c.Pr
+        self.rc_call = c.call_f + c.call_b
+        self.split = cp.Pi + cp.Pw + c.Pf if cp.split else None
+        self.loss = c.loss_f + c.loss_g
+        self.speed = np.array([cp.cluster.devices[q].speed for q in cp.owner])
+        self.extra = cp.cluster.step_overhead_s
+        self.o2 = 2 * o
+
+    def __call__(self, starts: Sequence[int]) -> float:
+        a = np.asarray(starts)
+        b = np.append(a[1:], self.cp.costs.n)
+        least = np.minimum(self.plain[b] - self.plain[a], self.rc[b] - self.rc[a] + self.rc_call)
+        if self.split is not None:
+            iw = self.split[b] - self.split[a]
+            least[1:] = np.minimum(least[1:], iw[1:])
+        least[-1] += self.loss
+        per = least / self.speed + self.o2
+        busy = np.bincount(self.cp.owner, weights=per, minlength=self.cp.p)
+        return float(self.cp.m * busy.max()) + self.extra
+
+
+def _exhaustive(
+    cp: ChunkPlan, k: int, cuts: Cuts, incumbent: float, budget: list[int]
+) -> tuple[Scored | None, bool]:
+    """Every allowed cut and every recompute mask, pruned by bounds only: a partition whose
+    busiest rank (:func:`_busy_floor`) cannot beat ``incumbent`` is skipped, and so is a
+    mask that is a superset of one that fits (a fixed-order schedule's makespan never falls
+    when an action grows, and recomputing never makes an action shorter), memory (the walk
+    alone) checked before any replay.  Returns the best found below ``incumbent`` and whether
+    the enumeration finished within ``budget[0]`` partitions and masks looked at (spent from
+    it: a count, not a clock, so that whether a plan is proven does not depend on the load)."""
+    best: Scored | None = None
+    order = action_order(cp.family, cp.p, cp.v, cp.m)
+    fixed = _fixed(cp.options, k)
+    limits = [d.memory_bytes for d in cp.cluster.devices]
+    floor = _Floor(cp)
+    for cuts_ in combinations(cuts.positions[1:-1], k - 1):
+        budget[0] -= 1
+        if budget[0] < 0:
+            return best, False
+        starts = [0, *cuts_]
+        if not cuts.valid(starts):
+            continue
+        if floor(starts) >= min(incumbent, best[0] if best else np.inf):
+            continue
+        fitting: list[tuple[bool, ...]] = []
+        for rc in [tuple(fixed)] if fixed is not None else _masks(k):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return best, False
+            if any(all(r or not f for r, f in zip(rc, fit, strict=True)) for fit in fitting):
+                continue  # a superset of a mask that fits: never faster
+            costs = cp.costs_of(starts, rc)
+            if any(
+                pk > lim for pk, lim in zip(peak_memory(order, costs, cp.p), limits, strict=True)
+            ):
+                continue
+            fitting.append(rc)
+            cand = _scored(cp, starts, list(rc))
+            if cand[0] < min(incumbent, best[0] if best else np.inf):
+                best = cand
+            if not any(rc):
+                break  # no chunk recomputes and it fits: every other mask is a superset
+    return best, True
+
+
+def _masks(k: int) -> Iterator[tuple[bool, ...]]:
+    """Every recompute mask of k chunks, fewest recomputing first, made as they are asked for
+    (2^k of them: the budget, which counts each, ends an enumeration that would not)."""
+    for size in range(k + 1):
+        for on in combinations(range(k), size):
+            yield tuple(s in on for s in range(k))
 
 
 def _scored(cp: ChunkPlan, starts: list[int], rc: list[bool]) -> Scored:
     rep = cp.replay(starts, rc)
     return (rep.makespan_s if cp.fits(rep) else np.inf, starts, rc, rep)
-
-
-def _seed(cp: ChunkPlan, k: int) -> Scored:
-    c = cp.costs
-    starts = minmax_partition(list(c.f + c.g), k)
-    return _scored(cp, starts, recompute_to_fit(cp, starts))
 
 
 def _dp_seeds(
@@ -135,7 +288,7 @@ def _dp_seeds(
             continue
         try:
             plan = solve_dp(profile, cluster, options.model_copy(update={"schedule": fam}))
-        except (InfeasiblePlanError, InvalidRequestError):
+        except PipeplanError:
             continue
         c = (fam, 1, plan.microbatches)
         if c in cands:
@@ -143,56 +296,37 @@ def _dp_seeds(
     return out
 
 
-def _local(cp: ChunkPlan, best: Scored, deadline: float) -> Scored:
-    n = cp.costs.n
-    improved = True
-    while improved and time.perf_counter() < deadline:
-        improved = False
-        for j in range(1, len(best[1])):
-            for d in (-1, 1):
-                starts = list(best[1])
-                starts[j] += d
-                if (
-                    starts[j] <= starts[j - 1]
-                    or (starts[j + 1] if j + 1 < len(starts) else n) <= starts[j]
-                ):
-                    continue
-                cand = _scored(cp, starts, recompute_to_fit(cp, starts))
-                if cand[0] < best[0] * (1 - 1e-12):
-                    best, improved = cand, True
-    return best
+def _seeds(
+    cp: ChunkPlan, k: int, cuts: Cuts, stages: list[list[int]], light: bool = False
+) -> list[list[int]]:
+    """The seeds of :mod:`pipeplan.solvers.schedule_search` for one candidate (``light``: the
+    min-max one alone, an incumbent for the enumeration)."""
+    c = cp.costs
+    w = c.f + c.g
+    w[-1] += c.loss_f + c.loss_g
+    speeds = [d.speed for d in cp.cluster.devices]
+    out = [minmax_starts(w, k, cuts)]
+    if light:
+        return [s for s in out if s is not None and cuts.valid(s)]
+    out.append(snap_uniform(k, cuts))
+    out += balanced_seeds(w, cp.owner, speeds, cp.m, cuts)
+    v = k // cp.p
+    for st in stages:  # a 1F1B plan's stages, each split into v chunks
+        split: list[int] = []
+        for a, b in zip(st, [*st[1:], cuts.n], strict=True):
+            sub = minmax_starts(w[a:b], v, _shift(cuts, a, b))
+            if sub is None:
+                break
+            split += [a + x for x in sub]
+        else:
+            out.append(split)
+    uniq = {tuple(s) for s in out if s is not None and len(s) == k and cuts.valid(s)}
+    return [list(s) for s in sorted(uniq)]
 
 
-def _exhaustive(cp: ChunkPlan, k: int) -> Scored | None:
-    """Every cut and every recompute mask.  A fixed-order schedule's makespan never falls when
-    an action grows, and recomputing never makes an action shorter, so of the masks that fit
-    only the minimal ones (no fitting proper subset) can win: masks go by popcount, supersets
-    of a fitting one are skipped, and memory (the walk alone) is checked before any replay."""
-    best: Scored | None = None
-    order = action_order(cp.family, cp.p, cp.v, cp.m)
-    fixed = _fixed(cp.options, k)
-    masks = (
-        [tuple(fixed)] if fixed is not None else sorted(product((False, True), repeat=k), key=sum)
-    )
-    limits = [d.memory_bytes for d in cp.cluster.devices]
-    for cuts in combinations(range(1, cp.costs.n), k - 1):
-        starts = [0, *cuts]
-        fitting: list[tuple[bool, ...]] = []
-        for rc in masks:
-            if any(all(r or not f for r, f in zip(rc, fit, strict=True)) for fit in fitting):
-                continue  # a superset of a mask that fits: never faster
-            costs = cp.costs_of(starts, rc)
-            if any(
-                pk > lim for pk, lim in zip(peak_memory(order, costs, cp.p), limits, strict=True)
-            ):
-                continue
-            fitting.append(rc)
-            cand = _scored(cp, starts, list(rc))
-            if best is None or cand[0] < best[0]:
-                best = cand
-    if best is None:  # nothing fits: the seed reports the least peak
-        return _seed(cp, k)
-    return best
+def _shift(cuts: Cuts, a: int, b: int) -> Cuts:
+    pos = tuple(x - a for x in cuts.positions if a <= x <= b)
+    return Cuts(b - a, pos, cuts.min_units, cuts.max_units)
 
 
 def solve_schedule(
@@ -200,7 +334,7 @@ def solve_schedule(
     cluster: Cluster,
     options: PlanOptions | None = None,
     *,
-    exhaustive_limit: int = 4096,
+    exhaustive_limit: int = 2000,
     time_limit_s: float = 4.0,
     chunks: int | None = None,
 ) -> Plan:
@@ -208,34 +342,84 @@ def solve_schedule(
     ``chunks`` alone when given."""
     options = options or PlanOptions(schedule="auto")
     t0 = time.perf_counter()
-    cands = candidates(profile, cluster, options, chunks)
+    deadline = t0 + (options.time_limit_s or time_limit_s)
+    if options.pinned:
+        raise UnsupportedConstraintError(
+            "the schedule solver cannot pin units to chunks; use --solver cpsat with gpipe or 1f1b"
+        )
+    requested, why = _requested(profile, cluster, options, chunks)
     n, p = profile.n_units, cluster.n_stages
-    size = sum(comb(n - 1, p * v - 1) * 2 ** (p * v) for _, v, _ in cands)
+    cuts = Cuts.of(options, n)
+    inner = len(cuts.positions) - 2
+    size = sum(comb(inner, p * v - 1) for _, v, _ in requested)
+    plans = {c: ChunkPlan(profile, cluster, options, c[0], c[1], c[2]) for c in requested}
+    bound_of = {c: _candidate_floor(cp) for c, cp in plans.items()}
+    dp = _dp_seeds(profile, cluster, options, requested)
+    stage_seeds = [s for s, _ in dp.values()]
+    searches: dict[Candidate, _Search] = {}
+    incumbent = np.inf
+    for c in sorted(requested, key=bound_of.__getitem__):
+        if bound_of[c] >= incumbent:
+            continue  # cannot win: torch is not even asked
+        reason = check(c[0], p, c[1], c[2])
+        if reason is not None:
+            why.append(reason)
+            continue
+        sr = searches[c] = _Search(plans[c])
+        for st in _seeds(plans[c], p * c[1], cuts, stage_seeds, light=size <= exhaustive_limit):
+            sr.score(st)
+        if c in dp:
+            sr.score(*dp[c])
+        if sr.seen:
+            incumbent = min(incumbent, sr.best()[1][0])
+    if not searches:
+        raise InvalidRequestError("no schedule can run this request: " + "; ".join(why[:3]))
+    cands = list(searches)
+    live = {c: sr for c, sr in searches.items() if sr.seen}
+    if not live:
+        require(None, p * max(v for _, v, _ in cands), cuts)
     exact = size <= exhaustive_limit
-    plans = {c: ChunkPlan(profile, cluster, options, c[0], c[1], c[2]) for c in cands}
-    results: dict[Candidate, Scored] = {}
-    for c, cp in plans.items():
-        found = _exhaustive(cp, p * c[1]) if exact else _seed(cp, p * c[1])
-        assert found is not None
-        results[c] = found
+    budget = [exhaustive_limit * 8]
+    if exact:
+        for c in sorted(cands, key=bound_of.__getitem__):
+            if bound_of[c] >= incumbent:
+                continue
+            found, done = _exhaustive(plans[c], p * c[1], cuts, incumbent, budget)
+            exact = exact and done
+            if found is not None:
+                searches[c].score(found[1], found[2])
+                live[c] = searches[c]
+                incumbent = min(incumbent, found[0])
+            if not done:
+                break
     if not exact:
-        for c, seed in _dp_seeds(profile, cluster, options, cands).items():
-            found = _scored(plans[c], list(seed[0]), list(seed[1]))
-            if found[0] < results[c][0]:
-                results[c] = found
-        deadline = t0 + (options.time_limit_s or time_limit_s)
-        for c in sorted(results, key=lambda c: results[c][0])[:4]:
-            if np.isfinite(results[c][0]):
-                results[c] = _local(plans[c], results[c], deadline)
-    best_c = min(results, key=lambda c: results[c][0])
-    T, starts, rc, rep = results[best_c]
+        ranked = sorted(live, key=lambda c: live[c].best()[1])
+        ranked = [c for c in ranked if np.isfinite(live[c].best()[1][0])]
+        top = ranked[:4]  # the four best, and each other family's best
+        for c in ranked:
+            if all(t[0] != c[0] for t in top):
+                top.append(c)
+        ranked = [c for c in ranked if c in top]
+        start = time.perf_counter()
+        for i, c in enumerate(ranked):
+            sr = live[c]
+            share = start + (deadline - start) * (i + 1) / len(ranked)  # unused time passes on
+            starts, score, _, _ = sr.best()
+            local_search(
+                starts, sr.score, plans[c].owner, cuts, max(share, time.perf_counter()), score
+            )
+    best_c = min(live, key=lambda c: live[c].best()[1])
+    starts, score, rc, rep = live[best_c].best()
+    T = score[0]
     if not np.isfinite(T):
-        least = min(max(r[3].peak_bytes) for r in results.values())
+        least = min(max(sr.best()[3].peak_bytes) for sr in live.values())
         raise InfeasiblePlanError(
             f"no schedule, cuts or recomputation fits the devices' memory; the least peak "
-            f"found needs {least / 2**30:.2f} GiB per device"
+            f"found needs {least / 2**30:.2f} GiB per device",
+            min_memory_bytes=int(least),
         )
-    bound = work_bound(profile, cluster, options)
+    # candidates torch refuses cannot run; those skipped had bounds above the incumbent
+    bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
     return _plan(
         plans[best_c], starts, rc, rep,
         status="optimal" if exact else "feasible",
@@ -243,6 +427,11 @@ def solve_schedule(
         bound=bound,
         solve_time_s=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def _candidate_floor(cp: ChunkPlan) -> float:
+    """A lower bound on every partition of one candidate (:func:`family_bound`)."""
+    return family_bound(cp.profile, cp.cluster, cp.options, cp.family, cp.v, cp.m)
 
 
 def _plan(

@@ -153,12 +153,10 @@ def test_plan_for_on_the_command_line(llama, tmp_path: Path, cli) -> None:
     code, _, err = cli(["plan", str(path), "--stages", "3", "--for", "xla", "-o", str(out)])
     assert code == 2 and err.startswith("error: --for 'xla' is not one of") and err.count("\n") == 1
     # --for also keeps schedule auto to the families the target runs: DeepSpeed runs its own
-    code, _, err = cli(["plan", str(path), "--stages", "2", "--for", "deepspeed", "-o", str(out)])
+    ds = ["plan", str(path), "--stages", "2", "--memory", "1GiB", "--for", "deepspeed"]
+    code, _, err = cli([*ds, "-o", str(out)])
     assert code == 0 and load_plan(out).schedule == "1f1b", err
-    code, _, err = cli(
-        ["plan", str(path), "--stages", "2", "--for", "deepspeed", "--schedule", "zbv"]
-        + ["-o", str(tmp_path / "no.json")]
-    )
+    code, _, err = cli([*ds, "--schedule", "zbv", "-o", str(tmp_path / "no.json")])
     assert code == 2 and err.count("\n") == 1 and not (tmp_path / "no.json").exists()
     assert "--schedule zbv is not what deepspeed runs (1f1b)" in err
 
