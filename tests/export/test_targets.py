@@ -45,7 +45,7 @@ def brute_force(prof: Profile, cluster: Cluster, options: PlanOptions) -> float:
     best = math.inf
     cuts = options.allowed_cuts or tuple(range(1, prof.n_units))
     for chosen in itertools.combinations(cuts, cluster.n_stages - 1):
-        for m in microbatch_choices(prof, options):
+        for m in microbatch_choices(prof, options, cluster.n_stages):
             plan = evaluate(prof, cluster, options, list(chosen), m, solver="brute")
             if plan.feasible:
                 best = min(best, plan.step_time_s)

@@ -111,7 +111,7 @@ def held_back(
             max(
                 s.memory.total for s in evaluate(prof, cluster, options, cuts, m, solver="x").stages
             )
-            for m in microbatch_choices(prof, options)
+            for m in microbatch_choices(prof, options, p)
             for cuts in itertools.combinations(range(1, 7), p - 1)
         ]
         cluster = Cluster.homogeneous(p, int(np.median(peaks)), link, op_overhead_s=2e-4)

@@ -29,7 +29,7 @@ def brute_force(profile: Profile, cluster: Cluster, options: PlanOptions) -> flo
     n, p = profile.n_units, cluster.n_stages
     hi = options.max_units or n
     best = None
-    for m in microbatch_choices(profile, options):
+    for m in microbatch_choices(profile, options, cluster.n_stages):
         for cuts in itertools.combinations(range(1, n), p - 1):
             starts = (0, *cuts)
             sizes = [b - a for a, b in zip(starts, (*cuts, n))]

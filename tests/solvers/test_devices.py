@@ -26,7 +26,7 @@ def _brute_force(profile: Profile, devices: int, memory: int, options: PlanOptio
             continue
         share = replica_profile(profile, d)
         clus = Cluster.homogeneous(p, memory, LINK).model_copy(update={"data_parallel": d})
-        for m in microbatch_choices(share, options):
+        for m in microbatch_choices(share, options, p):
             for cuts in itertools.combinations(range(1, profile.n_units), p - 1):
                 plan = evaluate(share, clus, options, cuts, m, solver="brute")
                 if plan.feasible:

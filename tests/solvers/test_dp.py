@@ -32,7 +32,7 @@ def brute_force(
     each: list[tuple[bool, ...] | None] = [None]
     if choices and options.checkpoint == "auto":
         each = list(itertools.product((False, True), repeat=p))
-    for m in microbatch_choices(profile, options):
+    for m in microbatch_choices(profile, options, cluster.n_stages):
         for cuts in itertools.combinations(range(1, n), p - 1):
             for rc in each:
                 plan = evaluate(profile, cluster, options, cuts, m, solver="brute", recompute=rc)
@@ -108,6 +108,15 @@ def _check_against_brute_force(
     and 6 units (the rule, keep where it fits, is checked on every partition by
     tests/planner/test_costmodel.py)."""
     small = cluster.n_stages <= 3 and prof.n_units <= 6
+    ms = (
+        [options.microbatches]
+        if options.microbatches
+        else [prof.batch_size // b for b in prof.microbatch_sizes]
+    )
+    if options.schedule == "1f1b" and max(ms) < cluster.n_stages:
+        with pytest.raises(InvalidRequestError, match="1F1B needs at least as many"):
+            _partition(prof, cluster, options)  # torch's Schedule1F1B cannot run m < p
+        return
     expected = brute_force(prof, cluster, options, choices=small)
     found = _partition(prof, cluster, options)
     if expected is None:

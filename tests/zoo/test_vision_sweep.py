@@ -10,9 +10,9 @@ in benchmarks/zoo/README.md.
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 
 import pytest
+from _cached import once_per_session
 
 from benchmarks.zoo.main import ZooRun, compare
 from benchmarks.zoo.vision import reference, run_vision
@@ -25,7 +25,9 @@ pytestmark = pytest.mark.xdist_group("vision_sweep")
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> ZooRun:
-    return run_vision(Path(tmp_path_factory.mktemp("vision")), list(VISION), repeats=1)
+    return once_per_session(
+        tmp_path_factory, "vision_sweep", lambda out: run_vision(out, list(VISION), repeats=1)
+    )
 
 
 @pytest.mark.parametrize("name", list(VISION))

@@ -8,9 +8,8 @@ the full batch (:mod:`benchmarks.zoo.main`, which also makes benchmarks/zoo/READ
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from _cached import once_per_session
 
 from benchmarks.zoo.cases import CASES, TOLERANCE
 from benchmarks.zoo.main import ZooRun, compare, run_zoo
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.xdist_group("zoo")
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> ZooRun:
-    return run_zoo(Path(tmp_path_factory.mktemp("zoo")))
+    return once_per_session(tmp_path_factory, "zoo", run_zoo)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,35 @@
+"""A sweep computed once per test session, whichever xdist worker asks first.
+
+A module-scoped fixture is rebuilt whenever pytest tears it down between two of its module's
+tests (an xdist worker whose queue ran dry does), and the zoo's sweeps take minutes each: the
+first build is pickled under the session's shared temporary root, behind a file lock, and
+every later build reads it back.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from filelock import FileLock
+
+T = TypeVar("T")
+
+
+def once_per_session(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]
+) -> T:
+    """``build(folder)`` the first time in this test session, its pickle afterwards."""
+    root = tmp_path_factory.getbasetemp().parent  # shared by the session's xdist workers
+    cache = root / f"{name}.pkl"
+    with FileLock(str(root / f"{name}.lock")):
+        if cache.exists():
+            return pickle.loads(cache.read_bytes())
+        folder = root / name
+        folder.mkdir(exist_ok=True)
+        result = build(folder)
+        cache.write_bytes(pickle.dumps(result))
+        return result
