@@ -54,7 +54,7 @@ def test_the_api_plans_what_the_command_line_plans(
     # schedule auto (the default) is the faster of every family: never slower than the DP's
     for fam in ("gpipe", "1f1b"):
         dp = solve_dp(prof, clus, pipeplan.PlanOptions(microbatches=2, schedule=fam))
-        assert plan.step_time_s <= dp.step_time_s * (1 + 1e-12)
+        assert plan.simulated_step_time_s <= dp.simulated_step_time_s * (1 + 1e-12)
 
 
 def test_the_api_plans_for_n_devices(prof: pipeplan.Profile) -> None:

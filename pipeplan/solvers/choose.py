@@ -16,7 +16,8 @@
 ``schedule`` = ``gpipe`` or ``1f1b``
     the named solver.
 ``schedule`` = ``auto``, DP solver, one pipeline
-    T* = min(T_sched, T_gpipe, T_1f1b): the schedule solver's best plan over every allowed
+    T* = min(T_sched, T_gpipe, T_1f1b) (the simulated steps: the closed form's T(m) is a bound
+    where updates end the step): the schedule solver's best plan over every allowed
     family (``PlanOptions.families``), beside the DP's GPipe and 1F1B plans.  Where a one-chunk
     plan wins, the DP's own plan is returned (its closed form charges the contention the replay
     does not).  Status ``optimal`` when the schedule solver's was (it enumerated every family,
@@ -40,9 +41,17 @@ __all__ = ["ONE_CHUNK", "solve"]
 ONE_CHUNK: tuple[str, ...] = ("gpipe", "1f1b")
 
 
+def _simulated(plan: Plan) -> float:
+    """The step the simulator gives the plan: the closed form's T(m) is a bound where updates
+    and tied all-reduces end the step, and the schedule solver's plans are their replay, which
+    equals the simulator for GPipe and 1F1B (without contention)."""
+    return plan.simulated_step_time_s or plan.step_time_s
+
+
 def _fastest(plans: Sequence[Plan]) -> Plan:
-    """A plan that fits before one that does not, then the least step time, then the earlier."""
-    return min(plans, key=lambda p: (not p.feasible, p.step_time_s))
+    """A plan that fits before one that does not, then the least simulated step, then the
+    earlier."""
+    return min(plans, key=lambda p: (not p.feasible, _simulated(p)))
 
 
 def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver: str) -> Plan:
@@ -114,7 +123,7 @@ def solve(
     best = _fastest([*singles] if singles and sched.schedule in ONE_CHUNK else [sched, *singles])
     if best is sched:
         return sched
-    T = best.step_time_s
+    T = _simulated(best)
     bound = sched.lower_bound_s or 0.0
     optimal = sched.status == "optimal" and T <= sched.step_time_s * (1 + 1e-9)
     return best.model_copy(
