@@ -21,6 +21,7 @@ from pipeplan.planner.types import (
     Profile,
     ScheduleName,
 )
+from pipeplan.planner.types.profile import Timing
 from pipeplan.planner.unitcosts import microbatch_choices
 
 SEEDS = st.integers(0, 10**6)
@@ -116,3 +117,16 @@ def held_back(
         ]
         cluster = Cluster.homogeneous(p, int(np.median(peaks)), link, op_overhead_s=2e-4)
     return prof, cluster, options
+
+
+def with_split(profile: Profile) -> Profile:
+    """The profile with I = 0.4 B and W = 0.6 B, as a profiler that measured them would give."""
+    units = []
+    for u in profile.units:
+        timings = {
+            b: Timing(**{**t.model_dump(), "backward_input_s": 0.4 * t.backward_s,
+                         "backward_weight_s": 0.6 * t.backward_s})
+            for b, t in u.timings.items()
+        }  # fmt: skip
+        units.append(u.model_copy(update={"timings": timings}))
+    return profile.model_copy(update={"units": tuple(units)})

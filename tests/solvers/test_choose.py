@@ -4,33 +4,20 @@ default, is never slower than any family, and a request no solver plans is refus
 from __future__ import annotations
 
 import pytest
+from _solver_strategies import with_split
 
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.schedules import FAMILIES
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
-from pipeplan.planner.types.profile import Timing
 from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.choose import ONE_CHUNK, solve
 from pipeplan.solvers.schedules import solve_schedule
 
 
-def _split(profile: Profile) -> Profile:
-    """I = 0.4 B and W = 0.6 B per unit, as a profiler that measured them would give."""
-    units = []
-    for u in profile.units:
-        timings = {
-            b: Timing(**{**t.model_dump(), "backward_input_s": 0.4 * t.backward_s,
-                         "backward_weight_s": 0.6 * t.backward_s})
-            for b, t in u.timings.items()
-        }  # fmt: skip
-        units.append(u.model_copy(update={"timings": timings}))
-    return profile.model_copy(update={"units": tuple(units)})
-
-
 @pytest.fixture(scope="module")
 def prof() -> Profile:
-    return _split(synthetic_profile(6, batch_size=8, microbatch_sizes=(2, 4), seed=3))
+    return with_split(synthetic_profile(6, batch_size=8, microbatch_sizes=(2, 4), seed=3))
 
 
 def _cluster(replicas: int = 1) -> Cluster:

@@ -5,27 +5,14 @@ from __future__ import annotations
 from itertools import combinations, product
 
 import pytest
+from _solver_strategies import with_split
 
 from pipeplan.planner.chunks import score, work_bound
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.schedules import FAMILIES, check
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
-from pipeplan.planner.types.profile import Timing
 from pipeplan.solvers.schedules import solve_schedule
-
-
-def _with_split(profile: Profile) -> Profile:
-    """The profile with I = 0.4 B and W = 0.6 B, as a profiler that measured them would give."""
-    units = []
-    for u in profile.units:
-        timings = {
-            b: Timing(**{**t.model_dump(), "backward_input_s": 0.4 * t.backward_s,
-                         "backward_weight_s": 0.6 * t.backward_s})
-            for b, t in u.timings.items()
-        }  # fmt: skip
-        units.append(u.model_copy(update={"timings": timings}))
-    return profile.model_copy(update={"units": tuple(units)})
 
 
 def _brute(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
@@ -50,7 +37,7 @@ def _brute(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
 
 @pytest.fixture(scope="module")
 def small() -> Profile:
-    return _with_split(
+    return with_split(
         synthetic_profile(5, batch_size=8, microbatch_sizes=[2, 4], seed=2, loss=True)
     )
 
@@ -140,7 +127,7 @@ def test_an_optimum_the_one_cut_search_missed() -> None:
     """Regression: 12 units, p = 4, interleaved 1F1B.  The earlier solver counted 2^k masks
     per partition, took this for large and its one-cut local search from the min-max seed
     stopped 6.9 % above the optimum; the enumeration with bounds proves it."""
-    prof = _with_split(
+    prof = with_split(
         synthetic_profile(12, batch_size=8, microbatch_sizes=[2, 4], seed=0, heavy_ends=True,
                           loss=True)
     )  # fmt: skip
@@ -159,7 +146,7 @@ def test_an_optimum_the_one_cut_search_missed() -> None:
 
 @pytest.mark.parametrize("schedule", ["zbv", "1f1b"])
 def test_allowed_cuts_against_brute_force(schedule: str) -> None:
-    prof = _with_split(synthetic_profile(7, batch_size=4, microbatch_sizes=[1], seed=3, loss=True))
+    prof = with_split(synthetic_profile(7, batch_size=4, microbatch_sizes=[1], seed=3, loss=True))
     allowed = (2, 3, 5, 6)
     options = PlanOptions(schedule=schedule, allowed_cuts=allowed)  # type: ignore[arg-type]
     cluster = Cluster.homogeneous(2, 10**9)
@@ -178,7 +165,7 @@ def test_allowed_cuts_against_brute_force(schedule: str) -> None:
 
 
 def test_units_per_chunk_are_kept() -> None:
-    prof = _with_split(synthetic_profile(12, batch_size=8, microbatch_sizes=[2], seed=1))
+    prof = with_split(synthetic_profile(12, batch_size=8, microbatch_sizes=[2], seed=1))
     options = PlanOptions(schedule="zbv", min_units=2, max_units=4)
     for limit in (0, 2000):
         plan = solve_schedule(prof, Cluster.homogeneous(2, 2**40), options, exhaustive_limit=limit)
@@ -195,7 +182,7 @@ def test_family_bound_is_below_every_partition() -> None:
     profile whose heavy ends make it bind (a V holds both on rank 0)."""
     from pipeplan.planner.chunks import family_bound
 
-    prof = _with_split(
+    prof = with_split(
         synthetic_profile(6, batch_size=4, microbatch_sizes=[1, 2], seed=4, heavy_ends=True,
                           loss=True)
     )  # fmt: skip
@@ -223,7 +210,7 @@ def test_torchtitan_cuts_leave_a_layer_on_every_chunk() -> None:
     from pipeplan.export.snap import target_cuts
 
     names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(6)), "model.norm+lm_head"]
-    prof = _with_split(synthetic_profile(8, batch_size=4, microbatch_sizes=[1], seed=5,
+    prof = with_split(synthetic_profile(8, batch_size=4, microbatch_sizes=[1], seed=5,
                                          heavy_ends=True, loss=True))  # fmt: skip
     units = tuple(u.model_copy(update={"name": n}) for u, n in zip(prof.units, names, strict=True))
     prof = prof.model_copy(update={"units": units})
