@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pipeplan show out/gpt.plan.json
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeplan benchmarks tests examples

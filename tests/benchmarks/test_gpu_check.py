@@ -8,12 +8,9 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 from benchmarks.gpu.main import check
 
 
-@pytest.mark.xdist_group("gpu-check")
 def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path: Path) -> None:
     results = check(tmp_path, "cpu", "small")
     assert results["errors"] == {}, results["errors"]

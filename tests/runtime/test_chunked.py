@@ -25,7 +25,6 @@ GPT = (
 JOB = Path(__file__).with_name("_chunked_job.py")
 FAMILIES = {"interleaved1f1b": 2, "loopedbfs": 2, "zb-interleaved": 2, "zbv": 2, "dualpipev": 2,
             "zbv-always": 2}  # fmt: skip
-pytestmark = pytest.mark.xdist_group("torchrun")
 
 
 def _launch(tmp_path: Path, gpt: tuple, p: int, m: int, starts: list[int], families: dict) -> None:

@@ -47,7 +47,6 @@ MODELS: dict[str, tuple[str, dict[int, dict[str, Any]]]] = {
     "skip": ("_carry_models:skip", {2: {}, 4: {}}),
 }
 DTYPE = torch.float64
-pytestmark = pytest.mark.xdist_group("torchrun")
 
 
 @dataclass

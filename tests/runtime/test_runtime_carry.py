@@ -27,7 +27,6 @@ from pipeplan.planner.errors import UserCodeError
 from pipeplan.runtime.stages import StageComputeError, build_stages
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
-pytestmark = pytest.mark.xdist_group("carry")  # one worker runs the module's torchrun job
 CARRY = {"carry-a": [0, 1], "carry-b": [0, 2], "reuse": [0, 2]}
 if importlib.util.find_spec("transformers") is not None:
     CARRY["hfout"] = [0, 2]  # the output is a transformers ModelOutput
@@ -195,7 +194,7 @@ def test_a_failing_probe_or_loss_names_where_and_what() -> None:
     last = build_stages(plan, traced, group_units(traced), (x, ids))[1]
     runner = object.__new__(PipelineRunner)  # just what _loss uses
     runner.timer, runner._loss_calls, runner.rank = StepTimer(torch.device("cpu")), 0, 1
-    runner.stage_module, runner.loss_fn = last.module, lambda out, y: out["out"] @ y
+    runner._output_module, runner.loss_fn = last.module, lambda out, y: out["out"] @ y
     leaves = last.module(*(t.detach() for t in last.example_inputs))
     rebuilt = last.module.rebuild_output(leaves)  # the types the model returns
     assert type(rebuilt) is dict and type(rebuilt["aux"]) is tuple

@@ -12,8 +12,6 @@ import pytest
 import torch
 from _runtime_jobs import launch_job, reference
 
-pytestmark = pytest.mark.xdist_group("data_parallel")
-
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 GPT = {
     "model": "pipeplan.models.gpt:gpt",

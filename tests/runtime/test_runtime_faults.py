@@ -32,8 +32,6 @@ from pipeplan.cli import main
 from pipeplan.planner.checkpoint import shard_name
 from pipeplan.planner.snapshots import step_name
 
-pytestmark = pytest.mark.xdist_group("faults")
-
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:

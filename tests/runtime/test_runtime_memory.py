@@ -17,11 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from pipeplan.planner.io import load_plan, load_report
-
-pytestmark = pytest.mark.xdist_group("weights")
 
 MiB = 1 << 20
 WIDTH, DEPTH = 4096, 6
@@ -51,20 +47,18 @@ def _cli(*args: str, cwd: Path) -> None:
 def test_a_model_of_one_and_a_half_budgets_trains_on_two_ranks(tmp_path: Path) -> None:
     _cli("profile", *MODEL, "-b", "8", "--microbatch-sizes", "2", "--warmup", "0",
          "--repeats", "1", "--max-stages", "2", "-o", "p.json", cwd=tmp_path)  # fmt: skip
+    # GPipe: the closed form's memory holds to the MiB; the multi-chunk families' replayed
+    # peaks are within 11 % (benchmarks/memory), too loose for a budget this tight.
     _cli("plan", "p.json", "--stages", "2", "--memory", str(BUDGET), "--microbatches", "4",
-         "-o", "plan.json", cwd=tmp_path)  # fmt: skip
+         "--schedule", "gpipe", "-o", "plan.json", cwd=tmp_path)  # fmt: skip
     plan = load_plan(tmp_path / "plan.json")
     assert STATE > 1.45 * BUDGET
-    # whatever schedule auto chose: memory per rank (a rank of several chunks: its peak)
-    chunked = plan.rank_peak_bytes is not None and plan.stages_per_rank > 1
-    peaks = plan.rank_peak_bytes if chunked else [s.memory.total for s in plan.stages]
-    assert peaks is not None and all(s.feasible for s in plan.stages)
-    assert len(peaks) == 2 and all(pk <= BUDGET for pk in peaks)
+    assert all(s.feasible and s.memory.total <= BUDGET for s in plan.stages)
     _cli("run", "plan.json", "--warmup", "2", "--steps", "1", "--report", "r.json", cwd=tmp_path)
-    report = load_report(tmp_path / "r.json")
-    measured = report.ranks if chunked else report.stages
-    for predicted, rank in zip(peaks, measured, strict=True):
+    measured = load_report(tmp_path / "r.json").stages
+    for stage, rank in zip(plan.stages, measured, strict=True):
         assert rank.peak_memory_bytes is not None and rank.resident_growth_bytes is not None
+        predicted = stage.memory.total
         # Within the prediction: a prediction far above the measurement fails too.
         assert 0.9 * predicted <= rank.peak_memory_bytes <= predicted + TRACKED_SLACK
         assert rank.resident_growth_bytes <= predicted + RESIDENT_OVERHEAD

@@ -28,8 +28,6 @@ from _resume_jobs import ENV, beat, equal, run, state, survivors, wait_for, work
 
 from pipeplan.planner.snapshots import step_name
 
-pytestmark = pytest.mark.xdist_group("resume")
-
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

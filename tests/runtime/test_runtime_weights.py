@@ -28,8 +28,6 @@ from pipeplan.intake.trace import trace_model
 from pipeplan.planner.checkpoint import CheckpointReader
 from pipeplan.planner.io import load_report, write_json
 
-pytestmark = pytest.mark.xdist_group("weights")
-
 GPT = (
     "pipeplan.models.gpt:gpt",
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},

@@ -24,7 +24,6 @@ GPT = (
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
 )
 LOOP = Path(__file__).with_name("_split_loop.py")
-pytestmark = pytest.mark.xdist_group("torchrun")
 
 
 def _launch(tmp_path: Path, starts: list[int], replicas: int) -> tuple[list[dict], float, dict]:

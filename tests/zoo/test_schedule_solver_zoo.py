@@ -24,7 +24,6 @@ from pipeplan.solvers.dp import solve_dp
 from pipeplan.solvers.schedules import solve_schedule
 
 GPT2 = {"n_layers": 4, "d_model": 16, "vocab": 64, "seq_len": 8}
-pytestmark = pytest.mark.xdist_group("zoo")
 
 
 @pytest.fixture(scope="module")

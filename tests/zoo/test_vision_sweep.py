@@ -19,8 +19,7 @@ from benchmarks.zoo.vision import reference, run_vision
 from pipeplan.models.vision import VISION
 
 pytest.importorskip("timm")
-# One worker profiles and runs the whole sweep once, beside the transformers zoo's worker.
-pytestmark = pytest.mark.xdist_group("vision_sweep")
+# One worker profiles and runs the whole sweep once (make test runs xdist with --dist loadfile).
 
 
 @pytest.fixture(scope="module")

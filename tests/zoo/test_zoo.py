@@ -14,8 +14,7 @@ from _cached import once_per_session
 from benchmarks.zoo.cases import CASES, TOLERANCE
 from benchmarks.zoo.main import ZooRun, compare, run_zoo
 
-# One worker profiles and runs the whole zoo once (make test runs xdist with --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("zoo")
+# One worker profiles and runs the whole zoo once (make test runs xdist with --dist loadfile).
 
 
 @pytest.fixture(scope="module")
