@@ -77,7 +77,12 @@ def print_plan(p: Plan) -> None:
     """Print plan ``p`` as a table, one row per stage (whether it recomputes; ``*`` marks the
     slowest), then a summary line: step time, simulated step time, lower bound, bubble,
     throughput and the options."""
-    table = Table(title=f"{p.model}: {p.n_stages} stages, m = {p.microbatches} ({p.solver})")
+    layout = (
+        f"{p.n_stages} stages"
+        if p.stages_per_rank == 1
+        else f"{p.pipeline_ranks} ranks x {p.stages_per_rank} chunks ({p.schedule})"
+    )
+    table = Table(title=f"{p.model}: {layout}, m = {p.microbatches} ({p.solver})")
     cols = ("stage", "units", "recompute", "F ms", "B ms", "C ms", "t ms", "memory", "limit")
     for col in (*cols, "fits"):
         table.add_column(col, justify="right")
@@ -136,6 +141,18 @@ def print_plan(p: Plan) -> None:
         console.print(note)
     for sync in p.tied_syncs:
         stages = ", ".join(map(str, sync.stages))
+        if p.stages_per_rank > 1:  # chunks: what sums is the ranks holding them
+            from pipeplan.planner.schedules import rank_of_stage
+
+            owner = rank_of_stage(p.schedule, p.pipeline_ranks, p.stages_per_rank)
+            holders = sorted({owner[c] for c in sync.stages})
+            if len(holders) == 1:
+                console.print(
+                    f"tied parameters: chunks {stages} share them on rank {holders[0]} "
+                    f"({format_bytes(sync.bytes)}, one gradient: no all-reduce)"
+                )
+                continue
+            stages = f"{stages} (ranks {', '.join(map(str, holders))})"
         console.print(
             f"tied gradients: stages {stages} sum {format_bytes(sync.bytes)} after their last "
             f"backward, {sync.seconds * 1e3:.3f} ms, before updating"
