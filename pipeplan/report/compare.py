@@ -73,6 +73,11 @@ def compare_frame(plans: Sequence[Plan], names: Sequence[str] | None = None) -> 
     for name, p in zip(names, plans):
         times = [s.time_s for s in p.stages]
         fullest = max(p.stages, key=lambda s: s.memory.total / max(s.memory_limit, 1))
+        peak, limit = fullest.memory.total, fullest.memory_limit
+        if p.stages_per_rank > 1 and p.rank_peak_bytes:  # chunks: a device holds several
+            limits = [d.memory_bytes for d in p.cluster.devices]
+            q = max(range(len(limits)), key=lambda r: p.rank_peak_bytes[r] / max(limits[r], 1))  # type: ignore[index]
+            peak, limit = p.rank_peak_bytes[q], limits[q]
         rows.append(
             {
                 "name": name,
@@ -80,13 +85,13 @@ def compare_frame(plans: Sequence[Plan], names: Sequence[str] | None = None) -> 
                 "status": p.status,
                 "feasible": p.feasible,
                 "m": p.microbatches,
-                "stages": p.n_stages,
+                "stages": p.pipeline_ranks,
                 "replicas": p.cluster.data_parallel,
                 "stage_ms": "/".join(f"{t * 1e3:.3f}" for t in times),
                 "stage_mem": "/".join(str(s.memory.total) for s in p.stages),
                 "slowest_ms": max(times) * 1e3,
-                "peak_mem": fullest.memory.total,
-                "mem_limit": fullest.memory_limit,
+                "peak_mem": peak,
+                "mem_limit": limit,
                 "bubble": p.bubble_fraction,
                 "step_ms": p.step_time_s * 1e3,
                 "samples_s": p.throughput * p.cluster.data_parallel,

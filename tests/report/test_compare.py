@@ -284,3 +284,17 @@ def test_compare_stages_prints_a_table_per_plan(plan_files: list[Path], cli) -> 
     for path in plan_files[:3]:
         plan = load_plan(path)
         assert f"{path.stem}: {plan.n_stages} stages, m = {plan.microbatches}" in out
+
+
+def test_a_multi_chunk_plan_counts_ranks_and_their_peaks() -> None:
+    """p×d of an interleaved plan is its ranks (not its p·v chunks), and its memory the fullest
+    rank's replayed peak (the sum of its chunks' terms, not one chunk's)."""
+    from pipeplan.solvers.schedules import solve_schedule
+
+    prof = synthetic_profile(8, batch_size=8, seed=2)
+    clus = Cluster.homogeneous(2, 2**30)
+    loop = solve_schedule(prof, clus, PlanOptions(schedule="interleaved1f1b"))
+    assert loop.stages_per_rank == 2 and loop.n_stages == 4 and loop.rank_peak_bytes
+    row = compare_frame([loop]).iloc[0]
+    assert row["stages"] == 2
+    assert row["peak_mem"] == max(loop.rank_peak_bytes) > max(s.memory.total for s in loop.stages)
