@@ -3,8 +3,9 @@
     make demo                                  # writes out/gpt.profile.json and out/gpt.plan.json
     .venv/bin/python docs/make_figures.py      # writes docs/img/tour-compare.png, tour-gantt.png
 
-The demo's DP plan is compared with the `uniform` and `params` baselines at m = 4 on the same
-devices, as the README's tour plans them (``pipeplan.report.plots.compare_figure``, what
+The demo's plan (`--schedule auto`) is compared with the `uniform` and `params` baselines at
+m = 4 on the same devices, as the README's tour plans them (each the faster of its GPipe and
+1F1B plans) (``pipeplan.report.plots.compare_figure``, what
 ``pipeplan compare --plot`` draws), and its simulated step is drawn as a Gantt chart
 (``pipeplan.report.timeline_plots.gantt``).  The profile is a measurement of this machine, so
 the figures change a little from one run to the next.
@@ -19,7 +20,7 @@ from pipeplan.planner.io import load_plan, load_profile
 from pipeplan.planner.types import PlanOptions
 from pipeplan.report.plots import compare_figure
 from pipeplan.report.timeline_plots import gantt
-from pipeplan.solvers import SOLVERS
+from pipeplan.solvers.choose import solve
 
 
 def main(out: Path = Path("out"), img: Path = Path(__file__).parent / "img") -> None:
@@ -28,10 +29,10 @@ def main(out: Path = Path("out"), img: Path = Path(__file__).parent / "img") -> 
     options = PlanOptions(
         microbatches=4,  # the tour's `pipeplan plan ... --microbatches 4 --solver S`
         checkpoint=plan.checkpoint,
-        schedule=plan.schedule,
+        schedule="auto",
         optimizer=plan.optimizer,
     )
-    baselines = [SOLVERS[name](profile, plan.cluster, options) for name in ("uniform", "params")]
+    baselines = [solve(profile, plan.cluster, options, name) for name in ("uniform", "params")]
     img.mkdir(parents=True, exist_ok=True)
     figures = {
         "tour-compare.png": compare_figure(

@@ -237,7 +237,7 @@ def compare_table(df: pd.DataFrame) -> Table:
     order = sorted(range(len(df)), key=lambda i: (not df["feasible"][i], df["step_ms"][i]))
     table = Table(
         title=f"{len(df)} plans, fastest first",
-        caption="ratio: step over the best plan's; memory: the fullest stage against its limit",
+        caption="ratio: step over the best plan's; memory: the fullest device against its limit",
         box=box.SIMPLE_HEAD,
         padding=(0, 0),
         pad_edge=False,
