@@ -17,6 +17,7 @@ import pipeplan
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
 from pipeplan.planner.io import write_json
+from pipeplan.planner.schedules import action_order
 
 GPT = (
     "pipeplan.models.gpt:gpt",
@@ -107,3 +108,12 @@ def test_pipeplan_run_reports_and_traces_a_zbv_plan_per_chunk(tmp_path: Path) ->
                 name for pid, tid, name in measured if (pid, tid) == (rank, c)
             }
     assert any(e["pid"] >= 1000 for e in events)  # the replayed prediction
+    # The order each rank ran its actions in is the order the planner replayed (torch's own
+    # pipeline_order, planner.schedules.action_order): the last measured step's spans.
+    for rank, want in enumerate(action_order("zbv", 2, 2, 4)):
+        spans = sorted(
+            (e["ts"], e["name"][0], e["tid"], int(e["name"][1:]))
+            for e in events
+            if e["pid"] == rank and e["name"][:1] in "FBIW" and e["name"][1:].isdigit()
+        )
+        assert [s[1:] for s in spans] == [(a.kind, a.stage, a.microbatch) for a in want], rank
