@@ -446,6 +446,14 @@ class PipelineRunner:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def _unscale(self) -> None:
+        """Divide this rank's gradients by m where the schedule did not (v > 1: it was built
+        with ``scale_grads=False``, see the module docstring); nothing otherwise."""
+        if self._scale:
+            for prm in self.params:
+                if prm.grad is not None:
+                    prm.grad.div_(self.plan.microbatches)
+
     def _sync_tied(self) -> None:
         """Sum each tied parameter's gradient over the stages holding it, in place: one
         all-reduce per group of stages; a group of several parameters is packed into one
@@ -506,10 +514,7 @@ class PipelineRunner:
         if self.is_last:
             kwargs.update(target=target, losses=losses)
         self.schedule.step(*args, **kwargs)
-        if self._scale:
-            for prm in self.params:
-                if prm.grad is not None:
-                    prm.grad.div_(self.plan.microbatches)
+        self._unscale()
         if self._tied_groups:
             with self.timer.span("tied", -1):
                 self._sync_tied()

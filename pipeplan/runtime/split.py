@@ -87,10 +87,7 @@ class StageSplit:
         """Make this stage's gradients the whole model's: sum each tied parameter's over the
         stages that hold it, then average over the data-parallel replicas.  Call it on every
         rank after the schedule's step and before the optimizer's."""
-        if self._runner._scale:  # the schedule was built with scale_grads=False
-            for prm in self._runner.params:
-                if prm.grad is not None:
-                    prm.grad.div_(self._runner.plan.microbatches)
+        self._runner._unscale()
         self._runner._sync_tied()
         if self._runner.replicas > 1:
             self._runner._average_replicas()
