@@ -78,7 +78,9 @@ def _command_line(pid: int) -> str | None:
 
 def live_processes(marker: str) -> dict[int, str]:
     """pid -> command line of every live process but this one whose command line contains
-    ``marker`` (a run's folder, say): what a stopped job may have left behind."""
+    ``marker`` (a run's folder, say): what a stopped job may have left behind. A process in
+    the middle of ``exec`` reads an empty command line for a moment and is missed: poll when
+    looking for one just started."""
     found = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
