@@ -216,6 +216,7 @@ class ChunkPlan:
             syncs=[(t.stages, t.seconds) for t in syncs],
             step_overhead_s=self.cluster.step_overhead_s,
             update_contention=self.cluster.update_contention,
+            contention=self.cluster.contention,
             timeline=timeline,
             peaks=peaks,
         )

@@ -14,7 +14,10 @@ torch's special case: chunk 0 has no input gradient to make, so its I does nothi
 the full backward (I_0 = 0, W_0 = B_0).  Then every rank updates its chunks' parameters
 (U_r = sum of its chunks' U_s) after its last action; ``syncs`` (all-reduces of tied gradients
 between chunks) run before, as in :mod:`pipeplan.planner.simulate`, whose GPipe and 1F1B
-timelines this reproduces exactly without contention (k = 0; the replay has no contention).
+timelines this reproduces exactly, contention included: with k (``Cluster.contention``) a
+rank's compute (F, B, I, W; not its transfers) runs at rate 1 / (1 + k a) while a other ranks
+compute too, integrated between events.  Contention only slows, so a bound without it bounds
+the contended step as well.
 
 Memory follows the same list, so a rank's peak is independent of timing: a chunk's micro-batch
 holds ``held_s`` bytes (its outputs, its saved activations, or only its input when it
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipeplan.planner.schedules import FAMILIES, Action, action_order, rank_of_stage
-from pipeplan.planner.simulate import update_events
+from pipeplan.planner.simulate import shared_step, update_events
 
 __all__ = ["ChunkCosts", "Replay", "ReplayEvent", "peak_memory", "replay"]
 
@@ -125,13 +128,16 @@ def replay(
     syncs: Sequence[tuple[Sequence[int], float]] = (),
     step_overhead_s: float = 0.0,
     update_contention: float = 0.0,
+    contention: float = 0.0,
     timeline: bool = True,
     peaks: tuple[int, ...] | None = None,
 ) -> Replay:
     """Replay one step of ``family`` on p ranks with v chunks each and m micro-batches.
 
     ``syncs`` are (chunks, seconds) all-reduces of tied gradients, run in order on the ranks
-    that hold those chunks; ``step_overhead_s`` delays the first action.  Without
+    that hold those chunks; ``step_overhead_s`` delays the first action; ``contention`` k
+    slows the compute of ranks that compute at once (p >= 2 and m >= 2 only, as in
+    :func:`pipeplan.planner.simulate.simulate`).  Without
     ``timeline`` only the compute actions' events are left out (a solver's inner loop).
     ``peaks``: :func:`peak_memory` of the same costs, when the caller has walked it already.
     """
@@ -147,11 +153,50 @@ def replay(
     table = {(k, s): _phases(Action(k, s, 0), costs, cross, n)  # type: ignore[arg-type]
              for s in range(n) for k in ("F", "B", "I", "W")
              if k in "FB" or costs.backward_input_s is not None}  # fmt: skip
+    deps, n_slots = _compiled(family, p, v, m)
+    kappa = contention if p > 1 and m > 1 else 0.0
+    if kappa > 0:
+        free, busy, pos, events = _contended(deps, table, n_slots, kappa, step_overhead_s, timeline)
+    else:
+        free, busy, pos, events = _sweep(deps, table, n_slots, step_overhead_s, timeline)
+    order = action_order(family, p, v, m)
+    if any(pos[r] < len(order[r]) for r in range(p)):  # pragma: no cover - torch's lists are valid
+        raise RuntimeError(f"{family} deadlocked in the replay")
+    arrive = list(free)
+    for members, seconds in syncs:
+        ranks = sorted({owner[s] for s in members})
+        if len(ranks) < 2:
+            continue
+        end = max(arrive[r] for r in ranks) + seconds
+        for r in ranks:
+            events.append(ReplayEvent(r, -1, -1, "tied", arrive[r], end))
+            arrive[r] = end
+    upd = [0.0] * p
+    for s, u in enumerate(costs.update_s):
+        upd[owner[s]] += u
+    for e in update_events(arrive, upd if costs.update_s else [], update_contention):
+        events.append(ReplayEvent(e.stage, -1, -1, "optimizer", e.start_s, e.end_s))
+    ends = [*free, *arrive, *(e.end_s for e in events)]
+    makespan = max(ends, default=0.0)
+    if peaks is None:
+        peaks = peak_memory(order, costs, p)
+    return Replay(tuple(events), makespan, p, peaks, tuple(busy))
+
+
+_Deps = tuple[tuple[tuple[int, int, int, Action], ...], ...]
+_Table = dict[tuple[str, int], list[tuple[str, float]]]
+_Walk = tuple[list[float], list[float], list[int], list[ReplayEvent]]
+
+
+def _sweep(deps: _Deps, table: _Table, n_slots: int, t0: float, timeline: bool) -> _Walk:
+    """Without contention: each action of each rank starts when its rank is free and its
+    inputs are done, and takes its phases' sum.  Per rank: when it is free, its compute
+    seconds and how far it got; and the events."""
+    p = len(deps)
     took = {key: sum(amount for _, amount in ph) for key, ph in table.items()}
     compute = {key: sum(amt for kind, amt in ph if kind in "FBIW") for key, ph in table.items()}
-    deps, n_slots = _compiled(family, p, v, m)
     done = [-1.0] * n_slots
-    free = [float(step_overhead_s)] * p
+    free = [float(t0)] * p
     busy = [0.0] * p
     pos = [0] * p
     events: list[ReplayEvent] = []
@@ -185,28 +230,74 @@ def replay(
                 done[slot] = t
                 free[r], pos[r] = t, pos[r] + 1
                 progress = True
-    order = action_order(family, p, v, m)
-    if any(pos[r] < len(order[r]) for r in range(p)):  # pragma: no cover - torch's lists are valid
-        raise RuntimeError(f"{family} deadlocked in the replay")
-    arrive = list(free)
-    for members, seconds in syncs:
-        ranks = sorted({owner[s] for s in members})
-        if len(ranks) < 2:
-            continue
-        end = max(arrive[r] for r in ranks) + seconds
-        for r in ranks:
-            events.append(ReplayEvent(r, -1, -1, "tied", arrive[r], end))
-            arrive[r] = end
-    upd = [0.0] * p
-    for s, u in enumerate(costs.update_s):
-        upd[owner[s]] += u
-    for e in update_events(arrive, upd if costs.update_s else [], update_contention):
-        events.append(ReplayEvent(e.stage, -1, -1, "optimizer", e.start_s, e.end_s))
-    ends = [*free, *arrive, *(e.end_s for e in events)]
-    makespan = max(ends, default=0.0)
-    if peaks is None:
-        peaks = peak_memory(order, costs, p)
-    return Replay(tuple(events), makespan, p, peaks, tuple(busy))
+    return free, busy, pos, events
+
+
+def _contended(
+    deps: _Deps, table: _Table, n_slots: int, kappa: float, t0: float, timeline: bool
+) -> _Walk:
+    """With contention k: event to event, each rank's running phase progresses at rate
+    1 / (1 + k (a - 1)) while it is one of a ranks computing (1 for a transfer); an action
+    starts once its rank is free and its inputs are done.  Returns what :func:`_sweep` does,
+    busy being the compute phases' wall seconds."""
+    p = len(deps)
+    done = [-1.0] * n_slots
+    pos = [0] * p
+    busy = [0.0] * p
+    free = [float(t0)] * p
+    events: list[ReplayEvent] = []
+    # per rank: (its action's phases, the running phase's index), the amount of that phase
+    # left and when it began; None while the rank waits
+    running: list[tuple[list[tuple[str, float]], int] | None] = [None] * p
+    left = [0.0] * p
+    began = [0.0] * p
+    now = float(t0)
+
+    def advance(r: int) -> bool:
+        """End rank r's phases that are over at ``now`` and start what is ready."""
+        moved = False
+        mine = deps[r]
+        while True:
+            cur = running[r]
+            if cur is None:
+                if pos[r] >= len(mine):
+                    return moved
+                _, d1, d2, a = mine[pos[r]]
+                if (d1 >= 0 and done[d1] < 0) or (d2 >= 0 and done[d2] < 0):
+                    return moved
+                cur = running[r] = (table[(a.kind, a.stage)], 0)
+                left[r], began[r], moved = cur[0][0][1], now, True
+            phases, k = cur
+            if left[r] > 0:
+                return moved
+            kind, amount = phases[k]
+            slot, _, _, a = mine[pos[r]]
+            if kind in "FBIW":
+                busy[r] += now - began[r]
+            if timeline and (amount > 0 or kind in "FBIW"):
+                events.append(ReplayEvent(r, a.stage, a.microbatch, kind, began[r], now))
+            if k + 1 < len(phases):
+                running[r] = (phases, k + 1)
+                left[r], began[r] = phases[k + 1][1], now
+                continue
+            done[slot] = free[r] = now
+            running[r], pos[r], moved = None, pos[r] + 1, True
+
+    while True:
+        moved = True
+        while moved:  # a finish can free a neighbour at the same instant: every rank, again
+            moved = False
+            for r in range(p):
+                moved = advance(r) or moved
+        active = [r for r in range(p) if running[r] is not None]
+        if not active:
+            return free, busy, pos, events
+        now = shared_step(left, {r: _phase_kind(running[r]) in "FBIW" for r in active}, kappa, now)
+
+
+def _phase_kind(cur: tuple[list[tuple[str, float]], int] | None) -> str:
+    assert cur is not None
+    return cur[0][cur[1]][0]
 
 
 @lru_cache(maxsize=256)

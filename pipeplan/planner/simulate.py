@@ -42,7 +42,15 @@ from typing import Literal
 
 from pipeplan.planner.types import Plan
 
-__all__ = ["Event", "Timeline", "operation_order", "simulate", "simulate_plan", "update_events"]
+__all__ = [
+    "Event",
+    "Timeline",
+    "operation_order",
+    "shared_step",
+    "simulate",
+    "simulate_plan",
+    "update_events",
+]
 
 Kind = Literal[
     "forward",
@@ -204,16 +212,7 @@ def simulate(
         active = [j for j in range(p) if running[j] is not None]
         if not active:
             break
-        computing = [j for j in active if _phase(running[j])[2]]
-        rate = {j: 1.0 for j in active}
-        for j in computing:  # a stage is slowed by k for each other stage computing with it
-            rate[j] = 1.0 / (1.0 + kappa * (len(computing) - 1))
-        dt, first = min((left[j] / rate[j], j) for j in active)
-        now += dt
-        for j in active:
-            left[j] = 0.0 if j == first else max(left[j] - dt * rate[j], 0.0)
-            if left[j] <= 1e-12 * max(now, 1e-300):
-                left[j] = 0.0
+        now = shared_step(left, {j: _phase(running[j])[2] for j in active}, kappa, now)
     if any(pos[j] < len(orders[j]) for j in range(p)):  # pragma: no cover
         raise RuntimeError("schedule deadlocked")
     arrive = [max((e.end_s for e in events if e.stage == j), default=0.0) for j in range(p)]
@@ -225,6 +224,22 @@ def simulate(
     events += update_events(arrive, update_s, update_contention)
     makespan = max(e.end_s for e in events) if events else 0.0
     return Timeline(tuple(events), makespan, p, m)
+
+
+def shared_step(left: list[float], computing: dict[int, bool], kappa: float, now: float) -> float:
+    """Advance the running work to the next end and return its time: each of the a devices in
+    ``computing`` that computes progresses at rate 1 / (1 + k (a - 1)), the others (transfers)
+    at rate 1; ``left`` (per device) shrinks accordingly and the first to end reaches 0."""
+    a = sum(computing.values())
+    slow = 1.0 / (1.0 + kappa * (a - 1)) if a > 1 else 1.0
+    rate = {j: slow if busy else 1.0 for j, busy in computing.items()}
+    dt, first = min((left[j] / rate[j], j) for j in rate)
+    now += dt
+    for j, r in rate.items():
+        left[j] = 0.0 if j == first else max(left[j] - dt * r, 0.0)
+        if left[j] <= 1e-12 * max(now, 1e-300):
+            left[j] = 0.0
+    return now
 
 
 def update_events(
@@ -324,6 +339,7 @@ def _replayed(plan: Plan) -> Timeline:
         syncs=[(t.stages, t.seconds) for t in plan.tied_syncs],
         step_overhead_s=plan.cluster.step_overhead_s,
         update_contention=plan.cluster.update_contention,
+        contention=plan.cluster.contention,
     )
     events = tuple(
         Event(e.rank, e.microbatch, _KINDS[e.kind], e.start_s, e.end_s) for e in rep.events

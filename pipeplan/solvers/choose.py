@@ -18,9 +18,9 @@
 ``schedule`` = ``auto``, DP solver, one pipeline
     T* = min(T_sched, T_gpipe, T_1f1b) (the simulated steps: the closed form's T(m) is a bound
     where updates end the step): the schedule solver's best plan over every allowed
-    family (``PlanOptions.families``), beside the DP's GPipe and 1F1B plans.  Where a one-chunk
-    plan wins, the DP's own plan is returned (its closed form charges the contention the replay
-    does not).  Status ``optimal`` when the schedule solver's was (it enumerated every family,
+    family (``PlanOptions.families``), beside the DP's GPipe and 1F1B plans, all of them charged
+    the same compute contention k.  Where a one-chunk plan wins, the DP's own plan is returned.
+    Status ``optimal`` when the schedule solver's was (it enumerated every family,
     cut, m and mask) and the winner is no slower than its plan; otherwise ``feasible`` with the
     gap (T* - L) / T* to the schedule solver's work bound L, which holds for every family.
 ``schedule`` = ``auto``, another solver or data-parallel replicas
@@ -44,7 +44,7 @@ ONE_CHUNK: tuple[str, ...] = ("gpipe", "1f1b")
 def _simulated(plan: Plan) -> float:
     """The step the simulator gives the plan: the closed form's T(m) is a bound where updates
     and tied all-reduces end the step, and the schedule solver's plans are their replay, which
-    equals the simulator for GPipe and 1F1B (without contention)."""
+    equals the simulator for GPipe and 1F1B (contention included)."""
     return plan.simulated_step_time_s or plan.step_time_s
 
 

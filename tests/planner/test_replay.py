@@ -73,7 +73,9 @@ def test_torch_refuses_what_the_family_cannot_run() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_replay_equals_the_simulator_for_one_chunk_per_rank(schedule: str) -> None:
+@pytest.mark.parametrize("k", [0.0, 0.35])
+def test_replay_equals_the_simulator_for_one_chunk_per_rank(schedule: str, k: float) -> None:
+    """Also with contention k: the two integrate the same rates between events."""
     rng = random.Random(3)
     for p, m in [(2, 2), (3, 5), (4, 8)]:
         F = [rng.uniform(1, 3) for _ in range(p)]
@@ -81,11 +83,41 @@ def test_replay_equals_the_simulator_for_one_chunk_per_rank(schedule: str) -> No
         C = [rng.uniform(0, 1) for _ in range(p - 1)] + [0.0]
         U = [rng.uniform(0, 2) for _ in range(p)]
         syncs = [((0, p - 1), 0.3)]
-        want = simulate(F, B, C, m, schedule=schedule, update_s=U, syncs=syncs, step_overhead_s=0.1)
+        want = simulate(
+            F, B, C, m, schedule=schedule, update_s=U, syncs=syncs, step_overhead_s=0.1,
+            contention=k, update_contention=0.2,
+        )  # fmt: skip
         got = replay(
-            schedule, p, 1, m, ChunkCosts(F, B, C, update_s=U), syncs=syncs, step_overhead_s=0.1
-        )
+            schedule, p, 1, m, ChunkCosts(F, B, C, update_s=U), syncs=syncs, step_overhead_s=0.1,
+            contention=k, update_contention=0.2,
+        )  # fmt: skip
         assert got.makespan_s == pytest.approx(want.makespan_s, rel=1e-12)
+        for r in range(p):
+            computed = [
+                e for e in want.events if e.stage == r and e.kind in ("forward", "backward")
+            ]
+            assert got.busy_s(r) == pytest.approx(sum(e.end_s - e.start_s for e in computed))
+
+
+@pytest.mark.parametrize("family", ["interleaved1f1b", "zbv"])
+def test_contention_slows_only_what_overlaps(family: str) -> None:
+    """k stretches a step by at most 1 + k (p - 1) and by more than nothing where ranks
+    compute at once; a 1-micro-batch or 1-rank step is not slowed (as the simulator)."""
+    p, v, m = 2, 2, 4
+    n = p * v
+    costs = ChunkCosts([1.0] * n, [2.0] * n, [0.1] * n, [1.0] * n, [1.0] * n)
+    free = replay(family, p, v, m, costs)
+    slow = replay(family, p, v, m, costs, contention=0.5)
+    assert free.makespan_s < slow.makespan_s <= free.makespan_s * (1 + 0.5 * (p - 1)) + 1e-9
+    assert sum(slow.busy) > sum(free.busy)  # the compute's wall seconds, stretched
+    # every action still runs once, in each rank's order
+    key = lambda e: (e.rank, e.stage, e.microbatch, e.kind)
+    assert sorted(map(key, slow.events)) == sorted(map(key, free.events))
+    for r in range(p):
+        starts = [e.start_s for e in slow.events if e.rank == r and e.kind in "FBIW"]
+        assert starts == sorted(starts)
+    one = replay(family, p, v, 1, costs, contention=0.5)
+    assert one.makespan_s == replay(family, p, v, 1, costs).makespan_s
 
 
 @pytest.mark.parametrize(("family", "v"), [("1f1b", 1), ("interleaved1f1b", 2), ("loopedbfs", 3)])

@@ -42,10 +42,13 @@ def small() -> Profile:
     )
 
 
-@pytest.mark.parametrize("schedule", ["auto", "1f1b", "zbv"])
-def test_optimal_equals_brute_force(small: Profile, schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "k"), [("auto", 0.0), ("1f1b", 0.0), ("zbv", 0.0), ("auto", 0.3)]
+)
+def test_optimal_equals_brute_force(small: Profile, schedule: str, k: float) -> None:
+    """k: the compute contention, which the solver's replay and the brute force both charge."""
     options = PlanOptions(schedule=schedule)  # type: ignore[arg-type]
-    cluster = Cluster.homogeneous(2, 10**9)
+    cluster = Cluster.homogeneous(2, 10**9, contention=k)
     plan = solve_schedule(small, cluster, options)
     assert plan.status == "optimal"
     assert plan.step_time_s == pytest.approx(_brute(small, cluster, options), rel=1e-12)
