@@ -76,6 +76,13 @@ def run(
     save_every: Annotated[
         int, typer.Option(min=0, help="Also save every K steps (with --save).")
     ] = 0,
+    keep: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Keep only the K saves made last in --save DIR, latest's always (0: keep all).",
+        ),
+    ] = 0,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -102,6 +109,8 @@ def run(
         fail(f"--save {save} is a file; pass a folder for the checkpoint's shards")
     if save_every and save is None:
         fail(f"--save-every {save_every} needs --save DIR, the folder to save into")
+    if keep and save is None:
+        fail(f"--keep {keep} needs --save DIR, the folder whose saves it keeps")
     if resume is not None and weights is not None:
         fail("--resume and --weights both say where to start; pass one")
     if resume is not None:
@@ -137,7 +146,9 @@ def run(
     optimizer = optimizer or p.optimizer
     args = [f"--batch-norm={batch_norm}", f"--init={init}"]
     args += [f"--weights={weights.resolve()}"] if weights else []
-    args += [f"--save={save.resolve()}", f"--save-every={save_every}"] if save else []
+    args += (
+        [f"--save={save.resolve()}", f"--save-every={save_every}", f"--keep={keep}"] if save else []
+    )
     args += [f"--resume={resume.resolve()}"] if resume else []
     args += [f"--steps={steps}", f"--warmup={warmup}", f"--optimizer={optimizer}", f"--lr={lr}"]
     args += [f"--device={device}", f"--seed={seed}", f"--timeout={timeout}"]

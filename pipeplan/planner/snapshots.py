@@ -22,7 +22,12 @@ The protocol (:mod:`pipeplan.runtime.saving` drives it over the ranks):
    at all), and replaces ``latest`` (:func:`commit`).
 
 A run that dies anywhere before step 3's rename leaves only a partial folder, which nothing
-reads; ``latest`` still names the previous complete save.  This is the scheme of
+reads; ``latest`` still names the previous complete save.
+
+4. with ``--keep K``, rank 0 then removes the complete saves but the K committed last
+   (:func:`prune`; ``latest``'s is always kept): each is first renamed to a hidden
+   ``.pruned-step-S`` (one ``rename`` again, so no ``step-S`` folder is ever seen half
+   removed), then deleted; a prune a dead run left is finished by the next one.  This is the scheme of
 ``torch.distributed.checkpoint``'s callers (torchtitan writes ``step-N`` folders and marks
 them complete at the end) with the sharded safetensors files ``transformers`` reads.
 
@@ -38,6 +43,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,7 @@ __all__ = [
     "fsync_dir",
     "latest_step",
     "partial_dir",
+    "prune",
     "read_manifest",
     "resolve",
     "step_name",
@@ -132,6 +139,7 @@ def commit(
         "schema": _SCHEMA,
         "save_id": save_id,
         "step": step,
+        "committed_ns": time.time_ns(),  # the order of saves, which their steps need not be
         **info,
         "files": {r.name: {"bytes": r.bytes, "sha256": r.sha256} for r in sorted(files, key=lambda r: r.name)},
     }  # fmt: skip
@@ -149,6 +157,42 @@ def commit(
     os.replace(pointer, root / LATEST)
     fsync_dir(root)
     return final
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Remove the complete saves of ``root`` but the ``keep`` committed last (their manifests'
+    ``committed_ns``; ``keep`` = 0 keeps every one) and the one ``latest`` names; finish
+    the removals a dead run left.  Each goes by a ``rename`` to a hidden ``.pruned-`` name
+    first, so a save is either whole at its ``step-S`` name or gone from it.  Returns the step
+    folders removed.  What cannot be renamed or deleted (a disk error) is left, and named
+    nowhere: the save is complete either way."""
+    root = Path(root)
+    for left in root.glob(".pruned-step-*"):
+        shutil.rmtree(left, ignore_errors=True)
+    if keep <= 0:
+        return []
+    pointer = root / LATEST
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    saves = []
+    for folder in root.glob("step-*"):
+        try:
+            manifest = json.loads(folder.joinpath(MANIFEST).read_text())
+            saves.append((int(manifest["committed_ns"]), folder.name, folder))
+        except (OSError, ValueError, KeyError, TypeError):  # not a complete save of ours
+            continue
+    saves.sort(reverse=True)
+    removed = []
+    for _, name, folder in saves[keep:]:
+        if name == latest:
+            continue
+        gone = root / f".pruned-{name}"
+        try:
+            os.rename(folder, gone)
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

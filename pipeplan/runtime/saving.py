@@ -25,6 +25,7 @@ step, complete only when its manifest is written and its rename done.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from pipeplan.planner.snapshots import (
     commit,
     file_record,
     partial_dir,
+    prune,
     resolve,
     train_state_name,
 )
@@ -106,8 +108,11 @@ def save(
     step: int,
     info: dict[str, Any],
     fault: SaveFault | None = None,
+    keep: int = 0,
 ) -> None:
-    """Save the run after ``step`` optimizer steps into ``root/step-S`` (collective)."""
+    """Save the run after ``step`` optimizer steps into ``root/step-S`` (collective); then,
+    with ``keep`` > 0, keep only the ``keep`` saves committed last
+    (:func:`pipeplan.planner.snapshots.prune`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     root, tmp = Path(root), partial_dir(root, step)
     box: list[Any] = [None]
@@ -158,6 +163,8 @@ def save(
                 f"stage 0 (rank 0) could not finish the save of step {step} into {tmp}: "
                 f"{type(exc).__name__}: {exc}; the last complete save in {root} is kept"
             ) from None
+        with contextlib.suppress(OSError):  # the save is complete: a prune may fail
+            prune(root, keep)
     dist.barrier()
 
 

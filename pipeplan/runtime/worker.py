@@ -15,7 +15,7 @@ rank, seeded with ``--seed`` (for models whose graph needs real values to be cut
 ``--save DIR`` saves the run at its end, and every ``--save-every K`` steps, into step folders
 made visible whole (:mod:`pipeplan.runtime.saving`): weights one shard per rank (its
 stages' tensors by the model's names, each once), each rank's
-optimizer and RNG states, the step.  ``--resume DIR`` continues a saved run from its latest
+optimizer and RNG states, the step; ``--keep K`` keeps the K saves made last.  ``--resume DIR`` continues a saved run from its latest
 complete save.  Rank 0 gathers the measurements, writes the run report (``--report``) and the
 Chrome trace (``--trace``), and prints measured vs predicted.
 
@@ -103,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--save", help="save the run here at its end (step folders, see above)")
     ap.add_argument("--save-every", type=int, default=0, help="also save every K steps")
+    ap.add_argument("--keep", type=int, default=0, help="keep the K saves made last (0: all)")
     ap.add_argument("--resume", help="continue the run saved here (its latest complete save)")
     ap.add_argument(
         "--batch-norm",
@@ -348,7 +349,7 @@ def run(args: argparse.Namespace) -> None:
 
     def after_step(done: int) -> None:
         if args.save and args.save_every > 0 and done % args.save_every == 0:
-            saving.save(runner, args.save, done, info, save_fault)
+            saving.save(runner, args.save, done, info, save_fault, args.keep)
             saved[0] = done
 
     def on_step(step: int) -> None:
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> None:
         record.resident_growth_bytes = resident.growth()
     done = start + args.warmup + args.steps
     if args.save and saved[0] != done:
-        saving.save(runner, args.save, done, info, save_fault)
+        saving.save(runner, args.save, done, info, save_fault, args.keep)
     if args.weights and args.run_dir:  # what this rank read, for the tests
         write_text(Path(args.run_dir) / f"weights-{rank}.json", json.dumps(runner.checkpoint_reads))
     report = gather_report(plan, record, backend=backend, warmup_steps=args.warmup)

@@ -20,7 +20,7 @@ from pipeplan.planner.checkpoint import (
     write_shard,
 )
 from pipeplan.planner.errors import ModelLoadError
-from pipeplan.planner.snapshots import commit, file_record, partial_dir, step_name
+from pipeplan.planner.snapshots import commit, file_record, partial_dir, prune, step_name
 
 
 def _save(root: Path, step: int, value: float, save_id: str, *, finish: bool = True) -> Path:
@@ -63,6 +63,30 @@ def test_a_save_of_the_same_step_replaces_the_old_one_whole(tmp_path: Path) -> N
     _save(tmp_path, 2, 5.0, "bb")
     assert float(_read(tmp_path)["b.weight"][0]) == -5.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", step_name(2)]
+
+
+def test_prune_keeps_the_saves_made_last_and_latest_and_finishes_a_dead_prune(
+    tmp_path: Path,
+) -> None:
+    """By commit order, not step number: a run resumed from step 2 into the same folder makes
+    step 3 after step 6; latest's save is kept whatever K says."""
+    for step, value in [(2, 1.0), (4, 2.0), (6, 3.0)]:
+        _save(tmp_path, step, value, f"s{step}")
+    assert prune(tmp_path, 0) == [] and len(list(tmp_path.glob("step-*"))) == 3  # 0: keep all
+    _save(tmp_path, 3, 9.0, "s3")  # the resumed run's save: latest, and the newest
+    (tmp_path / ".pruned-step-000001").mkdir()  # a prune a killed run left half done
+    (tmp_path / ".pruned-step-000001" / "model.safetensors").write_bytes(b"x")
+    _save(tmp_path, 8, 4.0, "s8", finish=False)  # a save under way is not a save: untouched
+    removed = prune(tmp_path, 2)
+    assert sorted(f.name for f in removed) == [step_name(2), step_name(4)]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        ".partial-" + step_name(8), "latest", step_name(3), step_name(6)
+    ]  # fmt: skip
+    assert float(_read(tmp_path)["a.weight"][0]) == 9.0
+    _save(tmp_path, 10, 5.0, "s10")
+    (tmp_path / "latest").write_text(step_name(3) + "\n")  # latest's save is kept past K
+    assert [f.name for f in prune(tmp_path, 1)] == [step_name(6)]
+    assert sorted(f.name for f in tmp_path.glob("step-*")) == [step_name(3), step_name(10)]
 
 
 def test_a_truncated_shard_is_refused_before_anything_is_read(tmp_path: Path) -> None:

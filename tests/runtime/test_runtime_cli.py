@@ -176,6 +176,8 @@ def test_a_stage_that_dies_stops_every_rank(plans: dict[int, Path]) -> None:
         (["--threads", "0"], "--threads 0 must be at least 1"),
         (["--report", "/no/such/dir/report.json"], "directory does not exist"),
         (["--batch-norm", "sometimes"], "--batch-norm 'sometimes' is not deferred or microbatch"),
+        (["--save-every", "2"], "--save-every 2 needs --save DIR"),
+        (["--keep", "2"], "--keep 2 needs --save DIR, the folder whose saves it keeps"),
     ],
 )
 def test_bad_requests_fail_before_launch(

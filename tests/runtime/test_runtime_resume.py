@@ -8,7 +8,8 @@ bit-identical to the first run's: weights, Adam's moments, step and RNG states (
 a save (after its files are written, before the commit) and once at a random step and moment
 (a new one each time the suite runs, named in the failure): ``latest`` must name a complete
 save equal to the uninterrupted run's at that step, and resuming from it must end equal to
-the uninterrupted run's last save.
+the uninterrupted run's last save.  That run and its resumption keep only their last two
+saves (``--keep 2``).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def test_a_rank_killed_between_saves_resumes_from_the_last_complete_one(
     save, run_dir = tmp_path / "save", tmp_path / "run"
     run_dir.mkdir()
     cmd = worker(plans["gpipe"], 2, "--steps", "8", "--save-every", "1", "--save", str(save),
-                 "--run-dir", str(run_dir))  # fmt: skip
+                 "--keep", "2", "--run-dir", str(run_dir))  # fmt: skip
     env = {**ENV, "PIPEPLAN_FAIL": "1:5:kill-save"} if trial == "inside-a-save" else ENV
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True
@@ -121,10 +122,14 @@ def test_a_rank_killed_between_saves_resumes_from_the_last_complete_one(
     if trial == "inside-a-save":
         assert last == 4 and not (save / step_name(5)).exists()
     assert 1 <= last < 8, f"{where}: {err[-2000:]}"
+    # --keep 2: the two saves made last (a third while the kill interrupted the prune)
+    kept = {f.name for f in save.glob("step-*")}
+    assert step_name(last) in kept and kept <= {step_name(s) for s in (last - 2, last - 1, last)}
     assert equal(state(save), state(reference / step_name(last))), f"step {last} mixed ({where})"
     resume = worker(plans["gpipe"], 2, "--steps", str(8 - last), "--resume", str(save),
-                    "--save", str(save))  # fmt: skip
+                    "--save", str(save), "--save-every", "1", "--keep", "2")  # fmt: skip
     done = run(resume)
     assert done.returncode == 0, done.stderr[-3000:]
     assert equal(state(save), state(reference / step_name(8))), f"resumed from {last} ({where})"
+    assert sorted(f.name for f in save.glob("step-*")) == [step_name(7), step_name(8)]
     assert not survivors(str(tmp_path))
