@@ -144,6 +144,11 @@ _FAILURE = re.compile(
 )
 
 
+#: Errors whose message already says which stage failed, where and what to do (the runtime's
+#: own): reported as they are, not after "stage N failed at step S: TYPE:".
+_SELF_DESCRIBED = frozenset({"CheckpointWriteError"})
+
+
 def _exit_codes(log: str) -> dict[int, str]:
     """Rank -> exit code (and signal) from torchrun's failure summary."""
     codes: dict[int, str] = {}
@@ -176,11 +181,18 @@ def failure(
 
     def consequence(culprit: int) -> str:
         others = sorted({int(e["stage"]) for e in errors} - {culprit})
-        return f" (stages {others} stopped as a consequence)" if others else ""
+        if not others:
+            return ""
+        names = ", ".join(map(str, others))
+        return f" (stage{'s' if len(others) > 1 else ''} {names} stopped as a consequence)"
 
     if own:
         e = own[0]
         at = f" at step {e['step']}" if e.get("step") is not None else ""
+        if e["type"] in _SELF_DESCRIBED:  # its message names the stage, the step and the fix
+            return StageFailedError(
+                e["message"] + consequence(int(e["stage"])), rank_traceback=e.get("traceback")
+            )
         request = all(o.get("request") for o in own)  # refused before the first step
         if len(own) == n_ranks > 1 and len({(o["type"], o["message"]) for o in own}) == 1:
             # the same error on every rank (the model run once on each to build the stages)

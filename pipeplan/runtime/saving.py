@@ -137,7 +137,7 @@ def save(
         if fault is not None:
             fault(step)
     except OSError as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = _why(exc)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (error, records, keys, size))
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
@@ -161,11 +161,17 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointWriteError(
                 f"stage 0 (rank 0) could not finish the save of step {step} into {tmp}: "
-                f"{type(exc).__name__}: {exc}; the last complete save in {root} is kept"
+                f"{_why(exc)}; the last complete save in {root} is kept"
             ) from None
         with contextlib.suppress(OSError):  # the save is complete: a prune may fail
             prune(root, keep)
     dist.barrier()
+
+
+def _why(exc: OSError) -> str:
+    """What the system said, without the errno: "No space left on device" (the folder is in
+    the message already)."""
+    return exc.strerror or str(exc)
 
 
 def resume_point(path: str | Path, info: dict[str, Any]) -> tuple[Path, int]:

@@ -114,8 +114,12 @@ def test_a_full_disk_during_a_save_names_the_stage_and_keeps_the_last_save(
 ) -> None:
     save, proc, _ = full_disk
     assert proc.returncode == 1, proc.stderr
-    assert "stage 1 (rank 1) could not write its part of the save of step 2" in proc.stderr
-    assert "No space left on device" in proc.stderr
+    assert proc.stderr.startswith(
+        "error: stage 1 (rank 1) could not write its part of the save of step 2 into "
+    )
+    assert "save/.partial-step-000002: No space left on device (injected" in proc.stderr
+    assert proc.stderr.strip().endswith("is kept (stage 0 stopped as a consequence)")
+    assert proc.stderr.count("stage 1") == 1 and "Errno" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert (save / "latest").read_text().strip() == step_name(1)
     assert sorted(p.name for p in save.iterdir()) == ["latest", step_name(1)]  # no partial
