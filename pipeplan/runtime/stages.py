@@ -47,6 +47,7 @@ from pipeplan.intake.graph import UnitSpec, cut_tensors, subgraph_module
 from pipeplan.intake.meta import MetaInterpreter, has_meta
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
+from pipeplan.planner.schedules import FAMILIES
 from pipeplan.planner.types import Plan
 
 __all__ = [
@@ -86,6 +87,15 @@ class StageModule(nn.Module):
     ``unit_of`` maps a graph node to its unit's name: when the body raises, the stage runs the
     micro-batch again node by node to name the unit, node and values that failed
     (:class:`StageComputeError`).
+
+    With ``detached`` (the zero-bubble families), torch detaches a stage's outputs in place
+    once their input gradient is made (``stage_backward_input``), before the weight gradient
+    that still needs what the stage saved.  An output that a node of the same stage also read
+    (a residual stream that a LayerNorm there normalised and saved for its weight's gradient)
+    would then be a saved tensor detached in place, which autograd refuses: such outputs are
+    sent as a copy, one more activation-sized tensor per micro-batch in flight.  (A result
+    that only its own op saved, a ReLU's, is fine: that op's backward runs in the input
+    gradient, before the detach.)
     """
 
     def __init__(
@@ -99,9 +109,17 @@ class StageModule(nn.Module):
         output_template: Any = None,
         index: int = 0,
         unit_of: dict[str, str] | None = None,
+        detached: bool = False,
     ) -> None:
         super().__init__()
         self.body = body
+        out_node = next(n for n in body.graph.nodes if n.op == "output")
+        self._read_here = (
+            tuple(k for k, n in enumerate(out_node.args[0]) if _read_inside(n, out_node))
+            if detached
+            else None
+        )
+        """Positions of the body's outputs that its own nodes read too (zero-bubble only)."""
         self._slots = tuple(slots)
         self._sent = tuple(sent)
         self._root_graph = root_graph
@@ -125,12 +143,17 @@ class StageModule(nn.Module):
             raise
         except Exception as exc:
             raise self._locate(full, exc) from exc
+        read = set() if self._read_here is None else {id(outs[k]) for k in self._read_here}
         if self._template is None:
-            return tuple(_sendable(outs[i]) for i in self._sent)
+            return tuple(self._detachable(_sendable(outs[i]), read) for i in self._sent)
         leaves, spec = tree_flatten(self._model_output(outs))
         self._out_spec = spec
         self._out_consts = {k: v for k, v in enumerate(leaves) if not isinstance(v, Tensor)}
-        return tuple(v for v in leaves if isinstance(v, Tensor))
+        return tuple(self._detachable(v, read) for v in leaves if isinstance(v, Tensor))
+
+    def _detachable(self, t: Tensor, read: set[int]) -> Tensor:
+        """``t``, or a copy where torch's in-place detach would break this stage's backward."""
+        return t.clone() if id(t) in read and not t._is_view() else t
 
     def _model_output(self, outs: Sequence[Any]) -> Any:
         values = dict(zip(self._template[1], outs))
@@ -168,6 +191,11 @@ def _sendable(t: Tensor) -> Tensor:
     view refuses (a value that passes through the stage is a view of what it received)."""
     t = t.contiguous()
     return t.clone() if t._is_view() else t
+
+
+def _read_inside(node: Node, out_node: Node) -> bool:
+    """Whether a node of the body other than its output reads ``node``'s value."""
+    return any(user is not out_node for user in node.users)
 
 
 def _thaw(value: Any) -> Any:
@@ -474,6 +502,7 @@ def build_stages(
             output_template=(out_node.args[0], out_names) if last else None,
             index=j,
             unit_of=unit_of,
+            detached=FAMILIES[plan.schedule].split_backward,
         )
         if j == 0:
             recv = placeholders

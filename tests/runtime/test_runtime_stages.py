@@ -97,6 +97,56 @@ def test_a_value_passed_through_leaves_as_no_view() -> None:
     assert all(g is not None for g in grads)
 
 
+class PreNorm(nn.Module):
+    """Pre-norm residual blocks, unit by unit: a cut after ``ln2`` sends the residual stream
+    ``h`` on (the next stage adds to it) after this stage's LayerNorm read and saved it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln2, self.fc2 = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x + self.fc1(x)
+        return h + self.fc2(self.ln2(h))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "zb-interleaved", "dualpipev", "interleaved1f1b"])
+def test_a_residual_a_stage_read_itself_survives_the_zero_bubble_detach(schedule: str) -> None:
+    """Pins the bug behind torchvision ViT failing under zero-bubble plans: torch's I detaches
+    a stage's outputs in place, and the W after it needs what the LayerNorm saved, the same
+    tensor.  The zero-bubble families send such an output as a copy; the others send it as it
+    is (nothing detaches it before their backward is done)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    model = PreNorm()
+    x = torch.randn(3, 4)
+    traced = trace_model(model, (x,))
+    units = group_units(traced)
+    assert [u.name for u in units][:3] == ["fc1", "ln2", "fc2"]
+    plan = make_plan("prenorm", {}, traced, starts=[0, 2], batch_size=6, microbatches=2)
+    plan = plan.model_copy(update={"schedule": schedule})
+    first = build_stages(plan, traced, units, (x,))[0]
+    xs = (x.clone().requires_grad_(True),)
+    outs = list(first.module(*xs))
+    params = list(first.module.parameters())
+    _, groups = stage_backward_input(outs, [torch.ones_like(o) for o in outs], list(xs),
+                                     iter(params))  # fmt: skip
+    if schedule == "interleaved1f1b":  # no copy: torch detaches nothing before W here
+        with pytest.raises(RuntimeError, match="detached in-place"):
+            stage_backward_weight(iter(params), groups)
+        return
+    stage_backward_weight(iter(params), groups)
+    whole = PreNorm()
+    whole.load_state_dict(model.state_dict())
+    h = x + whole.fc1(x)
+    torch.autograd.backward([h, whole.ln2(h)], [torch.ones(3, 4)] * 2)  # what stage 0 sends
+    assert len(outs) == 2
+    for (name, mine), theirs in zip(model.named_parameters(), whole.parameters(), strict=True):
+        if name.startswith(("fc1", "ln2")):
+            torch.testing.assert_close(mine.grad, theirs.grad, msg=name)
+
+
 class Transposed(nn.Module):
     """A transposed view crosses the cut (as attention's ``q.transpose(1, 2)`` does)."""
 

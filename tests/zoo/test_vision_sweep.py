@@ -44,3 +44,42 @@ def test_two_rank_run_equals_the_unsplit_model(sweep: ZooRun, name: str) -> None
     assert result["error"] is None, f"{result['error']}\n{sweep.stderr[-3000:]}"
     assert not result["missing"], result["missing"]
     assert result["loss_rel"] <= 1e-12 and result["grad_rel"] <= 1e-12, result
+
+
+@pytest.mark.parametrize("name", ["vit", "swin", "timm_vit"])
+def test_zero_bubble_chunks_keep_what_their_weight_gradient_needs(sweep: ZooRun, name: str) -> None:
+    """Every chunk of one or two of the profile's units, as a zero-bubble stage runs it in one
+    process: forward, torch's input gradient (which detaches the outputs in place), then its
+    weight gradient.  Pins the bug that failed ViT's default run when ``auto`` chose a
+    zero-bubble plan cutting between a block's LayerNorm and its residual add."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from pipeplan.intake.graph import group_units
+    from pipeplan.intake.model import load_model
+    from pipeplan.intake.trace import trace_model
+    from pipeplan.runtime.stages import build_stages
+
+    plan = sweep.plans[name][2].model_copy(update={"schedule": "zbv", "stages_per_rank": 1})
+    spec = load_model(plan.model, dict(plan.model_kwargs))
+    spec.module.to(torch.float64)
+    x = tuple(t.to(torch.float64) for t in spec.batch(plan.microbatch_size)[0])
+    traced = trace_model(spec.module, x, tracer=plan.tracer)
+    units = group_units(traced, plan.granularity, plan.unit_expansions)
+    n, stage = len(units), plan.stages[0]
+    windows = [(lo, hi) for lo in range(1, n - 2) for hi in (lo, lo + 1)][:80]
+    for lo, hi in windows:
+        stages = tuple(
+            stage.model_copy(update={"index": j, "first_unit": a, "last_unit": b,
+                                     "unit_names": tuple(u.name for u in units[a : b + 1])})
+            for j, (a, b) in enumerate([(0, lo - 1), (lo, hi), (hi + 1, n - 1)])
+        )  # fmt: skip
+        three = plan.model_copy(update={"stages": stages})
+        middle = build_stages(three, traced, units, x)[1]
+        received = [t.detach().clone().requires_grad_(t.is_floating_point())
+                    for t in middle.example_inputs]  # fmt: skip
+        outs = [o for o in middle.module(*received) if o.requires_grad]
+        params = list(middle.module.parameters())
+        _, groups = stage_backward_input(outs, [torch.ones_like(o) for o in outs], received,
+                                         iter(params))  # fmt: skip
+        stage_backward_weight(iter(params), groups)  # raised "detached in-place" before
