@@ -186,7 +186,14 @@ def plan(
     latency: Annotated[str | None, typer.Option(help="Link latency, e.g. 5us.")] = None,
     cluster: Annotated[Path | None, typer.Option(help="Cluster description JSON.")] = None,
     solver: Annotated[str, typer.Option(help="dp, cpsat, uniform, params or torchgpipe.")] = "dp",
-    time_limit: Annotated[float | None, typer.Option(help="Seconds (CP-SAT).")] = None,
+    time_limit: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds: CP-SAT's limit, and a wall-clock cap on the schedule solver's "
+            "search (which otherwise stops after a fixed number of replays, so that its plans "
+            "do not depend on the machine)."
+        ),
+    ] = None,
     pin: Annotated[list[str] | None, typer.Option(help="UNIT:STAGE (CP-SAT).")] = None,
     min_units: Annotated[int, typer.Option(help="Fewest units per stage (CP-SAT).")] = 1,
     max_units: Annotated[int | None, typer.Option(help="Most units per stage (CP-SAT).")] = None,

@@ -239,65 +239,70 @@ def _contended(
     """With contention k: event to event, each rank's running phase progresses at rate
     1 / (1 + k (a - 1)) while it is one of a ranks computing (1 for a transfer); an action
     starts once its rank is free and its inputs are done.  Returns what :func:`_sweep` does,
-    busy being the compute phases' wall seconds."""
+    busy being the compute phases' wall seconds.  Only the ranks an event concerns are
+    looked at: those whose phase ended, and those that waited for the action that ended."""
     p = len(deps)
     done = [-1.0] * n_slots
     pos = [0] * p
     busy = [0.0] * p
     free = [float(t0)] * p
     events: list[ReplayEvent] = []
-    # per rank: (its action's phases, the running phase's index), the amount of that phase
-    # left and when it began; None while the rank waits
-    running: list[tuple[list[tuple[str, float]], int] | None] = [None] * p
+    # per rank: its action's phases and the running phase's index, the amount of that phase
+    # left, whether it computes, and when it began; phases None while the rank waits
+    phases: list[list[tuple[str, float]] | None] = [None] * p
+    k_of = [0] * p
     left = [0.0] * p
+    computes = [False] * p
     began = [0.0] * p
+    waiting: dict[int, int] = {}  # slot -> the rank whose next action needs it
     now = float(t0)
 
-    def advance(r: int) -> bool:
-        """End rank r's phases that are over at ``now`` and start what is ready."""
-        moved = False
-        mine = deps[r]
-        while True:
-            cur = running[r]
-            if cur is None:
-                if pos[r] >= len(mine):
-                    return moved
-                _, d1, d2, a = mine[pos[r]]
-                if (d1 >= 0 and done[d1] < 0) or (d2 >= 0 and done[d2] < 0):
-                    return moved
-                cur = running[r] = (table[(a.kind, a.stage)], 0)
-                left[r], began[r], moved = cur[0][0][1], now, True
-            phases, k = cur
-            if left[r] > 0:
-                return moved
-            kind, amount = phases[k]
-            slot, _, _, a = mine[pos[r]]
-            if kind in "FBIW":
+    def start(r: int) -> None:
+        """Start rank r's next action if its inputs are done; else wait for the missing one."""
+        if pos[r] >= len(deps[r]):
+            return
+        _, d1, d2, a = deps[r][pos[r]]
+        for d in (d1, d2):
+            if d >= 0 and done[d] < 0:
+                waiting[d] = r
+                return
+        ph = phases[r] = table[(a.kind, a.stage)]
+        k_of[r], left[r], computes[r], began[r] = 0, ph[0][1], ph[0][0] in "FBIW", now
+
+    def finish(r: int, woken: list[int]) -> None:
+        """End rank r's phases that are over at ``now``, starting what follows."""
+        while (ph := phases[r]) is not None and left[r] <= 0.0:
+            k = k_of[r]
+            kind, amount = ph[k]
+            slot, _, _, a = deps[r][pos[r]]
+            if computes[r]:
                 busy[r] += now - began[r]
             if timeline and (amount > 0 or kind in "FBIW"):
                 events.append(ReplayEvent(r, a.stage, a.microbatch, kind, began[r], now))
-            if k + 1 < len(phases):
-                running[r] = (phases, k + 1)
-                left[r], began[r] = phases[k + 1][1], now
+            if k + 1 < len(ph):
+                k_of[r], left[r], began[r] = k + 1, ph[k + 1][1], now
+                computes[r] = ph[k + 1][0] in "FBIW"
                 continue
             done[slot] = free[r] = now
-            running[r], pos[r], moved = None, pos[r] + 1, True
+            phases[r], pos[r] = None, pos[r] + 1
+            if (w := waiting.pop(slot, -1)) >= 0:
+                woken.append(w)
+            start(r)
 
+    for r in range(p):
+        start(r)
+    work = list(range(p))
     while True:
-        moved = True
-        while moved:  # a finish can free a neighbour at the same instant: every rank, again
-            moved = False
-            for r in range(p):
-                moved = advance(r) or moved
-        active = [r for r in range(p) if running[r] is not None]
+        while work:
+            r = work.pop()
+            if phases[r] is None:
+                start(r)
+            finish(r, work)
+        active = [r for r in range(p) if phases[r] is not None]
         if not active:
             return free, busy, pos, events
-        now = shared_step(left, {r: _phase_kind(running[r]) in "FBIW" for r in active}, kappa, now)
-
-
-def _phase_kind(cur: tuple[list[tuple[str, float]], int] | None) -> str:
-    assert cur is not None
-    return cur[0][cur[1]][0]
+        now = shared_step(left, active, computes, kappa, now)
+        work = [r for r in active if left[r] == 0.0]
 
 
 @lru_cache(maxsize=256)

@@ -212,7 +212,8 @@ def simulate(
         active = [j for j in range(p) if running[j] is not None]
         if not active:
             break
-        now = shared_step(left, {j: _phase(running[j])[2] for j in active}, kappa, now)
+        now = shared_step(left, active, [running[j] is not None and _phase(running[j])[2]
+                                         for j in range(p)], kappa, now)  # fmt: skip
     if any(pos[j] < len(orders[j]) for j in range(p)):  # pragma: no cover
         raise RuntimeError("schedule deadlocked")
     arrive = [max((e.end_s for e in events if e.stage == j), default=0.0) for j in range(p)]
@@ -226,19 +227,24 @@ def simulate(
     return Timeline(tuple(events), makespan, p, m)
 
 
-def shared_step(left: list[float], computing: dict[int, bool], kappa: float, now: float) -> float:
-    """Advance the running work to the next end and return its time: each of the a devices in
-    ``computing`` that computes progresses at rate 1 / (1 + k (a - 1)), the others (transfers)
-    at rate 1; ``left`` (per device) shrinks accordingly and the first to end reaches 0."""
-    a = sum(computing.values())
+def shared_step(
+    left: list[float], active: Sequence[int], computes: Sequence[bool], kappa: float, now: float
+) -> float:
+    """Advance the running work to the next end and return its time: each of the a devices
+    of ``active`` that ``computes`` progresses at rate 1 / (1 + k (a - 1)), the others (their
+    transfers) at rate 1; ``left`` (per device) shrinks accordingly and the first to end
+    reaches 0."""
+    a = sum(1 for j in active if computes[j])
     slow = 1.0 / (1.0 + kappa * (a - 1)) if a > 1 else 1.0
-    rate = {j: slow if busy else 1.0 for j, busy in computing.items()}
-    dt, first = min((left[j] / rate[j], j) for j in rate)
+    dt, first = min((left[j] / (slow if computes[j] else 1.0), j) for j in active)
     now += dt
-    for j, r in rate.items():
-        left[j] = 0.0 if j == first else max(left[j] - dt * r, 0.0)
-        if left[j] <= 1e-12 * max(now, 1e-300):
+    tiny = 1e-12 * max(now, 1e-300)
+    for j in active:
+        if j == first:
             left[j] = 0.0
+        else:
+            rest = left[j] - dt * (slow if computes[j] else 1.0)
+            left[j] = rest if rest > tiny else 0.0
     return now
 
 

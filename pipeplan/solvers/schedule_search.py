@@ -28,7 +28,8 @@ Seeds, with w_u = (f_u + g_u) / speed the unit's plain forward and backward at m
 The local search moves one cut to the neighbouring allowed start, or two adjacent cuts
 together (a chunk slides), and keeps a move when the replay's step falls, or stays equal
 (to 1e-12) while the ranks' busy times, largest first, shrink lexicographically: a strict
-decrease of (step, busy) each move, so it ends; it also stops at the deadline.  Moves that
+decrease of (step, busy) each move, so it ends; it also stops when its budget of replays is
+spent.  Moves that
 touch the busiest rank's chunks are tried first.  From each local optimum it kicks a few
 random cuts (seeded) and descends again, until a dozen kicks in a row find nothing better
 (an iterated local search: the replay's step is flat in most single moves, because the
@@ -38,7 +39,6 @@ optimizer updates and the end ranks' drain, not the balance, set it).
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -184,23 +184,25 @@ def local_search(
     score: Callable[[list[int]], Score],
     owner: Sequence[int],
     cuts: Cuts,
-    deadline: float,
+    stop: Callable[[], bool],
     first: Score | None = None,
     patience: int = 12,
     seed: int = 0,
 ) -> tuple[list[int], Score]:
     """The local search of the module docstring from ``starts`` (``score`` its objective),
     iterated: from each local optimum, up to ``patience`` kicks in a row that do not lead to a
-    better one (a kick moves 2 to 4 random cuts by 1 to 3 allowed starts, seeded)."""
-    best, best_s = _descend(list(starts), first or score(starts), score, owner, cuts, deadline)
+    better one (a kick moves 2 to 4 random cuts by 1 to 3 allowed starts, seeded).  It ends
+    early once ``stop()`` (a budget of replays, which keeps the result the same on every
+    machine; or a wall-clock limit, which does not)."""
+    best, best_s = _descend(list(starts), first or score(starts), score, owner, cuts, stop)
     rng = np.random.default_rng(seed)
     misses = 0
-    while misses < patience and time.perf_counter() < deadline and len(best) > 1:
+    while misses < patience and not stop() and len(best) > 1:
         kicked = _kick(best, cuts, rng)
         if kicked is None:
             misses += 1
             continue
-        cand, cand_s = _descend(kicked, score(kicked), score, owner, cuts, deadline)
+        cand, cand_s = _descend(kicked, score(kicked), score, owner, cuts, stop)
         if _better(cand_s, best_s):
             best, best_s, misses = cand, cand_s, 0
         else:
@@ -233,13 +235,13 @@ def _descend(
     score: Callable[[list[int]], Score],
     owner: Sequence[int],
     cuts: Cuts,
-    deadline: float,
+    stop: Callable[[], bool],
 ) -> tuple[list[int], Score]:
     improved = True
-    while improved and time.perf_counter() < deadline and np.isfinite(best_s[0]):
+    while improved and not stop() and np.isfinite(best_s[0]):
         improved = False
         for cand in _moves(best, best_s, owner, cuts):
-            if time.perf_counter() >= deadline:
+            if stop():
                 break
             s = score(cand)
             if _better(s, best_s):

@@ -25,7 +25,10 @@ Algorithm.
      simulator.
   3. Otherwise (or when the budget runs out) the four best candidates and every other
      family's best get the iterated local search of :mod:`pipeplan.solvers.schedule_search`,
-     in equal shares of the time left, the flags re-fitted after each move, and the plan is
+     in equal shares of ``search_replays`` replays (a count again: the same request gives
+     the same plan on any machine; a share left unused passes on; ``options.time_limit_s``,
+     when given, also stops it by the clock, which does not), the flags re-fitted after each
+     move, and the plan is
      ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
      every family, v, partition and mask (proof in :func:`family_bound`).
 
@@ -70,10 +73,15 @@ from pipeplan.solvers.schedule_search import (
     snap_uniform,
 )
 
-__all__ = ["Candidate", "candidates", "recompute_to_fit", "solve_schedule"]
+__all__ = ["SEARCH_REPLAYS", "Candidate", "candidates", "recompute_to_fit", "solve_schedule"]
 
 Candidate = tuple[str, int, int]
 """(family, v, m)."""
+
+#: Replays the local search may spend (step 3 of the module docstring): 1.5-1.9 s in all on
+#: the 7B profile's 226 refined units at p = 8 on the benchmarks' 2-core host, 7.6 s with a
+#: compute contention k > 0 (whose replay steps from event to event).
+SEARCH_REPLAYS = 1000
 
 Scored = tuple[float, list[int], list[bool], Replay]
 
@@ -163,10 +171,12 @@ class _Search:
     def __init__(self, cp: ChunkPlan) -> None:
         self.cp = cp
         self.seen: dict[tuple[int, ...], tuple[Score, list[bool], Replay]] = {}
+        self.replays = 0
 
     def score(self, starts: Sequence[int], rc: Sequence[bool] | None = None) -> Score:
         key = tuple(starts)
         if key not in self.seen or rc is not None:
+            self.replays += 1
             if rc is None:
                 flags, costs, peaks = _fit(self.cp, starts)
                 rep = self.cp.replay(starts, flags, costs=costs, peaks=peaks)
@@ -335,14 +345,14 @@ def solve_schedule(
     options: PlanOptions | None = None,
     *,
     exhaustive_limit: int = 2000,
-    time_limit_s: float = 4.0,
+    search_replays: int = SEARCH_REPLAYS,
     chunks: int | None = None,
 ) -> Plan:
     """The fastest (family, v, cuts, m, recompute) under memory (module docstring); v =
     ``chunks`` alone when given."""
     options = options or PlanOptions(schedule="auto")
     t0 = time.perf_counter()
-    deadline = t0 + (options.time_limit_s or time_limit_s)
+    deadline = None if options.time_limit_s is None else t0 + options.time_limit_s
     if options.pinned:
         raise UnsupportedConstraintError(
             "the schedule solver cannot pin units to chunks; use --solver cpsat with gpipe or 1f1b"
@@ -400,14 +410,22 @@ def solve_schedule(
             if all(t[0] != c[0] for t in top):
                 top.append(c)
         ranked = [c for c in ranked if c in top]
-        start = time.perf_counter()
+
+        def spent() -> int:
+            return sum(sr.replays for sr in searches.values())
+
+        start = spent()
         for i, c in enumerate(ranked):
             sr = live[c]
-            share = start + (deadline - start) * (i + 1) / len(ranked)  # unused time passes on
+            share = start + search_replays * (i + 1) // len(ranked)  # unused replays pass on
+
+            def stop(share: int = share) -> bool:
+                return spent() >= share or (
+                    deadline is not None and time.perf_counter() >= deadline
+                )
+
             starts, score, _, _ = sr.best()
-            local_search(
-                starts, sr.score, plans[c].owner, cuts, max(share, time.perf_counter()), score
-            )
+            local_search(starts, sr.score, plans[c].owner, cuts, stop, score)
     best_c = min(live, key=lambda c: live[c].best()[1])
     starts, score, rc, rep = live[best_c].best()
     T = score[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from itertools import combinations, product
 
 import pytest
@@ -76,6 +78,33 @@ def test_local_search_is_bounded_by_brute_force_and_the_bound(small: Profile) ->
     assert plan.status == "feasible" and plan.gap is not None
     assert work_bound(small, cluster, options) <= plan.lower_bound_s <= best <= plan.step_time_s
     assert plan.step_time_s * (1 - plan.gap) == pytest.approx(plan.lower_bound_s)
+
+
+def test_a_searched_plan_is_the_same_however_fast_the_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The local search spends a count of replays, not seconds: a machine on which every
+    reading of the clock is half a second later gets the same plan.  With a time limit
+    (``--time-limit``) the clock stops it early, and a plan still comes back."""
+    prof = with_split(
+        synthetic_profile(16, batch_size=16, microbatch_sizes=[2, 4], seed=1, loss=True,
+                          heavy_ends=True)
+    )  # fmt: skip
+    cluster = Cluster.homogeneous(4, 2**40)
+    options = PlanOptions(schedule="interleaved1f1b")
+    fast = solve_schedule(prof, cluster, options, exhaustive_limit=0)
+    clock = itertools.count(0.0, 0.5)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    slow = solve_schedule(prof, cluster, options, exhaustive_limit=0)
+    assert fast.status == slow.status == "feasible"
+    same = {"solve_time_s": None}
+    assert slow.model_copy(update=same) == fast.model_copy(update=same)
+    capped = solve_schedule(
+        prof, cluster, options.model_copy(update={"time_limit_s": 1.0}), exhaustive_limit=0
+    )
+    assert capped.status == "feasible" and capped.step_time_s >= fast.step_time_s * (1 - 1e-12)
+    seeds = solve_schedule(prof, cluster, options, exhaustive_limit=0, search_replays=0)
+    assert seeds.step_time_s > fast.step_time_s * 1.01  # the search mattered here (4 %)
 
 
 def test_zero_bubble_needs_i_and_w() -> None:
