@@ -153,7 +153,7 @@ class StageModule(nn.Module):
 
     def _detachable(self, t: Tensor, read: set[int]) -> Tensor:
         """``t``, or a copy where torch's in-place detach would break this stage's backward."""
-        return t.clone() if id(t) in read and not t._is_view() else t
+        return t.clone() if id(t) in read and t.requires_grad and not t._is_view() else t
 
     def _model_output(self, outs: Sequence[Any]) -> Any:
         values = dict(zip(self._template[1], outs))
