@@ -190,7 +190,7 @@ def plan(
         float | None,
         typer.Option(
             help="Seconds: CP-SAT's limit, and a wall-clock cap on the schedule solver's "
-            "search (which otherwise stops after a fixed number of replays, so that its plans "
+            "search (which otherwise stops after a fixed count of replayed actions, so that its plans "
             "do not depend on the machine)."
         ),
     ] = None,

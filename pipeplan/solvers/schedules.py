@@ -25,9 +25,10 @@ Algorithm.
      simulator.
   3. Otherwise (or when the budget runs out) the four best candidates and every other
      family's best get the iterated local search of :mod:`pipeplan.solvers.schedule_search`,
-     in equal shares of ``search_replays`` replays (a count again: the same request gives
-     the same plan on any machine; a share left unused passes on; ``options.time_limit_s``,
-     when given, also stops it by the clock, which does not), the flags re-fitted after each
+     in equal shares of ``search_work`` actions replayed (a count again, the replays'
+     actions summed, which is what a replay costs: the same request gives the same plan on
+     any machine; a share left unused passes on; ``options.time_limit_s``, when given, also
+     stops it by the clock, which does not), the flags re-fitted after each
      move, and the plan is
      ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
      every family, v, partition and mask (proof in :func:`family_bound`).
@@ -73,15 +74,16 @@ from pipeplan.solvers.schedule_search import (
     snap_uniform,
 )
 
-__all__ = ["SEARCH_REPLAYS", "Candidate", "candidates", "recompute_to_fit", "solve_schedule"]
+__all__ = ["SEARCH_WORK", "Candidate", "candidates", "recompute_to_fit", "solve_schedule"]
 
 Candidate = tuple[str, int, int]
 """(family, v, m)."""
 
-#: Replays the local search may spend (step 3 of the module docstring): 1.5-1.9 s in all on
-#: the 7B profile's 226 refined units at p = 8 on the benchmarks' 2-core host, 7.6 s with a
-#: compute contention k > 0 (whose replay steps from event to event).
-SEARCH_REPLAYS = 1000
+#: Actions the local search may replay, summed over its replays (step 3 of the module
+#: docstring): 2 M is about 1300 replays of the 7B profile's 226 refined units at p = 8 (v = 4,
+#: m = 16), 2 s on the benchmarks' 2-core host (k = 0; about 5 times that with a compute
+#: contention k > 0, whose replay steps from event to event).
+SEARCH_WORK = 2_000_000
 
 Scored = tuple[float, list[int], list[bool], Replay]
 
@@ -172,6 +174,8 @@ class _Search:
         self.cp = cp
         self.seen: dict[tuple[int, ...], tuple[Score, list[bool], Replay]] = {}
         self.replays = 0
+        self.actions = sum(len(r) for r in action_order(cp.family, cp.p, cp.v, cp.m))
+        """Actions in one replay: what it costs."""
 
     def score(self, starts: Sequence[int], rc: Sequence[bool] | None = None) -> Score:
         key = tuple(starts)
@@ -345,7 +349,7 @@ def solve_schedule(
     options: PlanOptions | None = None,
     *,
     exhaustive_limit: int = 2000,
-    search_replays: int = SEARCH_REPLAYS,
+    search_work: int = SEARCH_WORK,
     chunks: int | None = None,
 ) -> Plan:
     """The fastest (family, v, cuts, m, recompute) under memory (module docstring); v =
@@ -412,12 +416,12 @@ def solve_schedule(
         ranked = [c for c in ranked if c in top]
 
         def spent() -> int:
-            return sum(sr.replays for sr in searches.values())
+            return sum(sr.replays * sr.actions for sr in searches.values())
 
         start = spent()
         for i, c in enumerate(ranked):
             sr = live[c]
-            share = start + search_replays * (i + 1) // len(ranked)  # unused replays pass on
+            share = start + search_work * (i + 1) // len(ranked)  # what is unused passes on
 
             def stop(share: int = share) -> bool:
                 return spent() >= share or (

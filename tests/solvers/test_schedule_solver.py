@@ -83,7 +83,7 @@ def test_local_search_is_bounded_by_brute_force_and_the_bound(small: Profile) ->
 def test_a_searched_plan_is_the_same_however_fast_the_machine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The local search spends a count of replays, not seconds: a machine on which every
+    """The local search spends a count of replayed actions, not seconds: a machine on which every
     reading of the clock is half a second later gets the same plan.  With a time limit
     (``--time-limit``) the clock stops it early, and a plan still comes back."""
     prof = with_split(
@@ -103,7 +103,7 @@ def test_a_searched_plan_is_the_same_however_fast_the_machine(
         prof, cluster, options.model_copy(update={"time_limit_s": 1.0}), exhaustive_limit=0
     )
     assert capped.status == "feasible" and capped.step_time_s >= fast.step_time_s * (1 - 1e-12)
-    seeds = solve_schedule(prof, cluster, options, exhaustive_limit=0, search_replays=0)
+    seeds = solve_schedule(prof, cluster, options, exhaustive_limit=0, search_work=0)
     assert seeds.step_time_s > fast.step_time_s * 1.01  # the search mattered here (4 %)
 
 
