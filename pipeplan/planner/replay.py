@@ -254,7 +254,7 @@ def _contended(
     left = [0.0] * p
     computes = [False] * p
     began = [0.0] * p
-    waiting: dict[int, int] = {}  # slot -> the rank whose next action needs it
+    waiting: dict[int, list[int]] = {}  # slot -> the ranks whose next action needs it
     now = float(t0)
 
     def start(r: int) -> None:
@@ -264,7 +264,7 @@ def _contended(
         _, d1, d2, a = deps[r][pos[r]]
         for d in (d1, d2):
             if d >= 0 and done[d] < 0:
-                waiting[d] = r
+                waiting.setdefault(d, []).append(r)
                 return
         ph = phases[r] = table[(a.kind, a.stage)]
         k_of[r], left[r], computes[r], began[r] = 0, ph[0][1], ph[0][0] in "FBIW", now
@@ -285,8 +285,7 @@ def _contended(
                 continue
             done[slot] = free[r] = now
             phases[r], pos[r] = None, pos[r] + 1
-            if (w := waiting.pop(slot, -1)) >= 0:
-                woken.append(w)
+            woken += waiting.pop(slot, ())
             start(r)
 
     for r in range(p):
