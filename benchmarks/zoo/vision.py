@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from pipeplan.intake.model import load_model
 from pipeplan.intake.spec import ModelSpec
 from pipeplan.models.vision import VISION
 from pipeplan.planner.io import write_json
+from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.runtime.worker import _whole_build_needed
 
 __all__ = ["BATCH", "KWARGS", "built_as_run", "reference", "run_vision"]
@@ -76,10 +78,14 @@ def reference(name: str, image: int = 64) -> tuple[list[float], dict[str, torch.
     return sgd_steps(module, step_loss, STEPS)
 
 
-def run_vision(out: Path, names: list[str], image: int = 64, repeats: int = 2) -> ZooRun:
+def run_vision(
+    out: Path, names: list[str], image: int = 64, repeats: int = 2, zbv: Sequence[str] = ()
+) -> ZooRun:
     """Profile and plan every model (``image``-sided inputs, ``repeats`` timed passes), then
-    run all 2-stage plans in one 2-rank launch."""
+    run all 2-stage plans in one 2-rank launch; for the models in ``zbv`` also a ZB-V plan
+    (2 ranks x 2 chunks, the schedule solver's cuts), as case ``NAME+zbv``."""
     from pipeplan.profiler import profile_model
+    from pipeplan.solvers.schedules import solve_schedule
 
     run = ZooRun()
     cases = {}
@@ -95,6 +101,12 @@ def run_vision(out: Path, names: list[str], image: int = 64, repeats: int = 2) -
         path = out / f"{name}.plan.json"
         write_json(path, _plan(profile, 2, MICROBATCHES, 8 << 30))
         cases[name] = {"model": model, "kwargs": kwargs, "plan": str(path), "meta": True}
+        if name in zbv:
+            options = PlanOptions(schedule="zbv", microbatches=MICROBATCHES, optimizer="sgd")
+            chunked = solve_schedule(profile, Cluster.homogeneous(2, 8 << 30), options)
+            write_json(out / f"{name}+zbv.plan.json", chunked)
+            run.plans[f"{name}+zbv"] = {2: chunked}
+            cases[f"{name}+zbv"] = {**cases[name], "plan": str(out / f"{name}+zbv.plan.json")}
     launch(out, cases, STEPS, run, timeout=3600)
     return run
 

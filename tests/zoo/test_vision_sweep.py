@@ -3,8 +3,8 @@
 timed pass), planned for 2 and 4 stages, and its 2-stage plan run for 2 steps on 2 ranks as
 ``pipeplan run`` builds it by default (``--init auto``), with the loss and every gradient
 against the unsplit model run micro-batch by micro-batch (BatchNorm on micro-batch
-statistics).  :mod:`benchmarks.zoo.vision` is the same sweep with two timed passes; its table is
-in benchmarks/zoo/README.md.
+statistics); two BatchNorm models also as ZB-V plans.  :mod:`benchmarks.zoo.vision` is the
+same sweep with two timed passes; its table is in benchmarks/zoo/README.md.
 """
 
 from __future__ import annotations
@@ -19,13 +19,17 @@ from benchmarks.zoo.vision import reference, run_vision
 from pipeplan.models.vision import VISION
 
 pytest.importorskip("timm")
+#: BatchNorm models also run as ZB-V plans: 2 ranks x 2 chunks, torch's split backward.
+ZBV = ("resnet18", "mobilenet_v3")
 # One worker profiles and runs the whole sweep once (make test runs xdist with --dist loadfile).
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> ZooRun:
     return once_per_session(
-        tmp_path_factory, "vision_sweep", lambda out: run_vision(out, list(VISION), repeats=1)
+        tmp_path_factory,
+        "vision_sweep",
+        lambda out: run_vision(out, list(VISION), repeats=1, zbv=ZBV),
     )
 
 
@@ -41,6 +45,19 @@ def test_profiles_and_plans_2_and_4_stages(sweep: ZooRun, name: str) -> None:
 @pytest.mark.parametrize("name", list(VISION))
 def test_two_rank_run_equals_the_unsplit_model(sweep: ZooRun, name: str) -> None:
     result = compare(name, sweep, partial(reference, image=64))
+    assert result["error"] is None, f"{result['error']}\n{sweep.stderr[-3000:]}"
+    assert not result["missing"], result["missing"]
+    assert result["loss_rel"] <= 1e-12 and result["grad_rel"] <= 1e-12, result
+
+
+@pytest.mark.parametrize("name", ZBV)
+def test_batch_norm_models_under_zbv_equal_the_unsplit_model(sweep: ZooRun, name: str) -> None:
+    """ZB-V runs each BatchNorm of a chunk on micro-batch statistics and splits its backward
+    into I and W; the loss and every gradient still equal the unsplit model's, run micro-batch
+    by micro-batch."""
+    plan = sweep.plans[f"{name}+zbv"][2]
+    assert plan.schedule == "zbv" and plan.stages_per_rank == 2 and plan.microbatches == 2
+    result = compare(f"{name}+zbv", sweep, lambda _: reference(name, image=64))
     assert result["error"] is None, f"{result['error']}\n{sweep.stderr[-3000:]}"
     assert not result["missing"], result["missing"]
     assert result["loss_rel"] <= 1e-12 and result["grad_rel"] <= 1e-12, result
