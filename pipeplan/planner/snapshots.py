@@ -22,14 +22,14 @@ The protocol (:mod:`pipeplan.runtime.saving` drives it over the ranks):
    at all), and replaces ``latest`` (:func:`commit`).
 
 A run that dies anywhere before step 3's rename leaves only a partial folder, which nothing
-reads; ``latest`` still names the previous complete save.
-
-4. with ``--keep K``, rank 0 then removes the complete saves but the K committed last
-   (:func:`prune`; ``latest``'s is always kept): each is first renamed to a hidden
-   ``.pruned-step-S`` (one ``rename`` again, so no ``step-S`` folder is ever seen half
-   removed), then deleted; a prune a dead run left is finished by the next one.  This is the scheme of
+reads; ``latest`` still names the previous complete save.  This is the scheme of
 ``torch.distributed.checkpoint``'s callers (torchtitan writes ``step-N`` folders and marks
 them complete at the end) with the sharded safetensors files ``transformers`` reads.
+
+With ``--keep K``, rank 0 then removes the complete saves but the K committed last
+(:func:`prune`; ``latest``'s is always kept): each is first renamed to a hidden
+``.pruned-step-S`` (one ``rename`` again, so no ``step-S`` folder is ever seen half removed),
+then deleted; a prune a dead run left is finished by the next one.
 
 Reading (:func:`resolve`, :func:`check_file`) refuses what a tear, a truncation or a mix
 would leave: a step folder without a manifest, a file the manifest lists that is missing, of

@@ -144,11 +144,6 @@ _FAILURE = re.compile(
 )
 
 
-#: Errors whose message already says which stage failed, where and what to do (the runtime's
-#: own): reported as they are, not after "stage N failed at step S: TYPE:".
-_SELF_DESCRIBED = frozenset({"CheckpointWriteError"})
-
-
 def _exit_codes(log: str) -> dict[int, str]:
     """Rank -> exit code (and signal) from torchrun's failure summary."""
     codes: dict[int, str] = {}
@@ -189,7 +184,7 @@ def failure(
     if own:
         e = own[0]
         at = f" at step {e['step']}" if e.get("step") is not None else ""
-        if e["type"] in _SELF_DESCRIBED:  # its message names the stage, the step and the fix
+        if e.get("located"):  # its message names the stage and the step: not "stage N failed"
             return StageFailedError(
                 e["message"] + consequence(int(e["stage"])), rank_traceback=e.get("traceback")
             )

@@ -65,6 +65,9 @@ SaveFault = Callable[[int], None]
 class CheckpointWriteError(PipeplanError, RuntimeError):
     """This rank could not write its part of a save (a full disk, a lost mount)."""
 
+    located = True
+    """Its message names the stage, the step and what is kept: reported as it is."""
+
 
 class PeerFailedError(RuntimeError):
     """Another rank failed (here: could not write its part of a save); not this rank's fault."""

@@ -238,6 +238,7 @@ def _write_error(
         "type": type(exc).__name__,
         "message": " ".join(str(exc).split())[:2000],
         "peer": _is_peer_error(exc),
+        "located": bool(getattr(exc, "located", False)),
         "time": time.time(),
         "traceback": traceback.format_exc(),
     }

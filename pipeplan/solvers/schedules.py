@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from itertools import combinations
 from math import comb
 
@@ -166,21 +167,29 @@ def _fit(cp: ChunkPlan, starts: Sequence[int]) -> tuple[list[bool], ChunkCosts, 
         rc[max(flip, key=lambda s: costs.held_bytes[s])] = True
 
 
+@dataclass
+class _Work:
+    """Actions replayed so far, over every candidate's search: what the budget counts."""
+
+    done: int = 0
+
+
 class _Search:
     """One candidate's partitions, scored once each: (step or inf, busy largest first, the
-    busiest rank), with the flags and the replay of each."""
+    busiest rank), with the flags and the replay of each; each replay adds its actions to
+    ``work``."""
 
-    def __init__(self, cp: ChunkPlan) -> None:
+    def __init__(self, cp: ChunkPlan, work: _Work) -> None:
         self.cp = cp
         self.seen: dict[tuple[int, ...], tuple[Score, list[bool], Replay]] = {}
-        self.replays = 0
+        self.work = work
         self.actions = sum(len(r) for r in action_order(cp.family, cp.p, cp.v, cp.m))
         """Actions in one replay: what it costs."""
 
     def score(self, starts: Sequence[int], rc: Sequence[bool] | None = None) -> Score:
         key = tuple(starts)
         if key not in self.seen or rc is not None:
-            self.replays += 1
+            self.work.done += self.actions
             if rc is None:
                 flags, costs, peaks = _fit(self.cp, starts)
                 rep = self.cp.replay(starts, flags, costs=costs, peaks=peaks)
@@ -371,6 +380,7 @@ def solve_schedule(
     dp = _dp_seeds(profile, cluster, options, requested)
     stage_seeds = [s for s, _ in dp.values()]
     searches: dict[Candidate, _Search] = {}
+    work = _Work()
     incumbent = np.inf
     for c in sorted(requested, key=bound_of.__getitem__):
         if bound_of[c] >= incumbent:
@@ -379,7 +389,7 @@ def solve_schedule(
         if reason is not None:
             why.append(reason)
             continue
-        sr = searches[c] = _Search(plans[c])
+        sr = searches[c] = _Search(plans[c], work)
         for st in _seeds(plans[c], p * c[1], cuts, stage_seeds, light=size <= exhaustive_limit):
             sr.score(st)
         if c in dp:
@@ -415,16 +425,13 @@ def solve_schedule(
                 top.append(c)
         ranked = [c for c in ranked if c in top]
 
-        def spent() -> int:
-            return sum(sr.replays * sr.actions for sr in searches.values())
-
-        start = spent()
+        start = work.done
         for i, c in enumerate(ranked):
             sr = live[c]
             share = start + search_work * (i + 1) // len(ranked)  # what is unused passes on
 
             def stop(share: int = share) -> bool:
-                return spent() >= share or (
+                return work.done >= share or (
                     deadline is not None and time.perf_counter() >= deadline
                 )
 
