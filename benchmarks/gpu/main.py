@@ -332,8 +332,9 @@ def _check(out: Path, device: str, size_name: str) -> dict[str, Any]:
             print(results["errors"][name], file=sys.stderr, flush=True)
         results["seconds"][name] = time.perf_counter() - t0
         _release(device)  # what a stage cached on the GPU is not the next stage's to lose
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (out / "table.md").write_text(table(results))
+        # after every stage, so a call stopped at its time limit still returns what ran
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        (out / "table.md").write_text(table(results))
     return results
 
 

@@ -35,4 +35,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
-"$python" -m benchmarks.gpu.main --device cuda -o "$out" "$@" 2>&1 | tee "$out/log.txt"
+# the device tool returns at most 8 files: the run writes to a folder of its own, and OUT
+# gets the summary, every number, the log and the profiles
+full="$(mktemp -d)"
+trap 'rm -rf "$site" "$full"' EXIT
+status=0
+"$python" -m benchmarks.gpu.main --device cuda -o "$full" "$@" 2>&1 | tee "$out/log.txt" || status=$?
+for f in results.json table.md gpt.profile.json llama.profile.json cluster.json; do
+    [ -e "$full/$f" ] && cp "$full/$f" "$out/"
+done
+exit "$status"
