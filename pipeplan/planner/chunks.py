@@ -42,12 +42,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.replay import ChunkCosts, Replay, replay
 from pipeplan.planner.schedules import FAMILIES, rank_of_stage
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
-from pipeplan.planner.types.base import OPTIMIZER_STATES
 from pipeplan.planner.unitcosts import microbatch_choices, tables, unit_costs
 from pipeplan.planner.updates import update_cost
 
@@ -94,6 +94,7 @@ class ChunkPlan:
         self.costs = unit_costs(profile, m)
         self.owner = rank_of_stage(family, self.p, v)
         self.update = update_cost(profile, options.optimizer, cluster)
+        self.state = state_factors(options.optimizer, cluster)  # training state per byte
         self.split = FAMILIES[family].split_backward
         self._memo: dict[tuple[int, int, int, bool, int, float], tuple[float | int, ...]] = {}
         b = profile.batch_size // m
@@ -148,7 +149,7 @@ class ChunkPlan:
             return got
         c = self.costs
         o = self.cluster.engine_overhead_s
-        states = OPTIMIZER_STATES[self.options.optimizer]
+        state = self.state
         speed = self.cluster.devices[self.owner[s]].speed
         last = s == k - 1
         if rc:
@@ -184,11 +185,11 @@ class ChunkPlan:
             i_s,
             w_s,
             self.update.seconds(params) / speed,
-            int(params * (1 + states) + self.m * (x_in + x_out)),
+            int(params * (state.params + state.optimizer) + self.m * (x_in + x_out)),
             int(h),
             0 if rc or not self.split else int(h + d - ((c.out + c.loss_a) if last else 0.0)),
             int((acts if rc else 0.0) + (x_in if s > 0 else 0.0) + (2 * c.out if last else 0.0)),
-            int(params),
+            int(params * state.grads),
             int(max(0.0, big - remade)),
             int(max(0.0, min(copies, big) - remade)),
         )

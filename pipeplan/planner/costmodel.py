@@ -131,8 +131,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeplan.planner.collectives import StateFactors, state_factors
 from pipeplan.planner.types import (
-    OPTIMIZER_STATES,
     Cluster,
     MemoryBreakdown,
     PlanOptions,
@@ -187,7 +187,8 @@ def stage_recomputes(
     if options.checkpoint != "auto":
         return recomputes(options.checkpoint, j, p)
     w = stage_params(costs, l, r)
-    keep = sum(memory_parts(costs, options, j, p, l, r, w, recompute=False).values())
+    state = state_factors(options.optimizer, cluster)
+    keep = sum(memory_parts(costs, options, j, p, l, r, w, False, state=state).values())
     return bool(float(keep) > cluster.devices[j].memory_bytes)
 
 
@@ -243,11 +244,15 @@ def memory_parts(
     r: np.ndarray | int,
     w: np.ndarray | float,
     recompute: bool | None = None,
+    *,
+    state: StateFactors,
 ) -> dict[str, np.ndarray]:
     """M_j by part at its peak, for stage j of p over units l..r holding ``w`` parameter bytes
     (shared copies included; arrays broadcast; see the module docstring), recomputing as
-    ``recompute`` says (default: the fixed policy's rule).  The parts sum to M_j; ``grads`` is
-    0 where the peak comes before the first gradient exists.  The solvers' tables and
+    ``recompute`` says (default: the fixed policy's rule), holding ``state`` bytes of training
+    state per parameter byte (:func:`pipeplan.planner.collectives.state_factors`: replicated or
+    FSDP-sharded over the data-parallel ranks).  The parts sum to M_j; ``grads`` is 0 where the
+    peak comes before the first gradient exists.  The solvers' tables and
     :func:`stage_memory` both read it, so they agree on what fits."""
     l_arr, r_arr, w_arr = np.asarray(l), np.asarray(r), np.asarray(w, dtype=np.float64)
     m, q = costs.m, in_flight(options.schedule, j, p, costs.m)
@@ -262,13 +267,13 @@ def memory_parts(
     remade = acts if rc else 0.0 * acts
     temp = costs.largest_param(l_arr, r_arr) if m > 1 else 0.0 * acts
     first = q * (held_acts + held_out) + remade
-    second = w_arr + later * (held_acts + held_out) + np.maximum(remade, temp)
+    second = state.grads * w_arr + later * (held_acts + held_out) + np.maximum(remade, temp)
     at_first = first >= second
     n_held = np.where(at_first, q, later)
     return {
-        "params": w_arr + 0.0 * acts,
-        "grads": np.where(at_first, 0.0, w_arr),
-        "optimizer": OPTIMIZER_STATES[options.optimizer] * w_arr + 0.0 * acts,
+        "params": state.params * w_arr + 0.0 * acts,
+        "grads": np.where(at_first, 0.0, state.grads * w_arr),
+        "optimizer": state.optimizer * w_arr + 0.0 * acts,
         "stashed_inputs": m * x_in,
         "gradient_buffers": m * x_out,
         "activations": n_held * held_acts + np.where(at_first | (remade >= temp), remade, 0.0),
@@ -293,7 +298,8 @@ def stage_memory(
     if recompute is None:
         recompute = stage_recomputes(costs, cluster, options, l, r, j)
     w = stage_params(costs, l, r)
-    parts = memory_parts(costs, options, j, cluster.n_stages, l, r, w, recompute)
+    state = state_factors(options.optimizer, cluster)
+    parts = memory_parts(costs, options, j, cluster.n_stages, l, r, w, recompute, state=state)
     ints = {key: int(v) for key, v in parts.items()}
     return MemoryBreakdown(**ints, total=sum(ints.values()))
 

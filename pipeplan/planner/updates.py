@@ -41,6 +41,7 @@ from itertools import combinations, pairwise
 
 import numpy as np
 
+from pipeplan.planner.collectives import collective_cost
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Cluster, Profile, TiedSync
 from pipeplan.planner.unitcosts import tables
@@ -123,9 +124,14 @@ def update_cost(profile: Profile, optimizer: str, cluster: Cluster | None = None
     ``Profile.update_s`` spread evenly over the model's parameter bytes (free without either).
     A stage pays U of its bytes, shared copies included (each holder updates its copy).
 
-    With ``cluster.data_parallel`` d > 1 the stage first sums its gradients over the d replicas
-    (:meth:`Cluster.replica_allreduce`, alpha w + beta on a device of speed v): each piece gains
-    (alpha v, beta v), so that U(w) / v is the all-reduce and the update, one after the other.
+    With ``cluster.data_parallel`` d > 1 the tail gains the data-parallel collectives of
+    :mod:`pipeplan.planner.collectives` (each alpha w + beta, on a device of speed v scaled by
+    v so that U(w) / v is the whole tail):
+
+        replicate:  AR(w) + U(w)              each piece (s, c) -> (s + a_AR v, c + b_AR v)
+        shard:      RS(w) + U(w / d) + AG(w)  each piece (s, c) -> (s / d + (a_RS + a_AG) v,
+                                                                     c + (b_RS + b_AG) v)
+
     The devices must then have one speed."""
     base = _fitted(profile, optimizer)
     if cluster is None or cluster.data_parallel == 1:
@@ -135,8 +141,17 @@ def update_cost(profile: Profile, optimizer: str, cluster: Cluster | None = None
             "data-parallel replicas need devices of one speed; give every device the same speed"
         )
     v = cluster.devices[0].speed
-    alpha, beta = cluster.replica_allreduce()
     pieces = base.pieces or ((0.0, 0.0),)
+    if cluster.data_parallel_mode == "shard":
+        d = cluster.data_parallel
+        (a_rs, b_rs), (a_ag, b_ag) = (
+            collective_cost(cluster, "reduce_scatter"),
+            collective_cost(cluster, "all_gather"),
+        )
+        return UpdateCost(
+            tuple((s / d + (a_rs + a_ag) * v, c + (b_rs + b_ag) * v) for s, c in pieces)
+        )
+    alpha, beta = collective_cost(cluster, "all_reduce")
     return UpdateCost(tuple((s + alpha * v, c + beta * v) for s, c in pieces))
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "batch_norm_note",
     "compare_table",
     "console",
+    "data_parallel_note",
     "err_console",
     "print_plan",
     "print_profile",
@@ -70,6 +71,33 @@ def uncalibrated_note(cluster: Cluster) -> str | None:
     return (
         f"uncalibrated: this plan charges nothing for {'; '.join(free)} (pipeplan calibrate "
         f"measures them; plan with --cluster cluster.json, or --bandwidth/--latency for links)"
+    )
+
+
+def data_parallel_note(p: Plan) -> str:
+    """One line on a plan's data-parallel axis: d, the mode, the collectives it charges, and
+    where each replica's ranks sit."""
+    from pipeplan.planner.collectives import collective_cost
+
+    c, d = p.cluster, p.cluster.data_parallel
+    ranks = p.pipeline_ranks
+    if c.data_parallel_mode == "shard":
+        (a1, b1), (a2, b2) = collective_cost(c, "reduce_scatter"), collective_cost(c, "all_gather")
+        what = (
+            f"each stage's parameters, gradients and optimizer states are sharded over them "
+            f"(FSDP2): all-gathered for the step, reduce-scattered after its last backward "
+            f"({(a1 + a2) * 1e9:.3g} ns/B + {(b1 + b2) * 1e6:.3g} us, in its update time)"
+        )
+    else:
+        a, b = collective_cost(c, "all_reduce")
+        what = (
+            f"each stage all-reduces its gradients over them before its update "
+            f"({a * 1e9:.3g} ns/B + {b * 1e6:.3g} us, in its update time)"
+        )
+    return (
+        f"{d} data-parallel ranks per stage ({c.data_parallel_mode}), {p.batch_size} samples "
+        f"each (global batch {p.batch_size * d}, {p.throughput * d:.1f} samples/s): {what}; "
+        f"replica r's rank j is global rank r * {ranks} + j"
     )
 
 
@@ -126,14 +154,7 @@ def print_plan(p: Plan) -> None:
         )
     d = p.cluster.data_parallel
     if d > 1:
-        alpha, beta = p.cluster.replica_allreduce()
-        console.print(
-            f"{d} data-parallel replicas of this pipeline, {p.batch_size} samples each "
-            f"(global batch {p.batch_size * d}, {p.throughput * d:.1f} samples/s): each stage "
-            f"all-reduces its gradients over them before its update ({alpha * 1e9:.3g} ns/B + "
-            f"{beta * 1e6:.3g} us, in its update time); replica r's stage j on rank "
-            f"layout[r][j] = r * {p.n_stages} + j"
-        )
+        console.print(data_parallel_note(p), highlight=False)
     if p.batch_dependent_layers:
         console.print(batch_norm_note(p.batch_dependent_layers, p.microbatches))
     note = uncalibrated_note(p.cluster)

@@ -150,7 +150,7 @@ def time_allreduce(sizes: list[int], repeats: int, device: str) -> list[tuple[in
 def ring_link(allreduce: Link, ranks: int) -> Link:
     """The link whose ring all-reduce over ``ranks`` ranks takes what ``allreduce`` measured
     there: a ring sends 2 (n - 1) / n of the bytes and pays 2 (n - 1) latencies
-    (:meth:`pipeplan.planner.types.Cluster.replica_allreduce`), so the measured bandwidth B_a and
+    (:func:`pipeplan.planner.collectives.collective_cost`), so the measured bandwidth B_a and
     latency L_a give B = 2 (n - 1) / n B_a and L = L_a / (2 (n - 1)).
 
     >>> link = ring_link(Link(bandwidth_Bps=1e9, latency_s=1e-4), 2)

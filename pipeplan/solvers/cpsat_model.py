@@ -51,8 +51,9 @@ from typing import Any
 import numpy as np
 from ortools.sat.python import cp_model
 
+from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import contention, in_flight, recomputes
-from pipeplan.planner.types import OPTIMIZER_STATES, Cluster, PlanOptions
+from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.planner.unitcosts import UnitCosts
 from pipeplan.planner.updates import UpdateCost
 from pipeplan.solvers.bounds import stage_backward, stage_compute, stage_offsets
@@ -145,7 +146,11 @@ class CpsatModel:
         A = [int(v) for v in costs.Pa]
         biggest = [int(v) for v in costs.largest_param(np.arange(n), np.arange(n))]
         X = [int(v) for v in costs.x]
-        wk = 2 + OPTIMIZER_STATES[options.optimizer]
+        # Training state per parameter byte, times D (d where FSDP shards it over d ranks,
+        # else 1) so that every memory term is an integer: D M_j <= D cap_j.
+        state = state_factors(options.optimizer, cluster)
+        D = cluster.data_parallel if cluster.data_parallel_mode == "shard" else 1
+        k_static, k_grad = round(D * (state.params + state.optimizer)), round(D * state.grads)
         # (shared parameter index, all-reduce ticks) of every shared parameter: its holders
         # wait for the first holder before they update, even when the all-reduce is free.
         syncs = (
@@ -247,8 +252,8 @@ class CpsatModel:
             acts = at(j + 1, A, "ae") - at(j, A, "as")
             x_out = at(j + 1, X, "xo") if j < p - 1 else 0
             last = j == p - 1
-            base = (wk - 1) * w_j + m * at(j, X, "x") + m * x_out + (j > 0) * at(j, X, "x")
-            base = base + (int(2 * costs.out) if last else 0)
+            rest = m * at(j, X, "x") + m * x_out + (j > 0) * at(j, X, "x")
+            base = k_static * w_j + D * (rest + (int(2 * costs.out) if last else 0))
             later = q if options.schedule == "1f1b" and m > q else q - 1
             temp = self._largest_param(j, biggest, at) if m > 1 else None
             for rc, lit in variants:
@@ -256,15 +261,18 @@ class CpsatModel:
                     x_out + (0 if rc else acts) + (int(costs.loss_a + costs.out) if last else 0)
                 )
                 remade = acts if rc else 0
-                peaks = [base + q * per_mb + remade, base + w_j + later * per_mb + remade]
+                peaks = [
+                    base + D * (q * per_mb + remade),
+                    base + k_grad * w_j + D * (later * per_mb + remade),
+                ]
                 if temp is not None:
-                    peaks.append(base + w_j + later * per_mb + temp)
+                    peaks.append(base + k_grad * w_j + D * (later * per_mb + temp))
                 for peak in peaks:
-                    only_if(md.add(peak <= caps[j]), lit)
+                    only_if(md.add(peak <= D * caps[j]), lit)
                 if auto and not rc:  # a stage recomputes only where keeping would not fit
                     over = [md.new_bool_var(f"over{j}_{k}") for k in range(len(peaks))]
                     for flag, peak in zip(over, peaks):
-                        md.add(peak >= caps[j] + 1).only_enforce_if(flag)
+                        md.add(peak >= D * caps[j] + 1).only_enforce_if(flag)
                     md.add_bool_or([lit, *over])  # keep (lit), or keeping is over some limit
         # max_j t_j >= t_floor, and s_j >= (1 - k) t_j when k <= 1 (c_j <= t_j).
         lo_t = floor

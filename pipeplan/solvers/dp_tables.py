@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import (
     contention,
     in_flight,
@@ -70,7 +71,7 @@ from pipeplan.planner.costmodel import (
     tied_syncs,
 )
 from pipeplan.planner.evaluate import allowed_starts
-from pipeplan.planner.types import OPTIMIZER_STATES, Cluster, PlanOptions
+from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.planner.unitcosts import UnitCosts, holds_user
 from pipeplan.planner.updates import UpdateCost, update_tail
 
@@ -169,6 +170,7 @@ class Instance:
         self.p = cluster.n_stages
         self.m = costs.m
         self.caps = caps
+        self.state = state_factors(options.optimizer, cluster)  # training state per byte
         # allowed[b]: a stage may start at unit b (PlanOptions.allowed_cuts); a stage's cells
         # are valid only where the next one may start after them.
         self.allowed = allowed_starts(options, n)
@@ -209,7 +211,7 @@ class Instance:
             self.Qmid, self.op = self.variants[False][0], self.variants[False][1]
         self.kappa = contention(cluster, self.m)
         self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
-        self.wk = 2 + OPTIMIZER_STATES[options.optimizer]
+        self.wk = self.state.total
         self.update = update or UpdateCost()  # U(w) at speed 1 (pipeplan.planner.updates)
         self.speed = speed
         # Tied gradients: per shared parameter (first user, last user, sorted users, all-reduce
@@ -255,7 +257,9 @@ class Instance:
         for rc in (True, False) if self.auto else (rc_last,):  # kept last: it wins where it fits
             Q, op, _, _ = self.variants[rc]
             full = np.full(L.shape, n - 1)
-            mem = sum(memory_parts(costs, options, j, self.p, L, full, w, rc).values())
+            mem = sum(
+                memory_parts(costs, options, j, self.p, L, full, w, rc, state=self.state).values()
+            )
             ok = (mem <= caps[j]) & (L < n) & self.allowed[L]
             t_last = np.where(ok, Q[n] - Q[L] + op + loss, t_last)
             self.rc_last = np.where(ok, rc, self.rc_last)
@@ -308,7 +312,14 @@ class Instance:
         widest = dataclasses.replace(costs, x=np.full_like(costs.x, float(np.max(costs.x))))
         w = float(costs.Pw[n]) + sum(float(nb) for nb, _ in costs.shared)
         return all(
-            float(sum(memory_parts(widest, options, j, p, 0, n - 1, w, False).values())) <= caps[j]
+            float(
+                sum(
+                    memory_parts(
+                        widest, options, j, p, 0, n - 1, w, False, state=self.state
+                    ).values()
+                )
+            )
+            <= caps[j]
             for j in range(p)
         )
 
@@ -529,12 +540,14 @@ class Instance:
             if key in masks:
                 continue
             if not self.auto:
-                mem = sum(memory_parts(c, self.options, j, self.p, lc, rr, w).values())
+                mem = sum(
+                    memory_parts(c, self.options, j, self.p, lc, rr, w, state=self.state).values()
+                )
                 masks[key], a_by[key], s_by[key] = valid & (mem <= self.caps[j]), a, s
                 continue
             fits = {
                 rc: valid
-                & (sum(memory_parts(c, self.options, j, self.p, lc, rr, w, rc).values())
+                & (sum(memory_parts(c, self.options, j, self.p, lc, rr, w, rc, state=self.state).values())
                    <= self.caps[j])
                 for rc in (False, True)
             }  # fmt: skip

@@ -63,7 +63,6 @@ from pipeplan.planner.evaluate import profile_fields
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.schedules import FAMILIES, action_order, check
 from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile, Stage
-from pipeplan.planner.types.base import OPTIMIZER_STATES
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.schedule_search import (
     Cuts,
@@ -484,7 +483,7 @@ def _plan(
         for a in acts:
             live[a.stage] += 1 if a.kind == "F" else (-1 if a.kind in "BW" else 0)
             flight[a.stage] = max(flight[a.stage], live[a.stage])
-    states = OPTIMIZER_STATES[cp.options.optimizer]
+    state = cp.state
     stages = []
     for s, l in enumerate(starts):
         r = (starts[s + 1] if s + 1 < k else n) - 1
@@ -492,9 +491,9 @@ def _plan(
         dev = cluster.devices[q]
         params = int(stage_params(cp.costs, l, r))
         parts = {
-            "params": params,
-            "grads": params,
-            "optimizer": states * params,
+            "params": int(state.params * params),
+            "grads": int(state.grads * params),
+            "optimizer": int(state.optimizer * params),
             "stashed_inputs": int(m * cp.costs.x[l]),
             "gradient_buffers": int(m * cp.costs.x[r + 1]),
             "activations": flight[s] * costs.held_bytes[s],

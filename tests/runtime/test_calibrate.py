@@ -11,6 +11,7 @@ import pytest
 
 import pipeplan.runtime.calibrate as calibrate_module
 from pipeplan.cli import main
+from pipeplan.planner.collectives import collective_cost
 from pipeplan.planner.io import calibration_file, load_cluster, write_json
 from pipeplan.runtime.engine_fit import MICRO
 from pipeplan.runtime.linkbench import fit_link
@@ -155,7 +156,7 @@ def test_calibrate_takes_the_median_of_launches(
     assert cluster.allreduce_s(65536) == pytest.approx(2.0 * (1e-4 + 65536 / 1e9))
     # The replicas' ring all-reduce over the 2 ranks reproduces that measurement.
     two = cluster.model_copy(update={"data_parallel": 2})
-    alpha, beta = two.replica_allreduce()
+    alpha, beta = collective_cost(two, "all_reduce")
     assert alpha * 2**20 + beta == pytest.approx(2.0 * (1e-4 + 2**20 / 1e9), rel=0.05)
     trip = 2 * cluster.link.transfer_s(4 * 256 * MICRO)
     assert cluster.op_overhead_s == pytest.approx((2e-3 - trip) / 2)

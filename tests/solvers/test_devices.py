@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from pipeplan.planner.collectives import collective_cost
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.synthetic import synthetic_profile
@@ -62,14 +63,14 @@ def test_each_stage_pays_the_ring_all_reduce_of_its_gradients_before_its_update(
     assert (share.batch_size, share.microbatch_sizes) == (4, (2, 4))
     one = Cluster.homogeneous(2, 2**40, LINK)
     two = one.model_copy(update={"data_parallel": 2})
-    alpha, beta = two.replica_allreduce()
+    alpha, beta = collective_cost(two, "all_reduce")
     assert alpha == pytest.approx(2 * 1 / 2 / 2e8) and beta == pytest.approx(2 * 2e-4)
     base = evaluate(share, one, PlanOptions(), [2], 2, solver="t")
     dp = evaluate(share, two, PlanOptions(), [2], 2, solver="t")
     for a, b in zip(base.stages, dp.stages, strict=True):
         assert b.update_s == pytest.approx(a.update_s + alpha * b.memory.params + beta)
     assert dp.step_time_s > base.step_time_s
-    assert one.replica_allreduce() == (0.0, 0.0)
+    assert collective_cost(one, "all_reduce") == (0.0, 0.0)
 
 
 def test_bad_requests() -> None:

@@ -103,25 +103,25 @@ class Cluster(FrozenModel):
     and on two ranks at once."""
 
     data_parallel: int = Field(default=1, ge=1)
-    """d: replicas of this pipeline, each on its own devices and taking 1 / d of the global
-    batch.  Each stage's gradients are summed over its d copies (a ring all-reduce on
-    ``replica_link``) after its last backward, before its update."""
+    """d: data-parallel ranks per stage, each taking 1 / d of the global batch
+    (:mod:`pipeplan.planner.collectives`)."""
+    data_parallel_mode: Literal["replicate", "shard"] = "replicate"
+    """How the d ranks of a stage hold its training state: ``replicate`` (a whole copy each,
+    gradients all-reduced after the last backward) or ``shard`` (FSDP2: parameters, gradients
+    and optimizer states sharded, parameters all-gathered for the step, gradients
+    reduce-scattered after the last backward)."""
     replica_link: Link | None = None
-    """The link between replicas; ``None``: ``link``."""
+    """The link between a stage's data-parallel ranks; ``None``: ``link``."""
+    collectives: dict[
+        Literal["all_reduce", "reduce_scatter", "all_gather"], tuple[float, float]
+    ] = {}
+    """Measured collectives (``pipeplan calibrate``): kind -> (seconds per byte, seconds) at
+    ``collective_ranks`` ranks, an affine fit of the runtime's own calls; a kind not measured
+    is modelled as a ring on ``replica_link``."""
+    collective_ranks: int = Field(default=2, ge=2)
+    """The ranks ``collectives`` were measured on."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
-
-    def replica_allreduce(self) -> tuple[float, float]:
-        """(alpha, beta): a ring all-reduce of w > 0 gradient bytes over the d replicas takes
-        alpha w + beta seconds, 2 (d - 1) / d w / bandwidth + 2 (d - 1) latency (each rank
-        sends and receives 2 (d - 1) chunks of w / d); (0, 0) for one replica."""
-        d = self.data_parallel
-        if d == 1:
-            return 0.0, 0.0
-        link = self.replica_link or self.link
-        bw = link.bandwidth_Bps
-        alpha = 0.0 if bw is None else 2.0 * (d - 1) / d / bw
-        return alpha, 2.0 * (d - 1) * (link.latency_s + link.overhead_s)
 
     @classmethod
     def homogeneous(
