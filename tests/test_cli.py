@@ -59,7 +59,7 @@ def test_plan_for_devices_prints_the_frontier_and_writes_the_best(
         assert any(line.split("│")[1].strip() == str(p) for line in out.splitlines()
                    if line.count("│") > 3)  # fmt: skip
     assert d > 1  # replicas win on this profile and link
-    assert f"{d} data-parallel replicas of this pipeline" in out
+    assert f"{d} data-parallel ranks per stage (replicate)" in out
 
 
 def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, cli) -> None:

@@ -11,11 +11,11 @@
 :func:`solve` decides:
 
 ``schedule`` = a multi-chunk family
-    the schedule solver; only with the DP solver and one pipeline (multi-chunk plans run without
-    data-parallel replicas), otherwise :class:`~pipeplan.planner.errors.InvalidRequestError`.
+    the schedule solver; only with the DP solver, otherwise
+    :class:`~pipeplan.planner.errors.InvalidRequestError`.
 ``schedule`` = ``gpipe`` or ``1f1b``
     the named solver.
-``schedule`` = ``auto``, DP solver, one pipeline
+``schedule`` = ``auto``, DP solver
     T* = min(T_sched, T_gpipe, T_1f1b) (the simulated steps: the closed form's T(m) is a bound
     where updates end the step): the schedule solver's best plan over every allowed
     family (``PlanOptions.families``), beside the DP's GPipe and 1F1B plans, all of them charged
@@ -23,7 +23,7 @@
     Status ``optimal`` when the schedule solver's was (it enumerated every family,
     cut, m and mask) and the winner is no slower than its plan; otherwise ``feasible`` with the
     gap (T* - L) / T* to the schedule solver's work bound L, which holds for every family.
-``schedule`` = ``auto``, another solver or data-parallel replicas
+``schedule`` = ``auto``, another solver
     the faster of that solver's GPipe and 1F1B plans (a plan that fits before one that does not).
 """
 
@@ -89,7 +89,7 @@ def solve(
         raise InvalidRequestError(
             f"solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
         )
-    one_pipeline = solver == "dp" and cluster.data_parallel == 1
+    one_pipeline = solver == "dp"
     fam = options.schedule
     if fam in ONE_CHUNK:
         return SOLVERS[solver](profile, cluster, options)

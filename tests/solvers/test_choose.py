@@ -55,20 +55,30 @@ def test_auto_with_a_one_chunk_solver_is_its_faster_of_gpipe_and_1f1b(
     assert plan.simulated_step_time_s == min(p.simulated_step_time_s for p in both)
 
 
-def test_auto_with_replicas_plans_one_chunk_per_rank(prof: Profile) -> None:
-    plan = solve(prof, _cluster(replicas=2), PlanOptions(schedule="auto"))
-    assert plan.schedule in ONE_CHUNK and plan.cluster.data_parallel == 2
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_auto_with_replicas_weighs_every_family(prof: Profile, mode: str) -> None:
+    """Replicas no longer confine auto to one chunk per rank: it returns the faster of the
+    DP's one-chunk plan and the schedule solver's, both on the replicated (or sharded) axis."""
+    clus = _cluster(replicas=2).model_copy(update={"data_parallel_mode": mode})
+    plan = solve(prof, clus, PlanOptions(schedule="auto"))
+    assert plan.cluster.data_parallel == 2 and plan.cluster.data_parallel_mode == mode
+    sched = solve_schedule(prof, clus, PlanOptions(schedule="auto"))
+    one = solve(prof, clus, PlanOptions(schedule="1f1b"))
+    assert plan.simulated_step_time_s == pytest.approx(
+        min(sched.simulated_step_time_s or sched.step_time_s, one.simulated_step_time_s or 0.0)
+        if one.feasible
+        else sched.simulated_step_time_s
+    )
 
 
-@pytest.mark.parametrize(
-    ("solver", "replicas", "words"),
-    [("cpsat", 1, "not with --solver cpsat"), ("dp", 2, "not with data-parallel replicas")],
-)
-def test_a_multi_chunk_family_needs_the_schedule_solver_on_one_pipeline(
-    prof: Profile, solver: str, replicas: int, words: str
-) -> None:
-    with pytest.raises(InvalidRequestError, match=words):
-        solve(prof, _cluster(replicas), PlanOptions(schedule="zbv"), solver)
+def test_a_multi_chunk_family_plans_with_replicas(prof: Profile) -> None:
+    plan = solve(prof, _cluster(replicas=2), PlanOptions(schedule="zbv"))
+    assert (plan.schedule, plan.stages_per_rank, plan.cluster.data_parallel) == ("zbv", 2, 2)
+
+
+def test_a_multi_chunk_family_needs_the_schedule_solver(prof: Profile) -> None:
+    with pytest.raises(InvalidRequestError, match="not with --solver cpsat"):
+        solve(prof, _cluster(), PlanOptions(schedule="zbv"), "cpsat")
     with pytest.raises(InvalidRequestError, match="unknown"):
         solve(prof, _cluster(), PlanOptions(schedule="auto"), "nope")
 

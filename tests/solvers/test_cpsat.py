@@ -77,6 +77,14 @@ def dp_instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         clus = clus.model_copy(
             update={"allreduce": Link(bandwidth_Bps=1e8, latency_s=1e-3), "step_overhead_s": 1e-3}
         )
+    # d data-parallel ranks per stage, replicated or FSDP-sharded: CP-SAT scales its memory
+    # rows by d to keep them integral
+    clus = clus.model_copy(
+        update={
+            "data_parallel": draw(st.sampled_from([1, 1, 3, 4])),
+            "data_parallel_mode": draw(st.sampled_from(["replicate", "shard"])),
+        }
+    )
     return prof, clus, options
 
 

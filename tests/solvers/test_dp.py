@@ -75,6 +75,9 @@ def instances(draw: st.DrawFn) -> tuple[Profile, Cluster, PlanOptions]:
         contention=draw(st.sampled_from([0.0, 0.0, 0.3, 1.5])),
         allreduce=draw(st.sampled_from([None, Link(bandwidth_Bps=1e8, latency_s=1e-3)])),
         step_overhead_s=draw(st.sampled_from([0.0, 0.0, 1e-3])),
+        # d data-parallel ranks per stage, replicated or FSDP-sharded (pipeplan.planner.collectives)
+        data_parallel=draw(st.sampled_from([1, 1, 2, 4])),
+        data_parallel_mode=draw(st.sampled_from(["replicate", "shard"])),
     )
     options = ss.draw_options(draw, microbatches=st.sampled_from([None, None, 1, 2, 8]))
     return prof, cluster, options

@@ -13,7 +13,7 @@ from pipeplan.planner.chunks import score, work_bound
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.schedules import FAMILIES, check
 from pipeplan.planner.synthetic import synthetic_profile
-from pipeplan.planner.types import Cluster, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
 from pipeplan.solvers.schedules import solve_schedule
 
 
@@ -68,6 +68,25 @@ def test_memory_forces_recompute_and_the_brute_force_agrees(small: Profile) -> N
     assert plan.step_time_s == pytest.approx(_brute(small, tight, options), rel=1e-12)
     with pytest.raises(InfeasiblePlanError, match="GiB"):
         solve_schedule(small, Cluster.homogeneous(2, 1000), options)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_data_parallel_ranks_against_brute_force(small: Profile, mode: str) -> None:
+    """Four data-parallel ranks per stage: the replay charges the mode's collectives and
+    memory (pipeplan.planner.collectives), and under a limit that forces recomputation the
+    solver's plan is still the brute-force optimum.  Sharding holds less than replicating."""
+    options = PlanOptions(schedule="zbv")
+    base = Cluster.homogeneous(2, 10**9, link=Link(bandwidth_Bps=1e9, latency_s=1e-5))
+    dp = {"data_parallel": 4, "data_parallel_mode": mode}
+    free = solve_schedule(small, base.model_copy(update=dp), options)
+    tight_bytes = int(max(free.rank_peak_bytes) * 0.9)
+    tight = Cluster.homogeneous(2, tight_bytes, link=base.link).model_copy(update=dp)
+    plan = solve_schedule(small, tight, options)
+    assert max(plan.rank_peak_bytes) <= tight_bytes
+    assert plan.step_time_s == pytest.approx(_brute(small, tight, options), rel=1e-12)
+    if mode == "shard":
+        whole = solve_schedule(small, base.model_copy(update={"data_parallel": 4}), options)
+        assert max(free.rank_peak_bytes) < max(whole.rank_peak_bytes)
 
 
 def test_local_search_is_bounded_by_brute_force_and_the_bound(small: Profile) -> None:
