@@ -18,43 +18,81 @@ from pipeplan.solvers.dp import solve_dp
 LINK = Link(bandwidth_Bps=2e8, latency_s=2e-4)
 
 
-def _brute_force(profile: Profile, devices: int, memory: int, options: PlanOptions) -> float:
-    """The best global throughput over every depth, partition and m."""
+def _brute_force(
+    profile: Profile, devices: int, memory: int, options: PlanOptions, batch: int | None = None
+) -> float:
+    """The best global throughput over every depth, mode, partition and m."""
     best = 0.0
+    batch = batch or profile.batch_size
     for p in (p for p in range(1, devices + 1) if devices % p == 0 and p <= profile.n_units):
         d = devices // p
-        if profile.batch_size % d:
+        if batch % d:
             continue
-        share = replica_profile(profile, d)
-        clus = Cluster.homogeneous(p, memory, LINK).model_copy(update={"data_parallel": d})
-        for m in microbatch_choices(share, options, p):
-            for cuts in itertools.combinations(range(1, profile.n_units), p - 1):
-                plan = evaluate(share, clus, options, cuts, m, solver="brute")
-                if plan.feasible:
-                    best = max(best, plan.throughput * d)
+        share = replica_profile(profile, d, batch)
+        for mode in ("replicate", "shard"):
+            clus = Cluster.homogeneous(p, memory, LINK).model_copy(
+                update={"data_parallel": d, "data_parallel_mode": mode}
+            )
+            for m in microbatch_choices(share, options, p):
+                for cuts in itertools.combinations(range(1, profile.n_units), p - 1):
+                    plan = evaluate(share, clus, options, cuts, m, solver="brute")
+                    if plan.feasible:
+                        best = max(best, plan.throughput * d)
     return best
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("squeeze", [None, 0.6])
-def test_the_best_depth_is_the_brute_force_optimum(seed: int, squeeze: float | None) -> None:
+@pytest.mark.parametrize("squeeze", [None, 0.6, 0.4])
+@pytest.mark.parametrize("batch", [None, 32])
+def test_the_best_depth_is_the_brute_force_optimum(
+    seed: int, squeeze: float | None, batch: int | None
+) -> None:
     prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=seed, tied=True)
     options = PlanOptions()
     one = solve_dp(prof, Cluster.homogeneous(1, 2**40))
     memory = 2**40 if squeeze is None else int(one.stages[0].memory.total * squeeze)
-    want = _brute_force(prof, 4, memory, options)
-    choices = plan_devices(prof, 4, Cluster.homogeneous(1, memory, LINK), options, solve_dp)
-    assert [c.stages for c in choices if c.plan is None] == sorted(
-        c.stages for c in choices if c.plan is None
-    )
-    assert {(c.stages, c.replicas) for c in choices} == {(1, 4), (2, 2), (4, 1)}
+    want = _brute_force(prof, 4, memory, options, batch)
+    clus = Cluster.homogeneous(1, memory, LINK)
+    choices = plan_devices(prof, 4, clus, options, solve_dp, global_batch=batch)
+    assert {(c.stages, c.replicas, c.mode) for c in choices} == {
+        (1, 4, "replicate"), (1, 4, "shard"), (2, 2, "replicate"), (2, 2, "shard"),
+        (4, 1, "replicate"),
+    }  # fmt: skip
     best = choices[0]
+    if want == 0.0:
+        assert best.plan is None
+        return
     assert best.plan is not None
     assert best.throughput == pytest.approx(want, rel=1e-9)
     assert all(best.throughput >= c.throughput for c in choices)
     assert best.plan.layout == layout(best.stages, best.replicas)
     assert best.plan.cluster.data_parallel == best.replicas
-    assert best.plan.batch_size * best.replicas == prof.batch_size
+    assert best.plan.cluster.data_parallel_mode == best.mode
+    assert best.plan.batch_size * best.replicas == (batch or prof.batch_size)
+
+
+def test_sharding_fits_where_replicas_do_not() -> None:
+    """Adam's states dominate a stage: at a limit below a whole replica's state, only the
+    sharded mode plans the shallow pipelines."""
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=0)
+    whole = solve_dp(prof, Cluster.homogeneous(1, 2**40), PlanOptions(microbatches=8))
+    memory = int(whole.stages[0].memory.total * 0.6)
+    choices = plan_devices(prof, 4, Cluster.homogeneous(1, memory, LINK), PlanOptions(), solve_dp)
+    by = {(c.stages, c.mode): c for c in choices}
+    assert by[(1, "replicate")].plan is None and by[(1, "shard")].plan is not None
+    shard = by[(1, "shard")].plan
+    assert shard.stages[0].memory.optimizer < whole.stages[0].memory.optimizer / 3
+
+
+def test_a_fixed_data_parallel_degree() -> None:
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=0)
+    clus = Cluster.homogeneous(1, 2**40, LINK)
+    choices = plan_devices(prof, 8, clus, PlanOptions(), solve_dp, replicas=2)
+    assert {(c.stages, c.replicas) for c in choices} == {(4, 2)}
+    with pytest.raises(InvalidRequestError, match="--dp 3 does not divide --devices 8"):
+        plan_devices(prof, 8, clus, PlanOptions(), solve_dp, replicas=3)
+    only = plan_devices(prof, 4, clus, PlanOptions(), solve_dp, modes=("shard",))
+    assert {c.mode for c in only if c.replicas > 1} == {"shard"}
 
 
 def test_each_stage_pays_the_ring_all_reduce_of_its_gradients_before_its_update() -> None:
@@ -68,7 +106,7 @@ def test_each_stage_pays_the_ring_all_reduce_of_its_gradients_before_its_update(
     base = evaluate(share, one, PlanOptions(), [2], 2, solver="t")
     dp = evaluate(share, two, PlanOptions(), [2], 2, solver="t")
     for a, b in zip(base.stages, dp.stages, strict=True):
-        assert b.update_s == pytest.approx(a.update_s + alpha * b.memory.params + beta)
+        assert b.update_s == pytest.approx(a.update_s + alpha * a.memory.params + beta)
     assert dp.step_time_s > base.step_time_s
     assert collective_cost(one, "all_reduce") == (0.0, 0.0)
 
@@ -85,6 +123,10 @@ def test_bad_requests() -> None:
     with pytest.raises(InvalidRequestError, match="identical devices"):
         plan_devices(prof, 2, mixed, PlanOptions(), solve_dp)
     choices = {c.stages: c for c in plan_devices(prof, 8, clus, PlanOptions(), solve_dp)}
-    assert "does not split over 4 replicas" in choices[2].reason  # 6 samples, 4 replicas
+    assert "global batch 6 does not split over 4 data-parallel ranks" in choices[2].reason
+    with pytest.raises(InvalidRequestError, match="global batch 0 must be at least 1"):
+        replica_profile(prof, 1, 0)
+    with pytest.raises(InvalidRequestError, match="no profiled micro-batch size divides"):
+        replica_profile(prof.model_copy(update={"microbatch_sizes": (2, 3, 6)}), 1, 5)
     assert "more stages than the 4 units" in choices[8].reason
     assert choices[8].throughput == 0.0
