@@ -31,6 +31,7 @@ from pipeplan.planner.types import Cluster, Device, Plan, PlanOptions, Profile
 __all__ = ["MODES", "DeviceChoice", "Mode", "layout", "plan_devices", "replica_profile"]
 
 Solver = Callable[[Profile, Cluster, PlanOptions], Plan]
+Floor = Callable[[Profile, Cluster, PlanOptions], float]
 
 
 Mode = Literal["replicate", "shard"]
@@ -99,6 +100,8 @@ def plan_devices(
     global_batch: int | None = None,
     modes: Sequence[Mode] = MODES,
     replicas: int | None = None,
+    floor: Floor | None = None,
+    quick: Solver | None = None,
 ) -> list[DeviceChoice]:
     """Every depth p dividing ``devices`` (only p = devices / ``replicas`` when that is given)
     in each of ``modes``: the best plan of d = devices / p data-parallel ranks per stage, best
@@ -107,6 +110,13 @@ def plan_devices(
 
     ``cluster`` describes one device (its first) and the links: each depth gets p copies of
     that device, ``data_parallel`` d in the mode, and the cluster's links and engine terms.
+
+    With ``floor`` (a lower bound on the step of every plan ``solver`` could return, e.g.
+    :func:`pipeplan.solvers.schedules.schedule_floor`), the pairs are solved in increasing
+    order of their floor, and a pair whose floor is no less than the best step found so far is
+    not searched: every pair has the same global batch, so it cannot have the best
+    throughput.  Such a pair gets ``quick``'s plan (e.g. the DP's one-chunk plan) for the
+    frontier, or none; the best pair is the same as without ``floor``.
     """
     if devices < 1:
         raise InvalidRequestError(f"--devices {devices} must be at least 1")
@@ -122,18 +132,32 @@ def plan_devices(
     depths = [p for p in range(1, devices + 1) if devices % p == 0]
     if replicas is not None:
         depths = [devices // replicas]
-    out = []
+    out: list[DeviceChoice] = []
+    todo: list[tuple[float, int, Profile, Cluster, Mode]] = []
     for p in depths:
         d = devices // p
         for mode in modes if d > 1 else modes[:1]:
-            out.append(
-                _one_depth(profile, p, d, mode, device, cluster, options, solver, global_batch)
-            )
+            got = _request(profile, p, d, mode, device, cluster, options, global_batch)
+            if isinstance(got, str):
+                out.append(DeviceChoice(p, d, None, got, mode))
+                continue
+            share, clus = got
+            bound = floor(share, clus, options) if floor is not None else 0.0
+            todo.append((bound, p, share, clus, mode))
+    best = float("inf")
+    for bound, p, share, clus, mode in sorted(todo, key=lambda t: (t[0], t[1], t[4])):
+        use = solver if bound < best else quick
+        choice = _solve(
+            share, clus, options, use, p, mode, f"bound {bound:.4g} s >= best {best:.4g} s"
+        )
+        if use is solver and choice.plan is not None:
+            best = min(best, choice.plan.simulated_step_time_s or choice.plan.step_time_s)
+        out.append(choice)
     order = {m: k for k, m in enumerate(MODES)}
     return sorted(out, key=lambda c: (c.plan is None, -c.throughput, order[c.mode], c.stages))
 
 
-def _one_depth(
+def _request(
     profile: Profile,
     p: int,
     d: int,
@@ -141,21 +165,18 @@ def _one_depth(
     device: Device,
     cluster: Cluster,
     options: PlanOptions,
-    solver: Solver,
     global_batch: int | None,
-) -> DeviceChoice:
-    def none(reason: str) -> DeviceChoice:
-        return DeviceChoice(p, d, None, reason, mode)
-
+) -> tuple[Profile, Cluster] | str:
+    """The replica's profile and the cluster of one (p, d, mode), or why it has no plan."""
     if p > profile.n_units:
-        return none(f"more stages than the {profile.n_units} units")
+        return f"more stages than the {profile.n_units} units"
     cuts = options.allowed_cuts
     if cuts is not None and len(cuts) < p - 1:
-        return none(f"only {len(cuts)} allowed cut(s) (--for)")
+        return f"only {len(cuts)} allowed cut(s) (--for)"
     try:
         share = replica_profile(profile, d, global_batch)
     except InvalidRequestError as exc:
-        return none(str(exc).split(";")[0])
+        return str(exc).split(";")[0]
     clus = cluster.model_copy(
         update={
             "devices": tuple(device.model_copy(update={"name": f"dev{j}"}) for j in range(p)),
@@ -163,12 +184,27 @@ def _one_depth(
             "data_parallel_mode": mode,
         }
     )
+    return share, clus
+
+
+def _solve(
+    share: Profile,
+    clus: Cluster,
+    options: PlanOptions,
+    solver: Solver | None,
+    p: int,
+    mode: Mode,
+    skipped: str,
+) -> DeviceChoice:
+    d = clus.data_parallel
+    if solver is None:
+        return DeviceChoice(p, d, None, f"not searched: {skipped}", mode)
     try:
         plan = solver(share, clus, options)
     except (InfeasiblePlanError, InvalidRequestError) as exc:
-        return none(str(exc).split(";")[0])
+        return DeviceChoice(p, d, None, str(exc).split(";")[0], mode)
     if not plan.feasible:
-        return none("no partition fits in memory")
+        return DeviceChoice(p, d, None, "no partition fits in memory", mode)
     return DeviceChoice(
         p, d, plan.model_copy(update={"layout": layout(plan.pipeline_ranks, d)}), "", mode
     )

@@ -74,7 +74,14 @@ from pipeplan.solvers.schedule_search import (
     snap_uniform,
 )
 
-__all__ = ["SEARCH_WORK", "Candidate", "candidates", "recompute_to_fit", "solve_schedule"]
+__all__ = [
+    "SEARCH_WORK",
+    "Candidate",
+    "candidates",
+    "recompute_to_fit",
+    "schedule_floor",
+    "solve_schedule",
+]
 
 Candidate = tuple[str, int, int]
 """(family, v, m)."""
@@ -455,6 +462,18 @@ def solve_schedule(
         bound=bound,
         solve_time_s=time.perf_counter() - t0,
     )  # fmt: skip
+
+
+def schedule_floor(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
+    """A lower bound on the simulated step of every plan of this request, whatever its family,
+    v, m, cuts and recomputation: the least :func:`~pipeplan.planner.chunks.family_bound` over
+    the candidates (``inf`` when none can run).  Cheap (no replay): ``plan --devices`` skips
+    the search of a depth whose floor cannot beat the best plan found."""
+    requested, _ = _requested(profile, cluster, options)
+    return min(
+        (family_bound(profile, cluster, options, f, v, m) for f, v, m in requested),
+        default=float("inf"),
+    )
 
 
 def _candidate_floor(cp: ChunkPlan) -> float:
