@@ -5,15 +5,18 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from _solver_strategies import with_split
 
 from pipeplan.planner.collectives import collective_cost
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.synthetic import synthetic_profile
-from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers.choose import solve
 from pipeplan.solvers.devices import layout, plan_devices, replica_profile
 from pipeplan.solvers.dp import solve_dp
+from pipeplan.solvers.schedules import schedule_floor
 
 LINK = Link(bandwidth_Bps=2e8, latency_s=2e-4)
 
@@ -130,3 +133,44 @@ def test_bad_requests() -> None:
         replica_profile(prof.model_copy(update={"microbatch_sizes": (2, 3, 6)}), 1, 5)
     assert "more stages than the 4 units" in choices[8].reason
     assert choices[8].throughput == 0.0
+
+
+def test_a_floor_skips_pairs_that_cannot_win_and_keeps_the_best() -> None:
+    """With the schedule solver's floor, pairs whose bound is no less than the best step found
+    are not searched (they get the quick plan); the best pair is the one found without it."""
+    prof = with_split(
+        synthetic_profile(8, batch_size=16, microbatch_sizes=[1, 2, 4], seed=3, heavy_ends=True)
+    )
+    clus = Cluster.homogeneous(1, 2**40, LINK)
+    options = PlanOptions(schedule="auto")
+    full = plan_devices(prof, 4, clus, options, solve, global_batch=32)
+    calls: list[tuple[int, str]] = []
+
+    def counted(pr: Profile, cl: Cluster, op: PlanOptions) -> Plan:
+        calls.append((cl.n_stages, cl.data_parallel_mode))
+        return solve(pr, cl, op)
+
+    pruned = plan_devices(
+        prof, 4, clus, options, counted, global_batch=32, floor=schedule_floor, quick=solve_dp
+    )
+    assert pruned[0].plan is not None and full[0].plan is not None
+    assert pruned[0].throughput == pytest.approx(full[0].throughput, rel=1e-12)
+    floors = {
+        (c.stages, c.mode): schedule_floor(
+            replica_profile(prof, c.replicas, 32),
+            clus.model_copy(
+                update={
+                    "devices": clus.devices * c.stages,
+                    "data_parallel": c.replicas,
+                    "data_parallel_mode": c.mode,
+                }
+            ),
+            options,
+        )
+        for c in pruned
+    }
+    best = full[0].plan.simulated_step_time_s or full[0].plan.step_time_s
+    assert 0 < len(calls) < len(pruned)  # some pairs were skipped, and not all
+    for c in pruned:
+        if (c.stages, c.mode) not in calls:  # skipped: its floor could not beat the best
+            assert floors[(c.stages, c.mode)] >= best * (1 - 1e-12)
