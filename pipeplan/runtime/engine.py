@@ -43,7 +43,6 @@ from pipeplan.intake.meta import has_meta, materialize, trace_meta
 from pipeplan.intake.model import ModelSpec, NamedInputs
 from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.intake.usercode import user_error
-from pipeplan.planner.checkpoint import CheckpointReader, load_checkpoint
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
 from pipeplan.planner.optim import make_optimizer
 from pipeplan.planner.schedules import FAMILIES, check, rank_of_stage, stages_of_rank
@@ -54,6 +53,7 @@ from pipeplan.runtime.batchnorm import (
     recomputing,
     restore_batch_norm,
 )
+from pipeplan.runtime.checkpoint import CheckpointReader, load_checkpoint
 from pipeplan.runtime.memory import TensorPeak, live_bytes
 from pipeplan.runtime.report import RankRecord
 from pipeplan.runtime.stages import (

@@ -10,7 +10,7 @@ Rank j runs stage j, or, for a plan of v chunks per rank (interleaved, looped, z
 V), the v stages :func:`pipeplan.planner.schedules.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
 and materializes only its stages' modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
 and each module's name, so the values do not depend on the split; or it reads them from
-``--weights`` (:mod:`pipeplan.planner.checkpoint`).  ``--init full`` builds the whole model on every
+``--weights`` (:mod:`pipeplan.runtime.checkpoint`).  ``--init full`` builds the whole model on every
 rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
 ``--save DIR`` saves the run at its end, and every ``--save-every K`` steps, into step folders
 made visible whole (:mod:`pipeplan.runtime.saving`): weights one shard per rank (its
