@@ -9,17 +9,16 @@ or a V for the multi-chunk families).  The schedule is the family's torch class
 (:data:`pipeplan.planner.schedules.FAMILIES`), whose action lists the planner replayed; it
 splits the batch into ``plan.microbatches`` micro-batches.  With one chunk per rank torch
 divides the gradients by m; with several the runner divides them once after the step
-(``scale_grads=False``): torch divides per stage, which would divide a weight two chunks of a
-rank share (a tied embedding and head in a V) twice, part way through its sum.  With a loss
-that is a batch mean the result is the full batch's gradient.
+(``scale_grads=False``, :mod:`pipeplan.runtime.gradsync`).  With a loss that is a batch mean
+the result is the full batch's gradient.
 
 A stage with ``recompute`` runs inside ``torch.utils.checkpoint(use_reentrant=False)``: only
 its inputs are kept per micro-batch and its forward is run again in the backward pass, with
 the RNG state restored and buffer updates (batch-norm statistics) of the rerun undone.
 
 A parameter held by stages on several ranks (tied embedding / LM head) gets its gradient
-summed over the ranks that hold it (``all_reduce`` on a group of exactly those ranks) before the optimizer
-steps, so the copies receive the same update and stay equal.
+summed over the ranks that hold it before the optimizer steps, and with d replicas every
+gradient is averaged over them (:mod:`pipeplan.runtime.gradsync`).
 """
 
 from __future__ import annotations
@@ -54,10 +53,15 @@ from pipeplan.runtime.batchnorm import (
     restore_batch_norm,
 )
 from pipeplan.runtime.checkpoint import CheckpointReader, load_checkpoint
+from pipeplan.runtime.gradsync import (
+    average_replicas,
+    divide_microbatches,
+    sum_tied,
+    tied_groups,
+)
 from pipeplan.runtime.memory import TensorPeak, live_bytes
 from pipeplan.runtime.report import RankRecord
 from pipeplan.runtime.stages import (
-    TiedParameter,
     build_stages,
     describe_values,
     parameter_names,
@@ -309,7 +313,9 @@ class PipelineRunner:
         self.stage = self.stages[0]
         del programs, mine
         schedule_cls = getattr(schedules, FAMILIES[plan.schedule].torch_class)
-        self._scale = v > 1  # see the module docstring
+        self.unscaled = v > 1
+        """Whether the schedule leaves the gradients summed over the micro-batches (v > 1: it
+        is built with ``scale_grads=False``, see :mod:`pipeplan.runtime.gradsync`)."""
         # The last stage's outputs are left unmerged: the loss is all the runner reads, and
         # torch's default merge concatenates every output on dim 0, which a 0-dim one lacks.
         drop = tuple(_CustomReducer(None, _drop) for _ in self._last_outputs)
@@ -318,12 +324,21 @@ class PipelineRunner:
             n_microbatches=plan.microbatches,
             loss_fn=self._loss,
             output_merge_spec=drop,
-            scale_grads=not self._scale,
+            scale_grads=not self.unscaled,
         )
         self._loss_calls = 0
         self.params = list(dict.fromkeys(p for m in self.chunk_modules for p in m.parameters()))
         self.optimizer = make_optimizer(optimizer, self.params, lr)
-        self._tied_groups = self._make_tied_groups()
+        self.tied_groups = tied_groups(
+            self.tied,
+            self.named_parameters(),
+            self.owner,
+            rank=rank,
+            ranks=p,
+            replica=self.replica,
+            replicas=self.replicas,
+        )
+        """This rank's process groups of the ranks holding its tied parameters."""
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -397,84 +412,6 @@ class PipelineRunner:
             if id(t) in by_id and first.get(self.names.get(id(t), name), self.rank) == self.rank
         }
 
-    # -- tied parameters -------------------------------------------------------------------
-
-    def _make_tied_groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
-        """One process group per distinct set of owning stages (created on every rank)."""
-        by_name = {self.names[id(p)]: p for p in self.params}
-        owners: dict[tuple[int, ...], list[TiedParameter]] = {}
-        for t in self.tied:
-            owners.setdefault(tuple(sorted({self.owner[s] for s in t.stages})), []).append(t)
-        groups = []
-        p = self.ranks
-        for ranks, tied in sorted(owners.items()):
-            for r in range(self.replicas):  # every rank creates every replica's group
-                group = dist.new_group([r * p + j for j in ranks])
-                if r == self.replica and self.rank in ranks:
-                    groups.append((group, [by_name[t.name] for t in tied]))
-        return groups
-
-    def _average_replicas(self) -> None:
-        """Average every gradient over the data-parallel replicas of this stage: gradients
-        packed into buckets of about ``_BUCKET_BYTES`` (as DDP's), one all-reduce per bucket
-        over the mesh's dp group, then / d, copied back.  One call per parameter cost gloo
-        about 1 ms each (69 ms for the bundled GPT's 50 parameters, against 1.5 ms of bytes);
-        a bucket is the only temporary, at most ``_BUCKET_BYTES``."""
-        bucket: list[Tensor] = []
-        size = 0
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= _BUCKET_BYTES:
-                self._reduce_bucket(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._reduce_bucket(bucket)
-
-    def _reduce_bucket(self, grads: list[Tensor]) -> None:
-        if len(grads) == 1 and grads[0].is_contiguous():
-            dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.dp_group)
-            grads[0].div_(self.replicas)
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
-        flat.div_(self.replicas)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def _unscale(self) -> None:
-        """Divide this rank's gradients by m where the schedule did not (v > 1: it was built
-        with ``scale_grads=False``, see the module docstring); nothing otherwise."""
-        if self._scale:
-            for prm in self.params:
-                if prm.grad is not None:
-                    prm.grad.div_(self.plan.microbatches)
-
-    def _sync_tied(self) -> None:
-        """Sum each tied parameter's gradient over the stages holding it, in place: one
-        all-reduce per group of stages; a group of several parameters is packed into one
-        buffer and copied back (a temporary of their size), a single one is reduced where it
-        lies (no temporary, as the cost model assumes)."""
-        for group, params in self._tied_groups:
-            grads: list[Tensor] = []
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            if len(grads) == 1 and grads[0].is_contiguous():
-                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=group)
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-
     # -- one step --------------------------------------------------------------------------
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
@@ -514,13 +451,14 @@ class PipelineRunner:
         if self.is_last:
             kwargs.update(target=target, losses=losses)
         self.schedule.step(*args, **kwargs)
-        self._unscale()
-        if self._tied_groups:
+        if self.unscaled:
+            divide_microbatches(self.params, self.plan.microbatches)
+        if self.tied_groups:
             with self.timer.span("tied", -1):
-                self._sync_tied()
+                sum_tied(self.tied_groups)
         if self.dp_group is not None:
             with self.timer.span("replicas", -1):
-                self._average_replicas()
+                average_replicas(self.params, self.dp_group, self.replicas)
         if not self.is_last:
             return None
         loss = torch.stack([loss.detach() for loss in losses]).mean()
@@ -633,10 +571,6 @@ class PipelineRunner:
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters under the model's qualified names (a shared one once)."""
         return {self.names[id(p)]: p for p in self.params}  # type: ignore[misc]
-
-
-#: The data-parallel gradient buckets' size (DDP's default, 25 MiB).
-_BUCKET_BYTES = 25 << 20
 
 
 def _drop(merged: None, output: Tensor) -> None:
