@@ -38,8 +38,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from pipeplan.intake.graph import group_units
-from pipeplan.intake.meta import has_meta, materialize, trace_meta
-from pipeplan.intake.model import ModelSpec, NamedInputs
+from pipeplan.intake.meta import has_meta, trace_meta
+from pipeplan.intake.model import ModelSpec
 from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.intake.usercode import user_error
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
@@ -52,7 +52,6 @@ from pipeplan.runtime.batchnorm import (
     recomputing,
     restore_batch_norm,
 )
-from pipeplan.runtime.checkpoint import CheckpointReader, load_checkpoint
 from pipeplan.runtime.gradsync import (
     average_replicas,
     divide_microbatches,
@@ -69,6 +68,7 @@ from pipeplan.runtime.stages import (
     tied_parameters,
 )
 from pipeplan.runtime.timing import Span, SpanKind, StepTimer
+from pipeplan.runtime.weights import materialize_chunks, shard_tensors
 
 __all__ = [
     "PipelineRunner",
@@ -275,13 +275,19 @@ class PipelineRunner:
         ]
         """The parameters held on two or more ranks (their gradients are summed over them)."""
         mine = [programs[s] for s in self.chunks]
-        self._module, self._prefix = module, "model." if isinstance(module, NamedInputs) else ""
+        self._module = module
         self.materialized: list[str] = []
         self.checkpoint_reads: list[str] = []
         """The checkpoint tensors this rank read (``weights``)."""
         if on_meta or weights is not None:
-            mods = [pr.module for pr in mine]
-            self.materialized = self._materialize(mods, spec, seed, weights)
+            self.materialized, self.checkpoint_reads = materialize_chunks(
+                module,
+                [pr.module for pr in mine],
+                device,
+                seed=seed,
+                init_weights=spec.init_weights,
+                weights=weights,
+            )
         self.chunk_modules = [pr.module.to(device) for pr in mine]
         self.stage_module = self.chunk_modules[0]
         self.recompute = plan.stages[self.chunks[0]].recompute
@@ -340,77 +346,19 @@ class PipelineRunner:
         )
         """This rank's process groups of the ranks holding its tied parameters."""
 
-    # -- weights ---------------------------------------------------------------------------
-
-    def _aliases(self) -> dict[int, list[str]]:
-        """``id(tensor) -> every qualified name`` of the model's parameters and buffers."""
-        names: dict[int, list[str]] = {}
-        module = self._module
-        for name, t in [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        ]:
-            names.setdefault(id(t), []).append(name)
-        return names
-
-    def _materialize(
-        self, chunks: Sequence[nn.Module], spec: ModelSpec, seed: int, weights: str | None
-    ) -> list[str]:
-        """Give this rank's chunks' modules storage on the device: initialised (the contract
-        of :mod:`pipeplan.intake.meta`, seeded per module) or read from the checkpoint
-        ``weights``.  Returns the modules materialized."""
-        aliases = self._aliases()
-        tensors = list(dict.fromkeys(t for c in chunks for t in [*c.parameters(), *c.buffers()]))
-        wanted = [aliases[id(t)][0] for t in tensors if id(t) in aliases]
-        mods = materialize(
-            self._module,
-            wanted,
-            self.device,
-            seed=seed,
-            init_weights=spec.init_weights,
-            initialize=weights is None,
-        )
-        if weights is not None:
-            targets, owned = self._state(mods, aliases, persistent_only=True)
-            reader = CheckpointReader(weights)
-            load_checkpoint(reader, targets, owned)
-            self.checkpoint_reads = sorted(reader.read_keys)
-        return mods
-
-    def _state(
-        self, mods: list[str], aliases: dict[int, list[str]], *, persistent_only: bool
-    ) -> tuple[dict[str, list[str]], dict[str, Tensor]]:
-        """The tensors the modules ``mods`` own, by the model's first name, with their
-        checkpoint keys (every alias, without pipeplan's ``NamedInputs`` prefix)."""
-        by_name = dict(self._module.named_modules(remove_duplicate=False))
-        targets: dict[str, list[str]] = {}
-        owned: dict[str, Tensor] = {}
-        for mod_name in mods:
-            mod = by_name[mod_name]
-            items = [*mod._parameters.items(), *mod._buffers.items()]
-            for key, t in items:
-                if t is None or (persistent_only and key in mod._non_persistent_buffers_set):
-                    continue
-                names = aliases[id(t)]
-                keys = [n.removeprefix(self._prefix) for n in names]
-                targets[names[0]], owned[names[0]] = keys, t
-        return targets, owned
-
     def shard_tensors(self) -> dict[str, Tensor]:
         """This rank's parameters and persistent buffers (all its chunks') by checkpoint key,
         each once, as the rank's shard of a sharded safetensors checkpoint
-        (:mod:`pipeplan.runtime.saving` writes it); a parameter tied across ranks belongs to
-        the lowest rank holding it.  The keys are the unsplit model's, so any plan reads it."""
-        aliases = self._aliases()
-        by_id = {id(t): t for m in self.chunk_modules for t in [*m.parameters(), *m.buffers()]}
-        mods = sorted({n.rpartition(".")[0] for i in by_id for n in aliases.get(i, [])})
-        _, owned = self._state(mods, aliases, persistent_only=True)
-        first = {t.name: min(self.owner[s] for s in t.stages) for t in self.tied}
-        return {
-            name.removeprefix(self._prefix): t
-            for name, t in owned.items()
-            if id(t) in by_id and first.get(self.names.get(id(t), name), self.rank) == self.rank
-        }
+        (:func:`pipeplan.runtime.weights.shard_tensors`; :mod:`pipeplan.runtime.saving`
+        writes it)."""
+        return shard_tensors(
+            self._module,
+            self.chunk_modules,
+            names=self.names,
+            tied=self.tied,
+            owner=self.owner,
+            rank=self.rank,
+        )
 
     # -- one step --------------------------------------------------------------------------
 
