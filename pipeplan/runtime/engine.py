@@ -41,8 +41,7 @@ from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import has_meta, trace_meta
 from pipeplan.intake.model import ModelSpec
 from pipeplan.intake.trace import TracedModel, trace_model
-from pipeplan.intake.usercode import user_error
-from pipeplan.planner.errors import InvalidRequestError, PipeplanError
+from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.optim import make_optimizer
 from pipeplan.planner.schedules import FAMILIES, check, rank_of_stage, stages_of_rank
 from pipeplan.planner.types import Plan
@@ -58,11 +57,11 @@ from pipeplan.runtime.gradsync import (
     sum_tied,
     tied_groups,
 )
+from pipeplan.runtime.loss import StageLoss
 from pipeplan.runtime.memory import TensorPeak, live_bytes
 from pipeplan.runtime.report import RankRecord
 from pipeplan.runtime.stages import (
     build_stages,
-    describe_values,
     parameter_names,
     preserved_buffers,
     tied_parameters,
@@ -235,7 +234,6 @@ class PipelineRunner:
         self.pp_group, self.dp_group = _mesh_groups(plan, device)
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
-        self.loss_fn = spec.loss
         module = spec.module.to(dtype=self.dtype)
         inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
         on_meta = has_meta(module)
@@ -293,13 +291,14 @@ class PipelineRunner:
         self.recompute = plan.stages[self.chunks[0]].recompute
         n = plan.n_stages
         self.is_first, self.is_last = 0 in self.chunks, n - 1 in self.chunks
-        self._output_module = programs[n - 1].module
         self._last_outputs = programs[n - 1].example_outputs
 
         def to_dev(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             return tuple(t.to(device).requires_grad_(t.requires_grad) for t in ts)
 
         self.timer = StepTimer(device)
+        self.loss = StageLoss(spec.loss, programs[n - 1].module, self.timer, rank)
+        """The model's loss on the last stage's output: the schedule's ``loss_fn``."""
         self.stages: list[_MeasuredStage] = []
         for s, pr, body in zip(self.chunks, mine, self.chunk_modules, strict=True):
             stage = _MeasuredStage(
@@ -328,11 +327,10 @@ class PipelineRunner:
         self.schedule = schedule_cls(
             self.stages[0] if v == 1 else self.stages,
             n_microbatches=plan.microbatches,
-            loss_fn=self._loss,
+            loss_fn=self.loss,
             output_merge_spec=drop,
             scale_grads=not self.unscaled,
         )
-        self._loss_calls = 0
         self.params = list(dict.fromkeys(p for m in self.chunk_modules for p in m.parameters()))
         self.optimizer = make_optimizer(optimizer, self.params, lr)
         self.tied_groups = tied_groups(
@@ -362,22 +360,6 @@ class PipelineRunner:
 
     # -- one step --------------------------------------------------------------------------
 
-    def _loss(self, output: Any, target: Tensor) -> Tensor:
-        """The user's loss on the model's output, rebuilt from the last stage's tensors."""
-        with self.timer.span("loss", self._loss_calls):
-            self._loss_calls += 1
-            rebuilt = self._output_module.rebuild_output(output)
-            try:
-                return self.loss_fn(rebuilt, target)
-            except PipeplanError:
-                raise
-            except Exception as exc:  # name the values the loss got (only when it fails)
-                what = (
-                    f"the model's loss (stage {self.rank}) on output {describe_values(rebuilt)}"
-                    f" and target {describe_values(target)}"
-                )
-                raise user_error(what, exc) from exc
-
     def forward_backward(
         self, inputs: tuple[Tensor, ...], target: Tensor, step: int = 0
     ) -> float | None:
@@ -389,7 +371,7 @@ class PipelineRunner:
         self.optimizer.zero_grad(set_to_none=True)
         for stage in self.stages:
             stage.step_index = step
-        self._loss_calls = 0
+        self.loss.calls = 0
         if self.replicas > 1:
             inputs, target = self._share(inputs, target)
         inputs, target = cast_batch(inputs, target, self.dtype, self.device)

@@ -82,7 +82,7 @@ class StageSplit:
     def loss(self, output: Any, target: Tensor) -> Tensor:
         """The model's loss on the last stage's output (rebuilt into the model's own output
         structure from the tensors the stage sends): a schedule's ``loss_fn``."""
-        return self._runner._loss(output, target)
+        return self._runner.loss(output, target)
 
     def sync_gradients(self) -> None:
         """Make this stage's gradients the whole model's: divide them by m where the schedule
