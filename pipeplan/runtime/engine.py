@@ -19,19 +19,25 @@ the RNG state restored and buffer updates (batch-norm statistics) of the rerun u
 A parameter held by stages on several ranks (tied embedding / LM head) gets its gradient
 summed over the ranks that hold it before the optimizer steps, and with d replicas every
 gradient is averaged over them (:mod:`pipeplan.runtime.gradsync`).
+
+The runner's other jobs live beside it: this rank's weights, initialised or read from a
+checkpoint and saved (:mod:`pipeplan.runtime.weights`), the model's loss on the last stage's
+output (:mod:`pipeplan.runtime.loss`), each stage's F, B, I and W timed
+(:mod:`pipeplan.runtime.measured_stage`) and the bytes held at a step's start
+(:func:`pipeplan.runtime.memory.held_bytes`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
@@ -58,7 +64,8 @@ from pipeplan.runtime.gradsync import (
     tied_groups,
 )
 from pipeplan.runtime.loss import StageLoss
-from pipeplan.runtime.memory import TensorPeak, live_bytes
+from pipeplan.runtime.measured_stage import FaultHook, MeasuredStage
+from pipeplan.runtime.memory import TensorPeak, held_bytes
 from pipeplan.runtime.report import RankRecord
 from pipeplan.runtime.stages import (
     build_stages,
@@ -66,7 +73,7 @@ from pipeplan.runtime.stages import (
     preserved_buffers,
     tied_parameters,
 )
-from pipeplan.runtime.timing import Span, SpanKind, StepTimer
+from pipeplan.runtime.timing import Span, StepTimer
 from pipeplan.runtime.weights import materialize_chunks, shard_tensors
 
 __all__ = [
@@ -75,9 +82,6 @@ __all__ = [
     "cast_batch",
     "check_schedule",
 ]
-
-FaultHook = Callable[[int, int], None]
-"""Called with (step, micro-batch) before each forward; tests use it to make a stage fail."""
 
 
 class Recompute(nn.Module):
@@ -103,49 +107,6 @@ def _recompute_context(inner: nn.Module) -> Iterator[None]:
     """A recomputed forward: buffers restored afterwards, batch-norm statistics not tracked."""
     with preserved_buffers(inner), recomputing():
         yield
-
-
-class _MeasuredStage(PipelineStage):
-    """A PipelineStage that times each micro-batch's forward (F) and backward: the full one
-    (B), or its split halves, the inputs' gradient (I: ``full_backward=False``) and the
-    weights' (W: ``backward_weight_one_chunk``), each span named by its stage (chunk).
-
-    A recomputing stage (``whole_backward``) runs its I as the full backward and its W as
-    nothing: torch's W (``stage_backward_weight``) calls ``autograd.grad`` once per group of
-    parameters, and each call unpacks the checkpoint, which remakes the stage's forward
-    again (a GPT chunk of 3 blocks peaked at 68 MiB that way against 10 MiB without
-    recomputing).  Its I span is then a B."""
-
-    timer: StepTimer
-    fault: FaultHook | None
-    step_index: int
-    whole_backward: bool = False
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        if self.fault is not None:
-            self.fault(self.step_index, fwd_chunk_id)
-        with self.timer.span("forward", fwd_chunk_id, self.stage_index):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(
-        self,
-        bwd_chunk_id: int,
-        loss: Any = None,
-        full_backward: bool = True,
-        last_backward: Any = False,
-    ) -> Any:
-        full = full_backward or self.whole_backward
-        kind: SpanKind = "backward" if full else "backward_input"
-        with self.timer.span(kind, bwd_chunk_id, self.stage_index):
-            return super().backward_one_chunk(
-                bwd_chunk_id, loss=loss, full_backward=full, last_backward=last_backward
-            )
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        if self.whole_backward:  # its I ran the whole backward
-            return None
-        with self.timer.span("backward_weight", bwd_chunk_id, self.stage_index):
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 def cast_batch(
@@ -299,9 +260,9 @@ class PipelineRunner:
         self.timer = StepTimer(device)
         self.loss = StageLoss(spec.loss, programs[n - 1].module, self.timer, rank)
         """The model's loss on the last stage's output: the schedule's ``loss_fn``."""
-        self.stages: list[_MeasuredStage] = []
+        self.stages: list[MeasuredStage] = []
         for s, pr, body in zip(self.chunks, mine, self.chunk_modules, strict=True):
-            stage = _MeasuredStage(
+            stage = MeasuredStage(
                 Recompute(body) if plan.stages[s].recompute else body,
                 s,
                 n,
@@ -457,7 +418,14 @@ class PipelineRunner:
                 # the profiler does not see the release of memory allocated before it started.
                 self.optimizer.zero_grad(set_to_none=True)
                 tracker = TensorPeak()
-                with tracker.track(self._live_bytes(inputs if self.is_first else ())):
+                live = held_bytes(
+                    self.stages,
+                    self.chunk_modules,
+                    self.params,
+                    self.optimizer,
+                    inputs if self.is_first else (),
+                )
+                with tracker.track(live):
                     wall, spans, loss = self.timed_step(inputs, target, step)
                 record.peak_memory_bytes = tracker.peak_bytes
             else:
@@ -470,33 +438,6 @@ class PipelineRunner:
             if after_step is not None:
                 after_step(step + 1)
         return record
-
-    def _pipeline_buffers(self) -> list[Tensor]:
-        """The pipeline's receive buffers, one per micro-batch for the stage's inputs and for
-        its output's gradient: made at the first step and kept."""
-        infos = [
-            info
-            for stage in self.stages
-            for info in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
-        ]
-        return [i.buffer for info in infos for i in info if getattr(i, "buffer", None) is not None]
-
-    def _live_bytes(self, inputs: Sequence[Tensor] = ()) -> int:
-        """Bytes of the stage's parameters, gradients, buffers and optimizer state, of the
-        pipeline's receive buffers, and of ``inputs`` (the first stage's batch, made before
-        the step)."""
-        state = [t for s in self.optimizer.state.values() for t in s.values()]
-        buffers = dict.fromkeys(b for m in self.chunk_modules for b in m.buffers())
-        return live_bytes(
-            [
-                *inputs,
-                *self._pipeline_buffers(),
-                *self.params,
-                *(p.grad for p in self.params),
-                *buffers,
-                *(t for t in state if isinstance(t, Tensor)),
-            ]
-        )
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters under the model's qualified names (a shared one once)."""
