@@ -6,7 +6,7 @@ The last stage sends the *tensor leaves* of the model's output
 back together from them (``rebuild_output``: nested tuples, dicts, a ``transformers``
 ``ModelOutput``) and calls the model's loss on it, timed as the step's ``loss`` span of its
 micro-batch.  A loss that raises is reported as the user's code's error, naming the shapes and
-types of the output and target it got (:func:`~pipeplan.runtime.stages.describe_values`).
+types of the output and target it got (:func:`~pipeplan.runtime.stage_errors.describe_values`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from torch import Tensor
 
 from pipeplan.intake.usercode import user_error
 from pipeplan.planner.errors import PipeplanError
-from pipeplan.runtime.stages import StageModule, describe_values
+from pipeplan.runtime.stage_errors import describe_values
+from pipeplan.runtime.stages import StageModule
 from pipeplan.runtime.timing import StepTimer
 
 __all__ = ["StageLoss"]

@@ -31,14 +31,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_arg
 from torch.utils._pytree import (
     TreeSpec,
-    keystr,
     tree_flatten,
-    tree_flatten_with_path,
     tree_map,
     tree_unflatten,
 )
@@ -46,18 +44,22 @@ from torch.utils._pytree import (
 from pipeplan.intake.graph import UnitSpec, cut_tensors, subgraph_module
 from pipeplan.intake.meta import MetaInterpreter, has_meta
 from pipeplan.intake.trace import TracedModel
-from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
+from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
 from pipeplan.planner.schedules import FAMILIES
 from pipeplan.planner.types import Plan
+from pipeplan.runtime.stage_errors import (
+    NodeTracker,
+    StageComputeError,
+    exception_text,
+    node_failure,
+)
 
 __all__ = [
-    "StageComputeError",
     "StageModule",
     "StageProgram",
     "TiedParameter",
     "build_stages",
     "check_plan",
-    "describe_values",
     "parameter_names",
     "preserved_buffers",
     "probe",
@@ -86,7 +88,7 @@ class StageModule(nn.Module):
 
     ``unit_of`` maps a graph node to its unit's name: when the body raises, the stage runs the
     micro-batch again node by node to name the unit, node and values that failed
-    (:class:`StageComputeError`).
+    (:class:`~pipeplan.runtime.stage_errors.StageComputeError`).
 
     With ``detached`` (the zero-bubble families), torch detaches a stage's outputs in place
     once their input gradient is made (``stage_backward_input``), before the weight gradient
@@ -174,14 +176,16 @@ class StageModule(nn.Module):
         """Run the body node by node to find the node that raises ``exc``'s error."""
         if isinstance(exc, StageComputeError):
             return exc
-        tracker = _NodeTracker(self.body)
+        tracker = NodeTracker(self.body)
         try:
             with torch.set_grad_enabled(torch.is_grad_enabled()):
                 tracker.run(*full)
         except Exception:  # noqa: BLE001 - the node is what we want, not the error
-            return StageComputeError(_failure(f"stage {self._index}", tracker, exc, self._unit_of))
+            return StageComputeError(
+                node_failure(f"stage {self._index}", tracker, exc, self._unit_of)
+            )
         return StageComputeError(  # the node-by-node rerun passed: no node to name
-            f"stage {self._index}: {_what(exc)} (a rerun node by node did not fail)"
+            f"stage {self._index}: {exception_text(exc)} (a rerun node by node did not fail)"
         )
 
 
@@ -218,10 +222,6 @@ except ImportError:  # pragma: no cover - older torch
         pass
 
 
-class StageComputeError(PipeplanError, RuntimeError):
-    """A stage's computation raised; the message names the stage, unit, node and its inputs."""
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity forward; the backward makes the gradient contiguous (it is sent to a peer)."""
 
@@ -236,66 +236,6 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _needs_grad(value: Any) -> bool:
     return isinstance(value, Tensor) and value.requires_grad
-
-
-class _NodeTracker(Interpreter):
-    """An interpreter that remembers the node it is running and every value so far."""
-
-    def __init__(self, gm: GraphModule) -> None:
-        super().__init__(gm)
-        self.current: Node | None = None
-        self.extra_traceback = False  # the error as raised, without the graph's dump
-
-    def run_node(self, n: Node) -> Any:
-        self.current = n
-        return super().run_node(n)
-
-
-def _describe_value(value: Any) -> str:
-    if isinstance(value, Tensor):
-        layout = "" if value.is_contiguous() else ", non-contiguous"
-        dtype = str(value.dtype).removeprefix("torch.")
-        return f"tensor {tuple(value.shape)} {dtype}{layout}"
-    return type(value).__name__ if not isinstance(value, (int, float, bool)) else repr(value)
-
-
-def describe_values(tree: Any, limit: int = 6) -> str:
-    """``tree`` for an error message: a tensor's shape, dtype and layout; a container's type
-    and its first ``limit`` leaves by pytree path (``dict {['out']: tensor (2, 4) float32}``)."""
-    leaves, _ = tree_flatten_with_path(tree)
-    if len(leaves) == 1 and not leaves[0][0]:
-        return _describe_value(leaves[0][1])
-    parts = [f"{keystr(path)}: {_describe_value(v)}" for path, v in leaves[:limit]]
-    more = f", ... {len(leaves) - limit} more" if len(leaves) > limit else ""
-    return f"{type(tree).__name__} {{{', '.join(parts)}{more}}}"
-
-
-def _what(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
-
-
-def _failure(
-    where: str,
-    tracker: _NodeTracker,
-    exc: BaseException,
-    unit_of: dict[str, str],
-    stage_of: dict[str, int] | None = None,
-) -> str:
-    """``where, [stage,] unit, node (target) on (its inputs): the error``, from a tracker
-    that raised (``unit_of``: node -> unit; ``stage_of``: unit -> stage)."""
-    node = tracker.current
-    if node is None:
-        return f"{where}: {_what(exc)}"
-    args = ", ".join(_describe_value(tracker.env.get(a)) for a in node.all_input_nodes)
-    unit = unit_of.get(node.name, "?")
-    if stage_of is not None:
-        where = f"{where}: stage {stage_of.get(unit, '?')}"
-    return f"{where}, unit {unit!r}, node {node.name} ({_target(node)}) on ({args}): {_what(exc)}"
-
-
-def _target(node: Node) -> str:
-    target = node.target
-    return str(target) if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +305,7 @@ def preserved_buffers(module: nn.Module) -> Iterator[None]:
                 buf.copy_(copy)
 
 
-class _Recorder(_NodeTracker):
+class _Recorder(NodeTracker):
     def __init__(self, gm: GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
         self.wanted = wanted
@@ -403,7 +343,7 @@ def probe(
             rec.run(*inputs)
     except Exception as exc:
         what = "the model on one micro-batch (building the stages)"
-        text = _failure(what, rec, exc, unit_of or {}, stage_of)
+        text = node_failure(what, rec, exc, unit_of or {}, stage_of)
         if isinstance(rec, _MetaRecorder):
             text += "; the model is on meta, where a node that needs values fails: --init full"
         raise StageComputeError(text) from exc

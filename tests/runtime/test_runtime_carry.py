@@ -24,7 +24,8 @@ from pipeplan.intake.graph import group_units
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
 from pipeplan.planner.errors import UserCodeError
-from pipeplan.runtime.stages import StageComputeError, build_stages
+from pipeplan.runtime.stage_errors import StageComputeError
+from pipeplan.runtime.stages import build_stages
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 CARRY = {"carry-a": [0, 1], "carry-b": [0, 2], "reuse": [0, 2]}
