@@ -54,6 +54,7 @@ from pipeplan.planner.types import Plan
 from pipeplan.runtime.batchnorm import (
     BATCH_NORM_MODES,
     defer_batch_norm,
+    preserved_buffers,
     recomputing,
     restore_batch_norm,
 )
@@ -70,7 +71,6 @@ from pipeplan.runtime.report import RankRecord
 from pipeplan.runtime.stages import (
     build_stages,
     parameter_names,
-    preserved_buffers,
     tied_parameters,
 )
 from pipeplan.runtime.timing import Span, StepTimer

@@ -5,7 +5,7 @@ again node by node on a :class:`NodeTracker`, which remembers the node it is run
 every value so far; :func:`node_failure` then names the unit and node that raised, the op, and
 its inputs' shapes, dtypes and layouts (:func:`describe_values`), as a
 :class:`StageComputeError`.  The probe that builds the stages
-(:func:`pipeplan.runtime.stages.probe`) and the model's loss (:mod:`pipeplan.runtime.loss`)
+(:func:`pipeplan.runtime.probe.probe`) and the model's loss (:mod:`pipeplan.runtime.loss`)
 name their failures the same way.
 """
 

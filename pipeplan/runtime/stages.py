@@ -11,21 +11,21 @@ is forwarded through it: every stage talks only to its neighbours.
 
 Values that cross a cut but are not tensors (``x.size(0)``, a ``sym_size`` of export) are
 the same for every micro-batch of a plan (all micro-batches have size b), so they are recorded
-once, by running the whole graph on one micro-batch (:func:`probe`), and baked into the stage
-that consumes them as constants.  The same run gives every sent tensor's shape, dtype and
-``requires_grad``, which :class:`torch.distributed.pipelining.PipelineStage` takes as static
-metadata (no shape inference on garbage data).
+once, by running the whole graph on one micro-batch (:mod:`pipeplan.runtime.probe`), and
+baked into the stage that consumes them as constants.  The same run gives every sent
+tensor's shape, dtype and ``requires_grad``, which
+:class:`torch.distributed.pipelining.PipelineStage` takes as static metadata (no shape
+inference on garbage data).
 
 Parameters are never sent: ``pipeplan.intake.graph`` copies each ``get_attr`` next to its users, so a
 parameter used on two stages (a tied embedding and LM head) appears in both stage modules as
-the same object.  :func:`tied_parameters` finds them; the engine sums their gradients across
-the stages that hold them.
+the same object.  :func:`tied_parameters` finds them; :mod:`pipeplan.runtime.gradsync` sums
+their gradients across the ranks that hold them.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,16 +37,15 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import (
     TreeSpec,
     tree_flatten,
-    tree_map,
     tree_unflatten,
 )
 
 from pipeplan.intake.graph import UnitSpec, cut_tensors, subgraph_module
-from pipeplan.intake.meta import MetaInterpreter, has_meta
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
 from pipeplan.planner.schedules import FAMILIES
 from pipeplan.planner.types import Plan
+from pipeplan.runtime.probe import probe
 from pipeplan.runtime.stage_errors import (
     NodeTracker,
     StageComputeError,
@@ -61,8 +60,6 @@ __all__ = [
     "build_stages",
     "check_plan",
     "parameter_names",
-    "preserved_buffers",
-    "probe",
     "retarget_devices",
     "tied_parameters",
 ]
@@ -290,75 +287,6 @@ def check_plan(plan: Plan, traced: TracedModel, units: Sequence[UnitSpec]) -> No
                 f"unit {unit} is {have[diff]!r}; profile and plan this model again"
             )
         expected = s.last_unit + 1
-
-
-@contextlib.contextmanager
-def preserved_buffers(module: nn.Module) -> Iterator[None]:
-    """Restore every buffer of ``module`` on exit (a probe or a recomputation must not count
-    a batch-norm batch twice)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buf, copy in saved:
-                buf.copy_(copy)
-
-
-class _Recorder(NodeTracker):
-    def __init__(self, gm: GraphModule, wanted: set[str]) -> None:
-        super().__init__(gm)
-        self.wanted = wanted
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: Node) -> Any:
-        out = super().run_node(n)
-        if n.name in self.wanted:
-            self.values[n.name] = out
-        return out
-
-
-class _MetaRecorder(_Recorder, MetaInterpreter):
-    """A recorder that runs every node on ``meta`` (a model whose parameters have no storage)."""
-
-
-def probe(
-    traced: TracedModel,
-    wanted: set[str],
-    inputs: tuple[Tensor, ...],
-    unit_of: dict[str, str] | None = None,
-    stage_of: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """Run the whole graph on ``inputs`` (one micro-batch) and return the ``wanted`` values.
-
-    Runs with autograd on, so each tensor's ``requires_grad`` is what a stage will see; the
-    model's buffers are left as they were.  If a node raises, the :class:`StageComputeError`
-    names it, its inputs, its unit (``unit_of``: node -> unit) and stage (``stage_of``: unit
-    -> stage).  A model with tensors on ``meta`` (:mod:`pipeplan.intake.meta`) runs on ``meta``: the
-    values are shapes, dtypes and sizes only.
-    """
-    rec = (_MetaRecorder if has_meta(traced.gm) else _Recorder)(traced.gm, wanted)
-    try:
-        with torch.enable_grad(), preserved_buffers(traced.gm):
-            rec.run(*inputs)
-    except Exception as exc:
-        what = "the model on one micro-batch (building the stages)"
-        text = node_failure(what, rec, exc, unit_of or {}, stage_of)
-        if isinstance(rec, _MetaRecorder):
-            text += "; the model is on meta, where a node that needs values fails: --init full"
-        raise StageComputeError(text) from exc
-    # Leaves, not the probe's autograd graph: a graph that outlives the probe holds every
-    # parameter's AccumulateGrad node, and materializing then cannot swap the parameter
-    # (``use_count ... got 3``).  Frames kept alive by a reference cycle (fx's ``wrap``, in
-    # code it generates for torchvision and timm models, holds its own frame) would keep it.
-    return tree_map(_without_graph, rec.values)  # type: ignore[no-any-return]
-
-
-def _without_graph(value: Any) -> Any:
-    """``value`` cut from its autograd graph, keeping ``requires_grad``."""
-    if isinstance(value, Tensor) and value.requires_grad:
-        return value.detach().requires_grad_(True)
-    return value
 
 
 def _example(value: Tensor) -> Tensor:
