@@ -35,8 +35,8 @@ from benchmarks.common import machine
 from pipeplan.export.snap import target_cuts
 from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import PipeplanError
+from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.io import load_profile
-from pipeplan.planner.schedules import FAMILIES
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Timing
 from pipeplan.solvers.baselines import uniform_partition

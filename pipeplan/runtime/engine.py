@@ -4,9 +4,9 @@ Each rank builds every stage module (they share the model's parameters, so this 
 keeps its own, and hands each to a :class:`~torch.distributed.pipelining.PipelineStage` with
 static metadata from :func:`pipeplan.runtime.stages.build_stages`.  A plan of p ranks runs
 p v stages, v per rank (``plan.stages_per_rank``; rank r holds the chunks
-:func:`pipeplan.planner.schedules.stages_of_rank` names: r alone for GPipe and 1F1B, a loop
+:func:`pipeplan.planner.families.stages_of_rank` names: r alone for GPipe and 1F1B, a loop
 or a V for the multi-chunk families).  The schedule is the family's torch class
-(:data:`pipeplan.planner.schedules.FAMILIES`), whose action lists the planner replayed; it
+(:data:`pipeplan.planner.families.FAMILIES`), whose action lists the planner replayed; it
 splits the batch into ``plan.microbatches`` micro-batches.  With one chunk per rank torch
 divides the gradients by m; with several the runner divides them once after the step
 (``scale_grads=False``, :mod:`pipeplan.runtime.gradsync`).  With a loss that is a batch mean
@@ -48,8 +48,8 @@ from pipeplan.intake.meta import has_meta, trace_meta
 from pipeplan.intake.model import ModelSpec
 from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.families import FAMILIES, check, rank_of_stage, stages_of_rank
 from pipeplan.planner.optim import make_optimizer
-from pipeplan.planner.schedules import FAMILIES, check, rank_of_stage, stages_of_rank
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.batchnorm import (
     BATCH_NORM_MODES,

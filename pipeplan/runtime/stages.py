@@ -43,7 +43,7 @@ from torch.utils._pytree import (
 from pipeplan.intake.graph import UnitSpec, cut_tensors, subgraph_module
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
-from pipeplan.planner.schedules import FAMILIES
+from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.probe import probe
 from pipeplan.runtime.stage_errors import (

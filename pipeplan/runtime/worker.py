@@ -7,7 +7,7 @@ launcher, one rank per stage, e.g. on each of two nodes::
         -m pipeplan.runtime.worker plan.json --steps 20 --report report.json
 
 Rank j runs stage j, or, for a plan of v chunks per rank (interleaved, looped, zero-bubble,
-V), the v stages :func:`pipeplan.planner.schedules.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
+V), the v stages :func:`pipeplan.planner.families.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
 and materializes only its stages' modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
 and each module's name, so the values do not depend on the split; or it reads them from
 ``--weights`` (:mod:`pipeplan.runtime.checkpoint`).  ``--init full`` builds the whole model on every

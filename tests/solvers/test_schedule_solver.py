@@ -11,7 +11,7 @@ from _solver_strategies import with_split
 
 from pipeplan.planner.chunks import score, work_bound
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
-from pipeplan.planner.schedules import FAMILIES, check
+from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.solvers.schedules import solve_schedule

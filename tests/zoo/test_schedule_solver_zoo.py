@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.planner.chunks import score
-from pipeplan.planner.schedules import FAMILIES, check
+from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile
 from pipeplan.profiler.profile import profile_model
 from pipeplan.solvers.dp import solve_dp
