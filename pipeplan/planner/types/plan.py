@@ -35,7 +35,8 @@ class PlanOptions(FrozenModel):
     slower than any fixed policy), ``always``, ``except_last`` (torchgpipe's) or ``never``."""
     schedule: ScheduleChoice = "gpipe"
     """A schedule family (:mod:`pipeplan.planner.families`) or ``auto``: every family, its
-    chunks per rank, cuts, m and recomputation chosen together (:mod:`pipeplan.solvers.schedules`)."""
+    chunks per rank, cuts, m and recomputation chosen together
+    (:mod:`pipeplan.solvers.multichunk`)."""
     optimizer: OptimizerName = "adam"
     pinned: dict[int, int] = {}
     """unit index -> stage index (CP-SAT only)."""

@@ -14,7 +14,7 @@ from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
-from pipeplan.solvers.schedules import solve_schedule
+from pipeplan.solvers.multichunk import solve_schedule
 
 
 def _brute(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:

@@ -1,5 +1,6 @@
-"""The schedule solver: family, chunks per rank v, cuts into p v chunks, m and per-chunk
-recomputation, chosen together under each device's memory and scored by torch's own order.
+"""The multi-chunk schedule solver: family, chunks per rank v, cuts into p v chunks, m and
+per-chunk recomputation, chosen together under each device's memory and scored by torch's own
+order.
 
 Formulation.  For every candidate (family, v, m) that torch's class accepts
 (:func:`pipeplan.planner.families.check`) the step time of a partition into k = p v chunks
