@@ -67,7 +67,7 @@ from pipeplan.runtime.gradsync import (
 from pipeplan.runtime.loss import StageLoss
 from pipeplan.runtime.measured_stage import FaultHook, MeasuredStage
 from pipeplan.runtime.memory import TensorPeak, held_bytes
-from pipeplan.runtime.report import RankRecord
+from pipeplan.runtime.records import RankRecord
 from pipeplan.runtime.stages import (
     build_stages,
     parameter_names,

@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> None:
     from pipeplan.runtime import saving
     from pipeplan.runtime.engine import PipelineRunner
     from pipeplan.runtime.memory import ResidentPeak
-    from pipeplan.runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
+    from pipeplan.runtime.records import RankRecord, chrome_trace, gather_report, print_comparison
 
     rank = int(os.environ.get("RANK", "0"))
     beat = _heartbeat(args.run_dir, rank)
