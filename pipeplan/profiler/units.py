@@ -90,8 +90,8 @@ from pipeplan.profiler.measure import (
     summed_update_curve,
     value_bytes,
 )
-from pipeplan.profiler.split import UnitModule, split_units
 from pipeplan.profiler.sweep import OutputFn, measure_sweep
+from pipeplan.profiler.unit_modules import UnitModule, split_units
 
 __all__ = [
     "activation_estimate",
