@@ -1,6 +1,6 @@
 """Profile a model without building it: each distinct unit materialized alone, measured once.
 
-``pipeplan profile --method units`` (:func:`pipeplan.profiler.profile.profile_model`).  The model is
+``pipeplan profile --method units`` (:func:`pipeplan.profiler.whole.profile_model`).  The model is
 built with its parameters on ``meta`` (:func:`pipeplan.intake.model.load_model` ``meta=True``; buffers
 stay real), traced on fake tensors (:func:`pipeplan.intake.meta.trace_meta`: the graph and fingerprint
 of the real model) and grouped into units as the whole-pass profiler groups them (the cost

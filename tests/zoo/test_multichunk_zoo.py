@@ -19,7 +19,7 @@ import pytest
 from pipeplan.planner.chunks import score
 from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile
-from pipeplan.profiler.profile import profile_model
+from pipeplan.profiler.whole import profile_model
 from pipeplan.solvers.dp import solve_dp
 from pipeplan.solvers.multichunk import solve_schedule
 
