@@ -35,7 +35,7 @@ from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Ru
 
 if TYPE_CHECKING:
     from pipeplan.intake.model import ModelSpec
-    from pipeplan.runtime.split import StageSplit
+    from pipeplan.runtime.stage_split import StageSplit
 
 __all__ = [
     "calibration",
@@ -281,7 +281,7 @@ def split(
     weights: PathLike | None = None,
 ) -> StageSplit:
     """This rank's stage of ``plan`` for a training loop of one's own
-    (:func:`pipeplan.runtime.split.split`): unpacks as ``module, pipeline_stage``.
+    (:func:`pipeplan.runtime.stage_split.split`): unpacks as ``module, pipeline_stage``.
 
     ``model`` defaults to the plan's (its name and arguments), or is a name or an importable
     callable (``model_kwargs`` its arguments): either is built on ``meta`` and only this
@@ -290,7 +290,7 @@ def split(
     :class:`~pipeplan.intake.model.ModelSpec` is used as it is (real weights stay as they
     are).  Needs ``torch.distributed`` initialised with the plan's p x d ranks."""
     from pipeplan.intake.model import ModelSpec, load_model
-    from pipeplan.runtime.split import split as split_stage
+    from pipeplan.runtime.stage_split import split as split_stage
 
     pl = plan if isinstance(plan, Plan) else _load_plan(plan)
     if isinstance(model, ModelSpec):

@@ -222,7 +222,7 @@ def plan(
 
     from pipeplan.api import calibration as find_calibration
     from pipeplan.api import target_allowed_cuts, target_families
-    from pipeplan.planner.schedules import FAMILIES
+    from pipeplan.planner.families import FAMILIES
     from pipeplan.solvers import SOLVERS
     from pipeplan.solvers.choose import ONE_CHUNK, solve
 

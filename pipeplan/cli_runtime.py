@@ -176,9 +176,9 @@ def check_resume(path: Path) -> None:
     """``fail`` unless ``path`` is a complete pipeplan save whose files are all there, whole and
     of the SHA-256 written (the ranks check the files they read again: a launch of your own
     torchrun has no preflight)."""
-    from pipeplan.planner.checkpoint import CheckpointReader
     from pipeplan.planner.errors import ModelLoadError
-    from pipeplan.planner.snapshots import check_file
+    from pipeplan.runtime.checkpoint import CheckpointReader
+    from pipeplan.runtime.snapshots import check_file
 
     if not path.exists():
         fail(f"--resume {path} does not exist; pass the folder given to --save")

@@ -21,7 +21,7 @@ from pipeplan.intake.model import load_model
 from pipeplan.planner.allocator import keep_heap
 from pipeplan.planner.io import load_plan
 from pipeplan.runtime.engine import PipelineRunner
-from pipeplan.runtime.report import RankRecord, gather_report
+from pipeplan.runtime.records import RankRecord, gather_report
 from pipeplan.runtime.worker import default_threads
 
 

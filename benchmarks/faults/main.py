@@ -58,8 +58,8 @@ def _pids(run_root: Path, ranks: int) -> dict[int, int]:
 
 
 def _survived(save: Path) -> str:
-    from pipeplan.planner.checkpoint import CheckpointReader
     from pipeplan.planner.errors import ModelLoadError
+    from pipeplan.runtime.checkpoint import CheckpointReader
 
     try:
         reader = CheckpointReader(save)

@@ -5,7 +5,7 @@
 For each model: profile once (``pipeplan profile``, I and W measured), then for each family
 (interleaved1f1b, loopedbfs, zb-interleaved, zbv, dualpipev) and checkpoint policy (never,
 always) plan p = 2 ranks x v = 2 chunks with m = 4 and unlimited memory
-(:func:`pipeplan.solvers.schedules.solve_schedule`, 64 GiB per device) and run it
+(:func:`pipeplan.solvers.multichunk.solve_schedule`, 64 GiB per device) and run it
 (``pipeplan run --warmup 2 --steps 1``).  A CPU rank's measured peak is what the run report
 gives (``RunReport.ranks``): the bytes of its live tensors at the start of the tracked
 warm-up step plus the peak of that step's allocations (``pipeplan.runtime.memory``).  The
@@ -35,7 +35,7 @@ POLICIES = ("never", "always")
 def run_case(name: str, work: Path) -> list[dict[str, Any]]:
     from pipeplan.planner.io import load_profile, load_report, write_json
     from pipeplan.planner.types import Cluster, PlanOptions
-    from pipeplan.solvers.schedules import solve_schedule
+    from pipeplan.solvers.multichunk import solve_schedule
 
     profile = load_profile(profile_model(name, work, 4))
     cluster = Cluster.homogeneous(2, 64 << 30)

@@ -9,7 +9,7 @@
 3. One torchrun job per model, 2 ranks, ``--threads 1``: every distinct plan gets a
    :class:`pipeplan.runtime.engine.PipelineRunner` (the engine ``pipeplan run`` uses), then the plans
    run round-robin, ``--rounds`` rounds of ``--warmup`` + ``--steps`` steps each, and every
-   (plan, round) becomes a :class:`pipeplan.planner.types.RunReport` (``pipeplan.runtime.report.build_report``).
+   (plan, round) becomes a :class:`pipeplan.planner.types.RunReport` (``pipeplan.runtime.records.build_report``).
 4. Per plan: predicted step time (the simulated makespan of the plan's stage times; the
    closed form T(m), the solvers' objective, beside it), measured step time (median over rounds
    of each round's median), measured / predicted, measured / the DP plan's measured, the
@@ -296,7 +296,7 @@ def worker(args: argparse.Namespace) -> None:
     from pipeplan.planner.allocator import keep_heap
     from pipeplan.planner.io import load_plan, write_json
     from pipeplan.runtime.engine import PipelineRunner
-    from pipeplan.runtime.report import RankRecord, gather_report
+    from pipeplan.runtime.records import RankRecord, gather_report
 
     keep_heap()  # as pipeplan run's ranks do
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.schedules.main [-o benchmarks/schedules/results.json]
 
 For each profile and p in 4, 8, 16 (where the profile has units for p chunks), each family is
-planned with ``pipeplan.solvers.schedules.solve_schedule`` (family fixed; v, cuts, m and
+planned with ``pipeplan.solvers.multichunk.solve_schedule`` (family fixed; v, cuts, m and
 per-chunk recompute chosen under the memory limit), and its replayed step time is divided by
 the best 1F1B plan's (the same solver, ``--schedule 1f1b``).  Beside it, torchtitan's own
 split under the same schedule, v and m: the p v chunks take equal numbers of units, the
@@ -35,12 +35,12 @@ from benchmarks.common import machine
 from pipeplan.export.snap import target_cuts
 from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import PipeplanError
+from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.io import load_profile
-from pipeplan.planner.schedules import FAMILIES
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Timing
 from pipeplan.solvers.baselines import uniform_partition
-from pipeplan.solvers.schedules import recompute_to_fit, solve_schedule
+from pipeplan.solvers.multichunk import recompute_to_fit, solve_schedule
 
 HERE = Path(__file__).parent
 LINK = Link(bandwidth_Bps=1e10, latency_s=1e-5)

@@ -25,7 +25,7 @@ from benchmarks.common import machine, pipeplan
 from pipeplan.planner.io import load_cluster, load_profile, write_json
 from pipeplan.planner.simulate import simulate_plan
 from pipeplan.planner.types import Plan, PlanOptions
-from pipeplan.solvers.schedules import solve_schedule
+from pipeplan.solvers.multichunk import solve_schedule
 
 HERE = Path(__file__).parent
 FAMILIES = ("1f1b", "interleaved1f1b", "zbv", "dualpipev")

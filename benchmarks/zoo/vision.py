@@ -85,7 +85,7 @@ def run_vision(
     run all 2-stage plans in one 2-rank launch; for the models in ``zbv`` also a ZB-V plan
     (2 ranks x 2 chunks, the schedule solver's cuts), as case ``NAME+zbv``."""
     from pipeplan.profiler import profile_model
-    from pipeplan.solvers.schedules import solve_schedule
+    from pipeplan.solvers.multichunk import solve_schedule
 
     run = ZooRun()
     cases = {}

@@ -35,7 +35,7 @@ The values depend on the seed and the module's name alone, so a stage materializ
 exactly what it gets when the whole model is materialized with the same seed.  New storage is
 filled with NaN first, and a floating-point tensor still NaN afterwards is one that nothing
 initialises: :class:`~pipeplan.planner.errors.ModelLoadError` names it.  A checkpoint
-(:mod:`pipeplan.planner.checkpoint`) replaces the initialisation.
+(:mod:`pipeplan.runtime.checkpoint`) replaces the initialisation.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ import numpy as np
 from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.families import FAMILIES, rank_of_stage
 from pipeplan.planner.replay import ChunkCosts, Replay, replay
-from pipeplan.planner.schedules import FAMILIES, rank_of_stage
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices, tables, unit_costs
 from pipeplan.planner.updates import update_cost

@@ -59,7 +59,7 @@ def check_request(profile: Profile, cluster: Cluster, options: PlanOptions) -> N
     if options.schedule not in ("gpipe", "1f1b"):
         raise InvalidRequestError(
             f"schedule {options.schedule!r}: this solver plans gpipe and 1f1b under the closed "
-            "form; plan the other families with pipeplan.solvers.schedules.solve_schedule "
+            "form; plan the other families with pipeplan.solvers.multichunk.solve_schedule "
             "(pipeplan plan --solver dp --schedule NAME does)"
         )
     if p > n:

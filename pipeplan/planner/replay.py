@@ -3,7 +3,7 @@
 Chunk s (of n = p v) has per micro-batch: forward F_s, full backward B_s (recompute
 included), and for the split families I_s + W_s (input and weight gradients); C_s is the round
 trip across the cut after chunk s, paid only where chunks s and s + 1 sit on different ranks.
-Each rank runs :func:`pipeplan.planner.schedules.action_order`'s list in order, each action as
+Each rank runs :func:`pipeplan.planner.families.action_order`'s list in order, each action as
 soon as its rank is free and its input has arrived:
 
     F(s, i)     needs F(s - 1, i);  runs F_s, then the blocking send C_s / 2
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeplan.planner.schedules import FAMILIES, Action, action_order, rank_of_stage
+from pipeplan.planner.families import FAMILIES, Action, action_order, rank_of_stage
 from pipeplan.planner.simulate import shared_step, update_events
 
 __all__ = ["ChunkCosts", "Replay", "ReplayEvent", "peak_memory", "replay"]

@@ -9,6 +9,6 @@
 
 from __future__ import annotations
 
-from pipeplan.profiler.profile import DTYPES, default_microbatch_sizes, profile_model
+from pipeplan.profiler.whole import DTYPES, default_microbatch_sizes, profile_model
 
 __all__ = ["DTYPES", "default_microbatch_sizes", "profile_model"]

@@ -1,5 +1,5 @@
 """From measurements to a :class:`~pipeplan.planner.types.Profile`'s parts, shared by both
-profiling methods (whole, :mod:`pipeplan.profiler.profile`; unit by unit,
+profiling methods (whole, :mod:`pipeplan.profiler.whole`; unit by unit,
 :mod:`pipeplan.profiler.units`): the units and how they were grouped, the cut table, tied
 parameters, merged timing rounds, the loss as a module, and the source's checksum."""
 

@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeplan.planner.types import Timing
 from pipeplan.profiler.device import Clock
 from pipeplan.profiler.measure import differentiable, median_iqr, storage, value_bytes
-from pipeplan.profiler.split import UnitModule
+from pipeplan.profiler.unit_modules import UnitModule
 
 __all__: list[str] = []
 

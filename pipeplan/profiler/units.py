@@ -1,6 +1,6 @@
 """Profile a model without building it: each distinct unit materialized alone, measured once.
 
-``pipeplan profile --method units`` (:func:`pipeplan.profiler.profile.profile_model`).  The model is
+``pipeplan profile --method units`` (:func:`pipeplan.profiler.whole.profile_model`).  The model is
 built with its parameters on ``meta`` (:func:`pipeplan.intake.model.load_model` ``meta=True``; buffers
 stay real), traced on fake tensors (:func:`pipeplan.intake.meta.trace_meta`: the graph and fingerprint
 of the real model) and grouped into units as the whole-pass profiler groups them (the cost
@@ -14,13 +14,14 @@ size b:
    buffers (attention masks, position ids, rotary tables) so has its real values, as the
    model makes them; activations have their shapes, dtypes and strides.  The cut table
    (bytes of every tensor live across a cut) and the model's input bytes come from these.
-2. **Identity.**  Units that are the same are measured once (:func:`unit_signature`): same
-   module classes node by node, the same parameter and buffer shapes, dtypes, ownership (a
-   tied weight a unit uses but does not own is not its to update) and (for real buffers)
-   values, the same input shapes and dtypes at every size, the same traced
-   sub-graph (ops, targets, argument structure and constants, node names replaced by
-   positions, leaf modules by their class and ``extra_repr``), and the same producers of the
-   inputs whose values are known without parameters (a layer reading the sliding-window mask
+2. **Identity.**  Units that are the same are measured once
+   (:func:`pipeplan.profiler.unit_identity.unit_signature`): same module classes node by
+   node, the same parameter and buffer shapes, dtypes, ownership (a tied weight a unit uses
+   but does not own is not its to update) and (for real buffers) values, the same input
+   shapes and dtypes at every size, the same traced sub-graph (ops, targets, argument
+   structure and constants, node names replaced by positions, leaf modules by their class and
+   ``extra_repr``), and the same producers of the inputs whose values are known without
+   parameters (a layer reading the sliding-window mask
    is not merged with one reading the full causal mask; the first layer, which reads the
    model's input and so computes no input gradient, is not merged with the others).  A unit
    whose outputs the model's output reads is never merged with one whose outputs it does not
@@ -56,8 +57,6 @@ same.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -66,10 +65,10 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_leaves, tree_map
 
-from pipeplan.intake.graph import _module_info, cut_tensors
+from pipeplan.intake.graph import cut_tensors
 from pipeplan.intake.meta import MetaInterpreter, dematerialize, materialize, trace_meta
 from pipeplan.intake.model import ModelSpec, load_model
-from pipeplan.intake.trace import TracedModel, _describe, _position, _target_name, get_attr
+from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import PipeplanError, UnitMeasureError
 from pipeplan.planner.types import OptimizerName, Profile, Timing, Unit
 from pipeplan.profiler.assemble import (
@@ -90,8 +89,9 @@ from pipeplan.profiler.measure import (
     summed_update_curve,
     value_bytes,
 )
-from pipeplan.profiler.split import UnitModule, split_units
 from pipeplan.profiler.sweep import OutputFn, measure_sweep
+from pipeplan.profiler.unit_identity import unit_signature
+from pipeplan.profiler.unit_modules import UnitModule, split_units
 
 __all__ = [
     "activation_estimate",
@@ -99,7 +99,6 @@ __all__ = [
     "observe",
     "param_bytes",
     "profile_units",
-    "unit_signature",
 ]
 
 
@@ -218,76 +217,6 @@ def param_bytes(module: nn.Module, dtype: torch.dtype) -> int:
     params = {id(p): p for p in module.parameters()}.values()
     size = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in params)
-
-
-def _digest(t: Tensor) -> str:
-    """A hash of a real tensor's values (a buffer's, or an input's known without parameters)."""
-    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def _tensor_row(t: Any) -> Any:
-    if isinstance(t, Tensor):
-        return [list(t.shape), str(t.dtype), bool(t.requires_grad)]
-    return _describe(t, {})
-
-
-def unit_signature(
-    traced: TracedModel,
-    piece: UnitModule,
-    values: Mapping[int, Mapping[str, Any]],
-    feeds_output: bool,
-    owned: Sequence[Tensor] = (),
-) -> str:
-    """The identity of a unit (step 2 of the module docstring): equal for units that are the
-    same; ``values`` holds the observed values of its inputs at every micro-batch size,
-    ``owned`` the parameters it owns (a shared one it does not own is not its to update)."""
-    gm = traced.gm
-    tensors = dict(
-        [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
-    )
-    params = []
-    for name in piece.params:
-        t = tensors[name]
-        desc = [list(t.shape), str(t.dtype), isinstance(t, nn.Parameter), bool(t.requires_grad)]
-        desc.append(any(t is o for o in owned))
-        if not isinstance(t, nn.Parameter) and not t.is_meta:
-            desc.append(_digest(t))
-        params.append(desc)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    classes = []
-    for name in piece.spec.nodes:
-        path, stack = _module_info(gm, by_name[name])
-        classes.append(stack.get(path, ""))
-    sub = piece.module
-    index = _position(sub.graph)
-    graph: list[Any] = []
-    for node in sub.graph.nodes:
-        row: list[Any] = [node.op]
-        if node.op == "get_attr":
-            attr = get_attr(sub, str(node.target))
-            row.append(_tensor_row(attr) if isinstance(attr, Tensor) else type(attr).__name__)
-        elif node.op == "call_module":
-            mod = sub.get_submodule(str(node.target))
-            row += [type(mod).__qualname__, mod.extra_repr()]
-        elif node.op in ("call_function", "call_method"):
-            row.append(_target_name(node))
-        row += [_describe(node.args, index), _describe(node.kwargs, index)]
-        graph.append(row)
-    inputs = []
-    for name in piece.inputs:
-        per_size = []
-        known = False
-        for b in sorted(values):
-            value = values[b][name]
-            per_size.append(tree_map(_tensor_row, value))
-            leaves = [t for t in tree_leaves(value) if isinstance(t, Tensor)]
-            known = known or (bool(leaves) and not _any_meta(value))
-        inputs.append([per_size, name if known else None])
-    text = json.dumps(
-        [classes, params, graph, inputs, feeds_output], sort_keys=True, separators=(",", ":")
-    )
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _dense(t: Tensor) -> bool:

@@ -139,7 +139,7 @@ def print_plan(p: Plan) -> None:
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
     if p.rank_peak_bytes:
-        from pipeplan.planner.schedules import stages_of_rank
+        from pipeplan.planner.families import stages_of_rank
 
         ranks = p.cluster.n_stages
         console.print(
@@ -163,7 +163,7 @@ def print_plan(p: Plan) -> None:
     for sync in p.tied_syncs:
         stages = ", ".join(map(str, sync.stages))
         if p.stages_per_rank > 1:  # chunks: what sums is the ranks holding them
-            from pipeplan.planner.schedules import rank_of_stage
+            from pipeplan.planner.families import rank_of_stage
 
             owner = rank_of_stage(p.schedule, p.pipeline_ranks, p.stages_per_rank)
             holders = sorted({owner[c] for c in sync.stages})

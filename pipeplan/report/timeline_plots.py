@@ -94,7 +94,7 @@ def _bubble(events: pd.DataFrame, p: int, end_s: float) -> float:
 
 def _stage_labels(ax: Axes, plan: Plan | None, p: int) -> None:
     if plan is not None and len(plan.stages) != p:  # several chunks per rank: one row each
-        from pipeplan.planner.schedules import stages_of_rank
+        from pipeplan.planner.families import stages_of_rank
 
         ax.set_yticklabels([
             f"rank {r}\nchunks {', '.join(map(str, stages_of_rank(plan.schedule, p, plan.stages_per_rank, r)))}"

@@ -5,7 +5,7 @@
 starts one rank per stage on this machine (:mod:`pipeplan.runtime.launch`); each rank
 (:mod:`pipeplan.runtime.worker`) cuts the traced model at the plan's boundaries (:mod:`pipeplan.runtime.stages`)
 and runs its stage with ``torch.distributed.pipelining`` (:mod:`pipeplan.runtime.engine`); rank 0
-writes the run report and a Chrome trace (:mod:`pipeplan.runtime.report`).  In a program,
+writes the run report and a Chrome trace (:mod:`pipeplan.runtime.records`).  In a program,
 :class:`PipelineRunner` runs one rank's stage inside an initialised process group.
 """
 

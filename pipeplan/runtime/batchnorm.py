@@ -13,7 +13,8 @@ unsplit model on the whole batch:
    updates them, and ``num_batches_tracked`` grows by one.
 
 A recomputation (activation checkpointing runs a stage's forward again in its backward) does
-not count: :func:`recomputing` marks it, and ``pipeplan.runtime.engine.Recompute`` enters it.
+not count: :func:`recomputing` marks it, and ``pipeplan.runtime.engine.Recompute`` enters it;
+:func:`preserved_buffers` restores every buffer after a recomputation or a probe.
 
 :func:`defer_batch_norm` rewrites a traced graph in place: a ``torch.fx`` graph's BatchNorm
 modules (``call_module`` nodes) are wrapped in :class:`_DeferredModule`; a ``torch.export``
@@ -41,6 +42,7 @@ __all__ = [
     "BATCH_NORM_MODES",
     "DeferredStats",
     "defer_batch_norm",
+    "preserved_buffers",
     "recomputing",
     "restore_batch_norm",
 ]
@@ -49,6 +51,19 @@ __all__ = [
 BATCH_NORM_MODES = ("deferred", "microbatch")
 
 _state = threading.local()
+
+
+@contextlib.contextmanager
+def preserved_buffers(module: nn.Module) -> Iterator[None]:
+    """Restore every buffer of ``module`` on exit (a probe or a recomputation must not count
+    a batch-norm batch twice)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
 
 
 @contextlib.contextmanager
@@ -165,7 +180,7 @@ def defer_batch_norm(traced: TracedModel, chunks: int) -> list[DeferredStats]:
 
     The graph is changed in place (:func:`restore_batch_norm` undoes it).  Call it before
     building the stages (they copy the graph); reset the stats after anything that runs the
-    graph outside a step (``pipeplan.runtime.stages.probe``).
+    graph outside a step (``pipeplan.runtime.probe.probe``).
     """
     gm = traced.gm
     out: list[DeferredStats] = []

@@ -4,67 +4,77 @@ Each rank builds every stage module (they share the model's parameters, so this 
 keeps its own, and hands each to a :class:`~torch.distributed.pipelining.PipelineStage` with
 static metadata from :func:`pipeplan.runtime.stages.build_stages`.  A plan of p ranks runs
 p v stages, v per rank (``plan.stages_per_rank``; rank r holds the chunks
-:func:`pipeplan.planner.schedules.stages_of_rank` names: r alone for GPipe and 1F1B, a loop
+:func:`pipeplan.planner.families.stages_of_rank` names: r alone for GPipe and 1F1B, a loop
 or a V for the multi-chunk families).  The schedule is the family's torch class
-(:data:`pipeplan.planner.schedules.FAMILIES`), whose action lists the planner replayed; it
+(:data:`pipeplan.planner.families.FAMILIES`), whose action lists the planner replayed; it
 splits the batch into ``plan.microbatches`` micro-batches.  With one chunk per rank torch
 divides the gradients by m; with several the runner divides them once after the step
-(``scale_grads=False``): torch divides per stage, which would divide a weight two chunks of a
-rank share (a tied embedding and head in a V) twice, part way through its sum.  With a loss
-that is a batch mean the result is the full batch's gradient.
+(``scale_grads=False``, :mod:`pipeplan.runtime.gradsync`).  With a loss that is a batch mean
+the result is the full batch's gradient.
 
 A stage with ``recompute`` runs inside ``torch.utils.checkpoint(use_reentrant=False)``: only
 its inputs are kept per micro-batch and its forward is run again in the backward pass, with
 the RNG state restored and buffer updates (batch-norm statistics) of the rerun undone.
 
 A parameter held by stages on several ranks (tied embedding / LM head) gets its gradient
-summed over the ranks that hold it (``all_reduce`` on a group of exactly those ranks) before the optimizer
-steps, so the copies receive the same update and stay equal.
+summed over the ranks that hold it before the optimizer steps, and with d replicas every
+gradient is averaged over them (:mod:`pipeplan.runtime.gradsync`).
+
+The runner's other jobs live beside it: this rank's weights, initialised or read from a
+checkpoint and saved (:mod:`pipeplan.runtime.weights`), the model's loss on the last stage's
+output (:mod:`pipeplan.runtime.loss`), each stage's F, B, I and W timed
+(:mod:`pipeplan.runtime.measured_stage`) and the bytes held at a step's start
+(:func:`pipeplan.runtime.memory.held_bytes`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from pipeplan.intake.graph import group_units
-from pipeplan.intake.meta import has_meta, materialize, trace_meta
-from pipeplan.intake.model import ModelSpec, NamedInputs
+from pipeplan.intake.meta import has_meta, trace_meta
+from pipeplan.intake.model import ModelSpec
 from pipeplan.intake.trace import TracedModel, trace_model
-from pipeplan.intake.usercode import user_error
-from pipeplan.planner.checkpoint import CheckpointReader, load_checkpoint
-from pipeplan.planner.errors import InvalidRequestError, PipeplanError
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.families import FAMILIES, check, rank_of_stage, stages_of_rank
 from pipeplan.planner.optim import make_optimizer
-from pipeplan.planner.schedules import FAMILIES, check, rank_of_stage, stages_of_rank
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.batchnorm import (
     BATCH_NORM_MODES,
     defer_batch_norm,
+    preserved_buffers,
     recomputing,
     restore_batch_norm,
 )
-from pipeplan.runtime.memory import TensorPeak, live_bytes
-from pipeplan.runtime.report import RankRecord
+from pipeplan.runtime.gradsync import (
+    average_replicas,
+    divide_microbatches,
+    sum_tied,
+    tied_groups,
+)
+from pipeplan.runtime.loss import StageLoss
+from pipeplan.runtime.measured_stage import FaultHook, MeasuredStage
+from pipeplan.runtime.memory import TensorPeak, held_bytes
+from pipeplan.runtime.records import RankRecord
 from pipeplan.runtime.stages import (
-    TiedParameter,
     build_stages,
-    describe_values,
     parameter_names,
-    preserved_buffers,
     tied_parameters,
 )
-from pipeplan.runtime.timing import Span, SpanKind, StepTimer
+from pipeplan.runtime.timing import Span, StepTimer
+from pipeplan.runtime.weights import materialize_chunks, shard_tensors
 
 __all__ = [
     "PipelineRunner",
@@ -72,9 +82,6 @@ __all__ = [
     "cast_batch",
     "check_schedule",
 ]
-
-FaultHook = Callable[[int, int], None]
-"""Called with (step, micro-batch) before each forward; tests use it to make a stage fail."""
 
 
 class Recompute(nn.Module):
@@ -100,49 +107,6 @@ def _recompute_context(inner: nn.Module) -> Iterator[None]:
     """A recomputed forward: buffers restored afterwards, batch-norm statistics not tracked."""
     with preserved_buffers(inner), recomputing():
         yield
-
-
-class _MeasuredStage(PipelineStage):
-    """A PipelineStage that times each micro-batch's forward (F) and backward: the full one
-    (B), or its split halves, the inputs' gradient (I: ``full_backward=False``) and the
-    weights' (W: ``backward_weight_one_chunk``), each span named by its stage (chunk).
-
-    A recomputing stage (``whole_backward``) runs its I as the full backward and its W as
-    nothing: torch's W (``stage_backward_weight``) calls ``autograd.grad`` once per group of
-    parameters, and each call unpacks the checkpoint, which remakes the stage's forward
-    again (a GPT chunk of 3 blocks peaked at 68 MiB that way against 10 MiB without
-    recomputing).  Its I span is then a B."""
-
-    timer: StepTimer
-    fault: FaultHook | None
-    step_index: int
-    whole_backward: bool = False
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        if self.fault is not None:
-            self.fault(self.step_index, fwd_chunk_id)
-        with self.timer.span("forward", fwd_chunk_id, self.stage_index):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(
-        self,
-        bwd_chunk_id: int,
-        loss: Any = None,
-        full_backward: bool = True,
-        last_backward: Any = False,
-    ) -> Any:
-        full = full_backward or self.whole_backward
-        kind: SpanKind = "backward" if full else "backward_input"
-        with self.timer.span(kind, bwd_chunk_id, self.stage_index):
-            return super().backward_one_chunk(
-                bwd_chunk_id, loss=loss, full_backward=full, last_backward=last_backward
-            )
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        if self.whole_backward:  # its I ran the whole backward
-            return None
-        with self.timer.span("backward_weight", bwd_chunk_id, self.stage_index):
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 def cast_batch(
@@ -231,7 +195,6 @@ class PipelineRunner:
         self.pp_group, self.dp_group = _mesh_groups(plan, device)
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
-        self.loss_fn = spec.loss
         module = spec.module.to(dtype=self.dtype)
         inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
         on_meta = has_meta(module)
@@ -271,28 +234,35 @@ class PipelineRunner:
         ]
         """The parameters held on two or more ranks (their gradients are summed over them)."""
         mine = [programs[s] for s in self.chunks]
-        self._module, self._prefix = module, "model." if isinstance(module, NamedInputs) else ""
+        self._module = module
         self.materialized: list[str] = []
         self.checkpoint_reads: list[str] = []
         """The checkpoint tensors this rank read (``weights``)."""
         if on_meta or weights is not None:
-            mods = [pr.module for pr in mine]
-            self.materialized = self._materialize(mods, spec, seed, weights)
+            self.materialized, self.checkpoint_reads = materialize_chunks(
+                module,
+                [pr.module for pr in mine],
+                device,
+                seed=seed,
+                init_weights=spec.init_weights,
+                weights=weights,
+            )
         self.chunk_modules = [pr.module.to(device) for pr in mine]
         self.stage_module = self.chunk_modules[0]
         self.recompute = plan.stages[self.chunks[0]].recompute
         n = plan.n_stages
         self.is_first, self.is_last = 0 in self.chunks, n - 1 in self.chunks
-        self._output_module = programs[n - 1].module
         self._last_outputs = programs[n - 1].example_outputs
 
         def to_dev(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             return tuple(t.to(device).requires_grad_(t.requires_grad) for t in ts)
 
         self.timer = StepTimer(device)
-        self.stages: list[_MeasuredStage] = []
+        self.loss = StageLoss(spec.loss, programs[n - 1].module, self.timer, rank)
+        """The model's loss on the last stage's output: the schedule's ``loss_fn``."""
+        self.stages: list[MeasuredStage] = []
         for s, pr, body in zip(self.chunks, mine, self.chunk_modules, strict=True):
-            stage = _MeasuredStage(
+            stage = MeasuredStage(
                 Recompute(body) if plan.stages[s].recompute else body,
                 s,
                 n,
@@ -309,189 +279,47 @@ class PipelineRunner:
         self.stage = self.stages[0]
         del programs, mine
         schedule_cls = getattr(schedules, FAMILIES[plan.schedule].torch_class)
-        self._scale = v > 1  # see the module docstring
+        self.unscaled = v > 1
+        """Whether the schedule leaves the gradients summed over the micro-batches (v > 1: it
+        is built with ``scale_grads=False``, see :mod:`pipeplan.runtime.gradsync`)."""
         # The last stage's outputs are left unmerged: the loss is all the runner reads, and
         # torch's default merge concatenates every output on dim 0, which a 0-dim one lacks.
         drop = tuple(_CustomReducer(None, _drop) for _ in self._last_outputs)
         self.schedule = schedule_cls(
             self.stages[0] if v == 1 else self.stages,
             n_microbatches=plan.microbatches,
-            loss_fn=self._loss,
+            loss_fn=self.loss,
             output_merge_spec=drop,
-            scale_grads=not self._scale,
+            scale_grads=not self.unscaled,
         )
-        self._loss_calls = 0
         self.params = list(dict.fromkeys(p for m in self.chunk_modules for p in m.parameters()))
         self.optimizer = make_optimizer(optimizer, self.params, lr)
-        self._tied_groups = self._make_tied_groups()
-
-    # -- weights ---------------------------------------------------------------------------
-
-    def _aliases(self) -> dict[int, list[str]]:
-        """``id(tensor) -> every qualified name`` of the model's parameters and buffers."""
-        names: dict[int, list[str]] = {}
-        module = self._module
-        for name, t in [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        ]:
-            names.setdefault(id(t), []).append(name)
-        return names
-
-    def _materialize(
-        self, chunks: Sequence[nn.Module], spec: ModelSpec, seed: int, weights: str | None
-    ) -> list[str]:
-        """Give this rank's chunks' modules storage on the device: initialised (the contract
-        of :mod:`pipeplan.intake.meta`, seeded per module) or read from the checkpoint
-        ``weights``.  Returns the modules materialized."""
-        aliases = self._aliases()
-        tensors = list(dict.fromkeys(t for c in chunks for t in [*c.parameters(), *c.buffers()]))
-        wanted = [aliases[id(t)][0] for t in tensors if id(t) in aliases]
-        mods = materialize(
-            self._module,
-            wanted,
-            self.device,
-            seed=seed,
-            init_weights=spec.init_weights,
-            initialize=weights is None,
+        self.tied_groups = tied_groups(
+            self.tied,
+            self.named_parameters(),
+            self.owner,
+            rank=rank,
+            ranks=p,
+            replica=self.replica,
+            replicas=self.replicas,
         )
-        if weights is not None:
-            targets, owned = self._state(mods, aliases, persistent_only=True)
-            reader = CheckpointReader(weights)
-            load_checkpoint(reader, targets, owned)
-            self.checkpoint_reads = sorted(reader.read_keys)
-        return mods
-
-    def _state(
-        self, mods: list[str], aliases: dict[int, list[str]], *, persistent_only: bool
-    ) -> tuple[dict[str, list[str]], dict[str, Tensor]]:
-        """The tensors the modules ``mods`` own, by the model's first name, with their
-        checkpoint keys (every alias, without pipeplan's ``NamedInputs`` prefix)."""
-        by_name = dict(self._module.named_modules(remove_duplicate=False))
-        targets: dict[str, list[str]] = {}
-        owned: dict[str, Tensor] = {}
-        for mod_name in mods:
-            mod = by_name[mod_name]
-            items = [*mod._parameters.items(), *mod._buffers.items()]
-            for key, t in items:
-                if t is None or (persistent_only and key in mod._non_persistent_buffers_set):
-                    continue
-                names = aliases[id(t)]
-                keys = [n.removeprefix(self._prefix) for n in names]
-                targets[names[0]], owned[names[0]] = keys, t
-        return targets, owned
+        """This rank's process groups of the ranks holding its tied parameters."""
 
     def shard_tensors(self) -> dict[str, Tensor]:
         """This rank's parameters and persistent buffers (all its chunks') by checkpoint key,
         each once, as the rank's shard of a sharded safetensors checkpoint
-        (:mod:`pipeplan.runtime.saving` writes it); a parameter tied across ranks belongs to
-        the lowest rank holding it.  The keys are the unsplit model's, so any plan reads it."""
-        aliases = self._aliases()
-        by_id = {id(t): t for m in self.chunk_modules for t in [*m.parameters(), *m.buffers()]}
-        mods = sorted({n.rpartition(".")[0] for i in by_id for n in aliases.get(i, [])})
-        _, owned = self._state(mods, aliases, persistent_only=True)
-        first = {t.name: min(self.owner[s] for s in t.stages) for t in self.tied}
-        return {
-            name.removeprefix(self._prefix): t
-            for name, t in owned.items()
-            if id(t) in by_id and first.get(self.names.get(id(t), name), self.rank) == self.rank
-        }
-
-    # -- tied parameters -------------------------------------------------------------------
-
-    def _make_tied_groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
-        """One process group per distinct set of owning stages (created on every rank)."""
-        by_name = {self.names[id(p)]: p for p in self.params}
-        owners: dict[tuple[int, ...], list[TiedParameter]] = {}
-        for t in self.tied:
-            owners.setdefault(tuple(sorted({self.owner[s] for s in t.stages})), []).append(t)
-        groups = []
-        p = self.ranks
-        for ranks, tied in sorted(owners.items()):
-            for r in range(self.replicas):  # every rank creates every replica's group
-                group = dist.new_group([r * p + j for j in ranks])
-                if r == self.replica and self.rank in ranks:
-                    groups.append((group, [by_name[t.name] for t in tied]))
-        return groups
-
-    def _average_replicas(self) -> None:
-        """Average every gradient over the data-parallel replicas of this stage: gradients
-        packed into buckets of about ``_BUCKET_BYTES`` (as DDP's), one all-reduce per bucket
-        over the mesh's dp group, then / d, copied back.  One call per parameter cost gloo
-        about 1 ms each (69 ms for the bundled GPT's 50 parameters, against 1.5 ms of bytes);
-        a bucket is the only temporary, at most ``_BUCKET_BYTES``."""
-        bucket: list[Tensor] = []
-        size = 0
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= _BUCKET_BYTES:
-                self._reduce_bucket(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._reduce_bucket(bucket)
-
-    def _reduce_bucket(self, grads: list[Tensor]) -> None:
-        if len(grads) == 1 and grads[0].is_contiguous():
-            dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=self.dp_group)
-            grads[0].div_(self.replicas)
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
-        flat.div_(self.replicas)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def _unscale(self) -> None:
-        """Divide this rank's gradients by m where the schedule did not (v > 1: it was built
-        with ``scale_grads=False``, see the module docstring); nothing otherwise."""
-        if self._scale:
-            for prm in self.params:
-                if prm.grad is not None:
-                    prm.grad.div_(self.plan.microbatches)
-
-    def _sync_tied(self) -> None:
-        """Sum each tied parameter's gradient over the stages holding it, in place: one
-        all-reduce per group of stages; a group of several parameters is packed into one
-        buffer and copied back (a temporary of their size), a single one is reduced where it
-        lies (no temporary, as the cost model assumes)."""
-        for group, params in self._tied_groups:
-            grads: list[Tensor] = []
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            if len(grads) == 1 and grads[0].is_contiguous():
-                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=group)
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        (:func:`pipeplan.runtime.weights.shard_tensors`; :mod:`pipeplan.runtime.saving`
+        writes it)."""
+        return shard_tensors(
+            self._module,
+            self.chunk_modules,
+            names=self.names,
+            tied=self.tied,
+            owner=self.owner,
+            rank=self.rank,
+        )
 
     # -- one step --------------------------------------------------------------------------
-
-    def _loss(self, output: Any, target: Tensor) -> Tensor:
-        """The user's loss on the model's output, rebuilt from the last stage's tensors."""
-        with self.timer.span("loss", self._loss_calls):
-            self._loss_calls += 1
-            rebuilt = self._output_module.rebuild_output(output)
-            try:
-                return self.loss_fn(rebuilt, target)
-            except PipeplanError:
-                raise
-            except Exception as exc:  # name the values the loss got (only when it fails)
-                what = (
-                    f"the model's loss (stage {self.rank}) on output {describe_values(rebuilt)}"
-                    f" and target {describe_values(target)}"
-                )
-                raise user_error(what, exc) from exc
 
     def forward_backward(
         self, inputs: tuple[Tensor, ...], target: Tensor, step: int = 0
@@ -504,7 +332,7 @@ class PipelineRunner:
         self.optimizer.zero_grad(set_to_none=True)
         for stage in self.stages:
             stage.step_index = step
-        self._loss_calls = 0
+        self.loss.calls = 0
         if self.replicas > 1:
             inputs, target = self._share(inputs, target)
         inputs, target = cast_batch(inputs, target, self.dtype, self.device)
@@ -514,13 +342,14 @@ class PipelineRunner:
         if self.is_last:
             kwargs.update(target=target, losses=losses)
         self.schedule.step(*args, **kwargs)
-        self._unscale()
-        if self._tied_groups:
+        if self.unscaled:
+            divide_microbatches(self.params, self.plan.microbatches)
+        if self.tied_groups:
             with self.timer.span("tied", -1):
-                self._sync_tied()
+                sum_tied(self.tied_groups)
         if self.dp_group is not None:
             with self.timer.span("replicas", -1):
-                self._average_replicas()
+                average_replicas(self.params, self.dp_group, self.replicas)
         if not self.is_last:
             return None
         loss = torch.stack([loss.detach() for loss in losses]).mean()
@@ -589,7 +418,14 @@ class PipelineRunner:
                 # the profiler does not see the release of memory allocated before it started.
                 self.optimizer.zero_grad(set_to_none=True)
                 tracker = TensorPeak()
-                with tracker.track(self._live_bytes(inputs if self.is_first else ())):
+                live = held_bytes(
+                    self.stages,
+                    self.chunk_modules,
+                    self.params,
+                    self.optimizer,
+                    inputs if self.is_first else (),
+                )
+                with tracker.track(live):
                     wall, spans, loss = self.timed_step(inputs, target, step)
                 record.peak_memory_bytes = tracker.peak_bytes
             else:
@@ -603,40 +439,9 @@ class PipelineRunner:
                 after_step(step + 1)
         return record
 
-    def _pipeline_buffers(self) -> list[Tensor]:
-        """The pipeline's receive buffers, one per micro-batch for the stage's inputs and for
-        its output's gradient: made at the first step and kept."""
-        infos = [
-            info
-            for stage in self.stages
-            for info in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
-        ]
-        return [i.buffer for info in infos for i in info if getattr(i, "buffer", None) is not None]
-
-    def _live_bytes(self, inputs: Sequence[Tensor] = ()) -> int:
-        """Bytes of the stage's parameters, gradients, buffers and optimizer state, of the
-        pipeline's receive buffers, and of ``inputs`` (the first stage's batch, made before
-        the step)."""
-        state = [t for s in self.optimizer.state.values() for t in s.values()]
-        buffers = dict.fromkeys(b for m in self.chunk_modules for b in m.buffers())
-        return live_bytes(
-            [
-                *inputs,
-                *self._pipeline_buffers(),
-                *self.params,
-                *(p.grad for p in self.params),
-                *buffers,
-                *(t for t in state if isinstance(t, Tensor)),
-            ]
-        )
-
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters under the model's qualified names (a shared one once)."""
         return {self.names[id(p)]: p for p in self.params}  # type: ignore[misc]
-
-
-#: The data-parallel gradient buckets' size (DDP's default, 25 MiB).
-_BUCKET_BYTES = 25 << 20
 
 
 def _drop(merged: None, output: Tensor) -> None:

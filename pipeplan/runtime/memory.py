@@ -6,9 +6,9 @@ allocator's own count of live tensor bytes).
 On CPU there is no allocator counter, so the rank runs one more step after the measured ones
 with the profiler recording every allocation and free of the CPU allocator
 (``torch.profiler``, ``profile_memory=True``; :class:`TensorPeak`).  The peak is the bytes of
-the tensors alive when that step starts (parameters, their gradients, buffers, optimizer
-state) plus the highest running sum of the step's allocations minus frees: the same quantity
-as CUDA's, tracked allocations rather than what the process maps.
+the tensors alive when that step starts (:func:`held_bytes`: parameters, their gradients,
+buffers, optimizer state) plus the highest running sum of the step's allocations minus frees:
+the same quantity as CUDA's, tracked allocations rather than what the process maps.
 
 Beside it, :class:`ResidentPeak` gives the process's peak *resident-set growth*:
 the kernel's high-water mark ``VmHWM`` (``/proc/self/status``) minus the resident size at a
@@ -24,14 +24,18 @@ is why a stage's measurement exceeds its predicted tensors by a small fixed amou
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["ResidentPeak", "TensorPeak", "live_bytes"]
+if TYPE_CHECKING:  # importing torch.distributed.pipelining takes seconds
+    from torch.distributed.pipelining import PipelineStage
+
+__all__ = ["ResidentPeak", "TensorPeak", "held_bytes", "live_bytes"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -88,6 +92,41 @@ def live_bytes(tensors: Iterable[Tensor | None]) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _pipeline_buffers(stages: Sequence[PipelineStage]) -> list[Tensor]:
+    """The pipeline's receive buffers, one per micro-batch for the stage's inputs and for
+    its output's gradient: made at the first step and kept."""
+    infos = [
+        info
+        for stage in stages
+        for info in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+    ]
+    return [i.buffer for info in infos for i in info if getattr(i, "buffer", None) is not None]
+
+
+def held_bytes(
+    stages: Sequence[PipelineStage],
+    modules: Sequence[nn.Module],
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    inputs: Sequence[Tensor] = (),
+) -> int:
+    """Bytes a rank holds at the start of a step: its stages' parameters, gradients, buffers
+    and optimizer state (``modules``, ``params``, ``optimizer``), the pipeline's receive
+    buffers (``stages``'), and ``inputs`` (the first stage's batch, made before the step)."""
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    buffers = dict.fromkeys(b for m in modules for b in m.buffers())
+    return live_bytes(
+        [
+            *inputs,
+            *_pipeline_buffers(stages),
+            *params,
+            *(p.grad for p in params),
+            *buffers,
+            *(t for t in state if isinstance(t, Tensor)),
+        ]
+    )
 
 
 class TensorPeak:

@@ -1,7 +1,7 @@
 """Saving a training run over its ranks, and resuming it: weights, optimizer, RNG and step.
 
 :func:`save` is collective (every rank calls it after the same step) and follows
-:mod:`pipeplan.planner.snapshots`: rank 0 makes the partial folder and a save id and
+:mod:`pipeplan.runtime.snapshots`: rank 0 makes the partial folder and a save id and
 broadcasts the id; replica 0 of each pipeline rank writes its weights' shard (its stages'
 tensors by the unsplit model's names, a tied one once; the save id in its safetensors
 header) and every rank writes its training state (``train-r-of-n.pt``,
@@ -12,7 +12,7 @@ disk) is reported by every rank, the partial folder is removed and the run stops
 stage named; the previous save stays ``latest``.
 
 :func:`restore` is the other half: each rank loads its training state (after its weights were
-read from the same step folder, :class:`~pipeplan.planner.checkpoint.CheckpointReader`) and
+read from the same step folder, :class:`~pipeplan.runtime.checkpoint.CheckpointReader`) and
 continues from the step saved, so ``run --steps 4`` and ``run --steps 2 --save D`` then
 ``run --resume D --steps 2`` end with the same bits (tested for GPipe, 1F1B, pp x dp and a zero-bubble V).
 
@@ -35,9 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeplan.planner.checkpoint import INDEX, shard_name, write_index, write_shard
 from pipeplan.planner.errors import InvalidRequestError, ModelLoadError, PipeplanError
-from pipeplan.planner.snapshots import (
+from pipeplan.planner.types import Plan
+from pipeplan.runtime.checkpoint import INDEX, shard_name, write_index, write_shard
+from pipeplan.runtime.engine import PipelineRunner
+from pipeplan.runtime.snapshots import (
     check_file,
     commit,
     file_record,
@@ -46,8 +48,6 @@ from pipeplan.planner.snapshots import (
     resolve,
     train_state_name,
 )
-from pipeplan.planner.types import Plan
-from pipeplan.runtime.engine import PipelineRunner
 
 __all__ = [
     "CheckpointWriteError",
@@ -115,7 +115,7 @@ def save(
 ) -> None:
     """Save the run after ``step`` optimizer steps into ``root/step-S`` (collective); then,
     with ``keep`` > 0, keep only the ``keep`` saves committed last
-    (:func:`pipeplan.planner.snapshots.prune`)."""
+    (:func:`pipeplan.runtime.snapshots.prune`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     root, tmp = Path(root), partial_dir(root, step)
     box: list[Any] = [None]

@@ -11,56 +11,55 @@ is forwarded through it: every stage talks only to its neighbours.
 
 Values that cross a cut but are not tensors (``x.size(0)``, a ``sym_size`` of export) are
 the same for every micro-batch of a plan (all micro-batches have size b), so they are recorded
-once, by running the whole graph on one micro-batch (:func:`probe`), and baked into the stage
-that consumes them as constants.  The same run gives every sent tensor's shape, dtype and
-``requires_grad``, which :class:`torch.distributed.pipelining.PipelineStage` takes as static
-metadata (no shape inference on garbage data).
+once, by running the whole graph on one micro-batch (:mod:`pipeplan.runtime.probe`), and
+baked into the stage that consumes them as constants.  The same run gives every sent
+tensor's shape, dtype and ``requires_grad``, which
+:class:`torch.distributed.pipelining.PipelineStage` takes as static metadata (no shape
+inference on garbage data).
 
 Parameters are never sent: ``pipeplan.intake.graph`` copies each ``get_attr`` next to its users, so a
 parameter used on two stages (a tied embedding and LM head) appears in both stage modules as
-the same object.  :func:`tied_parameters` finds them; the engine sums their gradients across
-the stages that hold them.
+the same object.  :func:`tied_parameters` finds them; :mod:`pipeplan.runtime.gradsync` sums
+their gradients across the ranks that hold them.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_arg
 from torch.utils._pytree import (
     TreeSpec,
-    keystr,
     tree_flatten,
-    tree_flatten_with_path,
-    tree_map,
     tree_unflatten,
 )
 
 from pipeplan.intake.graph import UnitSpec, cut_tensors, subgraph_module
-from pipeplan.intake.meta import MetaInterpreter, has_meta
 from pipeplan.intake.trace import TracedModel
-from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError, PipeplanError
-from pipeplan.planner.schedules import FAMILIES
+from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
+from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.types import Plan
+from pipeplan.runtime.probe import probe
+from pipeplan.runtime.stage_errors import (
+    NodeTracker,
+    StageComputeError,
+    exception_text,
+    node_failure,
+)
 
 __all__ = [
-    "StageComputeError",
     "StageModule",
     "StageProgram",
     "TiedParameter",
     "build_stages",
     "check_plan",
-    "describe_values",
     "parameter_names",
-    "preserved_buffers",
-    "probe",
     "retarget_devices",
     "tied_parameters",
 ]
@@ -86,7 +85,7 @@ class StageModule(nn.Module):
 
     ``unit_of`` maps a graph node to its unit's name: when the body raises, the stage runs the
     micro-batch again node by node to name the unit, node and values that failed
-    (:class:`StageComputeError`).
+    (:class:`~pipeplan.runtime.stage_errors.StageComputeError`).
 
     With ``detached`` (the zero-bubble families), torch detaches a stage's outputs in place
     once their input gradient is made (``stage_backward_input``), before the weight gradient
@@ -174,14 +173,16 @@ class StageModule(nn.Module):
         """Run the body node by node to find the node that raises ``exc``'s error."""
         if isinstance(exc, StageComputeError):
             return exc
-        tracker = _NodeTracker(self.body)
+        tracker = NodeTracker(self.body)
         try:
             with torch.set_grad_enabled(torch.is_grad_enabled()):
                 tracker.run(*full)
         except Exception:  # noqa: BLE001 - the node is what we want, not the error
-            return StageComputeError(_failure(f"stage {self._index}", tracker, exc, self._unit_of))
+            return StageComputeError(
+                node_failure(f"stage {self._index}", tracker, exc, self._unit_of)
+            )
         return StageComputeError(  # the node-by-node rerun passed: no node to name
-            f"stage {self._index}: {_what(exc)} (a rerun node by node did not fail)"
+            f"stage {self._index}: {exception_text(exc)} (a rerun node by node did not fail)"
         )
 
 
@@ -218,10 +219,6 @@ except ImportError:  # pragma: no cover - older torch
         pass
 
 
-class StageComputeError(PipeplanError, RuntimeError):
-    """A stage's computation raised; the message names the stage, unit, node and its inputs."""
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity forward; the backward makes the gradient contiguous (it is sent to a peer)."""
 
@@ -236,66 +233,6 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _needs_grad(value: Any) -> bool:
     return isinstance(value, Tensor) and value.requires_grad
-
-
-class _NodeTracker(Interpreter):
-    """An interpreter that remembers the node it is running and every value so far."""
-
-    def __init__(self, gm: GraphModule) -> None:
-        super().__init__(gm)
-        self.current: Node | None = None
-        self.extra_traceback = False  # the error as raised, without the graph's dump
-
-    def run_node(self, n: Node) -> Any:
-        self.current = n
-        return super().run_node(n)
-
-
-def _describe_value(value: Any) -> str:
-    if isinstance(value, Tensor):
-        layout = "" if value.is_contiguous() else ", non-contiguous"
-        dtype = str(value.dtype).removeprefix("torch.")
-        return f"tensor {tuple(value.shape)} {dtype}{layout}"
-    return type(value).__name__ if not isinstance(value, (int, float, bool)) else repr(value)
-
-
-def describe_values(tree: Any, limit: int = 6) -> str:
-    """``tree`` for an error message: a tensor's shape, dtype and layout; a container's type
-    and its first ``limit`` leaves by pytree path (``dict {['out']: tensor (2, 4) float32}``)."""
-    leaves, _ = tree_flatten_with_path(tree)
-    if len(leaves) == 1 and not leaves[0][0]:
-        return _describe_value(leaves[0][1])
-    parts = [f"{keystr(path)}: {_describe_value(v)}" for path, v in leaves[:limit]]
-    more = f", ... {len(leaves) - limit} more" if len(leaves) > limit else ""
-    return f"{type(tree).__name__} {{{', '.join(parts)}{more}}}"
-
-
-def _what(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
-
-
-def _failure(
-    where: str,
-    tracker: _NodeTracker,
-    exc: BaseException,
-    unit_of: dict[str, str],
-    stage_of: dict[str, int] | None = None,
-) -> str:
-    """``where, [stage,] unit, node (target) on (its inputs): the error``, from a tracker
-    that raised (``unit_of``: node -> unit; ``stage_of``: unit -> stage)."""
-    node = tracker.current
-    if node is None:
-        return f"{where}: {_what(exc)}"
-    args = ", ".join(_describe_value(tracker.env.get(a)) for a in node.all_input_nodes)
-    unit = unit_of.get(node.name, "?")
-    if stage_of is not None:
-        where = f"{where}: stage {stage_of.get(unit, '?')}"
-    return f"{where}, unit {unit!r}, node {node.name} ({_target(node)}) on ({args}): {_what(exc)}"
-
-
-def _target(node: Node) -> str:
-    target = node.target
-    return str(target) if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,75 +287,6 @@ def check_plan(plan: Plan, traced: TracedModel, units: Sequence[UnitSpec]) -> No
                 f"unit {unit} is {have[diff]!r}; profile and plan this model again"
             )
         expected = s.last_unit + 1
-
-
-@contextlib.contextmanager
-def preserved_buffers(module: nn.Module) -> Iterator[None]:
-    """Restore every buffer of ``module`` on exit (a probe or a recomputation must not count
-    a batch-norm batch twice)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buf, copy in saved:
-                buf.copy_(copy)
-
-
-class _Recorder(_NodeTracker):
-    def __init__(self, gm: GraphModule, wanted: set[str]) -> None:
-        super().__init__(gm)
-        self.wanted = wanted
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: Node) -> Any:
-        out = super().run_node(n)
-        if n.name in self.wanted:
-            self.values[n.name] = out
-        return out
-
-
-class _MetaRecorder(_Recorder, MetaInterpreter):
-    """A recorder that runs every node on ``meta`` (a model whose parameters have no storage)."""
-
-
-def probe(
-    traced: TracedModel,
-    wanted: set[str],
-    inputs: tuple[Tensor, ...],
-    unit_of: dict[str, str] | None = None,
-    stage_of: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """Run the whole graph on ``inputs`` (one micro-batch) and return the ``wanted`` values.
-
-    Runs with autograd on, so each tensor's ``requires_grad`` is what a stage will see; the
-    model's buffers are left as they were.  If a node raises, the :class:`StageComputeError`
-    names it, its inputs, its unit (``unit_of``: node -> unit) and stage (``stage_of``: unit
-    -> stage).  A model with tensors on ``meta`` (:mod:`pipeplan.intake.meta`) runs on ``meta``: the
-    values are shapes, dtypes and sizes only.
-    """
-    rec = (_MetaRecorder if has_meta(traced.gm) else _Recorder)(traced.gm, wanted)
-    try:
-        with torch.enable_grad(), preserved_buffers(traced.gm):
-            rec.run(*inputs)
-    except Exception as exc:
-        what = "the model on one micro-batch (building the stages)"
-        text = _failure(what, rec, exc, unit_of or {}, stage_of)
-        if isinstance(rec, _MetaRecorder):
-            text += "; the model is on meta, where a node that needs values fails: --init full"
-        raise StageComputeError(text) from exc
-    # Leaves, not the probe's autograd graph: a graph that outlives the probe holds every
-    # parameter's AccumulateGrad node, and materializing then cannot swap the parameter
-    # (``use_count ... got 3``).  Frames kept alive by a reference cycle (fx's ``wrap``, in
-    # code it generates for torchvision and timm models, holds its own frame) would keep it.
-    return tree_map(_without_graph, rec.values)  # type: ignore[no-any-return]
-
-
-def _without_graph(value: Any) -> Any:
-    """``value`` cut from its autograd graph, keeping ``requires_grad``."""
-    if isinstance(value, Tensor) and value.requires_grad:
-        return value.detach().requires_grad_(True)
-    return value
 
 
 def _example(value: Tensor) -> Tensor:

@@ -7,10 +7,10 @@ launcher, one rank per stage, e.g. on each of two nodes::
         -m pipeplan.runtime.worker plan.json --steps 20 --report report.json
 
 Rank j runs stage j, or, for a plan of v chunks per rank (interleaved, looped, zero-bubble,
-V), the v stages :func:`pipeplan.planner.schedules.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
+V), the v stages :func:`pipeplan.planner.families.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
 and materializes only its stages' modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
 and each module's name, so the values do not depend on the split; or it reads them from
-``--weights`` (:mod:`pipeplan.planner.checkpoint`).  ``--init full`` builds the whole model on every
+``--weights`` (:mod:`pipeplan.runtime.checkpoint`).  ``--init full`` builds the whole model on every
 rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
 ``--save DIR`` saves the run at its end, and every ``--save-every K`` steps, into step folders
 made visible whole (:mod:`pipeplan.runtime.saving`): weights one shard per rank (its
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> None:
     from pipeplan.runtime import saving
     from pipeplan.runtime.engine import PipelineRunner
     from pipeplan.runtime.memory import ResidentPeak
-    from pipeplan.runtime.report import RankRecord, chrome_trace, gather_report, print_comparison
+    from pipeplan.runtime.records import RankRecord, chrome_trace, gather_report, print_comparison
 
     rank = int(os.environ.get("RANK", "0"))
     beat = _heartbeat(args.run_dir, rank)

@@ -5,7 +5,7 @@
 
 * the one-chunk solvers (``SOLVERS``: the exact DP, CP-SAT, the baselines) plan GPipe and 1F1B
   by the closed form (:mod:`pipeplan.planner.costmodel`, with compute contention k);
-* the schedule solver (:func:`pipeplan.solvers.schedules.solve_schedule`) plans every family,
+* the schedule solver (:func:`pipeplan.solvers.multichunk.solve_schedule`) plans every family,
   its chunks per rank v, cuts, m and recomputation, by replaying torch's own action order.
 
 :func:`solve` decides:
@@ -82,7 +82,7 @@ def solve(
     """The plan for ``options.schedule`` by ``solver`` (module docstring).  Raises
     :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits and
     :class:`~pipeplan.planner.errors.InvalidRequestError` for a combination no solver plans."""
-    from pipeplan.solvers.schedules import solve_schedule
+    from pipeplan.solvers.multichunk import solve_schedule
 
     options = options or PlanOptions(schedule="auto")
     if solver not in SOLVERS:

@@ -112,7 +112,7 @@ def plan_devices(
     that device, ``data_parallel`` d in the mode, and the cluster's links and engine terms.
 
     With ``floor`` (a lower bound on the step of every plan ``solver`` could return, e.g.
-    :func:`pipeplan.solvers.schedules.schedule_floor`), the pairs are solved in increasing
+    :func:`pipeplan.solvers.multichunk.schedule_floor`), the pairs are solved in increasing
     order of their floor, and a pair whose floor is no less than the best step found so far is
     not searched: every pair has the same global batch, so it cannot have the best
     throughput.  Such a pair gets ``quick``'s plan (e.g. the DP's one-chunk plan) for the

@@ -1,7 +1,7 @@
 """Seeds and local search for the schedule solver's large instances (p v chunks, any family).
 
 A partition is the list of chunk starts ``starts`` (``starts[0] = 0``); chunk s runs on rank
-``owner[s]`` (a loop or a V, :func:`pipeplan.planner.schedules.rank_of_stage`).  A start other
+``owner[s]`` (a loop or a V, :func:`pipeplan.planner.families.rank_of_stage`).  A start other
 than 0 must be an allowed cut (``PlanOptions.allowed_cuts``) and every chunk must hold between
 ``min_units`` and ``max_units`` units: :class:`Cuts` states these rules once, and everything
 here keeps to them.

@@ -949,7 +949,7 @@ def test_schedules_export_their_family_and_chunks() -> None:
     the layout (VPP v); DeepSpeed and Megatron's loop refuse what they cannot run."""
     from pipeplan.planner.errors import InvalidRequestError
     from pipeplan.planner.io import load_profile
-    from pipeplan.solvers.schedules import solve_schedule
+    from pipeplan.solvers.multichunk import solve_schedule
 
     profile = load_profile(Path(__file__).parents[2] / "benchmarks/schedules/out/gpt.profile.json")
     cluster = Cluster.homogeneous(2, 1 << 30)

@@ -7,14 +7,14 @@ import random
 import pytest
 from torch.distributed.pipelining import schedules as ts
 
-from pipeplan.planner.replay import ChunkCosts, replay
-from pipeplan.planner.schedules import (
+from pipeplan.planner.families import (
     FAMILIES,
     Action,
     action_order,
     check,
     rank_of_stage,
 )
+from pipeplan.planner.replay import ChunkCosts, replay
 from pipeplan.planner.simulate import operation_order, simulate
 
 CASES = [(f, v, p, m) for f in FAMILIES for v in FAMILIES[f].v[:2] for p, m in [(2, 4), (4, 8)]]

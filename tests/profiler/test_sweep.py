@@ -14,8 +14,8 @@ from pipeplan.intake.trace import trace_model
 from pipeplan.profiler.assemble import LossModule
 from pipeplan.profiler.device import Clock
 from pipeplan.profiler.measure import storage_keys
-from pipeplan.profiler.split import split_units
 from pipeplan.profiler.sweep import _Pass, _run_pass, measure_sweep
+from pipeplan.profiler.unit_modules import split_units
 
 GPT = {"vocab": 64, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}  # tied head
 RESNET = {"width": 4, "blocks": "1,1", "image": 8}  # skip connections, batch norm

@@ -219,7 +219,7 @@ def test_auto_profiles_whole_passes_only_when_the_training_state_fits(
 ) -> None:
     import torch
 
-    import pipeplan.profiler.profile as pp
+    import pipeplan.profiler.whole as pp
     from pipeplan.intake.model import load_model
     from pipeplan.intake.trace import trace_model
     from pipeplan.profiler.units import activation_estimate, param_bytes

@@ -289,7 +289,7 @@ def test_compare_stages_prints_a_table_per_plan(plan_files: list[Path], cli) -> 
 def test_a_multi_chunk_plan_counts_ranks_and_their_peaks() -> None:
     """p×d of an interleaved plan is its ranks (not its p·v chunks), and its memory the fullest
     rank's replayed peak (the sum of its chunks' terms, not one chunk's)."""
-    from pipeplan.solvers.schedules import solve_schedule
+    from pipeplan.solvers.multichunk import solve_schedule
 
     prof = synthetic_profile(8, batch_size=8, seed=2)
     clus = Cluster.homogeneous(2, 2**30)

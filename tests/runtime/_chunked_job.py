@@ -5,7 +5,7 @@ test_chunked.py and test_chunked_zoo.py).
 plan's full batch by its ``model``): every rank builds each plan's model with seed 3
 in the plan's dtype and traces it on one micro-batch, once for all the plans that share them
 (tracing a ``transformers`` model takes seconds; each later plan starts from the same
-parameters again), runs :func:`pipeplan.runtime.chunked.chunked_step` and writes
+parameters again), runs :func:`_chunked.chunked_step` and writes
 ``OUT/<schedule>-rank<r>.pt`` = {"grads": {name: grad}, "loss": float | None}.
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _chunked import chunked_step
 
 import pipeplan
 from pipeplan.intake.model import ModelSpec, load_model
 from pipeplan.intake.trace import TracedModel, trace_model
-from pipeplan.runtime.chunked import chunked_step
 from pipeplan.runtime.engine import cast_batch
 
 

@@ -16,8 +16,8 @@ from _runtime_jobs import chunked, make_plan
 
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
-from pipeplan.planner.checkpoint import CheckpointReader
 from pipeplan.planner.io import write_json
+from pipeplan.runtime.checkpoint import CheckpointReader
 from pipeplan.runtime.supervise import live_processes
 
 MODEL = ("_weights_models:dropped", {})

@@ -16,8 +16,8 @@ from _runtime_jobs import chunked, make_plan
 import pipeplan
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
+from pipeplan.planner.families import action_order
 from pipeplan.planner.io import write_json
-from pipeplan.planner.schedules import action_order
 
 GPT = (
     "pipeplan.models.gpt:gpt",
@@ -109,7 +109,7 @@ def test_pipeplan_run_reports_and_traces_a_zbv_plan_per_chunk(tmp_path: Path) ->
             }
     assert any(e["pid"] >= 1000 for e in events)  # the replayed prediction
     # The order each rank ran its actions in is the order the planner replayed (torch's own
-    # pipeline_order, planner.schedules.action_order): the last measured step's spans.
+    # pipeline_order, planner.families.action_order): the last measured step's spans.
     for rank, want in enumerate(action_order("zbv", 2, 2, 4)):
         spans = sorted(
             (e["ts"], e["name"][0], e["tid"], int(e["name"][1:]))

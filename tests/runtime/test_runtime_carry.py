@@ -24,7 +24,8 @@ from pipeplan.intake.graph import group_units
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
 from pipeplan.planner.errors import UserCodeError
-from pipeplan.runtime.stages import StageComputeError, build_stages
+from pipeplan.runtime.stage_errors import StageComputeError
+from pipeplan.runtime.stages import build_stages
 
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 CARRY = {"carry-a": [0, 1], "carry-b": [0, 2], "reuse": [0, 2]}
@@ -178,7 +179,7 @@ def test_the_profiler_takes_an_optional_argument_and_a_namedtuple_output() -> No
 
 
 def test_a_failing_probe_or_loss_names_where_and_what() -> None:
-    from pipeplan.runtime.engine import PipelineRunner
+    from pipeplan.runtime.loss import StageLoss
     from pipeplan.runtime.timing import StepTimer
 
     spec = load_model("_carry_models:carry", {})
@@ -192,15 +193,13 @@ def test_a_failing_probe_or_loss_names_where_and_what() -> None:
     assert "tensor (2, 6) int64): IndexError" in message, message
 
     last = build_stages(plan, traced, group_units(traced), (x, ids))[1]
-    runner = object.__new__(PipelineRunner)  # just what _loss uses
-    runner.timer, runner._loss_calls, runner.rank = StepTimer(torch.device("cpu")), 0, 1
-    runner._output_module, runner.loss_fn = last.module, lambda out, y: out["out"] @ y
+    loss = StageLoss(lambda out, y: out["out"] @ y, last.module, StepTimer(torch.device("cpu")), 1)
     leaves = last.module(*(t.detach() for t in last.example_inputs))
     rebuilt = last.module.rebuild_output(leaves)  # the types the model returns
     assert type(rebuilt) is dict and type(rebuilt["aux"]) is tuple
     assert type(rebuilt["aux"][1]) is list
     with pytest.raises(UserCodeError) as loss_info:
-        runner._loss(leaves, target)
+        loss(leaves, target)
     message = str(loss_info.value)
     assert message.startswith(
         "the model's loss (stage 1) on output dict {['out']: tensor (2, 6, 8)"

@@ -9,7 +9,7 @@ the cause, exits non-zero, leaves no process behind and keeps the last complete 
 - A full disk during a save (``ENOSPC``, injected) names the stage that could not write it.
 - A save that is truncated, corrupted or incomplete is refused before launch (``--resume``),
   naming the file, with status 2 (the ranks' own checks are tested in
-  ``tests/planner/test_snapshots.py``).
+  ``tests/runtime/test_snapshots.py``).
 
 Each test prints its time to stop (``pytest -s`` shows them).
 """
@@ -29,8 +29,8 @@ import pytest
 from _resume_jobs import ENV, PIPEPLAN, beat, state, survivors, wait_for, write_plans
 
 from pipeplan.cli import main
-from pipeplan.planner.checkpoint import shard_name
-from pipeplan.planner.snapshots import step_name
+from pipeplan.runtime.checkpoint import shard_name
+from pipeplan.runtime.snapshots import step_name
 
 
 @pytest.fixture(scope="module")

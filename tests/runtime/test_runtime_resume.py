@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from _resume_jobs import ENV, beat, equal, run, state, survivors, wait_for, worker, write_plans
 
-from pipeplan.planner.snapshots import step_name
+from pipeplan.runtime.snapshots import step_name
 
 
 @pytest.fixture(scope="module")

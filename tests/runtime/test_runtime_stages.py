@@ -19,7 +19,7 @@ from pipeplan.intake.trace import trace_model
 from pipeplan.planner.errors import FingerprintMismatchError
 from pipeplan.runtime.engine import Recompute
 from pipeplan.runtime.launch import failure
-from pipeplan.runtime.report import (
+from pipeplan.runtime.records import (
     RankRecord,
     build_report,
     chrome_trace,

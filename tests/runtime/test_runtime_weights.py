@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from pipeplan.intake.meta import materialize
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
-from pipeplan.planner.checkpoint import CheckpointReader
 from pipeplan.planner.io import load_report, write_json
+from pipeplan.runtime.checkpoint import CheckpointReader
 
 GPT = (
     "pipeplan.models.gpt:gpt",

@@ -7,12 +7,12 @@ import pytest
 from _solver_strategies import with_split
 
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.schedules import FAMILIES
+from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
 from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.choose import ONE_CHUNK, solve
-from pipeplan.solvers.schedules import solve_schedule
+from pipeplan.solvers.multichunk import solve_schedule
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.choose import solve
 from pipeplan.solvers.devices import layout, plan_devices, replica_profile
 from pipeplan.solvers.dp import solve_dp
-from pipeplan.solvers.schedules import schedule_floor
+from pipeplan.solvers.multichunk import schedule_floor
 
 LINK = Link(bandwidth_Bps=2e8, latency_s=2e-4)
 

@@ -43,7 +43,7 @@ from pipeplan.planner.optim import make_optimizer
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.profiler import profile_model
-from pipeplan.runtime.stages import probe
+from pipeplan.runtime.probe import probe
 from pipeplan.runtime.worker import _whole_build_needed
 from pipeplan.solvers.dp import solve_dp
 

@@ -2,9 +2,10 @@
 
 These are the only coupling between ``profiler``, ``solvers`` and ``runtime``.  Each is a frozen
 pydantic model, so a file read from disk is validated field by field and an error names the bad
-field (see :mod:`pipeplan.planner.io`).  They live in one module per file kind, :mod:`pipeplan.planner.types.profile`,
-:mod:`pipeplan.planner.types.cluster`, :mod:`pipeplan.planner.types.plan` and :mod:`pipeplan.planner.types.report`, on a
-common base (:mod:`pipeplan.planner.types.base`); import them from here.
+field (see :mod:`pipeplan.planner.io`).  They live in one module per file kind,
+:mod:`pipeplan.planner.types.profile`, :mod:`pipeplan.planner.types.cluster`,
+:mod:`pipeplan.planner.types.plan` and :mod:`pipeplan.planner.types.run_report`, on a common
+base (:mod:`pipeplan.planner.types.base`); import them from here.
 
 Notation used throughout pipeplan:
 
@@ -42,7 +43,7 @@ from pipeplan.planner.types.profile import (
     Timing,
     Unit,
 )
-from pipeplan.planner.types.report import RankMeasurement, RunReport, StageMeasurement
+from pipeplan.planner.types.run_report import RankMeasurement, RunReport, StageMeasurement
 
 __all__ = [
     "CLUSTER_SCHEMA",

@@ -34,8 +34,9 @@ class PlanOptions(FrozenModel):
     activations where that fits its device, and only where it does not recomputes: never
     slower than any fixed policy), ``always``, ``except_last`` (torchgpipe's) or ``never``."""
     schedule: ScheduleChoice = "gpipe"
-    """A schedule family (:mod:`pipeplan.planner.schedules`) or ``auto``: every family, its
-    chunks per rank, cuts, m and recomputation chosen together (:mod:`pipeplan.solvers.schedules`)."""
+    """A schedule family (:mod:`pipeplan.planner.families`) or ``auto``: every family, its
+    chunks per rank, cuts, m and recomputation chosen together
+    (:mod:`pipeplan.solvers.multichunk`)."""
     optimizer: OptimizerName = "adam"
     pinned: dict[int, int] = {}
     """unit index -> stage index (CP-SAT only)."""
@@ -146,7 +147,7 @@ class Plan(FrozenModel):
     schedule: ScheduleName
     stages_per_rank: int = Field(default=1, ge=1)
     """v: the chunks each rank runs; ``stages`` then lists p v chunks, chunk s on the rank
-    :func:`pipeplan.planner.schedules.rank_of_stage` names (a loop, or a V for zbv/dualpipev)."""
+    :func:`pipeplan.planner.families.rank_of_stage` names (a loop, or a V for zbv/dualpipev)."""
     rank_peak_bytes: tuple[int, ...] = ()
     """Per rank: the peak memory walked along torch's action order
     (:func:`pipeplan.planner.replay.peak_memory`); empty for plans of the closed-form solvers."""

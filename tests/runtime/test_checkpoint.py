@@ -1,4 +1,4 @@
-"""pipeplan.planner.checkpoint: every format reads lazily and by key; a checkpoint that lacks a tensor,
+"""pipeplan.runtime.checkpoint: every format reads lazily and by key; a checkpoint that lacks a tensor,
 or holds one of another shape or dtype, is named in one line; shards written per stage load
 back into the unsplit model."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeplan.planner.checkpoint import (
+from pipeplan.planner.errors import ModelLoadError
+from pipeplan.runtime.checkpoint import (
     INDEX,
     CheckpointReader,
     load_checkpoint,
@@ -19,7 +20,6 @@ from pipeplan.planner.checkpoint import (
     write_index,
     write_shard,
 )
-from pipeplan.planner.errors import ModelLoadError
 
 STATE = {
     "a.weight": torch.arange(6.0).reshape(2, 3),

@@ -14,9 +14,9 @@ needs:
                       ...) over this rank's stages, with ``loss`` as its loss_fn: call its step
     loss              the model's loss on the last stage's output, for a schedule's loss_fn
     sync_gradients()  after the schedule's step, before the optimizer's: divides by m where
-                      the schedule left it (v > 1: see :mod:`pipeplan.runtime.engine`), sums
-                      tied parameters' gradients over the ranks holding them and averages over
-                      replicas
+                      the schedule left it (v > 1), sums tied parameters' gradients over the
+                      ranks holding them and averages over replicas, as ``pipeplan run`` does
+                      (:mod:`pipeplan.runtime.gradsync`)
 
 Rank ``r p + j`` runs position ``j`` (its stage, or its chunks ``stages_of_rank``) of replica
 ``r`` (``Plan.layout``); every rank of the world calls :func:`split`, because building the
@@ -38,6 +38,7 @@ from pipeplan.intake.model import ModelSpec
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.engine import PipelineRunner
+from pipeplan.runtime.gradsync import average_replicas, divide_microbatches, sum_tied
 
 __all__ = ["StageSplit", "split"]
 
@@ -81,16 +82,19 @@ class StageSplit:
     def loss(self, output: Any, target: Tensor) -> Tensor:
         """The model's loss on the last stage's output (rebuilt into the model's own output
         structure from the tensors the stage sends): a schedule's ``loss_fn``."""
-        return self._runner._loss(output, target)
+        return self._runner.loss(output, target)
 
     def sync_gradients(self) -> None:
-        """Make this stage's gradients the whole model's: sum each tied parameter's over the
-        stages that hold it, then average over the data-parallel replicas.  Call it on every
-        rank after the schedule's step and before the optimizer's."""
-        self._runner._unscale()
-        self._runner._sync_tied()
-        if self._runner.replicas > 1:
-            self._runner._average_replicas()
+        """Make this stage's gradients the whole model's: divide them by m where the schedule
+        left them summed (v > 1), sum each tied parameter's over the stages that hold it, then
+        average over the data-parallel replicas (:mod:`pipeplan.runtime.gradsync`).  Call it
+        on every rank after the schedule's step and before the optimizer's."""
+        runner = self._runner
+        if runner.unscaled:
+            divide_microbatches(runner.params, runner.plan.microbatches)
+        sum_tied(runner.tied_groups)
+        if runner.replicas > 1:
+            average_replicas(runner.params, runner.dp_group, runner.replicas)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """The stage's parameters by their names in the unsplit model (a tied one once)."""

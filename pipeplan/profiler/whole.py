@@ -58,8 +58,8 @@ from pipeplan.profiler.measure import (
     measure_update_curve,
     storage_keys,
 )
-from pipeplan.profiler.split import split_units
 from pipeplan.profiler.sweep import measure_sweep
+from pipeplan.profiler.unit_modules import split_units
 from pipeplan.profiler.units import activation_estimate, param_bytes
 from pipeplan.report.progress import progress_bar
 

@@ -1,7 +1,7 @@
 """The schedule solver on a measured zoo profile: GPT-2 (``pipeplan.models.zoo``: tied
 embedding and head; I and W measured), profiled once, on 2 and 4 ranks over a finite link.
 
-For ``auto`` and each fixed family, :func:`pipeplan.solvers.schedules.solve_schedule` returns
+For ``auto`` and each fixed family, :func:`pipeplan.solvers.multichunk.solve_schedule` returns
 a plan whose ``step_time_s`` is the replay (:func:`pipeplan.planner.chunks.score`, which runs
 :func:`pipeplan.planner.replay.replay`) of its own family, v, m, cuts and recompute flags, with
 p v contiguous chunks and every rank's replayed peak within its memory.  Where the family can
@@ -17,11 +17,11 @@ from __future__ import annotations
 import pytest
 
 from pipeplan.planner.chunks import score
-from pipeplan.planner.schedules import FAMILIES, check
+from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile
-from pipeplan.profiler.profile import profile_model
+from pipeplan.profiler.whole import profile_model
 from pipeplan.solvers.dp import solve_dp
-from pipeplan.solvers.schedules import solve_schedule
+from pipeplan.solvers.multichunk import solve_schedule
 
 GPT2 = {"n_layers": 4, "d_model": 16, "vocab": 64, "seq_len": 8}
 

@@ -17,7 +17,7 @@ only its stage.
 Writing (:func:`write_shard`, :func:`write_index`) produces the same sharded layout that
 ``transformers`` writes: every stage its own ``model-0000k-of-0000p.safetensors`` and one
 ``model.safetensors.index.json``; each file is written atomically (a temporary file renamed).
-A training run writes them into step folders made visible whole (:mod:`pipeplan.planner.snapshots`):
+A training run writes them into step folders made visible whole (:mod:`pipeplan.runtime.snapshots`):
 given such a save's root, the reader reads the step ``latest`` names, checks every file's size
 against the manifest at once and each shard's SHA-256 and save id when it opens it, so a torn,
 truncated, corrupted or mixed save is refused with the file named.
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from pipeplan.planner.errors import ModelLoadError
-from pipeplan.planner.snapshots import check_file, resolve
+from pipeplan.runtime.snapshots import check_file, resolve
 
 __all__ = [
     "INDEX",
@@ -75,7 +75,7 @@ class CheckpointReader:
             raise ModelLoadError(f"checkpoint {self.path} does not exist; pass a .safetensors "
                                  f"file, a torch state-dict file or a sharded checkpoint folder")  # fmt: skip
         p, self.manifest = resolve(self.path)
-        """The save's manifest (:mod:`pipeplan.planner.snapshots`), ``None`` for other checkpoints."""
+        """The save's manifest (:mod:`pipeplan.runtime.snapshots`), ``None`` for other checkpoints."""
         self.folder = p
         if self.manifest is not None:
             for name in self.manifest["files"]:  # every file there and whole, before any read

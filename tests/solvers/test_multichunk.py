@@ -11,10 +11,10 @@ from _solver_strategies import with_split
 
 from pipeplan.planner.chunks import score, work_bound
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
-from pipeplan.planner.schedules import FAMILIES, check
+from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
-from pipeplan.solvers.schedules import solve_schedule
+from pipeplan.solvers.multichunk import solve_schedule
 
 
 def _brute(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:

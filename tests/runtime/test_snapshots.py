@@ -1,4 +1,4 @@
-"""Step folders (``pipeplan.planner.snapshots``) read through ``CheckpointReader``: the latest
+"""Step folders (``pipeplan.runtime.snapshots``) read through ``CheckpointReader``: the latest
 complete save is read, and a torn, truncated, corrupted, mixed or incomplete one is refused
 with the file named.  The saves are made with the same functions the ranks use, in one
 process (the multi-rank protocol is tested in ``tests/runtime/test_runtime_resume.py``)."""
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeplan.planner.checkpoint import (
+from pipeplan.planner.errors import ModelLoadError
+from pipeplan.runtime.checkpoint import (
     INDEX,
     CheckpointReader,
     shard_name,
     write_index,
     write_shard,
 )
-from pipeplan.planner.errors import ModelLoadError
-from pipeplan.planner.snapshots import commit, file_record, partial_dir, prune, step_name
+from pipeplan.runtime.snapshots import commit, file_record, partial_dir, prune, step_name
 
 
 def _save(root: Path, step: int, value: float, save_id: str, *, finish: bool = True) -> Path:

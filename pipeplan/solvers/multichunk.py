@@ -1,8 +1,9 @@
-"""The schedule solver: family, chunks per rank v, cuts into p v chunks, m and per-chunk
-recomputation, chosen together under each device's memory and scored by torch's own order.
+"""The multi-chunk schedule solver: family, chunks per rank v, cuts into p v chunks, m and
+per-chunk recomputation, chosen together under each device's memory and scored by torch's own
+order.
 
 Formulation.  For every candidate (family, v, m) that torch's class accepts
-(:func:`pipeplan.planner.schedules.check`) the step time of a partition into k = p v chunks
+(:func:`pipeplan.planner.families.check`) the step time of a partition into k = p v chunks
 starting at ``starts`` with recompute flags rho is the replay's makespan
 T(family, v, m, starts, rho) (:mod:`pipeplan.planner.chunks`), feasible when every rank's peak
 walked along the same order fits its device.  We minimise T over all of them.
@@ -11,7 +12,7 @@ Algorithm.
   0. Candidates (the request's families, v with p v units at least, and m) are taken in the
      order of their lower bound L_c = :func:`pipeplan.planner.chunks.family_bound`; one whose
      bound reaches the best step found so far is dropped before torch is asked whether it
-     accepts it (:func:`pipeplan.planner.schedules.check`, which builds the schedule).
+     accepts it (:func:`pipeplan.planner.families.check`, which builds the schedule).
   1. Each candidate left is seeded (:mod:`pipeplan.solvers.schedule_search`: the exact min-max
      partition over the allowed cuts, torchtitan's equal split, rank-balanced fills, 1F1B's
      stages cut in v, and for GPipe and 1F1B the closed-form DP's plan), each seed with the
@@ -60,8 +61,8 @@ from pipeplan.planner.errors import (
     UnsupportedConstraintError,
 )
 from pipeplan.planner.evaluate import profile_fields
+from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
-from pipeplan.planner.schedules import FAMILIES, action_order, check
 from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile, Stage
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.schedule_search import (
