@@ -67,6 +67,7 @@ from pipeplan.runtime.gradsync import (
 from pipeplan.runtime.loss import StageLoss
 from pipeplan.runtime.measured_stage import FaultHook, MeasuredStage
 from pipeplan.runtime.memory import TensorPeak, held_bytes
+from pipeplan.runtime.mesh import plan_mesh, shard_stage_modules
 from pipeplan.runtime.records import RankRecord
 from pipeplan.runtime.stages import (
     build_stages,
@@ -133,11 +134,6 @@ def check_schedule(plan: Plan) -> None:
             f"plan has {plan.n_stages} stages, not a multiple of its {v} chunks per rank; "
             "make the plan again"
         )
-    if v > 1 and plan.cluster.data_parallel != 1:
-        raise InvalidRequestError(
-            f"{plan.schedule} plans run one pipeline, not {plan.cluster.data_parallel} "
-            "replicas; plan with --schedule gpipe or 1f1b for data parallelism"
-        )
     why = check(plan.schedule, p, v, plan.microbatches) if v > 1 else None
     if why is not None:
         raise InvalidRequestError(f"torch refuses the plan's schedule: {why}; plan again")
@@ -192,7 +188,10 @@ class PipelineRunner:
         self.chunks = stages_of_rank(plan.schedule, p, v, rank)
         """The stages (chunks) this rank runs, in the order torch's schedule takes them."""
         self.owner = rank_of_stage(plan.schedule, p, v)
-        self.pp_group, self.dp_group = _mesh_groups(plan, device)
+        self.mesh = plan_mesh(plan, device)
+        self.pp_group, self.dp_group = self.mesh.pp_group, self.mesh.dp_group
+        self.sharded = plan.cluster.data_parallel_mode == "shard" and self.replicas > 1
+        """Whether FSDP2 shards the rank's stages over the dp group (:mod:`~pipeplan.runtime.mesh`)."""
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
         module = spec.module.to(dtype=self.dtype)
@@ -260,10 +259,16 @@ class PipelineRunner:
         self.timer = StepTimer(device)
         self.loss = StageLoss(spec.loss, programs[n - 1].module, self.timer, rank)
         """The model's loss on the last stage's output: the schedule's ``loss_fn``."""
+        bodies: list[nn.Module] = [
+            Recompute(body) if plan.stages[s].recompute else body
+            for s, body in zip(self.chunks, self.chunk_modules, strict=True)
+        ]
+        if self.sharded:
+            self.names = shard_stage_modules(bodies, self.mesh, self.names)
         self.stages: list[MeasuredStage] = []
-        for s, pr, body in zip(self.chunks, mine, self.chunk_modules, strict=True):
+        for s, pr, body in zip(self.chunks, mine, bodies, strict=True):
             stage = MeasuredStage(
-                Recompute(body) if plan.stages[s].recompute else body,
+                body,
                 s,
                 n,
                 device,
@@ -347,7 +352,7 @@ class PipelineRunner:
         if self.tied_groups:
             with self.timer.span("tied", -1):
                 sum_tied(self.tied_groups)
-        if self.dp_group is not None:
+        if self.dp_group is not None and not self.sharded:  # FSDP2 averaged them already
             with self.timer.span("replicas", -1):
                 average_replicas(self.params, self.dp_group, self.replicas)
         if not self.is_last:
@@ -448,20 +453,3 @@ def _drop(merged: None, output: Tensor) -> None:
     """A last-stage output merged over micro-batches: dropped (the runner reads the losses)."""
 
 
-def _mesh_groups(plan: Plan, device: torch.device) -> tuple[Any, Any]:
-    """(pp group, dp group) of this rank: ``None, None`` for one pipeline (the default group
-    is the pipeline); with d replicas a device mesh of shape (d, p), dimensions (dp, pp), rank
-    r p + j running replica r's stage j (``Plan.layout``)."""
-    d, p = plan.cluster.data_parallel, plan.n_stages
-    if d == 1:
-        return None, None
-    expected = tuple(tuple(r * p + j for j in range(p)) for r in range(d))
-    if plan.layout and plan.layout != expected:
-        raise InvalidRequestError(
-            f"the plan's layout {plan.layout} is not the runtime's (replica r's stage j on rank "
-            f"r * {p} + j); plan again with --devices"
-        )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (d, p), mesh_dim_names=("dp", "pp"))
-    return mesh.get_group("pp"), mesh.get_group("dp")

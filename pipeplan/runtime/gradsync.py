@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipeplan.runtime.mesh import local
 from pipeplan.runtime.stages import TiedParameter
 
 __all__ = ["TiedGroup", "average_replicas", "divide_microbatches", "sum_tied", "tied_groups"]
@@ -108,7 +109,7 @@ def _gradients(params: Sequence[nn.Parameter]) -> list[Tensor]:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        grads.append(local(p.grad))  # a sharded (FSDP2) gradient: this rank's shard
     return grads
 
 

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from pipeplan.runtime.mesh import local
+
 if TYPE_CHECKING:  # importing torch.distributed.pipelining takes seconds
     from torch.distributed.pipelining import PipelineStage
 
@@ -89,6 +91,7 @@ def live_bytes(tensors: Iterable[Tensor | None]) -> int:
     for t in tensors:
         if t is None or t.is_meta:
             continue
+        t = local(t)  # a sharded (FSDP2) tensor holds its shard
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

@@ -132,6 +132,14 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             if cfg.get("recompute") == "odd"
             else None,
         )
+        if "ranks" in cfg:  # the stages as the chunks of a multi-chunk family on that many ranks
+            plan = chunked(plan, cfg["schedule"], cfg["ranks"])
+        if "mode" in cfg:  # replicate or shard (FSDP2) over the replicas
+            plan = plan.model_copy(
+                update={
+                    "cluster": plan.cluster.model_copy(update={"data_parallel_mode": cfg["mode"]})
+                }
+            )
         runner = PipelineRunner(
             plan,
             spec,
@@ -143,7 +151,7 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         )
         loss = runner.forward_backward(inputs, target)
         params = runner.named_parameters()
-        grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+        grads = {k: _full(p.grad) for k, p in params.items() if p.grad is not None}
         runner.optimizer_step()
         losses = [loss]
         for step in range(1, cfg["steps"]):
@@ -153,12 +161,21 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             "loss": loss,
             "losses": losses,
             "grads": grads,
-            "params": {k: p.detach().clone() for k, p in params.items()},
+            "params": {k: _full(p) for k, p in params.items()},
+            "sharded": [type(p).__name__ for p in params.values()],
             "tied": [(t.name, t.stages) for t in runner.tied],
             "recomputed": isinstance(runner.stage.submod, Recompute),
             "buffers": _stage_buffers(spec.module, runner.stage_module),
         }
     return results
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor: a sharded (FSDP2) one gathered over its replicas."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor().clone() if isinstance(t, DTensor) else t.clone()
 
 
 def _stage_buffers(model: torch.nn.Module, stage: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -232,10 +249,6 @@ def reference(
     return losses[0], grads, params, losses
 
 
-if __name__ == "__main__":
-    run_job(sys.argv[1])
-
-
 def chunked(plan: Plan, schedule: str, p: int) -> Plan:
     """``plan``'s stages as the chunks of a ``schedule`` plan on p ranks, with made-up I and W
     times (half the backward each)."""
@@ -246,3 +259,7 @@ def chunked(plan: Plan, schedule: str, p: int) -> Plan:
         "schedule": schedule, "stages_per_rank": len(plan.stages) // p, "stages": stages,
         "cluster": plan.cluster.model_copy(update={"devices": plan.cluster.devices[:p]}),
     })  # fmt: skip
+
+
+if __name__ == "__main__":
+    run_job(sys.argv[1])
