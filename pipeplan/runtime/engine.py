@@ -451,5 +451,3 @@ class PipelineRunner:
 
 def _drop(merged: None, output: Tensor) -> None:
     """A last-stage output merged over micro-batches: dropped (the runner reads the losses)."""
-
-
