@@ -287,3 +287,9 @@ def test_uncalibrated_note_names_only_what_is_not_charged() -> None:
     )
     assert uncalibrated_note(measured) is None
     assert "contention" not in (uncalibrated_note(Cluster.homogeneous(1, 2**30)) or "")
+    # data-parallel ranks without measured collectives: said, with pipeplan calibrate
+    dp = measured.model_copy(update={"data_parallel": 2, "data_parallel_mode": "shard"})
+    note = uncalibrated_note(dp)
+    assert note is not None and "data-parallel collectives" in note and "pipeplan calibrate" in note
+    timed = dp.model_copy(update={"collectives": {"all_gather": (1e-9, 1e-5)}})
+    assert uncalibrated_note(timed) is None

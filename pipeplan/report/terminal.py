@@ -66,6 +66,11 @@ def uncalibrated_note(cluster: Cluster) -> str | None:
         free.append("the pipeline engine's cost per operation and per step")
     if cluster.n_stages > 1 and cluster.contention == 0 and cluster.update_contention == 0:
         free.append("contention between stages that share a host")
+    if cluster.data_parallel > 1 and not cluster.collectives:
+        free.append(
+            "measured data-parallel collectives (all-gather, reduce-scatter and all-reduce are "
+            "modelled as rings on the link)"
+        )
     if not free:
         return None
     return (

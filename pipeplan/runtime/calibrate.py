@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeplan.planner.collectives import COLLECTIVES, Collective
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
 from pipeplan.planner.types import Cluster, Device, Link
 from pipeplan.report.progress import progress_bar
@@ -55,10 +56,12 @@ from pipeplan.runtime.engine_fit import (
 )
 from pipeplan.runtime.launch import watch
 from pipeplan.runtime.linkbench import (
+    fit_affine,
     fit_link,
     message_sizes,
     ring_link,
     time_allreduce,
+    time_collectives,
     time_pingpong,
 )
 from pipeplan.runtime.update_contention import measure_update_contention
@@ -126,6 +129,7 @@ def _worker(argv: list[str] | None = None) -> None:
 
         samples: list[tuple[int, float, float]] = []
         allreduce: list[tuple[int, float]] = []
+        collectives: dict[str, list[tuple[int, float]]] = {}
         kappa_u = 0.0
         if world > 1:  # a 1-rank launch measures the engine alone
             if rank < 2:  # ranks beyond the pair wait at the barrier
@@ -133,6 +137,7 @@ def _worker(argv: list[str] | None = None) -> None:
             dist.barrier()
             done("link")
             allreduce = time_allreduce(message_sizes(args.max_bytes), args.repeats, device)
+            collectives = time_collectives(message_sizes(args.max_bytes), args.repeats, device)
             done("all-reduce")
             kappa_u = measure_update_contention(args.repeats, device)
             done("update contention")
@@ -153,7 +158,8 @@ def _worker(argv: list[str] | None = None) -> None:
                 memory //= dist.get_world_size()
             with open(args.out, "w") as fh:
                 json.dump(
-                    {"samples": samples, "allreduce": allreduce, "memory": memory,
+                    {"samples": samples, "allreduce": allreduce, "collectives": collectives,
+                     "memory": memory,
                      "engine": engine, "update_contention": kappa_u},
                     fh,
                 )  # fmt: skip
@@ -366,13 +372,33 @@ def combine(
     kind = "gpu" if device == "cuda" else "cpu"
     devices = tuple(Device(name=f"{kind}{j}", memory_bytes=memory) for j in range(nproc))
     replica = ring_link(allreduce, nproc) if nproc > 1 else None
+    # FSDP2's collectives and the replicas' all-reduce, each an affine fit of the medians at
+    # every size over the launches (pipeplan.planner.collectives rescales them to d ranks)
+    collectives: dict[Collective, tuple[float, float]] = {}
+    for kind in COLLECTIVES if nproc > 1 else ():
+        per_launch = [_points(r, kind) for r in results]
+        if all(per_launch):
+            medians = [
+                (int(pts[0][0]), float(np.median([pt[1] for pt in pts])))
+                for pts in zip(*per_launch)
+            ]
+            if len(medians) > 1:
+                collectives[kind] = fit_affine(medians)
     cluster = Cluster(
         devices=devices, link=link, allreduce=allreduce, replica_link=replica,
-        op_overhead_s=overhead,
+        collectives=collectives, collective_ranks=max(nproc, 2), op_overhead_s=overhead,
         solo_op_overhead_s=solo, step_overhead_s=step_cost or 0.0, contention=kappa,
         update_contention=kappa_u,
     )  # fmt: skip
     return cluster, samples  # type: ignore[return-value]
+
+
+def _points(result: dict[str, Any], kind: str) -> list[Any]:
+    """One launch's (bytes, seconds) of a collective (``all_reduce``: the runtime's gradient
+    sum, also the tied parameters'); empty where it was not measured."""
+    if kind == "all_reduce":
+        return list(result.get("allreduce", []))
+    return list(result.get("collectives", {}).get(kind, []))
 
 
 def combine_alone(

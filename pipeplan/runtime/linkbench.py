@@ -36,7 +36,14 @@ import numpy as np
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Link
 
-__all__ = ["fit_link", "message_sizes", "time_allreduce", "time_pingpong"]
+__all__ = [
+    "fit_affine",
+    "fit_link",
+    "message_sizes",
+    "time_allreduce",
+    "time_collectives",
+    "time_pingpong",
+]
 
 
 def message_sizes(max_bytes: int) -> list[int]:
@@ -145,6 +152,61 @@ def time_allreduce(sizes: list[int], repeats: int, device: str) -> list[tuple[in
                 times.append(time.perf_counter() - t0)
         out.append((size, _low(times)))
     return out
+
+
+def time_collectives(
+    sizes: list[int], repeats: int, device: str
+) -> dict[str, list[tuple[int, float]]]:
+    """(bytes, seconds) of FSDP2's two collectives on every rank, from a barrier, for w
+    ``sizes`` of the unsharded tensor: ``reduce_scatter`` (w in, w / n out, summed, as FSDP
+    reduces gradients) and ``all_gather`` (w / n in, w out, as FSDP gathers parameters)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    out: dict[str, list[tuple[int, float]]] = {"reduce_scatter": [], "all_gather": []}
+    for size in sizes:
+        shard = max(size // 4 // n, 1)
+        whole = torch.ones(shard * n, dtype=torch.float32, device=device)
+        part = torch.zeros(shard, dtype=torch.float32, device=device)
+        calls = {
+            "reduce_scatter": lambda part=part, whole=whole: dist.reduce_scatter_tensor(
+                part, whole
+            ),
+            "all_gather": lambda part=part, whole=whole: dist.all_gather_into_tensor(whole, part),
+        }
+        for name, call in calls.items():
+            times = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                call()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            out[name].append((shard * n * 4, _low(times)))
+    return out
+
+
+def fit_affine(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per byte, seconds) of the least-squares line through (bytes, seconds), both
+    clipped at 0: a collective's cost as :mod:`pipeplan.planner.collectives` takes it.
+
+    >>> [f"{v:.3g}" for v in fit_affine([(1000, 2e-6 + 1e-5), (3000, 6e-6 + 1e-5)])]
+    ['2e-09', '1e-05']
+    """
+    if len(points) < 2:
+        raise InvalidRequestError("a collective's fit needs at least two sizes")
+    x = np.array([b for b, _ in points], dtype=np.float64)
+    y = np.array([t for _, t in points], dtype=np.float64)
+    slope, intercept = np.polyfit(x, y, 1)
+    slope = max(float(slope), 0.0)
+    if slope == 0.0:
+        intercept = float(np.mean(y))
+    return slope, max(float(intercept), 0.0)
 
 
 def ring_link(allreduce: Link, ranks: int) -> Link:

@@ -44,6 +44,11 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert cluster.allreduce is not None
     assert [s for s, _ in cluster.allreduce.samples] == [4 * 4**k for k in range(9)]
     assert 0 < cluster.allreduce_s(2**18) < 0.5
+    # FSDP2's reduce-scatter and all-gather and the replicas' all-reduce, fitted per byte
+    assert set(cluster.collectives) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert cluster.collective_ranks == 2
+    for per_byte, fixed in cluster.collectives.values():
+        assert per_byte >= 0 and 0 <= fixed < 0.05
     # Adam steps on both ranks at once against each alone (read back from the file).
     assert 0 <= cluster.update_contention < 5
     # Kept where `pipeplan plan` finds it (the test's own PIPEPLAN_HOME).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.runtime.linkbench import fit_link
+from pipeplan.runtime.linkbench import fit_affine, fit_link
 
 
 def test_fit_recovers_a_linear_link() -> None:
@@ -32,3 +32,13 @@ def test_interpolation_between_and_beyond_samples() -> None:
     assert beyond == pytest.approx(1e-4 + 100_000 / link.bandwidth_Bps)
     # Two messages of half the size each pay the per-message part twice.
     assert link.transfer_s(2000, 2) == pytest.approx(2 * link.transfer_s(1000))
+
+
+def test_affine_fit_of_a_collective() -> None:
+    points = [(4 * 4**k, 3e-10 * 4 * 4**k + 2e-5) for k in range(9)]
+    per_byte, fixed = fit_affine(points)
+    assert per_byte == pytest.approx(3e-10) and fixed == pytest.approx(2e-5)
+    # a flat (latency-bound) collective: no negative slope, the mean as its cost
+    assert fit_affine([(4, 1e-5), (64, 0.9e-5), (1024, 1e-5)])[0] >= 0
+    with pytest.raises(InvalidRequestError, match="two sizes"):
+        fit_affine([(4, 1e-5)])
