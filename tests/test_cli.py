@@ -11,6 +11,8 @@ import pytest
 import torch
 from _cli_argv import cli_argv
 
+import pipeplan
+from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.io import load_plan, write_json
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link
@@ -115,6 +117,14 @@ BAD = [
     (["--stages", "3", "--memory", "1GiB", "--microbatches", "3"], "does not divide"),
     (["--stages", "3", "--memory", "1GiB", "--microbatches", "lots"], "--microbatches 'lots'"),
     (["--stages", "3", "--memory", "1GiB", "--solver", "magic"], "--solver 'magic'"),
+    (
+        ["--stages", "3", "--memory", "1GiB", "--solver", "cpsat", "--schedule", "zbv"],
+        "--schedule zbv is planned by the schedule solver on one pipeline, not with --solver cpsat",
+    ),
+    (
+        ["--devices", "4", "--memory", "1GiB", "--schedule", "zbv"],
+        "--schedule zbv is planned by the schedule solver on one pipeline, not with data-parallel",
+    ),
     (["--stages", "3", "--memory", "1GiB", "--checkpoint", "sometimes"], "--checkpoint"),
     (["--stages", "3", "--memory", "1GiB", "--bandwidth", "fast"], "bandwidth 'fast'"),
     (["--stages", "3", "--memory", "1GiB", "--pin", "x"], "--pin 'x'"),
@@ -135,6 +145,35 @@ def test_bad_plan_input(tmp_path: Path, profile_file: Path, cli, extra, message)
     assert len(err.strip().splitlines()) == 1
     assert not out_file.exists()
     assert list(tmp_path.iterdir()) == [profile_file]  # no temporary left behind
+
+
+GIB = {"memory": "1GiB"}
+SAME = [
+    (["--stages", "3"], {"stages": 3}),
+    (["--stages", "3", "--memory", "1GiB", "--solver", "magic"],
+     {"stages": 3, **GIB, "solver": "magic"}),
+    (["--stages", "3", "--memory", "1GiB", "--checkpoint", "sometimes"],
+     {"stages": 3, **GIB, "checkpoint": "sometimes"}),
+    (["--stages", "3", "--memory", "1GiB", "--bandwidth", "fast"],
+     {"stages": 3, **GIB, "bandwidth": "fast"}),
+    (["--devices", "4", "--stages", "3", "--memory", "1GiB"], {"devices": 4, "stages": 3, **GIB}),
+    (["--devices", "4", "--memory", "1GiB", "--schedule", "zbv"],
+     {"devices": 4, **GIB, "schedule": "zbv"}),
+    (["--stages", "3", "--memory", "1GiB", "--solver", "cpsat", "--schedule", "zbv"],
+     {"stages": 3, **GIB, "solver": "cpsat", "schedule": "zbv"}),
+    (["--devices", "4", "--memory", "1KiB"], {"devices": 4, "memory": "1KiB"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, kwargs", SAME)
+def test_the_command_line_refuses_what_the_api_refuses_with_its_message(
+    tmp_path: Path, profile_file: Path, cli, args: list[str], kwargs: dict[str, object]
+) -> None:
+    """One check, one message: the command line prints the API's error as it is."""
+    code, _, err = cli(cli_argv("plan", profile_file, tmp_path / "plan.json", args=args))
+    with pytest.raises(PipeplanError) as refused:
+        pipeplan.plan(profile_file, **kwargs)
+    assert code == 2 and " ".join(err.split()) == f"error: {' '.join(str(refused.value).split())}"
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,11 @@ def test_a_multi_chunk_family_needs_the_schedule_solver_on_one_pipeline(
         solve(prof, _cluster(replicas), PlanOptions(schedule="zbv"), solver)
     with pytest.raises(InvalidRequestError, match="unknown"):
         solve(prof, _cluster(), PlanOptions(schedule="auto"), "nope")
+    only = PlanOptions(schedule="auto", families=("zbv",))  # auto, but no one-chunk family
+    with pytest.raises(InvalidRequestError, match=f"allows zbv, .* not with {words[9:]}"):
+        solve(prof, _cluster(replicas), only, solver)
+    with pytest.raises(InvalidRequestError, match="allows no schedule family"):
+        solve(prof, _cluster(), PlanOptions(schedule="auto", families=()), "dp")
 
 
 @pytest.mark.parametrize("solver", ["dp", "cpsat"])
