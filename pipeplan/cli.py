@@ -5,13 +5,13 @@
     pipeplan show plan.json|profile.json
     pipeplan export plan.json --to torchtitan|megatron|deepspeed|fqns [-o FILE]
 
-Each command parses its option strings into values, calls the API (or the package that does
-the work, where the API has no function for it), and prints the result.  The checks of a
-request are the API's and its packages', made once for the command line and Python callers
-alike; every error a user can cause prints one line ``error: ...`` and exits with status 2: no
-traceback, no partial file.  Commands import what they use inside their functions, so
-``pipeplan --help`` and a bad option answer without importing torch, pandas or OR-Tools.  The
-shared options and string parsers live in
+Each command parses its option strings into values, calls the API (or the package that does the
+work, where the API has no function for it), and prints the result.  The checks of a request are
+the API's and its packages', made once for the command line and Python callers alike; every
+error a user can cause prints one line ``error: ...`` and exits with status 2: no traceback, no
+partial file (docs/cli.md: every command, its options and exit codes).  Commands import what
+they use inside their functions, so ``pipeplan --help`` and a bad option answer without
+importing torch, pandas or OR-Tools.  The shared options and string parsers live in
 ``pipeplan.cli_options``, the tables in ``pipeplan.report.terminal``, and the commands that
 drive the runtime (``run``, ``calibrate``) in ``pipeplan.cli_runtime``; this module registers
 them all.
