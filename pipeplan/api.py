@@ -6,8 +6,10 @@
     plan = pipeplan.load("plan.json")
     module, stage = pipeplan.split(plan)            # on every rank, under torchrun
 
-The command line (:mod:`pipeplan.cli`) stands on these functions' packages the same way; the
-functions take what the commands take, as Python values.  Errors are the named exceptions of
+The command line (:mod:`pipeplan.cli`) parses its options into these functions' arguments and
+calls them; every check of a request is made here or in the packages below, once, so a Python
+caller gets the same checks and messages as the command line (which name the options as it
+spells them: ``--stages`` is ``stages=``).  Errors are the named exceptions of
 :mod:`pipeplan.planner.errors` (all :class:`~pipeplan.planner.errors.PipeplanError`).
 """
 
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.io import (
     calibration_file,
     load_any,
@@ -36,12 +39,15 @@ from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Ru
 if TYPE_CHECKING:
     from pipeplan.intake.model import ModelSpec
     from pipeplan.runtime.stage_split import StageSplit
+    from pipeplan.solvers.devices import DeviceChoice
 
 __all__ = [
+    "PlanRequest",
     "calibration",
     "load",
     "make_cluster",
     "plan",
+    "plan_request",
     "profile",
     "save",
     "split",
@@ -86,10 +92,10 @@ def profile(
     :func:`pipeplan.profiler.profile_model`'s (``granularity``, ``tracer``, ``dtype``,
     ``warmup``, ``repeats``, ``threads``, ``rounds``, ``max_stages``).
     """
+    if batch_size <= 0:
+        raise InvalidRequestError(f"--batch-size {batch_size} must be positive")
     from pipeplan.profiler import profile_model
 
-    if batch_size <= 0:
-        raise InvalidRequestError(f"batch_size {batch_size} must be positive")
     return profile_model(
         _model_name(model),
         batch_size=batch_size,
@@ -150,16 +156,22 @@ def make_cluster(
     return Cluster.homogeneous(stages, mem, link)
 
 
+def _check_target(target: str) -> None:
+    from pipeplan.export import TARGETS
+
+    if target not in TARGETS:
+        raise InvalidRequestError(f"--for {target!r} is not one of {', '.join(TARGETS)}")
+
+
 def target_allowed_cuts(profile: Profile, target: str) -> tuple[int, ...]:
     """The units a stage may start at when ``target`` (torchtitan, megatron, deepspeed, fqns)
     runs the plan: :func:`pipeplan.export.snap.target_cuts` on the profile's unit names, for
     ``PlanOptions.allowed_cuts`` (``pipeplan plan --for``).  Raises
     :class:`~pipeplan.planner.errors.InvalidRequestError` for a target that cannot name the
     model."""
-    from pipeplan.export import TARGETS, target_cuts
+    from pipeplan.export import target_cuts
 
-    if target not in TARGETS:
-        raise InvalidRequestError(f"--for {target!r} is not one of {', '.join(TARGETS)}")
+    _check_target(target)
     if profile.granularity == "node":
         raise InvalidRequestError(
             "the profile's units are graph nodes (--granularity node), not modules, so no "
@@ -172,10 +184,9 @@ def target_families(target: str, schedule: str) -> tuple[str, ...]:
     """The schedule families ``target`` runs as planned (:data:`pipeplan.export.TARGET_FAMILIES`),
     for ``PlanOptions.families``; :class:`~pipeplan.planner.errors.InvalidRequestError` when
     ``schedule`` names a family it does not run."""
-    from pipeplan.export import TARGET_FAMILIES, TARGETS
+    from pipeplan.export import TARGET_FAMILIES
 
-    if target not in TARGETS:
-        raise InvalidRequestError(f"--for {target!r} is not one of {', '.join(TARGETS)}")
+    _check_target(target)
     families = TARGET_FAMILIES[target]  # type: ignore[index]
     if schedule != "auto" and schedule not in families:
         raise InvalidRequestError(
@@ -185,76 +196,208 @@ def target_families(target: str, schedule: str) -> tuple[str, ...]:
     return families
 
 
-def plan(
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """A request to plan, checked and resolved once (:func:`plan_request`); every solve of it
+    reads these."""
+
+    profile: Profile
+    cluster: Cluster
+    """The devices to plan for; with ``devices``, the one device every depth copies, and the
+    links."""
+    options: PlanOptions
+    solver: str = "dp"
+    devices: int | None = None
+    """N devices: every pipeline depth p dividing N is planned, with N / p data-parallel
+    replicas (``None``: the cluster's stages)."""
+    calibration: Path | None = None
+    """The ``pipeplan calibrate`` file whose links, engine costs and contention the cluster
+    carries (``None``: none is charged)."""
+    global_batch: int | None = None
+    """B, the samples of one step over every data-parallel rank (``None``: the profile's)."""
+    modes: tuple[str, ...] = ("replicate", "shard")
+    """The data-parallel modes the frontier weighs (:mod:`pipeplan.planner.collectives`)."""
+    replicas: int | None = None
+    """d fixed (``--dp``); ``None``: every divisor of ``devices``."""
+
+    def solve(self) -> Plan:
+        """The best plan: :func:`pipeplan.solvers.choose.solve` on the cluster, or with
+        ``devices`` the fastest depth of the :meth:`frontier` (:meth:`best`)."""
+        if self.devices is not None:
+            return self.best(self.frontier())
+        from pipeplan.solvers.choose import solve
+
+        return solve(self.profile, self.cluster, self.options, self.solver)
+
+    def frontier(self) -> list[DeviceChoice]:
+        """With ``devices``: every depth, its plan or why it has none, best first
+        (:func:`pipeplan.solvers.devices.plan_devices`)."""
+        from functools import partial
+
+        from pipeplan.solvers.choose import solve
+        from pipeplan.solvers.devices import plan_devices
+
+        if self.devices is None:
+            raise InvalidRequestError("a request for --stages has no frontier; give --devices")
+        solver = partial(solve, solver=self.solver)
+        floor = quick = None
+        if self.solver == "dp" and self.options.schedule == "auto":
+            # search the pairs that can still win; the rest get the DP's one-chunk plan
+            from pipeplan.solvers.multichunk import schedule_floor
+
+            floor = schedule_floor
+            one = self.options.model_copy(update={"families": ("gpipe", "1f1b")})
+            quick = partial(_solve_as, options=one, solver=self.solver)
+        return plan_devices(
+            self.profile,
+            self.devices,
+            self.cluster,
+            self.options,
+            solver,
+            global_batch=self.global_batch,
+            modes=self.modes,  # type: ignore[arg-type]
+            replicas=self.replicas,
+            floor=floor,
+            quick=quick,
+        )
+
+    def best(self, choices: Sequence[DeviceChoice]) -> Plan:
+        """The first of the :meth:`frontier`'s ``choices`` (the fastest);
+        :class:`~pipeplan.planner.errors.InfeasiblePlanError` naming every depth's reason
+        when none has a plan."""
+        if choices[0].plan is None:
+            reasons = "; ".join(f"p={c.stages} {c.mode}: {c.reason}" for c in choices)
+            raise InfeasiblePlanError(f"no depth fits {self.devices} devices: {reasons}")
+        return choices[0].plan
+
+
+def _solve_as(profile: Profile, cluster: Cluster, _: PlanOptions, *, options: PlanOptions,
+              solver: str) -> Plan:  # fmt: skip
+    """:func:`pipeplan.solvers.choose.solve` with ``options`` in place of the request's."""
+    from pipeplan.solvers.choose import solve
+
+    return solve(profile, cluster, options, solver)
+
+
+#: ``data_parallel`` choices and the modes each lets the frontier weigh.
+DATA_PARALLEL = {"auto": ("replicate", "shard"), "replicate": ("replicate",), "shard": ("shard",)}
+
+
+def _plan_options(options: dict[str, Any]) -> PlanOptions:
+    """``PlanOptions(**options)``, its first error an InvalidRequestError that names the option
+    (as the command line spells it) and the choices it takes."""
+    try:
+        return PlanOptions(**options)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        if first["type"] == "literal_error" and len(first["loc"]) == 1:
+            allowed = get_args(PlanOptions.model_fields[where].annotation)
+            raise InvalidRequestError(
+                f"--{where} {first['input']!r} is not one of {', '.join(allowed)}"
+            ) from None
+        raise InvalidRequestError(f"plan option {where}: {first['msg']}") from None
+
+
+def plan_request(
     profile: Profile | PathLike,
     *,
     stages: int | None = None,
     memory: int | str | None = None,
     cluster: Cluster | PathLike | None = None,
     devices: int | None = None,
+    bandwidth: float | str | None = None,
+    latency: float | str | None = None,
     solver: str = "dp",
     calibrated: bool = True,
     target: str | None = None,
+    global_batch_size: int | None = None,
+    data_parallel: str = "auto",
+    dp: int | None = None,
     **options: Any,
-) -> Plan:
-    """The best plan for ``profile`` (a Profile or its file), as ``pipeplan plan``.
+) -> PlanRequest:
+    """A request to plan ``profile`` (a Profile or its file), checked: what :func:`plan` solves
+    and ``pipeplan plan`` solves and prints (the calibration it charges, the depths of
+    ``devices``).
 
-    The devices are ``stages`` of ``memory`` each, or ``cluster`` (:func:`make_cluster`); with
-    ``calibrated`` the former take their links and engine costs from this machine's
-    ``pipeplan calibrate`` for the profile's device kind, when there is one (:func:`calibration`).
-    With ``devices`` N instead of ``stages``, every pipeline depth p dividing N is planned
-    with N / p data-parallel replicas and the fastest is returned
-    (:func:`pipeplan.solvers.devices.plan_devices` gives the whole frontier).  ``solver`` is
-    ``dp`` (exact), ``cpsat``, or a baseline (``uniform``, ``params``, ``torchgpipe``).
-    ``options`` are :class:`~pipeplan.planner.types.PlanOptions` fields: ``microbatches``
-    (``None``: chosen), ``checkpoint``, ``schedule`` (default ``auto``: the family, chunks per
-    rank, cuts, m and recomputation chosen together, :mod:`pipeplan.solvers.choose`),
-    ``optimizer``, ``time_limit_s``, ...  With ``target`` (``torchtitan``, ``megatron``,
-    ``deepspeed``, ``fqns``) only the cuts that framework can make and the schedules it runs
-    are planned (:func:`target_allowed_cuts`, :func:`target_families`).
-    Raises :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits.
+    The devices are ``stages`` of ``memory`` each, or ``cluster`` (:func:`make_cluster`, with
+    ``bandwidth`` and ``latency``); with ``calibrated`` and without ``cluster``, ``bandwidth``
+    or ``latency``, they take their links and engine costs from this machine's ``pipeplan
+    calibrate`` for the profile's device kind, when there is one (:func:`calibration`).  With
+    ``devices`` N instead of ``stages``, every pipeline depth p dividing N is planned with
+    N / p data-parallel replicas (:meth:`PlanRequest.frontier`).  ``solver`` is ``dp``
+    (exact), ``cpsat``, or a baseline (``uniform``, ``params``, ``torchgpipe``).  ``options``
+    are :class:`~pipeplan.planner.types.PlanOptions` fields: ``microbatches`` (``None``:
+    chosen), ``checkpoint``, ``schedule`` (default ``auto``: the family, chunks per rank,
+    cuts, m and recomputation chosen together, :mod:`pipeplan.solvers.choose`),
+    ``optimizer``, ``pinned``, ``min_units``, ``max_units``, ``time_limit_s``, ...  With
+    ``target`` (``torchtitan``, ``megatron``, ``deepspeed``, ``fqns``) only the cuts that
+    framework can make and the schedules it runs are planned (:func:`target_allowed_cuts`,
+    :func:`target_families`).  ``global_batch_size`` B is the step's samples over every
+    data-parallel rank (default: the profile's batch; the profile's per-micro-batch times are
+    reused, m = B / (d b)).  ``data_parallel`` is how each stage's d ranks hold its state:
+    ``replicate``, ``shard`` (FSDP2) or ``auto`` (both weighed); ``dp`` fixes d (with
+    ``stages`` p, the plan runs p x d devices).  Raises
+    :class:`~pipeplan.planner.errors.InvalidRequestError` for a request no solver plans.
     """
-    from functools import partial
-
-    from pipeplan.solvers import SOLVERS
-    from pipeplan.solvers.choose import solve
+    from pipeplan.solvers.choose import check_solver
 
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
-    if solver not in SOLVERS:
-        raise InvalidRequestError(
-            f"solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
-        )
     options.setdefault("schedule", "auto")
     if target is not None:
         options["families"] = target_families(target, options["schedule"])
         options["allowed_cuts"] = target_allowed_cuts(prof, target)
-    try:
-        opts = PlanOptions(**options)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise InvalidRequestError(f"plan option {where}: {first['msg']}") from None
-    found = calibration(prof.device.kind) if calibrated and cluster is None else None
-    base = found[0] if found else None
-    if devices is None:
-        clus = make_cluster(stages, memory, cluster=cluster, calibrated=base)
-        return solve(prof, clus, opts, solver)
-    if stages is not None:
-        raise InvalidRequestError("devices chooses the stage count; drop stages")
-    from pipeplan.planner.errors import InfeasiblePlanError
-    from pipeplan.solvers.devices import plan_devices
-
-    one = make_cluster(None if cluster is not None else 1, memory, cluster=cluster, calibrated=base)
-    if opts.schedule not in ("auto", "gpipe", "1f1b"):
+    opts = _plan_options(options)
+    check_solver(opts, solver)
+    if data_parallel not in DATA_PARALLEL:
         raise InvalidRequestError(
-            f"schedule {opts.schedule} runs one pipeline, so it is planned on stages, not "
-            "devices; plan schedule auto, gpipe or 1f1b for devices"
+            f"--data-parallel {data_parallel!r} is not one of {', '.join(DATA_PARALLEL)}"
         )
-    choices = plan_devices(prof, devices, one, opts, partial(solve, solver=solver))
-    if choices[0].plan is None:
-        reasons = "; ".join(f"p={c.stages}: {c.reason}" for c in choices)
-        raise InfeasiblePlanError(f"no depth fits {devices} devices: {reasons}")
-    return choices[0].plan
+    if global_batch_size is not None and global_batch_size < 1:
+        raise InvalidRequestError(f"--global-batch-size {global_batch_size} must be positive")
+    if dp is not None and dp < 1:
+        raise InvalidRequestError(f"--dp {dp} must be at least 1")
+    if devices is not None and stages is not None:
+        raise InvalidRequestError("--devices chooses the stage count; drop --stages")
+    if dp is not None and stages is not None:  # p stages x d ranks: one depth of p d devices
+        devices, stages = stages * dp, None
+    if devices is None and global_batch_size is not None:  # one pipeline takes the whole batch
+        from pipeplan.solvers.devices import replica_profile
+
+        prof = replica_profile(prof, 1, global_batch_size)
+    links = cluster is not None or bandwidth is not None or latency is not None
+    found = calibration(prof.device.kind) if calibrated and not links else None
+    clus = make_cluster(
+        stages if devices is None else (None if cluster is not None else 1),
+        memory,
+        bandwidth=bandwidth,
+        latency=latency,
+        cluster=cluster,
+        calibrated=found[0] if found else None,
+    )
+    return PlanRequest(
+        prof,
+        clus,
+        opts,
+        solver,
+        devices,
+        found[1] if found else None,
+        global_batch=global_batch_size,
+        modes=DATA_PARALLEL[data_parallel],
+        replicas=dp,
+    )
+
+
+def plan(profile: Profile | PathLike, **request: Any) -> Plan:
+    """The best plan for ``profile`` (a Profile or its file), as ``pipeplan plan``:
+    ``plan_request(profile, **request).solve()``, every keyword :func:`plan_request`'s
+    (``stages``, ``memory``, ``cluster``, ``devices``, ``solver``, ``target``, the
+    ``PlanOptions`` fields, ...).  With ``devices`` the fastest depth is returned
+    (:meth:`PlanRequest.frontier` gives them all).  Raises
+    :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits and
+    :class:`~pipeplan.planner.errors.InvalidRequestError` for a bad request.
+    """
+    return plan_request(profile, **request).solve()
 
 
 def load(path: PathLike) -> Profile | Plan | Cluster | RunReport:

@@ -1,15 +1,20 @@
-"""The ``pipeplan`` command line.
+"""The ``pipeplan`` command line: a thin shell over :mod:`pipeplan.api`.
 
     pipeplan profile MODEL --batch-size B [--device cpu|cuda[:i]] -o profile.json
     pipeplan plan profile.json --stages P --memory 16GiB [--microbatches auto|M] -o plan.json
     pipeplan show plan.json|profile.json
     pipeplan export plan.json --to torchtitan|megatron|deepspeed|fqns [-o FILE]
 
-Every error a user can cause prints one line ``error: ...`` and exits with status 2; no
-traceback, no partial file.  Commands import their package lazily, so ``pipeplan show`` does
-not pay for importing OR-Tools or torch.distributed.  The option checks live in
-``pipeplan.cli_options``, the tables in ``pipeplan.report.terminal``, and the commands that drive the
-runtime (``run``, ``calibrate``) in ``pipeplan.cli_runtime``; this module registers them all.
+Each command parses its option strings into values, calls the API (or the package that does the
+work, where the API has no function for it), and prints the result.  The checks of a request are
+the API's and its packages', made once for the command line and Python callers alike; every
+error a user can cause prints one line ``error: ...`` and exits with status 2: no traceback, no
+partial file (docs/cli.md: every command, its options and exit codes).  Commands import what
+they use inside their functions, so ``pipeplan --help`` and a bad option answer without
+importing torch, pandas or OR-Tools.  The shared options and string parsers live in
+``pipeplan.cli_options``, the tables in ``pipeplan.report.terminal``, and the commands that
+drive the runtime (``run``, ``calibrate``) in ``pipeplan.cli_runtime``; this module registers
+them all.
 """
 
 from __future__ import annotations
@@ -18,25 +23,19 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
-from pipeplan.cli_options import (
-    DEBUG,
-    Output,
-    Quiet,
-    check_output,
-    fail,
-    make_cluster,
-    parse_pins,
-)
+from pipeplan.cli_options import DEBUG, Output, Quiet, check_output, fail, parse_pins
 from pipeplan.cli_runtime import calibrate, run
-from pipeplan.planner.errors import InfeasiblePlanError, PipeplanError
-from pipeplan.planner.io import format_bytes, load_any, load_profile, write_json
-from pipeplan.planner.types import OPTIMIZERS, Cluster, Plan, PlanOptions, Profile
-from pipeplan.report.terminal import console, err_console, print_plan, print_profile
+from pipeplan.planner.errors import PipeplanError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from pipeplan.api import PlanRequest
+    from pipeplan.solvers.devices import DeviceChoice
 
 __all__ = ["app", "main"]
 
@@ -106,12 +105,11 @@ def profile(
     MODEL is package.module:callable, or hf:PATH/config.json for a transformers model built
     from a local config with random weights (its head from the config's architectures).
     """
+    from pipeplan import api
     from pipeplan.intake.model import parse_model_args
-    from pipeplan.profiler import profile_model
+    from pipeplan.report.terminal import console
 
     check_output(output)
-    if batch_size <= 0:
-        fail(f"--batch-size {batch_size} must be positive")
     sizes = None
     if microbatch_sizes:
         try:
@@ -123,24 +121,24 @@ def profile(
         if seq_len <= 0:
             fail(f"--seq-len {seq_len} must be positive")
         kwargs["seq_len"] = seq_len
-    prof = profile_model(
+    prof = api.profile(
         model,
-        batch_size=batch_size,
+        batch_size,
         model_kwargs=kwargs,
         microbatch_sizes=sizes,
         device=device,
+        method=method,
+        progress=not quiet,
         granularity=granularity,
         tracer=tracer,
         dtype=dtype,
         warmup=warmup,
         repeats=repeats,
-        progress=not quiet,
         threads=threads,
         rounds=rounds,
         max_stages=max_stages,
-        method=method,
     )
-    write_json(output, prof)
+    api.save(prof, output)
     copied = sum(u.measured_as is not None for u in prof.units)
     console.print(
         f"profiled {prof.model} ({prof.method}"
@@ -162,7 +160,25 @@ def plan(
     stages: Annotated[int | None, typer.Option("--stages", "-p", help="Number of stages.")] = None,
     devices: Annotated[
         int | None,
-        typer.Option(help="Devices N: choose stages p and data-parallel replicas N / p."),
+        typer.Option(help="Devices N: choose stages p and data-parallel ranks N / p."),
+    ] = None,
+    global_batch_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Samples per step over every data-parallel rank (default: the profile's "
+            "batch); m follows from it, the ranks and the micro-batch size."
+        ),
+    ] = None,
+    data_parallel: Annotated[
+        str,
+        typer.Option(
+            help="How a stage's data-parallel ranks hold its parameters, gradients and "
+            "optimizer states: replicate, shard (FSDP2) or auto (both weighed)."
+        ),
+    ] = "auto",
+    dp: Annotated[
+        int | None,
+        typer.Option(help="Data-parallel ranks per stage d, fixed (with --stages: p x d devices)."),
     ] = None,
     memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 16GiB.")] = None,
     microbatches: Annotated[str, typer.Option(help="auto or a count m.")] = "auto",
@@ -218,71 +234,47 @@ def plan(
     ] = True,
 ) -> None:
     """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
-    from functools import partial
-
-    from pipeplan.api import calibration as find_calibration
-    from pipeplan.api import target_allowed_cuts, target_families
-    from pipeplan.planner.families import FAMILIES
-    from pipeplan.solvers import SOLVERS
-    from pipeplan.solvers.choose import ONE_CHUNK, solve
+    from pipeplan import api
+    from pipeplan.report.terminal import console, err_console, print_plan
 
     check_output(output)
-    prof = load_profile(profile_file)
-    if isinstance(prof, Profile) is False:  # pragma: no cover - load_profile guarantees it
-        fail(f"{profile_file} is not a profile")
-    if solver not in SOLVERS:
-        fail(f"--solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}")
-    m: int | None = None
-    if microbatches != "auto":
-        if not microbatches.isdigit() or int(microbatches) < 1:
-            fail(f"--microbatches {microbatches!r} must be 'auto' or a positive integer")
-        m = int(microbatches)
-    choices = {
-        "--checkpoint": (checkpoint, ("auto", "always", "except_last", "never")),
-        "--schedule": (schedule, ("auto", *FAMILIES)),
-        "--optimizer": (optimizer, OPTIMIZERS),
-    }
-    for flag, (value, allowed) in choices.items():
-        if value not in allowed:
-            fail(f"{flag} {value!r} is not one of {', '.join(allowed)}")
-    options = PlanOptions(
-        microbatches=m,
-        checkpoint=checkpoint,  # type: ignore[arg-type]
-        schedule=schedule,  # type: ignore[arg-type]
-        optimizer=optimizer,  # type: ignore[arg-type]
+    if microbatches != "auto" and not microbatches.isdigit():
+        fail(f"--microbatches {microbatches!r} must be 'auto' or a positive integer")
+    request = api.plan_request(
+        profile_file,
+        stages=stages,
+        memory=memory,
+        cluster=cluster,
+        devices=devices,
+        bandwidth=bandwidth,
+        latency=latency,
+        solver=solver,
+        calibrated=calibration,
+        target=target,
+        global_batch_size=global_batch_size,
+        data_parallel=data_parallel,
+        dp=dp,
+        microbatches=None if microbatches == "auto" else int(microbatches),
+        checkpoint=checkpoint,
+        schedule=schedule,
+        optimizer=optimizer,
         pinned=parse_pins(pin),
         min_units=max(1, min_units),
         max_units=max_units,
         time_limit_s=time_limit,
-        families=None if target is None else target_families(target, schedule),  # type: ignore[arg-type]
-        allowed_cuts=None if target is None else target_allowed_cuts(prof, target),
     )
-    found = None
-    if calibration and cluster is None and bandwidth is None and latency is None:
-        found = find_calibration(prof.device.kind)
-        if found is not None:
-            err_console.print(
-                f"calibrated: links, engine costs and contention from {found[1]} "
-                "(pipeplan calibrate; --no-calibration to leave them out)",
-                highlight=False,
-            )
-    base = found[0] if found else None
-    if schedule not in ("auto", *ONE_CHUNK) and (devices is not None or solver != "dp"):
-        fail(
-            f"--schedule {schedule} is planned by the schedule solver on --stages; "
-            "drop --devices and --solver, or plan --schedule auto, gpipe or 1f1b"
+    if request.calibration is not None:
+        err_console.print(
+            f"calibrated: links, engine costs and contention from {request.calibration} "
+            "(pipeplan calibrate; --no-calibration to leave them out)",
+            highlight=False,
         )
-    if devices is not None:
-        if stages is not None:
-            fail("--devices chooses the stage count; drop --stages")
-        clus = make_cluster(None if cluster else 1, memory, bandwidth, latency, cluster, base)
-        result = _plan_devices(prof, devices, clus, options, partial(solve, solver=solver))
+    if request.devices is None:
+        result = request.solve()
     else:
-        clus = make_cluster(stages, memory, bandwidth, latency, cluster, base)
-        try:
-            result = solve(prof, clus, options, solver)
-        except InfeasiblePlanError as exc:
-            fail(str(exc))
+        choices = request.frontier()
+        console.print(_frontier_table(request, choices))
+        result = request.best(choices)
     if not record_solve_time:
         result = result.model_copy(update={"solve_time_s": None})
     if result.profiled_threads is not None:  # before anything runs: what run will give a rank
@@ -293,43 +285,44 @@ def plan(
             err_console.print(
                 f"[yellow]warning:[/] on this host {warning}", highlight=False, soft_wrap=True
             )
-    write_json(output, result)
+    api.save(result, output)
     print_plan(result)
     console.print(f"-> {output}")
 
 
-def _plan_devices(
-    prof: Profile, devices: int, clus: Cluster, options: PlanOptions, solve: Any
-) -> Plan:
-    """The best plan over pipeline depths for ``devices``; prints the frontier (every depth)."""
-    from pipeplan.solvers.devices import plan_devices
+def _frontier_table(request: PlanRequest, choices: list[DeviceChoice]) -> Table:
+    """The (depth, data-parallel mode) pairs ``plan --devices`` weighed, one row each, the best
+    first."""
+    from rich.table import Table
 
-    choices = plan_devices(prof, devices, clus, options, solve)
+    from pipeplan.planner.io import format_bytes
+
     best = choices[0]
-    table = Table(title=f"{devices} devices, global batch {prof.batch_size}")
-    for col in ("stages p", "replicas d", "m", "step", "samples/s", "max stage memory", "note"):
-        table.add_column(col, justify="left" if col == "note" else "right")
+    batch = request.global_batch or request.profile.batch_size
+    table = Table(title=f"{request.devices} devices, global batch {batch}")
+    cols = ("pp", "dp", "mode", "family", "m", "step", "samples/s", "peak memory", "note")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("mode", "family", "note") else "right")
     for c in choices:
         if c.plan is None:
-            table.add_row(str(c.stages), str(c.replicas), "-", "-", "-", "-", c.reason)
+            table.add_row(str(c.stages), str(c.replicas), c.mode, "-", "-", "-", "-", "-", c.reason)
             continue
         note = "best" if c is best else f"{c.throughput / best.throughput - 1:+.1%} throughput"
-        mem = max(s.memory.total for s in c.plan.stages)
+        pl = c.plan
+        mem = max([*pl.rank_peak_bytes, *(s.memory.total for s in pl.stages)])
+        family = pl.schedule if pl.stages_per_rank == 1 else f"{pl.schedule} v={pl.stages_per_rank}"
         table.add_row(
             str(c.stages),
             str(c.replicas),
-            str(c.plan.microbatches),
-            f"{c.plan.step_time_s * 1e3:.4g} ms",
+            c.mode,
+            family,
+            str(pl.microbatches),
+            f"{(pl.simulated_step_time_s or pl.step_time_s) * 1e3:.4g} ms",
             f"{c.throughput:.4g}",
             format_bytes(mem),
             note,
         )
-    console.print(table)
-    if best.plan is None:
-        fail(f"no depth fits {devices} devices: " + "; ".join(
-            f"p={c.stages}: {c.reason}" for c in choices
-        ))  # fmt: skip
-    return best.plan
+    return table
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,7 +335,11 @@ def show(
     file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or run report.")],
 ) -> None:
     """Print a plan or profile as a table."""
-    obj = load_any(file)
+    from pipeplan import api
+    from pipeplan.planner.types import Plan, Profile
+    from pipeplan.report.terminal import console, print_plan, print_profile
+
+    obj = api.load(file)
     if isinstance(obj, Plan):
         print_plan(obj)
     elif isinstance(obj, Profile):
@@ -383,7 +380,7 @@ def compare(
     """Compare plans side by side: step time, ratio to the best, bubble, memory, samples/s."""
     from pipeplan.planner.io import load_plan, write_text
     from pipeplan.report.compare import FORMATS, compare_frame, render
-    from pipeplan.report.terminal import compare_table, stage_table
+    from pipeplan.report.terminal import compare_table, console, err_console, stage_table
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -441,11 +438,10 @@ def export(
     A cut the target cannot make (inside a block, inside the embedding or the head) moves to
     the closest plan it can; one line on stderr says why and what that plan costs.
     """
-    from pipeplan.export import TARGETS, export_plan
-    from pipeplan.planner.io import load_plan, write_text
+    from pipeplan.export import export_plan
+    from pipeplan.planner.io import load_plan, load_profile, write_text
+    from pipeplan.report.terminal import console, err_console
 
-    if to not in TARGETS:
-        fail(f"--to {to!r} is not one of {', '.join(TARGETS)}")
     if output is not None:
         check_output(output)
     the_plan = load_plan(plan_file)
@@ -493,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=args)
     except PipeplanError as exc:
+        from pipeplan.report.terminal import err_console
+
         if debug:
             err_console.print(
                 "".join(traceback.format_exception(exc)), highlight=False, soft_wrap=True
@@ -500,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
+        from pipeplan.report.terminal import err_console
+
         err_console.print("interrupted")
         sys.exit(130)
 

@@ -1,10 +1,11 @@
-"""Checking ``pipeplan``'s command-line options, and building what they describe.
+"""What ``pipeplan``'s commands share: their common options, and turning option strings into
+the values :mod:`pipeplan.api` takes.
 
-A bad option is the user's error: ``fail`` prints one line ``error: ...`` and exits with status 2,
-before any file is written.  ``check_output`` vets an output path, ``parse_pins`` the ``--pin``
-options, and ``make_cluster`` builds the cluster from ``--cluster`` or from
-``--stages/--memory/--bandwidth/--latency`` (raising ``InvalidRequestError``, which the entry
-point prints the same way).
+A string that does not parse is the user's error: ``fail`` prints one line ``error: ...`` and
+exits with status 2, before any file is written.  ``check_output`` vets an output path,
+``parse_pins`` the ``--pin`` options.  Every other check of a request is the API's (its
+``InvalidRequestError``, which the entry point prints the same way).  Nothing here imports
+more than typer, so ``pipeplan --help`` starts at once.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from pipeplan.planner.types import Cluster
-from pipeplan.report.terminal import err_console
-
-__all__ = ["DEBUG", "Output", "Quiet", "check_output", "fail", "make_cluster", "parse_pins"]
+__all__ = ["DEBUG", "Output", "Quiet", "check_output", "fail", "parse_pins"]
 
 Output = Annotated[Path, typer.Option("-o", "--output", help="File to write (atomically).")]
 """The ``-o/--output`` option of the commands that write a file."""
@@ -33,6 +31,8 @@ DEBUG = [False]
 
 def fail(message: str) -> NoReturn:
     """Print ``error: MESSAGE`` on stderr and exit with status 2 (a user's error)."""
+    from pipeplan.report.terminal import err_console
+
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
@@ -54,26 +54,3 @@ def parse_pins(pins: list[str] | None) -> dict[int, int]:
             fail(f"--pin {pin!r} must be UNIT:STAGE with integers, e.g. --pin 0:0")
         out[int(unit)] = int(stage)
     return out
-
-
-def make_cluster(
-    stages: int | None,
-    memory: str | None,
-    bandwidth: str | None,
-    latency: str | None,
-    cluster_file: Path | None,
-    calibrated: Cluster | None = None,
-) -> Cluster:
-    """The cluster from --cluster, or from --stages/--memory/--bandwidth/--latency, with the
-    links and engine costs of ``calibrated`` when neither link option is given
-    (:func:`pipeplan.make_cluster`)."""
-    from pipeplan.api import make_cluster as build
-
-    return build(
-        stages,
-        memory,
-        bandwidth=bandwidth,
-        latency=latency,
-        cluster=cluster_file,
-        calibrated=calibrated,
-    )

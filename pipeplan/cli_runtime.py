@@ -4,7 +4,8 @@
     pipeplan calibrate [--nproc P] [--device cpu|cuda] -o cluster.json
 
 Both start torchrun jobs, one rank per stage.  ``pipeplan.cli`` registers them on its app; they
-import the runtime lazily, so other commands do not pay for torch.distributed.
+import what they use (the runtime, the tables) inside their functions, so other commands and
+``pipeplan --help`` do not pay for torch.distributed.
 """
 
 from __future__ import annotations
@@ -13,12 +14,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from pipeplan.cli_options import DEBUG, Output, Quiet, check_output, fail
-from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, write_json
-from pipeplan.planner.types import OPTIMIZERS
-from pipeplan.report.terminal import batch_norm_note, console, err_console
 
 __all__ = ["calibrate", "check_resume", "run"]
 
@@ -94,6 +91,8 @@ def run(
 ) -> None:
     """Run PLAN as a pipeline on this machine (torchrun, one rank per stage); compare with it."""
     from pipeplan.planner.errors import StageFailedError
+    from pipeplan.planner.types import OPTIMIZERS
+    from pipeplan.report.terminal import batch_norm_note, console, err_console
     from pipeplan.runtime.launch import launch, preflight
 
     if optimizer is not None and optimizer not in OPTIMIZERS:
@@ -231,6 +230,10 @@ def calibrate(
     (on the ranks, and on one rank alone for 1-stage plans), the contention between stages
     that compute at once and between optimizer updates that run at once; write a cluster
     file."""
+    from rich.table import Table
+
+    from pipeplan.planner.io import calibration_file, format_bytes, parse_bytes, write_json
+    from pipeplan.report.terminal import console
     from pipeplan.runtime.calibrate import calibrate as run_calibration
     from pipeplan.runtime.engine_fit import WIDTHS
 

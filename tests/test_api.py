@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -80,10 +81,10 @@ def test_a_model_given_as_a_callable_is_named_by_its_import_path() -> None:
         (lambda p: pipeplan.plan(p, stages=2, memory="1GiB", checkpoint="sometimes"),
          InvalidRequestError, "checkpoint"),
         (lambda p: pipeplan.plan(p, stages=2, memory="1GiB", devices=2), InvalidRequestError,
-         "drop stages"),
+         "drop --stages"),
         (lambda p: pipeplan.plan(p, stages=2, memory=1024), InfeasiblePlanError, "memory"),
         (lambda p: pipeplan.profile(lambda: None, 4), InvalidRequestError, "importable"),
-        (lambda p: pipeplan.profile(MLP, 0), InvalidRequestError, "batch_size 0"),
+        (lambda p: pipeplan.profile(MLP, 0), InvalidRequestError, "--batch-size 0"),
         (lambda p: pipeplan.load(Path("/nonexistent/plan.json")), FileFormatError,
          "no such file"),
     ],
@@ -275,6 +276,25 @@ def test_the_public_paths_name_the_contract_and_the_views() -> None:
     assert pipeplan.plots is plots and pipeplan.timeline_plots is timeline_plots
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         pipeplan.nothing  # noqa: B018
+
+
+def test_import_pipeplan_loads_its_names_on_first_use_and_torchvision_still_imports() -> None:
+    """``import pipeplan`` imports no torch (the command line starts at once); torchvision,
+    whose extension does not load on a CPU torch, still imports after it, as when the package
+    defined its op schemas on import (pipeplan.intake.torchvision_ops)."""
+    script = (
+        "import sys, pipeplan\n"
+        "assert 'torch' not in sys.modules, 'import pipeplan imported torch'\n"
+        "assert pipeplan.Plan.__name__ == 'Plan' and 'torch' not in sys.modules\n"
+        "assert pipeplan.ModelSpec.__name__ == 'ModelSpec' and 'torch' in sys.modules\n"
+        "import torchvision\n"
+    )
+    if importlib.util.find_spec("torchvision") is None:
+        script = script.replace("import torchvision\n", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
 
 
 def _calibrate_here() -> pipeplan.Cluster:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from _cli_argv import cli_argv
 
+import pipeplan
+from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.io import load_plan, write_json
 from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link
@@ -60,6 +62,28 @@ def test_plan_for_devices_prints_the_frontier_and_writes_the_best(
                    if line.count("│") > 3)  # fmt: skip
     assert d > 1  # replicas win on this profile and link
     assert f"{d} data-parallel ranks per stage (replicate)" in out
+
+
+@pytest.mark.parametrize("mode", ["shard", "replicate"])
+def test_plan_for_devices_at_a_global_batch_in_one_mode(
+    tmp_path: Path, profile_file: Path, cli, mode: str
+) -> None:
+    """--global-batch-size sets the step's samples over every rank; --data-parallel the mode
+    the frontier weighs; --dp fixes d.  The plan file records them."""
+    out_file = tmp_path / "plan.json"
+    options = (
+        f"--devices 4 --memory 1GiB --bandwidth 1GB/s --latency 5us --global-batch-size 32 "
+        f"--data-parallel {mode} --dp 2"
+    )
+    code, out, err = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0, err
+    plan = load_plan(out_file)
+    assert (plan.pipeline_ranks, plan.cluster.data_parallel) == (2, 2)
+    assert plan.cluster.data_parallel_mode == mode and plan.batch_size * 2 == 32
+    assert "4 devices, global batch 32" in out
+    rows = [line for line in out.splitlines() if line.count("│") == 10]  # the frontier's
+    assert len(rows) == 1 and mode in rows[0]  # one pair: p = 2, d = 2, the mode asked
+    assert f"2 data-parallel ranks per stage ({mode})" in out
 
 
 def test_plan_is_byte_identical(tmp_path: Path, profile_file: Path, cli) -> None:
@@ -115,13 +139,28 @@ BAD = [
     (["--stages", "3", "--memory", "1GiB", "--microbatches", "3"], "does not divide"),
     (["--stages", "3", "--memory", "1GiB", "--microbatches", "lots"], "--microbatches 'lots'"),
     (["--stages", "3", "--memory", "1GiB", "--solver", "magic"], "--solver 'magic'"),
+    (
+        ["--stages", "3", "--memory", "1GiB", "--solver", "cpsat", "--schedule", "zbv"],
+        "--schedule zbv is planned by the schedule solver (--solver dp), not with --solver cpsat",
+    ),
+    (
+        ["--devices", "4", "--memory", "1GiB", "--data-parallel", "fsdp"],
+        "--data-parallel 'fsdp' is not one of auto, replicate, shard",
+    ),
+    (
+        ["--devices", "4", "--memory", "1GiB", "--global-batch-size", "6", "--dp", "4"],
+        "global batch 6 does not split over 4 data-parallel ranks",
+    ),
+    (["--devices", "4", "--memory", "1GiB", "--global-batch-size", "0"], "must be positive"),
+    (["--devices", "8", "--memory", "1GiB", "--dp", "3"], "--dp 3 does not divide --devices 8"),
+    (["--stages", "2", "--memory", "1GiB", "--dp", "0"], "--dp 0 must be at least 1"),
     (["--stages", "3", "--memory", "1GiB", "--checkpoint", "sometimes"], "--checkpoint"),
     (["--stages", "3", "--memory", "1GiB", "--bandwidth", "fast"], "bandwidth 'fast'"),
     (["--stages", "3", "--memory", "1GiB", "--pin", "x"], "--pin 'x'"),
     (["--stages", "3"], "give --stages and --memory"),
     (["--devices", "4", "--stages", "2", "--memory", "1GiB"], "--devices chooses the stage"),
     (["--devices", "0", "--memory", "1GiB"], "--devices 0 must be at least 1"),
-    (["--devices", "4", "--memory", "1KiB"], "no depth fits 4 devices: p=1:"),
+    (["--devices", "4", "--memory", "1KiB"], "no depth fits 4 devices: p=1 replicate:"),
 ]
 
 
@@ -135,6 +174,35 @@ def test_bad_plan_input(tmp_path: Path, profile_file: Path, cli, extra, message)
     assert len(err.strip().splitlines()) == 1
     assert not out_file.exists()
     assert list(tmp_path.iterdir()) == [profile_file]  # no temporary left behind
+
+
+GIB = {"memory": "1GiB"}
+SAME = [
+    (["--stages", "3"], {"stages": 3}),
+    (["--stages", "3", "--memory", "1GiB", "--solver", "magic"],
+     {"stages": 3, **GIB, "solver": "magic"}),
+    (["--stages", "3", "--memory", "1GiB", "--checkpoint", "sometimes"],
+     {"stages": 3, **GIB, "checkpoint": "sometimes"}),
+    (["--stages", "3", "--memory", "1GiB", "--bandwidth", "fast"],
+     {"stages": 3, **GIB, "bandwidth": "fast"}),
+    (["--devices", "4", "--stages", "3", "--memory", "1GiB"], {"devices": 4, "stages": 3, **GIB}),
+    (["--devices", "4", "--memory", "1GiB", "--schedule", "zbv"],
+     {"devices": 4, **GIB, "schedule": "zbv"}),
+    (["--stages", "3", "--memory", "1GiB", "--solver", "cpsat", "--schedule", "zbv"],
+     {"stages": 3, **GIB, "solver": "cpsat", "schedule": "zbv"}),
+    (["--devices", "4", "--memory", "1KiB"], {"devices": 4, "memory": "1KiB"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, kwargs", SAME)
+def test_the_command_line_refuses_what_the_api_refuses_with_its_message(
+    tmp_path: Path, profile_file: Path, cli, args: list[str], kwargs: dict[str, object]
+) -> None:
+    """One check, one message: the command line prints the API's error as it is."""
+    code, _, err = cli(cli_argv("plan", profile_file, tmp_path / "plan.json", args=args))
+    with pytest.raises(PipeplanError) as refused:
+        pipeplan.plan(profile_file, **kwargs)
+    assert code == 2 and " ".join(err.split()) == f"error: {' '.join(str(refused.value).split())}"
 
 
 @pytest.mark.parametrize(

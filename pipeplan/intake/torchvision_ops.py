@@ -8,8 +8,9 @@ Any library that imports torchvision fails with it (``transformers`` and ``timm`
 classifiers need none of its C++ ops, so :func:`define_missing_ops` defines those two op
 schemas through ``torch.library`` (no kernel: calling them raises) when torchvision is
 installed and its extension does not load; where it loads, the extension defines them and
-nothing is done.  ``import pipeplan`` calls it, so every process that imports pipeplan (the
-command, the ranks, the tests) can import torchvision, ``transformers`` and ``timm``.
+nothing is done.  ``import pipeplan`` has it called just before torchvision is first imported
+(an import hook: :class:`pipeplan._TorchvisionOps`), so every process that imports pipeplan
+(the command, the ranks, the tests) can import torchvision, ``transformers`` and ``timm``.
 """
 
 from __future__ import annotations

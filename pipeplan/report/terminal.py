@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import TYPE_CHECKING
 
-import pandas as pd
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from pipeplan.planner.io import format_bytes
 from pipeplan.planner.types import Cluster, Plan, Profile
+
+if TYPE_CHECKING:  # compare_table's frame; the error line of the command line needs no pandas
+    import pandas as pd
 
 __all__ = [
     "batch_norm_note",

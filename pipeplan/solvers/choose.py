@@ -8,7 +8,7 @@
 * the schedule solver (:func:`pipeplan.solvers.multichunk.solve_schedule`) plans every family,
   its chunks per rank v, cuts, m and recomputation, by replaying torch's own action order.
 
-:func:`solve` decides:
+:func:`solve` decides (after :func:`check_solver`, the one check of which solver plans what):
 
 ``schedule`` = a multi-chunk family
     the schedule solver; only with the DP solver, otherwise
@@ -35,10 +35,38 @@ from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.solvers import SOLVERS
 
-__all__ = ["ONE_CHUNK", "solve"]
+__all__ = ["ONE_CHUNK", "check_solver", "solve"]
 
 #: The families the one-chunk solvers plan (by the closed form).
 ONE_CHUNK: tuple[str, ...] = ("gpipe", "1f1b")
+
+
+def check_solver(options: PlanOptions, solver: str) -> None:
+    """Raise :class:`~pipeplan.planner.errors.InvalidRequestError` for a request no solver
+    plans: an unknown ``solver``, or multi-chunk families (``options.schedule``, or every one
+    of ``options.families`` under ``auto``) asked of a one-chunk solver: only the schedule
+    solver (``--solver dp``) plans them.  :func:`solve` checks its request with it, and
+    :func:`pipeplan.plan` checks a request for devices with it before any depth is solved."""
+    if solver not in SOLVERS:
+        raise InvalidRequestError(
+            f"--solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
+        )
+    if options.families == ():
+        raise InvalidRequestError("the request allows no schedule family; allow one or more")
+    if solver == "dp":
+        return
+    fam = options.schedule
+    if fam not in ("auto", *ONE_CHUNK):
+        raise InvalidRequestError(
+            f"--schedule {fam} is planned by the schedule solver (--solver dp), not with "
+            f"--solver {solver}; drop --solver, or plan --schedule auto, gpipe or 1f1b"
+        )
+    if fam == "auto" and not any(f in ONE_CHUNK for f in options.families or ONE_CHUNK):
+        raise InvalidRequestError(
+            f"the request allows {', '.join(options.families or ())}, which the schedule "
+            f"solver plans (--solver dp), not --solver {solver}; drop --solver, or allow "
+            "gpipe or 1f1b"
+        )
 
 
 def _simulated(plan: Plan) -> float:
@@ -57,11 +85,6 @@ def _fastest(plans: Sequence[Plan]) -> Plan:
 def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver: str) -> Plan:
     """The faster of ``solver``'s GPipe and 1F1B plans (of those ``options.families`` allows)."""
     families = [f for f in ONE_CHUNK if options.families is None or f in options.families]
-    if not families:
-        raise InvalidRequestError(
-            f"solver {solver} plans gpipe and 1f1b only, and the request allows "
-            f"{', '.join(options.families or ())}; use the dp solver"
-        )
     plans: list[Plan] = []
     errors: list[InfeasiblePlanError | InvalidRequestError] = []
     for fam in families:
@@ -85,21 +108,12 @@ def solve(
     from pipeplan.solvers.multichunk import solve_schedule
 
     options = options or PlanOptions(schedule="auto")
-    if solver not in SOLVERS:
-        raise InvalidRequestError(
-            f"solver {solver!r} is unknown; choose one of {', '.join(SOLVERS)}"
-        )
+    check_solver(options, solver)
     one_pipeline = solver == "dp"
     fam = options.schedule
     if fam in ONE_CHUNK:
         return SOLVERS[solver](profile, cluster, options)
-    if fam != "auto":
-        if not one_pipeline:
-            why = f"--solver {solver}" if solver != "dp" else "data-parallel replicas"
-            raise InvalidRequestError(
-                f"schedule {fam} is planned by the schedule solver on one pipeline, not with "
-                f"{why}; drop it, or plan schedule gpipe or 1f1b"
-            )
+    if fam != "auto":  # one pipeline: check_solver refuses a multi-chunk family otherwise
         return solve_schedule(profile, cluster, options)
     multi = options.families is None or any(f not in ONE_CHUNK for f in options.families)
     if not (one_pipeline and multi):

@@ -81,6 +81,12 @@ def test_a_multi_chunk_family_needs_the_schedule_solver(prof: Profile) -> None:
         solve(prof, _cluster(), PlanOptions(schedule="zbv"), "cpsat")
     with pytest.raises(InvalidRequestError, match="unknown"):
         solve(prof, _cluster(), PlanOptions(schedule="auto"), "nope")
+    only = PlanOptions(schedule="auto", families=("zbv",))  # auto, but no one-chunk family
+    with pytest.raises(InvalidRequestError, match="allows zbv, .* not --solver cpsat"):
+        solve(prof, _cluster(), only, "cpsat")
+    assert solve(prof, _cluster(), only, "dp").schedule == "zbv"
+    with pytest.raises(InvalidRequestError, match="allows no schedule family"):
+        solve(prof, _cluster(), PlanOptions(schedule="auto", families=()), "dp")
 
 
 @pytest.mark.parametrize("solver", ["dp", "cpsat"])
