@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import pairwise
 
-from pipeplan.export.deepspeed import deepspeed_text, fqns_text
+from pipeplan.export.deepspeed import deepspeed_config, deepspeed_text, fqns_text
 from pipeplan.export.layout import (
     TARGET_FAMILIES,
     TARGETS,
@@ -62,7 +62,7 @@ from pipeplan.export.layout import (
     owner_names,
     param_prefix,
 )
-from pipeplan.export.megatron import megatron_layout, megatron_text
+from pipeplan.export.megatron import megatron_batch_args, megatron_layout, megatron_text
 from pipeplan.export.snap import (
     Adjustment,
     closest_plan,
@@ -163,6 +163,8 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
         text, more = megatron_text(
             stage_keys, block_starts, price, plan.step_time_s, plan.stages_per_rank
         )
+        batch = megatron_batch_args(plan)  # on each line: the alternative replaces the first
+        text = "".join(f"{line} {batch}\n" if line else "\n" for line in text.splitlines())
         notes += more
         out_keys = [
             (["E"] if j == 0 else [])
@@ -188,7 +190,13 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
                         f"apart"
                     )
     elif target == "deepspeed":
-        text, out_keys = deepspeed_text(stage_keys, plan.model), stage_keys
+        config = deepspeed_config(
+            plan.microbatch_size,
+            plan.microbatches,
+            plan.cluster.data_parallel,
+            plan.cluster.data_parallel_mode == "shard",
+        )
+        text, out_keys = deepspeed_text(stage_keys, plan.model, config), stage_keys
     else:
         text, out_keys = fqns_text(stage_keys), stage_keys
     return Export(

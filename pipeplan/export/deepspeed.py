@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-__all__ = ["deepspeed_text", "fqns_text", "json_object"]
+__all__ = ["deepspeed_config", "deepspeed_text", "fqns_text", "json_object"]
 
 
 def json_object(fields: dict[str, object]) -> str:
@@ -47,6 +47,10 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 NUM_STAGES = {p}
 PARTS = {parts}
 LAYERS = {layers}
+# deepspeed.initialize(config=CONFIG, ...): the plan's micro-batches, and ZeRO stage 1 (optimizer
+# states sharded over the data-parallel ranks) for a sharded plan; its PipelineEngine refuses
+# stages 2 and 3.  Launch NUM_STAGES x {d} ranks.
+CONFIG = {config}
 
 
 class ModelLayer(nn.Module):
@@ -103,14 +107,43 @@ def pipeline_module(model, layer_type=ModelLayer, **kwargs):
 '''
 
 
-def deepspeed_text(stage_keys: Sequence[Sequence[str]], model: str = "") -> str:
-    """The Python module (see the module docstring)."""
+def deepspeed_config(microbatch_size: int, microbatches: int, replicas: int, shard: bool) -> dict:
+    """DeepSpeed's batch and ZeRO settings for a plan: ``train_micro_batch_size_per_gpu`` b,
+    ``gradient_accumulation_steps`` m (its pipeline engine's micro-batch count), the global
+    ``train_batch_size`` b m d, and ZeRO stage 1 where the plan shards over its d ranks (the
+    highest stage DeepSpeed's ``PipelineEngine`` accepts; it asserts stages 2 and 3 away).
+
+    >>> deepspeed_config(2, 4, 8, True)["zero_optimization"]
+    {'stage': 1}
+    """
+    return {
+        "train_micro_batch_size_per_gpu": microbatch_size,
+        "gradient_accumulation_steps": microbatches,
+        "train_batch_size": microbatch_size * microbatches * replicas,
+        "zero_optimization": {"stage": 1 if shard and replicas > 1 else 0},
+    }
+
+
+def deepspeed_text(
+    stage_keys: Sequence[Sequence[str]], model: str = "", config: dict | None = None
+) -> str:
+    """The Python module (see the module docstring), with ``config``
+    (:func:`deepspeed_config`) as its ``CONFIG``."""
     flat = [k for ks in stage_keys for k in ks]
     parts = [0]
     for ks in stage_keys:
         parts.append(parts[-1] + len(ks))
+    config = config or deepspeed_config(1, 1, 1, False)
+    replicas = config["train_batch_size"] // (
+        config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+    )
     return _MODULE.format(
-        model=model or "your model", p=len(stage_keys), parts=parts, layers=json.dumps(flat)
+        model=model or "your model",
+        p=len(stage_keys),
+        parts=parts,
+        layers=json.dumps(flat),
+        d=replicas,
+        config=repr(config),
     )
 
 

@@ -11,7 +11,7 @@ from itertools import accumulate
 
 from pipeplan.planner.types import Plan
 
-__all__ = ["megatron_layout", "megatron_text"]
+__all__ = ["megatron_batch_args", "megatron_layout", "megatron_text"]
 
 
 def megatron_layout(counts: Sequence[tuple[bool, int, bool]]) -> str:
@@ -112,3 +112,17 @@ def megatron_text(
         f"the layout above is the plan itself"
     )
     return lines[0] + "\n", [note]
+
+
+def megatron_batch_args(plan: Plan) -> str:
+    """The batch and data-parallel arguments each command line gets:
+    ``--micro-batch-size b --global-batch-size B`` (B over every data-parallel rank; Megatron
+    derives m = B / (b d), and d from the world size: launch p d ranks), then
+    ``--use-distributed-optimizer`` (ZeRO-1: optimizer states sharded over the d ranks) for a
+    ``shard`` plan, whose memory the plan's model bounds from above (it also counts a 1 / d
+    shard of the parameters beside the whole copy)."""
+    d = plan.cluster.data_parallel
+    args = f"--micro-batch-size {plan.microbatch_size} --global-batch-size {plan.batch_size * d}"
+    if d > 1 and plan.cluster.data_parallel_mode == "shard":
+        args += " --use-distributed-optimizer"
+    return args

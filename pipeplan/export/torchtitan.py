@@ -11,7 +11,10 @@ argument each) and, in comments, the same settings for a config function:
   ``--parallelism.module_fqns_per_model_part`` (p·v model parts for v stages per rank);
 * the micro-batches as ``--training.local_batch_size B`` and
   ``--parallelism.pipeline_parallel_microbatch_size B / m`` (0.3.0 has no micro-batch count);
-* ``--training.disable_cuda_graphs``: 0.3.0 refuses pipeline parallelism with CUDA graphs.
+* ``--training.disable_cuda_graphs``: 0.3.0 refuses pipeline parallelism with CUDA graphs;
+* with d > 1 data-parallel ranks, ``--parallelism.data_parallel_shard_degree d`` (FSDP2,
+  ``shard``) or ``--parallelism.data_parallel_replicate_degree d`` (``replicate``), the other
+  1 (``training.local_batch_size`` is then each rank's share).
 
 A transformers decoder (blocks in ``model.layers``) is named as 0.3.0's transformers backend
 flattens it (``HFTransformerModel.named_children``): ``tok_embeddings``, ``layers.N``, ``norm``,
@@ -107,6 +110,13 @@ def torchtitan_text(
         ("training", "local_batch_size", plan.batch_size),
         ("training", "disable_cuda_graphs", True),
     ]
+    d = plan.cluster.data_parallel
+    if d > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
+        shard = plan.cluster.data_parallel_mode == "shard"
+        settings += [
+            ("parallelism", "data_parallel_shard_degree", d if shard else 1),
+            ("parallelism", "data_parallel_replicate_degree", 1 if shard else d),
+        ]
     args: list[str] = []
     for section, field, value in settings:
         args.append(f"--{section}.{field}")

@@ -271,9 +271,30 @@ def test_torchtitan_reads_the_export(llama) -> None:
         for n in gemma.notes
     )
     gemma_line = next(ln for ln in gemma.text.splitlines() if not ln.startswith("#"))
-    got, got_bad, got_gemma = titan_split(
-        [f"llama:4 {lines[0]}", f"llama:4 {bad_line}", f"gemma:3 {gemma_line}"], 29541
-    )
+    # The same plan on 2 data-parallel ranks per stage, sharded (FSDP2) and replicated.
+    meshed = {
+        mode: export_plan(
+            plan.model_copy(
+                update={
+                    "cluster": plan.cluster.model_copy(
+                        update={"data_parallel": 2, "data_parallel_mode": mode}
+                    )
+                }
+            ),
+            "torchtitan",
+            prof,
+        ).text.splitlines()[1]
+        for mode in ("shard", "replicate")
+    }
+    got, got_bad, got_gemma, got_shard, got_rep = titan_split(
+        [f"llama:4 {lines[0]}", f"llama:4 {bad_line}", f"gemma:3 {gemma_line}",
+         f"llama:4 {meshed['shard']}", f"llama:4 {meshed['replicate']}"],
+        29541,
+    )  # fmt: skip
+    # torchtitan's own parser reads the data-parallel degrees the plan's mode sets
+    assert (got_shard["dp_shard"], got_shard["dp_replicate"]) == (2, 1)
+    assert (got_rep["dp_shard"], got_rep["dp_replicate"]) == (1, 2)
+    assert (got["dp_replicate"], got_shard["parts"]) == (1, got["parts"])
     # torchtitan 0.3.0 keeps a copy of the tied weight on the last stage as lm_head.weight (and
     # does not tie it across stages: its init_states ties only when both are on one stage).
     assert got_gemma["parts"] == [list(ks) for ks in gemma.stage_keys]
@@ -332,3 +353,23 @@ def test_devices_leave_out_depths_the_target_cannot_cut(llama) -> None:
     assert by_depth[4].plan is None and "only 1 allowed cut(s)" in by_depth[4].reason
     plan = by_depth[2].plan
     assert plan is not None and [s.first_unit for s in plan.stages] == [0, 5]
+
+
+@pytest.mark.parametrize(("mode", "stage"), [("shard", 1), ("replicate", 0)])
+def test_deepspeed_config_carries_the_batch_and_zero_stage(mode: str, stage: int) -> None:
+    """The exported module's CONFIG: the plan's micro-batch size and count, the global batch,
+    and ZeRO stage 1 for a sharded plan, as DeepSpeed's own ZeRO config parses it (its
+    PipelineEngine refuses stages 2 and 3)."""
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    prof = synthetic_profile(6, batch_size=16, microbatch_sizes=[2, 4], seed=1)
+    cluster = Cluster.homogeneous(2, GiB).model_copy(
+        update={"data_parallel": 4, "data_parallel_mode": mode}
+    )
+    plan = SOLVERS["dp"](prof, cluster, PlanOptions(microbatches=4))
+    text = export_plan(plan, "deepspeed", prof).text
+    config_line = next(ln for ln in text.splitlines() if ln.startswith("CONFIG = "))
+    config = eval(config_line.removeprefix("CONFIG = "))  # a Python literal
+    assert config["train_micro_batch_size_per_gpu"] == plan.microbatch_size
+    assert config["gradient_accumulation_steps"] == plan.microbatches == 4
+    assert config["train_batch_size"] == plan.batch_size * 4
+    assert zero_config.DeepSpeedZeroConfig(**config["zero_optimization"]).stage == stage

@@ -113,6 +113,8 @@ def _split(arch: str, args: list[str]) -> dict[str, Any]:
         "local_batch_size": config.training.local_batch_size,
         "parts": par.module_fqns_per_model_part,
         "whole": [n for n, _ in model.named_parameters()],
+        "dp_shard": par.data_parallel_shard_degree,
+        "dp_replicate": par.data_parallel_replicate_degree,
     }
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
     _, chunks = pipeline_module_split(
