@@ -46,8 +46,10 @@ def preflight(
     device: str = "cpu",
     threads: int | None = None,
     outputs: Sequence[str | os.PathLike[str] | None] = (),
+    saves: bool = False,
 ) -> Plan:
-    """Everything that can be checked before launching; raises a PipeplanError naming the fix."""
+    """Everything that can be checked before launching; raises a PipeplanError naming the fix.
+    ``saves``: the run saves or resumes (not yet for a plan sharded by FSDP2)."""
     import torch
 
     from pipeplan.intake.graph import group_units
@@ -58,6 +60,12 @@ def preflight(
 
     plan = load_plan(plan_path)
     check_schedule(plan)
+    if saves and plan.cluster.data_parallel > 1 and plan.cluster.data_parallel_mode == "shard":
+        raise InvalidRequestError(
+            f"--save and --resume do not yet save a plan sharded by FSDP2 over "
+            f"{plan.cluster.data_parallel} ranks; run it without them, or plan "
+            "--data-parallel replicate"
+        )
     for out in outputs:
         if out is not None and not Path(out).resolve().parent.is_dir():
             raise InvalidRequestError(f"cannot write {out}: its directory does not exist")

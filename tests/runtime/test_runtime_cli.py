@@ -208,3 +208,24 @@ def test_worker_rejects_a_world_size_other_than_the_stage_count(
         worker.main([str(plans[2])])
     assert exc.value.code == 2
     assert "has 2 stages x 1 replicas but the world size is 3" in capsys.readouterr().err
+
+
+def test_a_sharded_plan_refuses_save_and_resume_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Saving FSDP2's shards is not built yet: --save of a sharded plan is one line, exit 2,
+    before any rank starts (--resume takes the same check, after its folder's)."""
+    spec = load_model(*GPT)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan = make_plan(*GPT, traced, starts=[0], batch_size=8, microbatches=2, replicas=2)
+    sharded = plan.model_copy(
+        update={"cluster": plan.cluster.model_copy(update={"data_parallel_mode": "shard"})}
+    )
+    write_json(tmp_path / "plan.json", sharded)
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(tmp_path / "plan.json"), "--save", str(tmp_path / "w")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "do not yet save a plan sharded by FSDP2 over 2 ranks" in err
+    assert not (tmp_path / "w").exists()  # nothing written
