@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _cli_argv import cli_argv
 
 from pipeplan.planner.io import load_plan, write_json
 from pipeplan.planner.synthetic import synthetic_profile
+
+pytestmark = pytest.mark.multirank
 
 
 def test_interleaved_plan_is_written_shown_and_run_like_any_plan(tmp_path: Path, cli) -> None:

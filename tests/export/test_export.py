@@ -434,6 +434,7 @@ def test_every_format_keeps_each_stage_s_parameters(name: str, real, tmp_path: P
     assert [params_of(list(k.values())) for k in kept] == want
 
 
+@pytest.mark.multirank
 def test_deepspeed_builds_every_model(real, tmp_path: Path) -> None:
     """Each model's 2-stage plan ``--for deepspeed``, exported and built by DeepSpeed 0.19.8's
     own PipelineModule on two gloo ranks (``ds_pipeline.py``): each rank holds exactly the
