@@ -232,6 +232,83 @@ def test_the_name_check_catches_a_clash(tmp_path: pathlib.Path) -> None:
     }
 
 
+#: What launches several ranks from a test: torchrun, ``pipeplan run``, ``pipeplan calibrate
+#: --nproc 2`` and the jobs and sweeps built on them (``-m 'not multirank'`` leaves them out).
+LAUNCHERS = re.compile(
+    r"launch_job\(|torch\.distributed\.run|nproc-per-node|\"--nproc\", \"[2-9]|"
+    r"calibrate_module\.measure\(|launch_module\.launch\(|\bworker\(|run_zoo|run_vision|"
+    r"_chunked_job|ds_pipeline\.py|(PIPEPLAN, |cli\(\[|_pipeplan\(|_cli\(|\"pipeplan\", )\"run\""
+)
+
+
+def _unmarked_launches(root: pathlib.Path) -> list[str]:
+    """``file::test`` for each test that launches several ranks without the ``multirank``
+    mark: it launches if its text names a launcher, or it calls or takes as a fixture a
+    function of its module that does; marked by a decorator or the module's ``pytestmark``."""
+    bad = []
+    for path in sorted(root.rglob("test_*.py")):
+        source = path.read_text()
+        tree = ast.parse(source)
+        marked_module = any(
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
+            and "multirank" in ast.unparse(n.value)
+            for n in tree.body
+        )
+        funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        uses = {
+            name: {a.arg for a in f.args.args}
+            | {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
+            for name, f in funcs.items()
+        }
+        launches = {
+            name
+            for name, f in funcs.items()
+            if LAUNCHERS.search(ast.get_source_segment(source, f) or "")
+        }
+        grown = True
+        while grown:
+            more = {name for name in funcs if uses[name] & launches} - launches
+            launches |= more
+            grown = bool(more)
+        for name in sorted(launches):
+            decorators = " ".join(ast.unparse(d) for d in funcs[name].decorator_list)
+            if name.startswith("test_") and not marked_module and "multirank" not in decorators:
+                bad.append(f"{path.relative_to(root.parent)}::{name}")
+    return bad
+
+
+def test_every_test_that_launches_ranks_is_marked_multirank() -> None:
+    assert not _unmarked_launches(ROOT / "tests")
+
+
+def test_the_multirank_check_catches_an_unmarked_launch(tmp_path: pathlib.Path) -> None:
+    """The check above is not vacuous: a test that launches through a fixture or a helper of
+    its module is named, a marked one and one that only fails before launch are not."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    jobs = (
+        "import pytest\n"
+        "def _run(args): return subprocess.run([*PIPEPLAN, RUN, *args])\n"
+        "@pytest.fixture\n"
+        "def ranks(tmp_path): return LAUNCH({}, 2, tmp_path)\n"
+        "def test_by_fixture(ranks): pass\n"
+        "def test_by_helper(): _run([])\n"
+        "@pytest.mark.multirank\n"
+        "def test_marked(ranks): pass\n"
+        "def test_before_launch(): main([RUN, 'plan.json', '--steps', '0'])\n"
+    )
+    marked = "import pytest\npytestmark = pytest.mark.multirank\ndef test_a(): LAUNCH({}, 2, 0)\n"
+    # LAUNCH and RUN stand for the launchers, so that this test's own text names none
+    for name, text in (("test_jobs.py", jobs), ("test_marked.py", marked)):
+        text = text.replace("LAUNCH", "launch" + "_job").replace("RUN", '"run"')
+        (tests / name).write_text(text)
+    assert _unmarked_launches(tests) == [
+        "tests/test_jobs.py::test_by_fixture",
+        "tests/test_jobs.py::test_by_helper",
+    ]
+
+
 #: Modules being shortened in another branch (issue 41), allowed over the limit until then.
 SHORTENING = {"pipeplan/cli.py"}
 

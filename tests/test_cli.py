@@ -1,4 +1,14 @@
-"""`pipeplan plan` and `pipeplan show` end to end, and every bad input: one line, exit 2."""
+"""`pipeplan plan` and `pipeplan show` end to end, and every bad input: one line, exit 2.
+
+`pipeplan plan --schedule` over torch's families: written, shown, and refused with one line.
+
+And the command line answers at once: ``pipeplan --help``, a command's ``--help`` and a bad
+option import neither torch nor pandas, matplotlib or OR-Tools (issue 41).
+
+Each case runs ``python -X importtime -m pipeplan ...`` in a process of its own and reads the
+modules it imported from the import-time lines on stderr, so a top-level import of torch in
+``pipeplan/cli.py`` (or in anything it imports at the top) fails here.
+"""
 
 from __future__ import annotations
 
@@ -361,3 +371,131 @@ def test_uncalibrated_note_names_only_what_is_not_charged() -> None:
     assert note is not None and "data-parallel collectives" in note and "pipeplan calibrate" in note
     timed = dp.model_copy(update={"collectives": {"all_gather": (1e-9, 1e-5)}})
     assert uncalibrated_note(timed) is None
+
+
+# --------------------------------------------------------------------------------------------
+# pipeplan plan --schedule: torch's families
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+def test_interleaved_plan_is_written_shown_and_run_like_any_plan(tmp_path: Path, cli) -> None:
+    profile_file = tmp_path / "profile.json"
+    prof = synthetic_profile(12, batch_size=16, heavy_ends=True, seed=4, tied=True)
+    write_json(profile_file, prof)
+    out_file = tmp_path / "plan.json"
+    options = "--stages 2 --memory 1GiB --schedule interleaved1f1b --no-calibration"
+    code, out, _ = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0, out
+    plan = load_plan(out_file)
+    assert plan.schedule == "interleaved1f1b" and plan.stages_per_rank == 2
+    assert len(plan.stages) == 4 and plan.solver == "schedules"
+    assert len(plan.rank_peak_bytes) == 2 and plan.simulated_step_time_s == plan.step_time_s
+    code, out, _ = cli(["show", str(out_file)])
+    assert code == 0 and "rank 0 runs chunks 0, 2" in out and "rank 1 runs chunks 1, 3" in out
+    assert "2 ranks x 2 chunks (interleaved1f1b)" in out
+    assert "tied gradients: stages 0, 3 (ranks 0, 1) sum" in out  # the tied ends, by rank
+    # a V holds both ends on rank 0: one gradient, nothing to sum (I and W as if measured)
+    split = prof.model_copy(update={"units": tuple(
+        u.model_copy(update={"timings": {b: t.model_copy(update={
+            "backward_input_s": 0.4 * t.backward_s, "backward_weight_s": 0.6 * t.backward_s})
+            for b, t in u.timings.items()}})
+        for u in prof.units)})  # fmt: skip
+    write_json(tmp_path / "split.json", split)
+    code, out, _ = cli(
+        cli_argv(
+            "plan", tmp_path / "split.json", out_file, options.replace("interleaved1f1b", "zbv")
+        )
+    )
+    assert code == 0, out
+    assert (
+        "tied parameters: chunks 0, 3 share them on rank 0" in out and "tied gradients" not in out
+    )
+    code, out, err = cli(["run", str(out_file), "--steps", "1", "--report", "r.json"])
+    assert code == 2 and "Traceback" not in out + err, out + err  # the GPipe path's checks
+    assert "for now" not in out + err and plan.model in out + err  # the synthetic model
+    code, out, err = cli(
+        cli_argv("plan", profile_file, out_file, "--stages 2 --memory 1GiB --schedule zbv")
+    )
+    assert code == 2 and "re-profile" in out + err and "Traceback" not in out + err
+    code, out, err = cli(
+        cli_argv("plan", profile_file, out_file, "--stages 2 --memory 1GiB --schedule zb")
+    )
+    assert code == 2 and "--schedule 'zb' is not one of" in out + err
+
+
+# --------------------------------------------------------------------------------------------
+# Startup: no heavy import before it is needed
+# --------------------------------------------------------------------------------------------
+
+
+HEAVY = ("torch", "pandas", "matplotlib", "ortools")
+
+
+def _imports(args: list[str]) -> tuple[int, str, set[str]]:
+    """Exit code, stdout and stderr (without the import-time lines), every module imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    lines = proc.stderr.splitlines()
+    names = {line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")}
+    rest = "\n".join(line for line in lines if not line.startswith("import time:"))
+    return proc.returncode, proc.stdout + rest, names
+
+
+def _heavy(names: set[str]) -> list[str]:
+    return sorted(n for n in names if n.split(".")[0] in HEAVY)
+
+
+def test_the_check_sees_a_heavy_import() -> None:
+    """Not vacuous: the import-time lines name torch when something imports it."""
+    code, _, names = _imports(["-c", "import pipeplan.cli; import torch.nn"])
+    assert code == 0 and "pipeplan.cli" in names
+    assert "torch" in _heavy(names) and "torch.nn" in _heavy(names)
+
+
+OUT = ["-o", "{tmp}/plan.json"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "exit_code", "says"),
+    [
+        (["--help"], 0, "Usage"),
+        (["plan", "--help"], 0, "--memory"),
+        (["profile", "--help"], 0, "--batch-size"),
+        (["run", "--help"], 0, "--steps"),
+        (["plan", "{tmp}/missing.json", "--memory", "nonsense", *OUT], 2, "no such file"),
+        (["plan", "{profile}", "-p", "2", "--memory", "nonsense", *OUT], 2, "memory 'nonsense'"),
+        (["plan", "{profile}", "-p", "2", "--memory", "1GiB", "--solver", "x", *OUT], 2, "'x'"),
+        (["plan", "{profile}", "--microbatches", "many", *OUT], 2, "--microbatches 'many'"),
+        (["plan", "--no-such-option"], 2, "No such option"),
+        (["show", "{tmp}/missing.json"], 2, "no such file"),
+    ],
+)
+def test_help_and_bad_options_import_no_heavy_package(
+    tmp_path: Path, argv: list[str], exit_code: int, says: str
+) -> None:
+    profile = tmp_path / "profile.json"
+    write_json(profile, synthetic_profile(6, batch_size=8, seed=1))
+    args = [a.format(tmp=tmp_path, profile=profile) for a in argv]
+    code, err, names = _imports(["-m", "pipeplan", *args])
+    assert code == exit_code, err
+    assert "Traceback" not in err and not (tmp_path / "plan.json").exists()
+    assert "pipeplan.cli" in names
+    assert not _heavy(names), f"pipeplan {' '.join(argv)} imported {_heavy(names)[:5]}"
+    if exit_code:
+        assert says in err
+    else:
+        assert (
+            says
+            in subprocess.run(
+                [sys.executable, "-m", "pipeplan", *args],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )

@@ -78,6 +78,7 @@ def test_hf_config_source_matches_the_models_own_loss(tmp_path: Path, arch: str)
     torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.multirank
 def test_hf_source_profile_plan_and_changed_config(tmp_path: Path, cli) -> None:
     config = _config(tmp_path, "LlamaForCausalLM")
     prof, plan = tmp_path / "p.json", tmp_path / "plan.json"

@@ -17,6 +17,7 @@ from pipeplan.runtime.engine_fit import MICRO
 from pipeplan.runtime.linkbench import fit_link
 
 
+@pytest.mark.multirank
 def test_calibrate_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
     try:
@@ -55,6 +56,7 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
     assert load_cluster(calibration_file("cpu")) == cluster
 
 
+@pytest.mark.multirank
 def test_each_launch_reports_its_phases() -> None:
     """The progress bar advances once per phase that rank 0 finishes: the link, the
     all-reduce and the update contention on 2 ranks, then each width; one rank, the widths."""

@@ -19,6 +19,8 @@ from pipeplan.intake.trace import trace_model
 from pipeplan.planner.families import action_order
 from pipeplan.planner.io import write_json
 
+pytestmark = pytest.mark.multirank
+
 GPT = (
     "pipeplan.models.gpt:gpt",
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},

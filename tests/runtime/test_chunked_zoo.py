@@ -37,6 +37,8 @@ from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
 from pipeplan.planner.io import write_json
 
+pytestmark = pytest.mark.multirank
+
 JOB = Path(__file__).with_name("_chunked_job.py")
 FAMILIES = ("interleaved1f1b", "loopedbfs", "zb-interleaved", "zbv", "dualpipev")
 ZOO = {"d_model": 16, "vocab": 64, "seq_len": 8}

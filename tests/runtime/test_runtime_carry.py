@@ -67,6 +67,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     return launch_job(job, 2, tmp_path_factory.mktemp("carry"))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(CARRY))
 def test_every_kind_of_value_crosses_the_cut(ranks: list[Any], name: str) -> None:
     model = {"model": _model(name), "kwargs": {}}
@@ -81,6 +82,7 @@ def test_every_kind_of_value_crosses_the_cut(ranks: list[Any], name: str) -> Non
         assert seen == set(ref_grads)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("dtype", list(LOW))
 def test_lower_precisions_cross_the_cut(ranks: list[Any], dtype: str) -> None:
     """bfloat16 and float16 tensors go over gloo as they are (it sends both, bit for bit)."""
@@ -135,6 +137,7 @@ def _deferred_reference(name: str, batch: int, chunks: int) -> dict[str, torch.T
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", BN)
 def test_deferred_batch_norm_updates_running_statistics_once(ranks: list[Any], name: str) -> None:
     expected = _deferred_reference(name, 8, 4)

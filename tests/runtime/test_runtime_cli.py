@@ -55,6 +55,7 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str, 
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
 
 
+@pytest.mark.multirank
 def test_run_writes_report_and_trace(plans: dict[int, Path], tmp_path: Path) -> None:
     report, trace = tmp_path / "report.json", tmp_path / "trace.json"
     # A plan whose profile used another thread count than the ranks get: warned, still runs.
@@ -82,6 +83,7 @@ def test_run_writes_report_and_trace(plans: dict[int, Path], tmp_path: Path) -> 
     }
 
 
+@pytest.mark.multirank
 def test_run_shows_rank_0s_steps(plans: dict[int, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """`pipeplan run`'s progress bar follows rank 0 through its steps, warm-up included (it
     reads the step each rank 0 step writes), and is complete when the run ends."""
@@ -109,6 +111,7 @@ def test_run_shows_rank_0s_steps(plans: dict[int, Path], monkeypatch: pytest.Mon
     assert done == sorted(done) and done[-1] == 3
 
 
+@pytest.mark.multirank
 def test_run_a_replicated_plan(tmp_path: Path) -> None:
     """One stage, two data-parallel replicas: two ranks, the global batch's loss, one copy of
     the weights saved."""
@@ -140,6 +143,7 @@ def test_run_a_replicated_plan(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.multirank
 def test_a_stage_that_raises_stops_every_rank(plans: dict[int, Path], tmp_path: Path) -> None:
     # An Adam plan run without --optimizer trains with Adam: no mismatch warning.
     adam = tmp_path / "adam.json"
@@ -151,6 +155,7 @@ def test_a_stage_that_raises_stops_every_rank(plans: dict[int, Path], tmp_path: 
     assert "the plan was made for" not in err
 
 
+@pytest.mark.multirank
 def test_debug_shows_the_failing_rank_traceback(plans: dict[int, Path]) -> None:
     """Issue 31: ``--debug`` (``PIPEPLAN_DEBUG=1``) prints the rank's own traceback, which its
     error file held and the run's temporary folder took away."""
@@ -161,6 +166,7 @@ def test_debug_shows_the_failing_rank_traceback(plans: dict[int, Path]) -> None:
     assert "error: stage 1 failed at step 1: RuntimeError: injected failure" in err
 
 
+@pytest.mark.multirank
 def test_a_stage_that_dies_stops_every_rank(plans: dict[int, Path]) -> None:
     code, _, err, took = _run([str(plans[2]), "--steps", "3"], {"PIPEPLAN_FAIL": "1:1:kill"})
     assert code == 1 and took < 60

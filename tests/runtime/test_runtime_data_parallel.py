@@ -12,6 +12,8 @@ import pytest
 import torch
 from _runtime_jobs import launch_job, reference
 
+pytestmark = pytest.mark.multirank
+
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 GPT = {
     "model": "pipeplan.models.gpt:gpt",
@@ -63,7 +65,6 @@ SHARDED = {
 }
 
 
-@pytest.mark.multirank
 def test_sharded_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
     """pp 2 x dp 2, each stage (chunk) wrapped in FSDP2's fully_shard over its dp group: the
     loss and every gradient (gathered from the shards) equal the unsplit model's for GPipe,

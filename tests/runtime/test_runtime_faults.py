@@ -32,6 +32,8 @@ from pipeplan.cli import main
 from pipeplan.runtime.checkpoint import shard_name
 from pipeplan.runtime.snapshots import step_name
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:

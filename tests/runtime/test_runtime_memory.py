@@ -17,7 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeplan.planner.io import load_plan, load_report
+
+pytestmark = pytest.mark.multirank
 
 MiB = 1 << 20
 WIDTH, DEPTH = 4096, 6

@@ -29,6 +29,8 @@ from _resume_jobs import ENV, beat, equal, run, state, survivors, wait_for, work
 
 from pipeplan.runtime.snapshots import step_name
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -14,6 +14,8 @@ import pytest
 import torch
 from _runtime_jobs import POLICIES, launch_job, reference
 
+pytestmark = pytest.mark.multirank
+
 TIGHT = {"rtol": 1e-9, "atol": 1e-11}
 STEPS = 3
 

@@ -51,6 +51,7 @@ def _launch(tmp_path: Path, starts: list[int], replicas: int) -> tuple[list[dict
     return ranks, loss.item(), grads
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(("starts", "replicas"), [([0, 3], 1), ([0], 2)], ids=["p2d1", "p1d2"])
 def test_a_users_loop_gets_the_unsplit_models_loss_and_gradients(
     tmp_path: Path, starts: list[int], replicas: int
@@ -78,6 +79,7 @@ def test_split_without_a_process_group_names_the_fix(tmp_path: Path) -> None:
         pipeplan.split(plan)
 
 
+@pytest.mark.multirank
 def test_the_own_loop_example_trains_a_gpipe_and_a_zbv_plan_alike(tmp_path: Path) -> None:
     """The example runs whatever family the plan names (split.schedule): a zbv plan (4 chunks
     on 2 ranks, the last on rank 0) gives the GPipe plan's first loss."""

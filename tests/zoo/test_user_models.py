@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multirank
+
 HERE = Path(__file__).parent
 
 FAST = ["--warmup", "1", "--repeats", "1"]  # behaviour, not timing

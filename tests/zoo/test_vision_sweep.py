@@ -18,6 +18,8 @@ from benchmarks.zoo.main import ZooRun, compare
 from benchmarks.zoo.vision import reference, run_vision
 from pipeplan.models.vision import VISION
 
+pytestmark = pytest.mark.multirank
+
 pytest.importorskip("timm")
 #: BatchNorm models also run as ZB-V plans: 2 ranks x 2 chunks, torch's split backward.
 ZBV = ("resnet18", "mobilenet_v3")

@@ -14,6 +14,8 @@ from _cached import once_per_session
 from benchmarks.zoo.cases import CASES, TOLERANCE
 from benchmarks.zoo.main import ZooRun, compare, run_zoo
 
+pytestmark = pytest.mark.multirank
+
 # One worker profiles and runs the whole zoo once (make test runs xdist with --dist loadfile).
 
 

@@ -62,6 +62,7 @@ def _load(directory: Path) -> dict[str, torch.Tensor]:
     return {k: reader.read(k) for k in sorted(reader.keys())}
 
 
+@pytest.mark.multirank
 def test_stage_init_equals_the_whole_model_and_the_unsplit_model_loads_the_shards(
     plan: Path, tmp_path: Path
 ) -> None:
@@ -96,6 +97,7 @@ def test_stage_init_equals_the_whole_model_and_the_unsplit_model_loads_the_shard
     assert all(s.resident_growth_bytes is not None for s in stages)
 
 
+@pytest.mark.multirank
 def test_each_rank_reads_only_its_stage_and_trains_from_the_checkpoint(
     plan: Path, tmp_path: Path
 ) -> None:
@@ -129,6 +131,7 @@ def test_each_rank_reads_only_its_stage_and_trains_from_the_checkpoint(
     assert load_report(report).losses[0] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.multirank
 def test_a_checkpoint_that_does_not_match_stops_the_run_with_one_line(
     plan: Path, tmp_path: Path
 ) -> None:
@@ -146,6 +149,7 @@ def test_a_checkpoint_that_does_not_match_stops_the_run_with_one_line(
     assert proc.returncode == 2 and "is float64 but the plan runs float32" in proc.stderr
 
 
+@pytest.mark.multirank
 def test_a_parameter_nothing_initialises_stops_the_run_and_init_full_runs_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

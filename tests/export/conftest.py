@@ -1,0 +1,53 @@
+"""Fixtures of the export tests: profiles of real models, and a plan file of named units."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from _export_rules import (
+    GPT_NAMES,
+    MODELS,
+    named_profile,
+    plan_of,
+)
+
+from pipeplan.planner.io import write_json
+from pipeplan.planner.types import Profile
+from pipeplan.profiler import profile_model
+
+
+@pytest.fixture(scope="session")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Profile]]:
+    """Profiles of the bundled and zoo models, each made on first use (once for every export
+    test module)."""
+    cache: dict[str, tuple[Path, Profile]] = {}
+    root = tmp_path_factory.mktemp("profiles")
+
+    def get(name: str) -> tuple[Path, Profile]:
+        if name not in cache:
+            model, kwargs, max_stages, _ = MODELS[name]
+            prof = profile_model(
+                model,
+                batch_size=4,
+                model_kwargs=kwargs,
+                microbatch_sizes=[2],
+                warmup=0,
+                repeats=1,
+                progress=False,
+                max_stages=max_stages,
+            )
+            path = root / f"{name}.profile.json"
+            write_json(path, prof)
+            cache[name] = (path, prof)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture
+def plan_file(tmp_path: Path) -> Path:
+    path = tmp_path / "plan.json"
+    write_json(path, plan_of(named_profile(GPT_NAMES), [0, 5]))
+    return path

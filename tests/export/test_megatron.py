@@ -1,0 +1,103 @@
+"""Megatron's two forms, the layout and the first/last pair (:mod:`pipeplan.export.megatron`)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+from _export_rules import (
+    GPT_NAMES,
+    megatron_args,
+    megatron_core_layers,
+    megatron_parse,
+    megatron_uneven,
+    megatron_validate,
+    named_profile,
+    plan_of,
+)
+
+from pipeplan.export import megatron_layout
+from pipeplan.planner.io import write_json
+
+
+@pytest.mark.parametrize(
+    ("starts", "layout", "counts"),
+    [
+        ([0, 3, 6], "Et*2|t*3|t*3L", [2, 3, 3]),
+        ([0, 4, 6, 8], "Et*3|t*2|t*2|tL", [3, 2, 2, 1]),
+        ([0, 1, 9], "E|t*8|L", None),  # stages without a decoder layer: no first/last pair
+        ([0, 2, 5, 9], "Et|t*3|t*4|L", None),
+        ([0, 2, 5, 7], "Et|t*3|t*2|t*2L", None),  # uneven middle: the layout only
+        ([0], "Et*8L", None),
+        ([0, 5], "Et*4|t*4L", [4, 4]),  # two stages: the pair alone
+    ],
+)
+def test_megatron_layout_and_first_last_counts(starts, layout, counts, tmp_path, cli) -> None:
+    prof = named_profile(GPT_NAMES)
+    plan_file = tmp_path / "plan.json"
+    write_json(plan_file, plan_of(prof, starts))
+    code, out, err = cli(["export", str(plan_file), "--to", "megatron"])
+    assert code == 0, err
+    lines = out.splitlines()
+    first = megatron_args(lines[0])
+    assert first["--pipeline-model-parallel-layout"] == layout
+    parsed = megatron_parse(layout)
+    megatron_validate(parsed, len(starts), 8)
+    bounds = [*starts, len(GPT_NAMES)]
+    expected = [sum(n.startswith("blocks.") for n in GPT_NAMES[a:b]) for a, b in pairwise(bounds)]
+    assert [st.count("t") for st in parsed] == expected
+    if len(starts) > 1:  # megatron-core wants pipeline_dtype only with pipeline parallelism
+        assert megatron_core_layers(out) == [expected] * len(lines)
+    if counts is None:
+        assert len(lines) == 1
+        assert len(starts) == 1 or "cannot express this plan" in err
+    else:
+        flags = megatron_args(lines[1])
+        got = megatron_uneven(
+            8,
+            int(flags["--pipeline-model-parallel-size"]),
+            int(flags["--decoder-first-pipeline-num-layers"]),
+            int(flags["--decoder-last-pipeline-num-layers"]),
+        )
+        assert got == counts and err == ""
+
+
+def test_megatron_layout_string_is_compact() -> None:
+    # The reference parser first reproduces the examples in parse_str_to_list's own docstring
+    # and comments.
+    assert megatron_parse("Ettt|(tt|)*29,m|L") == [["E", "t", "t", "t"]] + [["t", "t"]] * 29 + [
+        ["m"],
+        ["L"],
+    ]
+    assert megatron_parse("(|tt)*2,E") == [[], ["t", "t"], ["t", "t", "E"]]
+    assert megatron_layout([(True, 1, False), (False, 12, True)]) == "Et|t*12L"
+    assert megatron_parse("Et|t*12L") == [["E", "t"], ["t"] * 12 + ["L"]]
+
+
+def test_megatron_prices_the_closest_first_last_pair(tmp_path: Path, cli) -> None:
+    """Layers 1, 3, 2, 2: the pair cannot give an uneven middle. 1, 3, 3, 1 and 2, 2, 2, 2
+    each move one cut by one layer; the cheaper under the cost model is named, with its
+    price, and the layout still says the plan itself."""
+    prof = named_profile(GPT_NAMES)
+    write_json(tmp_path / "profile.json", prof)
+    plan_file = tmp_path / "plan.json"
+    plan = plan_of(prof, [0, 2, 5, 7])
+    write_json(plan_file, plan)
+    code, out, err = cli(["export", str(plan_file), "--to", "megatron"])
+    assert code == 0 and out.count("\n") == 1
+    assert "cannot express this plan: the middle stages hold different counts ([3, 2])" in err
+    assert "--decoder-last-pipeline-num-layers 1 ([1, 3, 3, 1] layers per stage)" in err
+    assert "(give --profile to price it)" in err
+
+    code, out2, err = cli(
+        ["export", str(plan_file), "--to", "megatron", "--profile", str(tmp_path / "profile.json")]
+    )
+    assert code == 0 and out2 == out and err.count("\n") == 1
+    priced = {
+        (1, 3, 3, 1): plan_of(prof, [0, 2, 5, 8]).step_time_s,  # blocks start at unit 1
+        (2, 2, 2, 2): plan_of(prof, [0, 3, 5, 7]).step_time_s,
+    }
+    best = min(priced, key=priced.__getitem__)
+    assert f"({list(best)} layers per stage): predicted step {priced[best] * 1e3:.4g} ms" in err
+    assert f"vs {plan.step_time_s * 1e3:.4g} ms planned" in err
