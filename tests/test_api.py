@@ -62,7 +62,7 @@ def test_the_api_plans_what_the_command_line_plans(
 
 def test_the_api_plans_for_n_devices(prof: pipeplan.Profile) -> None:
     best = pipeplan.plan(prof, devices=2, memory="64MiB")
-    assert best.n_stages * best.cluster.data_parallel == 2
+    assert best.pipeline_ranks * best.cluster.data_parallel == 2
 
 
 def test_a_model_given_as_a_callable_is_named_by_its_import_path() -> None:
