@@ -143,13 +143,13 @@ def test_chunks_sit_on_their_ranks(small: Profile) -> None:
 
 
 def test_the_plans_timeline_is_the_replay_one_row_per_rank(small: Profile) -> None:
-    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.planner.replay import replay_plan
     from pipeplan.report.timeline_plots import gantt
 
     plan = solve_schedule(small, Cluster.homogeneous(2, 10**9), PlanOptions(schedule="zbv"))
-    timeline = simulate_plan(plan)
+    timeline = replay_plan(plan)
     assert timeline.makespan_s == pytest.approx(plan.step_time_s, rel=1e-12)
-    assert timeline.n_stages == 2 and {e.stage for e in timeline.events} == {0, 1}
+    assert timeline.p == 2 and {e.rank for e in timeline.events} == {0, 1}
     kinds = {e.kind for e in timeline.events}
     assert {"forward", "backward_input", "backward_weight"} <= kinds
     labels = [t.get_text() for t in gantt(plan).axes[0].get_yticklabels()]
