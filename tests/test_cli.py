@@ -12,8 +12,8 @@ import torch
 from _cli_argv import cli_argv
 
 from pipeplan.planner.io import load_plan, write_json
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link
+from pipeplan.profiler.synthetic import synthetic_profile
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 from _cli_argv import cli_argv
 
 from pipeplan.planner.io import load_plan, write_json
-from pipeplan.planner.synthetic import synthetic_profile
+from pipeplan.profiler.synthetic import synthetic_profile
 
 
 def test_interleaved_plan_is_written_shown_and_run_like_any_plan(tmp_path: Path, cli) -> None:

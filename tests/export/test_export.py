@@ -49,9 +49,9 @@ from pipeplan.export.snap import legal_cuts
 from pipeplan.intake.model import NamedInputs, load_model
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import load_plan, write_json
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.profiler import profile_model
+from pipeplan.profiler.synthetic import synthetic_profile
 
 GiB = 2**30
 

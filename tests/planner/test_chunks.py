@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipeplan.planner.chunks import ChunkPlan
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.profiler.synthetic import synthetic_profile
 
 
 def test_a_weight_two_chunks_of_one_rank_share_counts_once() -> None:

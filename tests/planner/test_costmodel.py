@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from pipeplan.planner.costmodel import in_flight, recomputes, step_time
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.replay import replay_plan
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, TiedSync
 from pipeplan.planner.updates import update_tail
+from pipeplan.profiler.synthetic import synthetic_profile
 
 floats = st.floats(1e-4, 1.0, allow_nan=False)
 schedules = st.sampled_from(["gpipe", "1f1b"])

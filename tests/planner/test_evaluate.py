@@ -6,8 +6,8 @@ import pytest
 
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.replay import replay_plan
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions
+from pipeplan.profiler.synthetic import synthetic_profile
 
 
 def test_plan_records_simulated_makespan() -> None:

@@ -95,8 +95,8 @@ def test_a_late_stage_update_longer_than_the_drain_sets_the_makespan() -> None:
 
 def test_a_plans_replay_labels_recompute_and_waits_for_the_step_set_up() -> None:
     from pipeplan.planner.evaluate import evaluate
-    from pipeplan.planner.synthetic import synthetic_profile
     from pipeplan.planner.types import Cluster, PlanOptions
+    from pipeplan.profiler.synthetic import synthetic_profile
 
     prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[2], seed=5)
     cluster = Cluster.homogeneous(3, 2**40, op_overhead_s=2e-4, contention=0.3)

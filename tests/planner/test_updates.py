@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from pipeplan.planner.costmodel import step_time
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions, Profile, TiedSync
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.planner.updates import (
@@ -23,6 +22,7 @@ from pipeplan.planner.updates import (
     update_cost,
     update_tail,
 )
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.cpsat import solve_cpsat
 from pipeplan.solvers.dp import solve_dp
 

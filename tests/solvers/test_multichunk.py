@@ -9,12 +9,13 @@ from itertools import combinations, product
 import pytest
 from _solver_strategies import with_split
 
-from pipeplan.planner.chunks import score, work_bound
+from pipeplan.planner.chunks import score
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.families import FAMILIES, check
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.multichunk import solve_schedule
+from pipeplan.solvers.schedule_bounds import family_bound, work_bound
 
 
 def _brute(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
@@ -231,8 +232,6 @@ def test_units_per_chunk_are_kept() -> None:
 def test_family_bound_is_below_every_partition() -> None:
     """The end-rank bound holds: no partition or mask of (family, v, m) beats it, on a
     profile whose heavy ends make it bind (a V holds both on rank 0)."""
-    from pipeplan.planner.chunks import family_bound
-
     prof = with_split(
         synthetic_profile(6, batch_size=4, microbatch_sizes=[1, 2], seed=4, heavy_ends=True,
                           loss=True)
