@@ -2,9 +2,9 @@
 
 The modules that loaded and traced models, drew plans and exported them lived in
 ``pipeplan.planner`` until 0.1; they now live in :mod:`pipeplan.intake`, :mod:`pipeplan.report`
-and :mod:`pipeplan.export`.  Importing an old path gives the new module itself (the same object,
-so ``isinstance`` and monkeypatching agree) and a :class:`DeprecationWarning` naming the new
-path.  The aliases are served by an import hook installed by ``import pipeplan``; the ground
+and :mod:`pipeplan.export` (and the synthetic profiles in :mod:`pipeplan.profiler.synthetic`).
+Importing an old path gives the new module itself (the same object, so ``isinstance`` and
+monkeypatching agree) and a :class:`DeprecationWarning` naming the new path.  The aliases are served by an import hook installed by ``import pipeplan``; the ground
 floor itself holds no upward import.
 """
 
@@ -29,6 +29,7 @@ MOVED: Final[dict[str, str]] = {
     **{f"pipeplan.planner.{m}": f"pipeplan.intake.{m}" for m in _INTAKE},
     **{f"pipeplan.planner.{m}": f"pipeplan.report.{m}" for m in _REPORT},
     "pipeplan.planner.export": "pipeplan.export",
+    "pipeplan.planner.synthetic": "pipeplan.profiler.synthetic",
 }
 
 

@@ -1,6 +1,6 @@
 """pipeplan's public face: profile -> plan -> save -> load as the CLI does, the errors it names,
-one top-level name in the wheel, and the house's floors (no import runs upward), its unique
-module names and its module lengths (docs/layout.md)."""
+one top-level name in the wheel, and the house's floors (no import runs upward, no import
+circle), its unique module names and its module lengths (docs/layout.md)."""
 
 from __future__ import annotations
 
@@ -189,10 +189,76 @@ def test_the_layering_check_catches_an_upward_import(tmp_path: pathlib.Path) -> 
 
 
 def test_the_ground_floor_holds_only_types_and_the_cost_model() -> None:
-    """What moved out of planner/ stays out (issue 30): intake, views and export."""
+    """What moved out of planner/ stays out (issue 30: intake, views and export; issue 41: the
+    synthetic profiles), and it has one step simulator, the replay of torch's action lists
+    (issue 41: the GPipe/1F1B event loop, ``simulate``, is a test oracle now)."""
     held = {p.stem for p in (ROOT / "pipeplan" / "planner").glob("*.py")} - {"__init__"}
     moved = {m.rpartition(".")[2] for m in MOVED}
     assert not held & moved, held & moved
+    assert "replay" in held and "simulate" not in held
+
+
+def _imports(root: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> the modules below ``root`` it imports anywhere in its text, inside functions
+    too (a lazy import closes a circle as surely, once it runs); ``from package import
+    module`` names the module."""
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                    for a in node.names
+                }
+        graph[name] = (found & paths.keys()) - {name}
+    return graph
+
+
+def _import_circles(root: pathlib.Path) -> list[list[str]]:
+    """Each set of two or more modules below ``root`` that import one another round a circle
+    (a strongly connected set of the import graph), sorted."""
+    graph = _imports(root)
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen: set[str] = set()
+        todo = list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo += graph[module]
+        reach[start] = seen
+    circles = {
+        tuple(sorted(m for m in reach[start] if start in reach[m]))
+        for start in graph
+        if start in reach[start]
+    }
+    return sorted(list(c) for c in circles)
+
+
+def test_no_import_circle() -> None:
+    """No module imports itself round a circle of others, lazily or not (issue 41 ended the
+    last: simulate -> replay -> families -> simulate)."""
+    assert not _import_circles(ROOT / "pipeplan")
+
+
+def test_the_circle_check_catches_a_lazy_import(tmp_path: pathlib.Path) -> None:
+    pkg = tmp_path / "pipeplan" / "planner"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("from pipeplan.planner import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pipeplan.planner.c import g\n")
+    (pkg / "c.py").write_text("import pipeplan.planner.a\n\n\ndef g():\n    pass\n")
+    (pkg / "d.py").write_text("from pipeplan.planner.a import b\n")  # on none: not in one
+    assert _import_circles(tmp_path / "pipeplan") == [
+        ["pipeplan.planner.a", "pipeplan.planner.b", "pipeplan.planner.c"]
+    ]
 
 
 def _modules(root: pathlib.Path) -> list[pathlib.Path]:

@@ -24,8 +24,8 @@ from _cli_argv import cli_argv
 import pipeplan
 from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.io import load_plan, write_json
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link
+from pipeplan.profiler.synthetic import synthetic_profile
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ Stage j of plan P runs by itself, in one process: the model is built on ``meta``
 ``pipeplan run`` cuts it (:func:`pipeplan.runtime.stages.build_stages`), and only stage j's
 modules get storage on the device (:func:`pipeplan.intake.meta.materialize`, the path
 ``pipeplan run --init stage`` takes).  It then runs the schedule's operations of its rank in
-order (:func:`pipeplan.planner.simulate.operation_order`: GPipe's F0..F(m-1) B0..B(m-1), or
-1F1B's), on stand-in inputs (random tensors of the shapes the stage receives; the real batch
+order (torch's, :func:`pipeplan.planner.families.action_order`: GPipe's F0..F(m-1)
+B0..B(m-1), or 1F1B's), on stand-in inputs (random tensors of the shapes the stage receives; the real batch
 on stage 0; one per micro-batch, as the pipeline keeps them) and a stand-in output gradient
 (random, of the shapes it sends, one buffer reused as a receive buffer is; the model's loss on
 the last stage), then the optimizer's step.  Nothing is sent: the plan's t_j = F + B + C is
@@ -32,8 +32,8 @@ from torch import Tensor
 from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import dematerialize, materialize, trace_meta
 from pipeplan.intake.model import load_model
+from pipeplan.planner.families import action_order
 from pipeplan.planner.optim import make_optimizer
-from pipeplan.planner.simulate import operation_order
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.engine import Recompute, cast_batch
 from pipeplan.runtime.memory import TensorPeak, live_bytes
@@ -118,14 +118,14 @@ def _measure(
     # one received gradient at a time, as a rank's receive buffer: the same stand-in for each
     grad = tuple(_stand_in(y, device, False) for y in prog.example_outputs)
     goal = target.to(device)
-    order = operation_order(plan.schedule, j, plan.n_stages, m)
+    order = action_order(plan.schedule, plan.n_stages, 1, m)[j]
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
         outs: dict[int, Any] = {}
         _sync(device)
         t0 = time.perf_counter()
-        for op, i in order:
+        for op, _, i in order:
             if op == "F":
                 outs[i] = run(*feeds[i])
             elif last:

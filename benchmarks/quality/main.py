@@ -102,7 +102,7 @@ def run_model(plan_files: list[Path], out: Path, rounds: int, steps: int, warmup
 
 def summarize(name: str, plans: dict[str, Path], out: Path) -> dict[str, Any]:
     from pipeplan.planner.io import load_plan, load_report
-    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.planner.replay import replay_plan
 
     loaded = {s: load_plan(p) for s, p in plans.items()}
     keys = {s: _partition(p) for s, p in loaded.items()}
@@ -129,12 +129,13 @@ def summarize(name: str, plans: dict[str, Path], out: Path) -> dict[str, Any]:
                 "C_pred_ms": st.comm_s * 1e3,
             })  # fmt: skip
         m = plan.microbatches
-        sim_profile = simulate_plan(plan).makespan_s
+        sim_profile = replay_plan(plan, timeline=False).makespan_s
         as_measured = tuple(
             st.model_copy(update={"forward_s": fb[0], "backward_s": fb[1], "update_s": 0.0})
             for st, fb in zip(plan.stages, measured_fb, strict=True)
         )
-        sim_measured = simulate_plan(plan.model_copy(update={"stages": as_measured})).makespan_s
+        measured_plan = plan.model_copy(update={"stages": as_measured})
+        sim_measured = replay_plan(measured_plan, timeline=False).makespan_s
         tails, losses = [], []
         for r in reps:  # events: the last measured step of each round
             b_end = max(float(e["end_s"]) for e in r.events if str(e["name"]).startswith("B"))

@@ -37,8 +37,8 @@ from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.io import load_profile
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Timing
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.baselines import uniform_partition
 from pipeplan.solvers.multichunk import recompute_to_fit, solve_schedule
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.common import machine, pipeplan
 from pipeplan.planner.io import load_cluster, load_profile, write_json
-from pipeplan.planner.simulate import simulate_plan
+from pipeplan.planner.replay import replay_plan
 from pipeplan.planner.types import Plan, PlanOptions
 from pipeplan.solvers.multichunk import solve_schedule
 
@@ -44,7 +44,7 @@ def step_ms(plan_file: Path, steps: int) -> float:
 def without_contention(plan: Plan) -> float:
     """The plan's simulated step with the compute contention k set to 0."""
     calm = plan.cluster.model_copy(update={"contention": 0.0})
-    return simulate_plan(plan.model_copy(update={"cluster": calm})).makespan_s
+    return replay_plan(plan.model_copy(update={"cluster": calm}), timeline=False).makespan_s
 
 
 def main() -> None:

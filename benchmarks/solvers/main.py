@@ -34,8 +34,8 @@ from benchmarks.solvers.versus import versus
 from pipeplan.planner.costmodel import lower_bound
 from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.cpsat import partition_cpsat
 from pipeplan.solvers.dp import partition_dp

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp import _partition
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -117,7 +117,7 @@ nor slows one).
 T(m) equals the schedule simulator's makespan for identical stages, and for two stages whose
 bottleneck is the same stage forward and backward; GPipe's makespan uses separate forward and
 backward maxima, so T(m) is below it when the stages' backward/forward ratios differ enough to
-move the bottleneck (see :mod:`pipeplan.planner.simulate`).
+move the bottleneck (see :mod:`pipeplan.planner.replay`).
 
 The per-unit tables these formulas read (f_u, g_u, a_u, w_u, x_u and their prefix sums) are
 built by :mod:`pipeplan.planner.unitcosts`; :mod:`pipeplan.planner.evaluate` turns a partition into the stages

@@ -10,10 +10,11 @@ closed-form step time
 
     T(m) = step_time(t, m, c, k) + R + ``Cluster.step_overhead_s``
 
-(R the updates' tail, :func:`pipeplan.planner.updates.update_tail`) beside the schedule simulator's
-makespan (:mod:`pipeplan.planner.simulate`), the bubble fraction, the throughput B / T(m), the tied
-all-reduces and the lower bound.  A plan with a stage over its device's memory gets the status
-``infeasible``.
+(R the updates' tail, :func:`pipeplan.planner.updates.update_tail`) beside the step simulator's
+makespan (the replay of torch's action lists, :mod:`pipeplan.planner.replay`; none where torch's
+class refuses p and m, as ``Schedule1F1B`` does m < p), the bubble fraction, the throughput
+B / T(m), the tied all-reduces and the lower bound.  A plan with a stage over its device's
+memory gets the status ``infeasible``.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from pipeplan.planner.costmodel import (
     tied_syncs,
 )
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.simulate import simulate
-from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, Stage, TiedSync
+from pipeplan.planner.families import check
+from pipeplan.planner.replay import replay_plan
+from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, Stage
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.planner.updates import update_cost, update_tail
 
@@ -150,29 +152,6 @@ def build_stages(
     return stages
 
 
-def _simulated(
-    stages: Sequence[Stage],
-    m: int,
-    schedule: str,
-    kappa: float,
-    syncs: Sequence[TiedSync],
-    step_overhead_s: float,
-    update_contention: float = 0.0,
-) -> float:
-    return simulate(
-        [s.forward_s for s in stages],
-        [s.backward_s for s in stages],
-        [s.comm_s for s in stages],
-        m,
-        schedule=schedule,
-        contention=kappa,
-        update_s=[s.update_s for s in stages],
-        syncs=[(s.stages, s.seconds) for s in syncs],
-        step_overhead_s=step_overhead_s,
-        update_contention=update_contention,
-    ).makespan_s
-
-
 def profile_fields(profile: Profile, m: int) -> dict[str, Any]:
     """The Plan fields every solver copies from the profile, for m micro-batches."""
     return {
@@ -230,7 +209,7 @@ def evaluate(
         status = "heuristic"
     if not feasible:
         status = "infeasible"
-    return Plan(
+    plan = Plan(
         **profile_fields(profile, m),
         schedule=options.schedule,  # type: ignore[arg-type]  # check_request: gpipe or 1f1b
         checkpoint=options.checkpoint,
@@ -239,15 +218,6 @@ def evaluate(
         stages=tuple(stages),
         tied_syncs=tuple(syncs),
         step_time_s=T,
-        simulated_step_time_s=_simulated(
-            stages,
-            m,
-            options.schedule,
-            kappa,
-            syncs,
-            cluster.step_overhead_s,
-            cluster.update_contention,
-        ),
         bubble_fraction=bubble_fraction(times, m, busy, kappa),
         throughput=profile.batch_size / T if T > 0 else 0.0,
         feasible=feasible,
@@ -257,3 +227,7 @@ def evaluate(
         lower_bound_s=lower_bound(profile, cluster, options),
         solve_time_s=solve_time_s,
     )
+    if check(options.schedule, cluster.n_stages, 1, m) is not None:
+        return plan
+    simulated = replay_plan(plan, timeline=False).makespan_s
+    return plan.model_copy(update={"simulated_step_time_s": simulated})

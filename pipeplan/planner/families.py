@@ -17,8 +17,12 @@ GPipe and 1F1B are ``PipelineScheduleSingle`` classes: they execute ``_step_micr
 not ``pipeline_order``.  GPipe's ``pipeline_order`` matches what it executes and is used; torch
 2.13's ``Schedule1F1B.pipeline_order`` does not (the last rank's list starts at F1 and ends
 at F{m}), so 1F1B's list is the order its ``_step_microbatches`` runs: warm-up
-min(m, p - r - 1) forwards, then one forward and one backward alternating, then the drain
-(:func:`pipeplan.planner.simulate.operation_order`).
+min(m, p - r - 1) forwards, then one forward and one backward alternating, then the drain.
+Drawn for p = 3, m = 4 (rank r runs chunk r)::
+
+    gpipe  r=0: F0 F1 F2 F3 B0 B1 B2 B3          1f1b  r=0: F0 F1 F2 B0 F3 B1 B2 B3
+           r=1: F0 F1 F2 F3 B0 B1 B2 B3                r=1: F0 F1 B0 F2 B1 F3 B2 B3
+           r=2: F0 F1 F2 F3 B0 B1 B2 B3                r=2: F0 B0 F1 B1 F2 B2 F3 B3
 
 Which (p, v, m) a family accepts is what its torch class accepts: :func:`check` constructs it
 and reports torch's ``ValueError`` (for example Interleaved1F1B needs m a multiple of
@@ -172,12 +176,16 @@ def check(family: str, p: int, v: int, m: int) -> str | None:
 
 
 def _one_f_one_b(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    from pipeplan.planner.simulate import operation_order
-
-    return tuple(
-        tuple(Action("F" if op == "F" else "B", r, i) for op, i in operation_order("1f1b", r, p, m))
-        for r in range(p)
-    )
+    """What ``Schedule1F1B._step_microbatches`` runs on each rank r: w = min(m, p - r - 1)
+    forwards, then F(w + i) and B(i) alternating, then the backwards left."""
+    out = []
+    for r in range(p):
+        w = min(m, p - r - 1)
+        acts = [Action("F", r, i) for i in range(w)]
+        for i in range(m - w):
+            acts += [Action("F", r, w + i), Action("B", r, i)]
+        out.append((*acts, *(Action("B", r, i) for i in range(m - w, m))))
+    return tuple(out)
 
 
 @lru_cache(maxsize=512)

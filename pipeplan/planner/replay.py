@@ -1,4 +1,4 @@
-"""Replay of torch's per-rank action lists: step time and per-rank peak memory of any schedule.
+"""The step simulator: a replay of torch's per-rank action lists, its time, timeline and memory.
 
 Chunk s (of n = p v) has per micro-batch: forward F_s, full backward B_s (recompute
 included), and for the split families I_s + W_s (input and weight gradients); C_s is the round
@@ -11,13 +11,27 @@ soon as its rank is free and its input has arrived:
     W(s, i)     needs I(s, i);  runs W_s
 
 torch's special case: chunk 0 has no input gradient to make, so its I does nothing and its W is
-the full backward (I_0 = 0, W_0 = B_0).  Then every rank updates its chunks' parameters
-(U_r = sum of its chunks' U_s) after its last action; ``syncs`` (all-reduces of tied gradients
-between chunks) run before, as in :mod:`pipeplan.planner.simulate`, whose GPipe and 1F1B
-timelines this reproduces exactly, contention included: with k (``Cluster.contention``) a
-rank's compute (F, B, I, W; not its transfers) runs at rate 1 / (1 + k a) while a other ranks
-compute too, integrated between events.  Contention only slows, so a bound without it bounds
-the contended step as well.
+the full backward (I_0 = 0, W_0 = B_0).  With k (``Cluster.contention``) a rank's compute (F,
+B, I, W; not its transfers) runs at rate 1 / (1 + k a) while a other ranks compute too,
+integrated between events (p >= 2 and m >= 2 only).  Contention only slows, so a bound without
+it bounds the contended step as well.
+
+Then every rank updates its chunks' parameters (U_r = sum of its chunks' U_s) after its last
+action.  Before that, the ranks that hold copies of a tied parameter sum its gradient
+(``syncs``: (chunks, seconds) all-reduces, run in order): each starts when the last of its
+ranks arrives, and those ranks update only after it ends.  Updates are not slowed by k and do
+not slow forwards or backwards, but slow each other: while a run at once each progresses at
+rate 1 / (1 + kappa_u (a - 1)) (``update_contention``; the closed form's
+:func:`pipeplan.planner.updates.shared_ends`).  The step ends with the last update.
+
+GPipe and 1F1B are the families of one chunk per rank (v = 1).  For GPipe the makespan is
+sum_s (f_s + b_s) + (m - 1) (max_s f_s + max_s b_s), f_s = F_s + C_s / 2 and b_s = B_s + C_s / 2,
+so the closed form of :mod:`pipeplan.planner.costmodel`, sum_s t_s + (m - 1) max_s t_s, is
+exact when b_s / f_s is the same for every stage and a lower bound otherwise; with k and p
+identical stages without transfers it is (F + B) (p + m - 1 + k (p - 1)(m - 1)).
+:func:`replay_plan` replays a plan, one timeline row per rank, in the event kinds the runtime
+records (``forward``, ``backward``, ``backward_input``, ``backward_weight``, ``send``, ``recv``,
+``tied``, ``optimizer``, and ``recompute``: the start of a recomputing stage's B).
 
 Memory follows the same list, so a rank's peak is independent of timing: a chunk's micro-batch
 holds ``held_s`` bytes (its outputs, its saved activations, or only its input when it
@@ -39,9 +53,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipeplan.planner.families import FAMILIES, Action, action_order, rank_of_stage
-from pipeplan.planner.simulate import shared_step, update_events
+from pipeplan.planner.types import Plan
+from pipeplan.planner.updates import shared_ends
 
-__all__ = ["ChunkCosts", "Replay", "ReplayEvent", "peak_memory", "replay"]
+__all__ = ["ChunkCosts", "Replay", "ReplayEvent", "peak_memory", "replay", "replay_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +81,8 @@ class ChunkCosts:
     """The temporary a later B or W makes its largest parameter's gradient in."""
     grad_temp_first_bytes: Sequence[int] = ()
     """That temporary already in its first B or W (a shared gradient its rank made before)."""
+    recompute_s: Sequence[float] = ()
+    """The part of B_s that remakes the forward: its own ``recompute`` event on the timeline."""
 
     @property
     def n(self) -> int:
@@ -78,7 +95,8 @@ class ReplayEvent:
     stage: int
     microbatch: int
     kind: str
-    """F, B, I, W, send, recv, tied or optimizer."""
+    """forward, recompute, backward, backward_input, backward_weight, send, recv, tied or
+    optimizer."""
     start_s: float
     end_s: float
 
@@ -88,6 +106,7 @@ class Replay:
     events: tuple[ReplayEvent, ...]
     makespan_s: float
     p: int
+    m: int
     peak_bytes: tuple[int, ...]
     """Per rank: static bytes plus the largest live bytes of its list."""
     busy: tuple[float, ...]
@@ -104,18 +123,25 @@ class Replay:
         return 1.0 - sum(self.busy_s(r) for r in range(self.p)) / self.p / self.makespan_s
 
 
-def _phases(a: Action, costs: ChunkCosts, cross: Sequence[bool], n: int) -> list[tuple[str, float]]:
-    s = a.stage
-    half = costs.comm_s[s] / 2 if s < n - 1 and cross[s] else 0.0
-    if a.kind == "F":
-        return [("F", costs.forward_s[s]), ("send", half)]
-    if a.kind == "W":
+_Phase = tuple[str, float, bool]
+
+
+def _phases(kind: str, s: int, costs: ChunkCosts, cross: Sequence[bool]) -> list[_Phase]:
+    """(event kind, seconds, compute?) of each phase of chunk s's action ``kind``."""
+    half = costs.comm_s[s] / 2 if cross[s] else 0.0
+    if kind == "F":
+        return [("forward", costs.forward_s[s], True), ("send", half, False)]
+    if kind == "W":
         assert costs.backward_weight_s is not None
-        return [("W", costs.backward_s[s] if s == 0 else costs.backward_weight_s[s])]
-    if a.kind == "I":
+        w = costs.backward_s[s] if s == 0 else costs.backward_weight_s[s]
+        return [("backward_weight", w, True)]
+    if kind == "I":
         assert costs.backward_input_s is not None
-        return [("recv", half), ("I", 0.0 if s == 0 else costs.backward_input_s[s])]
-    return [("recv", half), ("B", costs.backward_s[s])]
+        i = 0.0 if s == 0 else costs.backward_input_s[s]
+        return [("recv", half, False), ("backward_input", i, True)]
+    rc = costs.recompute_s[s] if costs.recompute_s else 0.0
+    remade = [("recompute", rc, True)] if rc else []
+    return [("recv", half, False), *remade, ("backward", costs.backward_s[s] - rc, True)]
 
 
 def replay(
@@ -136,8 +162,7 @@ def replay(
 
     ``syncs`` are (chunks, seconds) all-reduces of tied gradients, run in order on the ranks
     that hold those chunks; ``step_overhead_s`` delays the first action; ``contention`` k
-    slows the compute of ranks that compute at once (p >= 2 and m >= 2 only, as in
-    :func:`pipeplan.planner.simulate.simulate`).  Without
+    slows the compute of ranks that compute at once (p >= 2 and m >= 2 only).  Without
     ``timeline`` only the compute actions' events are left out (a solver's inner loop).
     ``peaks``: :func:`peak_memory` of the same costs, when the caller has walked it already.
     """
@@ -150,8 +175,7 @@ def replay(
         raise ValueError(f"{family} splits the backward into I and W: give their times")
     owner = rank_of_stage(family, p, v)
     cross = [owner[s] != owner[s + 1] for s in range(n - 1)] + [False]
-    table = {(k, s): _phases(Action(k, s, 0), costs, cross, n)  # type: ignore[arg-type]
-             for s in range(n) for k in ("F", "B", "I", "W")
+    table = {(k, s): _phases(k, s, costs, cross) for s in range(n) for k in "FBIW"
              if k in "FB" or costs.backward_input_s is not None}  # fmt: skip
     deps, n_slots = _compiled(family, p, v, m)
     kappa = contention if p > 1 and m > 1 else 0.0
@@ -174,17 +198,41 @@ def replay(
     upd = [0.0] * p
     for s, u in enumerate(costs.update_s):
         upd[owner[s]] += u
-    for e in update_events(arrive, upd if costs.update_s else [], update_contention):
-        events.append(ReplayEvent(e.stage, -1, -1, "optimizer", e.start_s, e.end_s))
+    done = (shared_ends(arrive, upd, update_contention) if update_contention
+            else [t + u for t, u in zip(arrive, upd, strict=True)])  # fmt: skip
+    events += [ReplayEvent(r, -1, -1, "optimizer", arrive[r], done[r])
+               for r in range(p) if upd[r] > 0]  # fmt: skip
     ends = [*free, *arrive, *(e.end_s for e in events)]
     makespan = max(ends, default=0.0)
     if peaks is None:
         peaks = peak_memory(order, costs, p)
-    return Replay(tuple(events), makespan, p, peaks, tuple(busy))
+    return Replay(tuple(events), makespan, p, m, peaks, tuple(busy))
+
+
+def replay_plan(plan: Plan, timeline: bool = True) -> Replay:
+    """The replay of a plan's step: its family, chunks per rank, m and stages' times; with
+    ``timeline``, a recomputing stage's B starts with its recompute (F_s, a label)."""
+    st = plan.stages
+    split = all(s.backward_input_s is not None for s in st)
+    costs = ChunkCosts(
+        [s.forward_s for s in st],
+        [s.backward_s for s in st],
+        [s.comm_s for s in st],
+        [s.backward_input_s or 0.0 for s in st] if split else None,
+        [s.backward_weight_s or 0.0 for s in st] if split else None,
+        [s.update_s for s in st],
+        recompute_s=[s.forward_s if s.recompute and timeline else 0.0 for s in st],
+    )
+    cl = plan.cluster
+    return replay(
+        plan.schedule, plan.pipeline_ranks, plan.stages_per_rank, plan.microbatches, costs,
+        syncs=[(t.stages, t.seconds) for t in plan.tied_syncs], step_overhead_s=cl.step_overhead_s,
+        update_contention=cl.update_contention, contention=cl.contention, timeline=timeline,
+    )  # fmt: skip
 
 
 _Deps = tuple[tuple[tuple[int, int, int, Action], ...], ...]
-_Table = dict[tuple[str, int], list[tuple[str, float]]]
+_Table = dict[tuple[str, int], list[_Phase]]
 _Walk = tuple[list[float], list[float], list[int], list[ReplayEvent]]
 
 
@@ -193,8 +241,8 @@ def _sweep(deps: _Deps, table: _Table, n_slots: int, t0: float, timeline: bool) 
     inputs are done, and takes its phases' sum.  Per rank: when it is free, its compute
     seconds and how far it got; and the events."""
     p = len(deps)
-    took = {key: sum(amount for _, amount in ph) for key, ph in table.items()}
-    compute = {key: sum(amt for kind, amt in ph if kind in "FBIW") for key, ph in table.items()}
+    took = {key: sum(amount for _, amount, _ in ph) for key, ph in table.items()}
+    compute = {key: sum(amount for _, amount, c in ph if c) for key, ph in table.items()}
     done = [-1.0] * n_slots
     free = [float(t0)] * p
     busy = [0.0] * p
@@ -219,8 +267,8 @@ def _sweep(deps: _Deps, table: _Table, n_slots: int, t0: float, timeline: bool) 
                 key = (a.kind, a.stage)
                 if timeline:
                     start = t
-                    for kind, amount in table[key]:
-                        if amount > 0 or kind in "FBIW":
+                    for kind, amount, c in table[key]:
+                        if amount > 0 or c:
                             events.append(
                                 ReplayEvent(r, a.stage, a.microbatch, kind, start, start + amount)
                             )
@@ -249,7 +297,7 @@ def _contended(
     events: list[ReplayEvent] = []
     # per rank: its action's phases and the running phase's index, the amount of that phase
     # left, whether it computes, and when it began; phases None while the rank waits
-    phases: list[list[tuple[str, float]] | None] = [None] * p
+    phases: list[list[_Phase] | None] = [None] * p
     k_of = [0] * p
     left = [0.0] * p
     computes = [False] * p
@@ -267,21 +315,21 @@ def _contended(
                 waiting.setdefault(d, []).append(r)
                 return
         ph = phases[r] = table[(a.kind, a.stage)]
-        k_of[r], left[r], computes[r], began[r] = 0, ph[0][1], ph[0][0] in "FBIW", now
+        k_of[r], left[r], computes[r], began[r] = 0, ph[0][1], ph[0][2], now
 
     def finish(r: int, woken: list[int]) -> None:
         """End rank r's phases that are over at ``now``, starting what follows."""
         while (ph := phases[r]) is not None and left[r] <= 0.0:
             k = k_of[r]
-            kind, amount = ph[k]
+            kind, amount, _ = ph[k]
             slot, _, _, a = deps[r][pos[r]]
             if computes[r]:
                 busy[r] += now - began[r]
-            if timeline and (amount > 0 or kind in "FBIW"):
+            if timeline and (amount > 0 or computes[r]):
                 events.append(ReplayEvent(r, a.stage, a.microbatch, kind, began[r], now))
             if k + 1 < len(ph):
                 k_of[r], left[r], began[r] = k + 1, ph[k + 1][1], now
-                computes[r] = ph[k + 1][0] in "FBIW"
+                computes[r] = ph[k + 1][2]
                 continue
             done[slot] = free[r] = now
             phases[r], pos[r] = None, pos[r] + 1
@@ -300,7 +348,15 @@ def _contended(
         active = [r for r in range(p) if phases[r] is not None]
         if not active:
             return free, busy, pos, events
-        now = shared_step(left, active, computes, kappa, now)
+        # on to the next phase's end: the a ranks that compute at rate 1 / (1 + k (a - 1))
+        a = sum(1 for r in active if computes[r])
+        slow = 1.0 / (1.0 + kappa * (a - 1)) if a > 1 else 1.0
+        dt, first = min((left[r] / (slow if computes[r] else 1.0), r) for r in active)
+        now += dt
+        tiny = 1e-12 * max(now, 1e-300)
+        for r in active:
+            rest = 0.0 if r == first else left[r] - dt * (slow if computes[r] else 1.0)
+            left[r] = rest if rest > tiny else 0.0
         work = [r for r in active if left[r] == 0.0]
 
 

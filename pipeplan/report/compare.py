@@ -55,7 +55,7 @@ COLUMNS = [
 def compare_frame(plans: Sequence[Plan], names: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per plan, with its step time relative to the best feasible plan.
 
-    >>> from pipeplan.planner.synthetic import synthetic_profile
+    >>> from pipeplan.profiler.synthetic import synthetic_profile
     >>> from pipeplan.planner.types import Cluster
     >>> from pipeplan.solvers import SOLVERS
     >>> prof, clus = synthetic_profile(12, batch_size=8), Cluster.homogeneous(3, 2**40)

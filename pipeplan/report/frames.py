@@ -3,7 +3,7 @@
 ``Plan.to_frame()`` and ``Profile.to_frame()`` live with their types; this module adds the
 frames that need more than one object or a computation:
 
-    timeline_frame(timeline)      one row per simulated event
+    timeline_frame(replay)        one row per simulated event
     split_waits(events)           a collective's span cut into waiting and work
     events_frame(report)          one row per measured event of a run's last step
     report_frame(report, plan)    one row per (stage, micro-batch): measured vs predicted times
@@ -21,7 +21,7 @@ import pandas as pd
 
 from pipeplan.planner.costmodel import lower_bound
 from pipeplan.planner.errors import InfeasiblePlanError
-from pipeplan.planner.simulate import Timeline
+from pipeplan.planner.replay import Replay
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, RunReport
 from pipeplan.planner.unitcosts import microbatch_choices
 
@@ -44,14 +44,16 @@ EVENT_COLUMNS = ["stage", "microbatch", "kind", "start_s", "end_s", "duration_s"
 _KIND_BY_INITIAL = {"F": "forward", "B": "backward", "R": "recompute", "S": "send"}
 
 
-def timeline_frame(timeline: Timeline) -> pd.DataFrame:
-    """One row per event of a simulated step, ordered by stage and start time.
+def timeline_frame(replay: Replay) -> pd.DataFrame:
+    """One row per event of a simulated step, ordered by row (the rank, as a run records it:
+    ``stage``) and start time.
 
-    >>> from pipeplan.planner.simulate import simulate
-    >>> timeline_frame(simulate([1.0, 1.0], [2.0, 2.0], [0.0, 0.0], 2)).shape
+    >>> from pipeplan.planner.replay import ChunkCosts, replay
+    >>> costs = ChunkCosts([1.0, 1.0], [2.0, 2.0], [0.0, 0.0])
+    >>> timeline_frame(replay("gpipe", 2, 1, 2, costs)).shape
     (8, 6)
     """
-    rows = [(e.stage, e.microbatch, e.kind, e.start_s, e.end_s) for e in timeline.events]
+    rows = [(e.rank, e.microbatch, e.kind, e.start_s, e.end_s) for e in replay.events]
     return _finish(pd.DataFrame(rows, columns=EVENT_COLUMNS[:-1]))
 
 
@@ -90,8 +92,9 @@ def split_waits(events: pd.DataFrame, collectives: Sequence[str] = COLLECTIVES) 
     Everything else is returned unchanged, as are the spans of a collective whose members all
     arrive together.
 
-    >>> from pipeplan.planner.simulate import simulate
-    >>> t = simulate([1.0, 1.0], [1.0, 3.0], [0.0, 0.0], 1, syncs=[((0, 1), 0.5)])
+    >>> from pipeplan.planner.replay import ChunkCosts, replay
+    >>> t = replay("gpipe", 2, 1, 1, ChunkCosts([1.0, 1.0], [1.0, 3.0], [0.0, 0.0]),
+    ...            syncs=[((0, 1), 0.5)])
     >>> df = split_waits(timeline_frame(t)).query("microbatch < 0")
     >>> list(zip(df["stage"], df["kind"], df["start_s"], df["end_s"]))
     [(0, 'tied', 6.0, 6.5), (1, 'wait', 5.0, 6.0), (1, 'tied', 6.0, 6.5)]

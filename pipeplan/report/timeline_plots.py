@@ -5,7 +5,7 @@ pyplot (:func:`pipeplan.report.canvas.new_figure`).  A row per device, a block p
 and simulated steps are frames of the same columns (:data:`pipeplan.report.frames.EVENT_COLUMNS`), so
 they are drawn by the same code:
 
-    gantt(plan | timeline)              one row per device, the simulated step
+    gantt(plan | replay)                one row per device, the simulated step
     measured_vs_simulated(report, plan) the measured step above the simulated one
 
 Each block carries a ``gid`` naming what it shows (``"forward/2/5"`` = forward of stage 2,
@@ -24,7 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from pipeplan.planner.simulate import Timeline, simulate_plan
+from pipeplan.planner.replay import Replay, replay_plan
 from pipeplan.planner.types import Plan, RunReport
 from pipeplan.report.canvas import new_figure
 from pipeplan.report.frames import events_frame, split_waits, timeline_frame
@@ -126,12 +126,12 @@ def _kind_legend(ax: Axes, kinds: set[str]) -> None:
 
 
 def gantt(
-    source: Plan | Timeline,
+    source: Plan | Replay,
     *,
     title: str | None = None,
     figsize: tuple[float, float] | None = None,
 ) -> Figure:
-    """The simulated schedule of a plan's step (or of a ready timeline), one row per device.
+    """The simulated schedule of a plan's step (or of a ready replay), one row per device.
 
     Forward and backward of every micro-batch are blocks labelled with the micro-batch number,
     recompute is hatched light blue, transfers dotted grey; a stage waiting at the tied
@@ -140,12 +140,12 @@ def gantt(
     """
     plan = source if isinstance(source, Plan) else None
     if plan is not None:
-        timeline = simulate_plan(plan)
-    elif isinstance(source, Timeline):
+        timeline = replay_plan(plan)
+    elif isinstance(source, Replay):
         timeline = source
     else:
-        raise TypeError(f"gantt needs a Plan or a Timeline, got {type(source).__name__}")
-    p, m = timeline.n_stages, timeline.microbatches
+        raise TypeError(f"gantt needs a Plan or a Replay, got {type(source).__name__}")
+    p, m = timeline.p, timeline.m
     events = split_waits(timeline_frame(timeline))
     fig = new_figure(figsize or (10, 0.6 * p + 1.6))
     ax = fig.add_subplot()
@@ -173,7 +173,7 @@ def measured_vs_simulated(report: RunReport, plan: Plan) -> Figure:
     if not report.events:
         raise ValueError("the report has no events; rerun `pipeplan run` with a recent runtime")
     measured = split_waits(events_frame(report))
-    timeline = simulate_plan(plan)
+    timeline = replay_plan(plan)
     simulated = split_waits(timeline_frame(timeline))
     p = plan.n_stages
     measured_end = float(measured["end_s"].max())

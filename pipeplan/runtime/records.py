@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeplan.planner.io import format_bytes
-from pipeplan.planner.simulate import Timeline, simulate_plan
+from pipeplan.planner.replay import Replay, replay_plan
 from pipeplan.planner.types import Plan, RankMeasurement, RunReport, StageMeasurement
 from pipeplan.runtime.timing import Span
 
@@ -229,7 +229,7 @@ def chrome_trace(report: RunReport, plan: Plan | None = None) -> dict[str, Any]:
                     "name": f"{letter}{ev.microbatch}" if ev.microbatch >= 0 else ev.kind,
                     "cat": f"predicted {ev.kind}",
                     "ph": "X",
-                    "pid": 1000 + ev.stage,
+                    "pid": 1000 + ev.rank,
                     "tid": 0,
                     "ts": ev.start_s * 1e6,
                     "dur": (ev.end_s - ev.start_s) * 1e6,
@@ -239,11 +239,12 @@ def chrome_trace(report: RunReport, plan: Plan | None = None) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _simulated(plan: Plan) -> Timeline | None:
+def _simulated(plan: Plan) -> Replay | None:
     """The simulator's timeline of ``plan``; ``None`` for a zero-bubble plan whose stages
-    lack I and W times (made by hand: the solvers always give them)."""
+    lack I and W times (made by hand: the solvers always give them), or one torch's schedule
+    class refuses (1F1B with fewer micro-batches than stages)."""
     try:
-        return simulate_plan(plan)
+        return replay_plan(plan)
     except ValueError:
         return None
 

@@ -198,7 +198,7 @@ def solve_cpsat(profile: Profile, cluster: Cluster, options: PlanOptions | None 
     constrain the stages.  Raises :class:`InfeasiblePlanError` with the memory the best
     unconstrained partition needs when no partition fits.
 
-    >>> from pipeplan.planner.synthetic import synthetic_profile
+    >>> from pipeplan.profiler.synthetic import synthetic_profile
     >>> prof = synthetic_profile(8, batch_size=8, microbatch_sizes=[1, 2, 4, 8])
     >>> plan = solve_cpsat(prof, Cluster.homogeneous(2, 2**40), PlanOptions(pinned={7: 1}))
     >>> (plan.n_stages, plan.status, plan.stages[1].last_unit)

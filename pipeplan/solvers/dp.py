@@ -250,7 +250,7 @@ def solve_dp(profile: Profile, cluster: Cluster, options: PlanOptions | None = N
     Raises :class:`InfeasiblePlanError` (with the smallest per-device memory that makes the
     best unconstrained partition fit) when no partition fits.
 
-    >>> from pipeplan.planner.synthetic import synthetic_profile
+    >>> from pipeplan.profiler.synthetic import synthetic_profile
     >>> prof = synthetic_profile(8, batch_size=8, microbatch_sizes=[1, 2, 4, 8])
     >>> plan = solve_dp(prof, Cluster.homogeneous(2, 2**40))
     >>> (plan.n_stages, plan.status, plan.feasible)

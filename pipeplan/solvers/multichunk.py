@@ -10,9 +10,9 @@ walked along the same order fits its device.  We minimise T over all of them.
 
 Algorithm.
   0. Candidates (the request's families, v with p v units at least, and m) are taken in the
-     order of their lower bound L_c = :func:`pipeplan.planner.chunks.family_bound`; one whose
-     bound reaches the best step found so far is dropped before torch is asked whether it
-     accepts it (:func:`pipeplan.planner.families.check`, which builds the schedule).
+     order of their lower bound L_c = :func:`~pipeplan.solvers.schedule_bounds.family_bound`;
+     one whose bound reaches the best step found so far is dropped before torch is asked whether
+     it accepts it (:func:`pipeplan.planner.families.check`, which builds the schedule).
   1. Each candidate left is seeded (:mod:`pipeplan.solvers.schedule_search`: the exact min-max
      partition over the allowed cuts, torchtitan's equal split, rank-balanced fills, 1F1B's
      stages cut in v, and for GPipe and 1F1B the closed-form DP's plan), each seed with the
@@ -52,7 +52,7 @@ from math import comb
 
 import numpy as np
 
-from pipeplan.planner.chunks import ChunkPlan, family_bound, has_split_backward, refuse_split
+from pipeplan.planner.chunks import ChunkPlan, has_split_backward, refuse_split
 from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.errors import (
     InfeasiblePlanError,
@@ -65,6 +65,7 @@ from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile, Stage
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
     Cuts,
     Score,
@@ -467,9 +468,10 @@ def solve_schedule(
 
 def schedule_floor(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
     """A lower bound on the simulated step of every plan of this request, whatever its family,
-    v, m, cuts and recomputation: the least :func:`~pipeplan.planner.chunks.family_bound` over
-    the candidates (``inf`` when none can run).  Cheap (no replay): ``plan --devices`` skips
-    the search of a depth whose floor cannot beat the best plan found."""
+    v, m, cuts and recomputation: the least
+    :func:`~pipeplan.solvers.schedule_bounds.family_bound` over the candidates (``inf`` when
+    none can run).  Cheap (no replay): ``plan --devices`` skips the search of a depth whose
+    floor cannot beat the best plan found."""
     requested, _ = _requested(profile, cluster, options)
     return min(
         (family_bound(profile, cluster, options, f, v, m) for f, v, m in requested),

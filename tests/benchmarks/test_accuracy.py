@@ -8,8 +8,8 @@ import pytest
 
 from benchmarks.accuracy.main import _simulated
 from benchmarks.accuracy.noise import across_runs, split_halves, summary
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp import solve_dp
 
 

@@ -40,8 +40,8 @@ from torch import nn
 
 from pipeplan.intake.model import NamedInputs, load_model
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 
 GiB = 2**30
 

@@ -35,8 +35,8 @@ from torch import nn
 
 from pipeplan.export import export_plan
 from pipeplan.planner.io import load_plan, write_json
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Plan, PlanOptions
+from pipeplan.profiler.synthetic import synthetic_profile
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -30,10 +30,10 @@ from pipeplan.export import export_plan, target_cuts
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import load_plan, write_json
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions, Profile, SharedParam
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.profiler import profile_model
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers import SOLVERS
 
 GiB = 2**30

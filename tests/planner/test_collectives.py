@@ -6,10 +6,10 @@ import pytest
 
 from pipeplan.planner.collectives import collective_cost, state_factors
 from pipeplan.planner.costmodel import stage_memory, stage_params
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.planner.updates import update_cost
+from pipeplan.profiler.synthetic import synthetic_profile
 
 LINK = Link(bandwidth_Bps=1e9, latency_s=2e-5, overhead_s=1e-5)
 

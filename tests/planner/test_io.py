@@ -17,8 +17,8 @@ from pipeplan.planner.io import (
     parse_rate,
     write_json,
 )
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Plan, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp import solve_dp
 
 

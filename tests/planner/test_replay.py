@@ -1,102 +1,117 @@
-"""The schedule families' action lists (torch's own) and their replay: time and memory."""
+"""The step simulator: torch's action lists replayed, against the old event loop, and memory."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
-from torch.distributed.pipelining import schedules as ts
+from _event_loop_oracle import simulate
+from _one_chunk import one_chunk
 
-from pipeplan.planner.families import (
-    FAMILIES,
-    Action,
-    action_order,
-    check,
-    rank_of_stage,
-)
-from pipeplan.planner.replay import ChunkCosts, replay
-from pipeplan.planner.simulate import operation_order, simulate
-
-CASES = [(f, v, p, m) for f in FAMILIES for v in FAMILIES[f].v[:2] for p, m in [(2, 4), (4, 8)]]
+from pipeplan.planner.costmodel import step_time
+from pipeplan.planner.replay import ChunkCosts, ReplayEvent, replay, replay_plan
+from pipeplan.planner.updates import update_tail
 
 
-@pytest.mark.parametrize(("family", "v", "p", "m"), CASES)
-def test_every_action_once_on_its_rank_in_a_valid_order(
-    family: str, v: int, p: int, m: int
-) -> None:
-    if check(family, p, v, m) is not None:
-        pytest.skip(check(family, p, v, m))
-    order = action_order(family, p, v, m)
-    owner = rank_of_stage(family, p, v)
-    seen: dict[tuple[str, int, int], int] = {}
-    for r, acts in enumerate(order):
-        for k, a in enumerate(acts):
-            assert owner[a.stage] == r
-            assert (a.kind, a.stage, a.microbatch) not in seen
-            seen[(a.kind, a.stage, a.microbatch)] = k
-    n = p * v
-    for s in range(n):
-        for i in range(m):
-            assert ("F", s, i) in seen
-            back = [k for k in "BI" if (k, s, i) in seen]
-            assert len(back) == 1
-            assert seen[("F", s, i)] < seen[(back[0], s, i)]
-            if back[0] == "I":
-                assert seen[("I", s, i)] < seen[("W", s, i)]
-    if FAMILIES[family].torch_class != "Schedule1F1B":  # torch checks its own lists too
-        tsa = {
-            r: [ts._Action(a.stage, ts._ComputationType(a.kind), a.microbatch) for a in acts]
-            for r, acts in enumerate(order)
-        }
-        ts._validate_schedule(tsa, p, n, m)
-
-
-def test_gpipe_is_torchs_pipeline_order_and_1f1b_what_it_executes() -> None:
-    assert [[f"{a.kind}{a.microbatch}" for a in r] for r in action_order("gpipe", 2, 1, 3)] == [
-        ["F0", "F1", "F2", "B0", "B1", "B2"]
-    ] * 2
-    for p, m in [(3, 5), (4, 4)]:
-        for r, acts in enumerate(action_order("1f1b", p, 1, m)):
-            assert [(a.kind, a.microbatch) for a in acts] == operation_order("1f1b", r, p, m)
-    assert action_order("1f1b", 2, 1, 2)[1] == (
-        Action("F", 1, 0), Action("B", 1, 0), Action("F", 1, 1), Action("B", 1, 1)
-    )  # fmt: skip
-
-
-def test_torch_refuses_what_the_family_cannot_run() -> None:
-    assert check("1f1b", 4, 1, 2) is not None
-    assert "DualPipeV" in (check("dualpipev", 4, 2, 6) or "")
-    assert check("zbv", 4, 3, 8) is not None
-    assert check("interleaved1f1b", 4, 2, 6) is None
-    with pytest.raises(ValueError, match="unknown schedule"):
-        check("pipedream", 2, 1, 2)
+def _rows(events: Sequence[ReplayEvent]) -> dict[tuple[int, str, int], list[float]]:
+    """(rank, kind, micro-batch) -> the starts and ends of its events, in time order."""
+    out: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
+    for e in events:
+        out.setdefault((e.rank, e.kind, e.microbatch), []).append((e.start_s, e.end_s))
+    return {key: [t for span in sorted(spans) for t in span] for key, spans in out.items()}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("k", [0.0, 0.35])
-def test_replay_equals_the_simulator_for_one_chunk_per_rank(schedule: str, k: float) -> None:
-    """Also with contention k: the two integrate the same rates between events."""
+@pytest.mark.parametrize("kappa_u", [0.0, 0.2])
+def test_replay_equals_the_old_event_loop(schedule: str, k: float, kappa_u: float) -> None:
+    """The replay of torch's GPipe and 1F1B lists is the discrete-event loop pipeplan had
+    before it (tests/planner/_event_loop_oracle.py), event for event to 1e-12: with
+    contention k (the two integrate the same rates between events), updates that share the
+    host (kappa_u), tied all-reduces, the step's fixed cost and recompute labels."""
     rng = random.Random(3)
-    for p, m in [(2, 2), (3, 5), (4, 8)]:
+    for p, m in [(2, 2), (3, 5), (4, 8), (3, 3)]:
         F = [rng.uniform(1, 3) for _ in range(p)]
         B = [rng.uniform(2, 5) for _ in range(p)]
         C = [rng.uniform(0, 1) for _ in range(p - 1)] + [0.0]
         U = [rng.uniform(0, 2) for _ in range(p)]
-        syncs = [((0, p - 1), 0.3)]
+        R = [rng.choice([0.0, 0.5 * B[j]]) for j in range(p)]
+        syncs = [((0, p - 1), 0.3), ((0, 1), 0.2)]
         want = simulate(
-            F, B, C, m, schedule=schedule, update_s=U, syncs=syncs, step_overhead_s=0.1,
-            contention=k, update_contention=0.2,
+            F, B, C, m, schedule=schedule, recompute_s=R, update_s=U, syncs=syncs,
+            step_overhead_s=0.1, contention=k, update_contention=kappa_u,
         )  # fmt: skip
         got = replay(
-            schedule, p, 1, m, ChunkCosts(F, B, C, update_s=U), syncs=syncs, step_overhead_s=0.1,
-            contention=k, update_contention=0.2,
+            schedule, p, 1, m, ChunkCosts(F, B, C, update_s=U, recompute_s=R), syncs=syncs,
+            step_overhead_s=0.1, contention=k, update_contention=kappa_u,
         )  # fmt: skip
         assert got.makespan_s == pytest.approx(want.makespan_s, rel=1e-12)
+        mine, theirs = _rows(got.events), _rows(want.events)
+        assert mine.keys() == theirs.keys()
+        for key, spans in theirs.items():
+            assert mine[key] == pytest.approx(spans, rel=1e-12), key
         for r in range(p):
-            computed = [
-                e for e in want.events if e.stage == r and e.kind in ("forward", "backward")
-            ]
+            computed = [e for e in want.events if e.rank == r and e.kind in
+                        ("forward", "recompute", "backward")]  # fmt: skip
             assert got.busy_s(r) == pytest.approx(sum(e.end_s - e.start_s for e in computed))
+
+
+def test_contention_slows_only_overlapping_compute() -> None:
+    # Two stages, stage 1 three times longer: stage 1 is slowed only while stage 0 computes.
+    k = 0.5
+    tl = one_chunk([1.0, 3.0], [0.0, 0.0], [0.0, 0.0], 2, contention=k)
+    f1 = [e for e in tl.events if e.rank == 1 and e.kind == "forward"]
+    # stage 0: F0 [0, 1], F1 [1, 1 + 1.5] (slowed: stage 1 computes); stage 1: F0 starts at 1,
+    # does 1 unit of work by 2.5 at rate 2/3, then runs alone: ends at 2.5 + 2 = 4.5.
+    assert f1[0].start_s == pytest.approx(1.0)
+    assert f1[0].end_s == pytest.approx(4.5)
+    assert one_chunk([1.0, 3.0], [0.0, 0.0], [0.0, 0.0], 2).makespan_s == pytest.approx(7.0)
+    assert tl.makespan_s == pytest.approx(7.5)
+
+
+def test_contention_is_free_without_overlap() -> None:
+    assert one_chunk([1.0, 2.0], [2.0, 3.0], [0.1, 0.0], 1, contention=0.7).makespan_s == (
+        pytest.approx(one_chunk([1.0, 2.0], [2.0, 3.0], [0.1, 0.0], 1).makespan_s)
+    )
+    assert one_chunk([1.0], [2.0], [0.0], 8, contention=0.7).makespan_s == pytest.approx(24.0)
+
+
+def test_1f1b_same_makespan_as_gpipe_for_uniform_stages() -> None:
+    g = one_chunk([1.0] * 3, [2.0] * 3, [0.0] * 3, 6, schedule="gpipe").makespan_s
+    f = one_chunk([1.0] * 3, [2.0] * 3, [0.0] * 3, 6, schedule="1f1b").makespan_s
+    assert g == pytest.approx((6 + 3 - 1) * 3.0) and f == pytest.approx(g)
+
+
+def test_a_late_stage_update_longer_than_the_drain_sets_the_makespan() -> None:
+    # p = 2, m = 1, F = B = 1: stage 1 ends its backward at 3, stage 0 at 4.  Stage 1's update
+    # of 5 outlasts stage 0's backward and update (1): the step ends at 3 + 5 = 8, and the
+    # closed form's tail R = max(U_0, U_1 - B_0) = 4 says so.
+    tl = one_chunk([1.0, 1.0], [1.0, 1.0], [0.0, 0.0], 1, update_s=[1.0, 5.0])
+    assert tl.makespan_s == pytest.approx(8.0)
+    assert update_tail([1.0, 5.0], [1.0, 1.0], [0.0, 0.0]) == pytest.approx(4.0)
+    assert step_time([2.0, 2.0], 1) + 4.0 == pytest.approx(8.0)
+
+
+def test_a_plans_replay_labels_recompute_and_waits_for_the_step_set_up() -> None:
+    from pipeplan.planner.evaluate import evaluate
+    from pipeplan.planner.types import Cluster, PlanOptions
+    from pipeplan.profiler.synthetic import synthetic_profile
+
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[2], seed=5)
+    cluster = Cluster.homogeneous(3, 2**40, op_overhead_s=2e-4, contention=0.3)
+    cluster = cluster.model_copy(update={"step_overhead_s": 1.5e-3})
+    plan = evaluate(prof, cluster, PlanOptions(checkpoint="except_last"), [2, 4], 4, solver="t")
+    timeline = replay_plan(plan)
+    assert min(e.start_s for e in timeline.events) == pytest.approx(1.5e-3)
+    assert timeline.makespan_s == pytest.approx(plan.simulated_step_time_s, rel=1e-12)
+    assert (timeline.p, timeline.m) == (3, 4)
+    remade = {(e.rank, e.microbatch) for e in timeline.events if e.kind == "recompute"}
+    assert remade == {(j, i) for j in (0, 1) for i in range(4)}  # the last stage keeps
+    for e in timeline.events:
+        if e.kind == "recompute":
+            assert e.end_s - e.start_s >= plan.stages[e.rank].forward_s * (1 - 1e-9)  # or slowed
+    assert not any(e.kind == "recompute" for e in replay_plan(plan, timeline=False).events)
 
 
 @pytest.mark.parametrize("family", ["interleaved1f1b", "zbv"])
@@ -114,13 +129,15 @@ def test_contention_slows_only_what_overlaps(family: str) -> None:
     key = lambda e: (e.rank, e.stage, e.microbatch, e.kind)
     assert sorted(map(key, slow.events)) == sorted(map(key, free.events))
     for r in range(p):
-        starts = [e.start_s for e in slow.events if e.rank == r and e.kind in "FBIW"]
+        starts = [e.start_s for e in slow.events if e.rank == r and e.stage >= 0]
         assert starts == sorted(starts)
     one = replay(family, p, v, 1, costs, contention=0.5)
     assert one.makespan_s == replay(family, p, v, 1, costs).makespan_s
 
 
-@pytest.mark.parametrize(("family", "v"), [("1f1b", 1), ("interleaved1f1b", 2), ("loopedbfs", 3)])
+@pytest.mark.parametrize(
+    ("family", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2), ("loopedbfs", 3)]
+)
 def test_equal_chunks_give_the_closed_form_bubble(family: str, v: int) -> None:
     """(p - 1) / (v m + p - 1) of the step idles (Narayanan et al. 2021), F and B split evenly."""
     for p, m in [(4, 8), (8, 16)]:
@@ -171,30 +188,3 @@ def test_gradients_appear_at_the_first_backward_and_later_ones_add_a_temporary()
         grad_bytes=[5] * 2, grad_temp_bytes=[0] * 2,
     )  # fmt: skip
     assert replay("gpipe", 2, 1, 2, no_temp).peak_bytes == (120, 120)  # before any gradient
-
-
-def test_a_weight_two_chunks_of_one_rank_share_counts_once() -> None:
-    """A tied first and last unit: on one rank in a V (zbv), on two in a loop."""
-    from pipeplan.planner.chunks import ChunkPlan
-    from pipeplan.planner.synthetic import synthetic_profile
-    from pipeplan.planner.types import Cluster, PlanOptions
-
-    plain = synthetic_profile(8, batch_size=8, microbatch_sizes=[2], tied=True)
-    split = {"backward_input_s": 1e-3, "backward_weight_s": 1e-3, "weight_held_bytes": 0}
-    units = tuple(
-        u.model_copy(update={"timings": {b: t.model_copy(update=split)
-                                         for b, t in u.timings.items()}})
-        for u in plain.units
-    )  # fmt: skip
-    profile = plain.model_copy(update={"units": units})
-    tied = profile.shared_params[0].bytes
-    cluster = Cluster.homogeneous(2, 1 << 40)
-    starts = [0, 2, 4, 6]
-    params = {}
-    for fam in ("zbv", "zb-interleaved"):
-        options = PlanOptions(schedule=fam, checkpoint="never", microbatches=4)
-        plan = ChunkPlan(profile, cluster, options, fam, 2, 4)
-        params[fam] = plan.costs_of(starts, [False] * 4).grad_bytes
-    assert params["zb-interleaved"][0] - params["zbv"][0] == tied  # counted on chunk 3 only
-    assert params["zbv"][3] == params["zb-interleaved"][3]
-    assert sum(params["zb-interleaved"]) - sum(params["zbv"]) == tied

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from pipeplan.planner import unitcosts
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.planner.unitcosts import microbatch_choices, tables, unit_costs
 from pipeplan.planner.updates import update_cost
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.devices import plan_devices
 

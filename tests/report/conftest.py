@@ -9,8 +9,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Device, Plan, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp import solve_dp
 
 MiB = 2**20

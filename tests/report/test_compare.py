@@ -16,8 +16,8 @@ from _cli_argv import cli_argv
 from pipeplan.cli import main
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.io import format_bytes, load_plan, write_json
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Plan, PlanOptions
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.report.compare import FORMATS, compare_frame, render, to_markdown
 from pipeplan.solvers import SOLVERS
 

@@ -236,7 +236,7 @@ def test_compare_cli_draws_the_comparison(plans, tmp_path, capsys):
 
 def test_device_frontier_marks_the_best_depth() -> None:
     from pipeplan.planner.evaluate import evaluate
-    from pipeplan.planner.synthetic import synthetic_profile
+    from pipeplan.profiler.synthetic import synthetic_profile
     from pipeplan.solvers.devices import replica_profile
 
     prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from matplotlib.patches import Rectangle
 
-from pipeplan.planner.simulate import simulate, simulate_plan
+from pipeplan.planner.replay import ChunkCosts, replay, replay_plan
 from pipeplan.planner.types import RunReport, StageMeasurement
 from pipeplan.report import frames, timeline_plots
 
@@ -30,30 +30,32 @@ def test_gantt_has_a_row_per_device_and_a_block_per_operation(plans, renders):
     labels = [t.get_text() for t in ax.texts]
     assert all(labels.count(str(i)) >= 1 for i in range(m))
     title = ax.get_title()
-    timeline = simulate_plan(plan)
+    timeline = replay_plan(plan)
     assert f"step {timeline.makespan_s * 1e3:.2f} ms" in title
-    assert f"bubble {timeline.bubble_fraction:.1%}" in title
+    work = sum(e.end_s - e.start_s for e in timeline.events)  # no tied weight: nothing waits
+    assert f"bubble {1 - work / p / timeline.makespan_s:.1%}" in title
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert {"forward", "backward", "recompute", "idle (bubble)"} <= set(legend)
     renders(fig)
 
 
 def test_gantt_blocks_sit_where_the_simulator_puts_them():
-    timeline = simulate([1e-3, 2e-3], [2e-3, 4e-3], [1e-3, 0.0], 3, schedule="1f1b")
+    costs = ChunkCosts([1e-3, 2e-3], [2e-3, 4e-3], [1e-3, 0.0])
+    timeline = replay("1f1b", 2, 1, 3, costs)
     fig = timeline_plots.gantt(timeline, title="custom")
     ax = fig.axes[0]
     assert ax.get_title() == "custom"
     by_gid = {r.get_gid(): r for r in ax.patches}
     for e in timeline.events:
-        r = by_gid[f"{e.kind}/{e.stage}/{e.microbatch}"]
+        r = by_gid[f"{e.kind}/{e.rank}/{e.microbatch}"]
         assert r.get_x() == pytest.approx(e.start_s * 1e3)
         assert r.get_width() == pytest.approx((e.end_s - e.start_s) * 1e3)
-        assert r.get_y() + r.get_height() / 2 == pytest.approx(e.stage)
+        assert r.get_y() + r.get_height() / 2 == pytest.approx(e.rank)
     assert "send/recv" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_gantt_rejects_other_input():
-    with pytest.raises(TypeError, match="Plan or a Timeline"):
+    with pytest.raises(TypeError, match="Plan or a Replay"):
         timeline_plots.gantt([1, 2])  # type: ignore[arg-type]
 
 
@@ -62,18 +64,18 @@ def test_gantt_rejects_other_input():
 
 def _report(plan, scale: float = 1.3) -> RunReport:
     """A hand-made run of ``plan``: every operation ``scale`` times slower than predicted."""
-    timeline = simulate_plan(plan)
+    timeline = replay_plan(plan)
     events = []
     for e in timeline.events:
         if e.kind in ("forward", "backward"):
             start = e.start_s * scale
-            if e.kind == "backward" and plan.stages[e.stage].recompute:
-                start -= plan.stages[e.stage].forward_s * scale  # the runtime times both as one
+            if e.kind == "backward" and plan.stages[e.rank].recompute:
+                start -= plan.stages[e.rank].forward_s * scale  # the runtime times both as one
             events.append(
                 {
                     "name": f"{e.kind[0].upper()}{e.microbatch}",
                     "kind": e.kind,
-                    "stage": e.stage,
+                    "stage": e.rank,
                     "microbatch": e.microbatch,
                     "start_s": start,
                     "end_s": e.end_s * scale,
@@ -144,8 +146,8 @@ def test_measured_vs_simulated_share_the_time_axis(plans, renders):
 def test_gantt_tells_waiting_at_the_tied_all_reduce_from_its_work():
     """Stage 1 finishes its backwards 1 ms before stage 0: that 1 ms is drawn as waiting
     (light, hatched), and only the all-reduce's own 0.5 ms as the tied block on both."""
-    timeline = simulate([1e-3, 1e-3], [1e-3, 3e-3], [0.0, 0.0], 1, syncs=[((0, 1), 0.5e-3)])
-    fig = timeline_plots.gantt(timeline)
+    costs = ChunkCosts([1e-3, 1e-3], [1e-3, 3e-3], [0.0, 0.0])
+    fig = timeline_plots.gantt(replay("gpipe", 2, 1, 1, costs, syncs=[((0, 1), 0.5e-3)]))
     ax = fig.axes[0]
     by_gid = {r.get_gid(): r for r in ax.patches}
     wait, tied = by_gid["wait/1/-1"], by_gid["tied/1/-1"]
@@ -160,6 +162,6 @@ def test_gantt_tells_waiting_at_the_tied_all_reduce_from_its_work():
 
 
 def test_split_waits_leaves_events_without_collectives_alone():
-    timeline = simulate([1e-3, 2e-3], [2e-3, 4e-3], [0.0, 0.0], 2)
+    timeline = replay("gpipe", 2, 1, 2, ChunkCosts([1e-3, 2e-3], [2e-3, 4e-3], [0.0, 0.0]))
     df = frames.timeline_frame(timeline)
     assert frames.split_waits(df).equals(df)

@@ -10,7 +10,6 @@ import numpy as np
 from hypothesis import strategies as st
 
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import (
     CheckpointPolicy,
     Cluster,
@@ -23,6 +22,7 @@ from pipeplan.planner.types import (
 )
 from pipeplan.planner.types.profile import Timing
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.profiler.synthetic import synthetic_profile
 
 SEEDS = st.integers(0, 10**6)
 SPREADS = st.sampled_from([0.1, 0.5, 1.5])

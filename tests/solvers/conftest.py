@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 
 # (seed, units, stages, spread, micro-batches, policy, link bandwidth): instances where the
 # drain's trips across the earlier cuts move the optimum.  A solver that counts only the trip

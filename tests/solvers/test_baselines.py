@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.planner.errors import UnsupportedConstraintError
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions
 from pipeplan.planner.unitcosts import unit_costs
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.baselines import (
     baseline_microbatches,

@@ -8,8 +8,8 @@ from _solver_strategies import with_split
 
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.families import FAMILIES
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.choose import ONE_CHUNK, solve
 from pipeplan.solvers.multichunk import solve_schedule

@@ -16,9 +16,9 @@ from pipeplan.planner.errors import (
     UnsupportedConstraintError,
 )
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Device, Link, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.cpsat import error_bound_s, partition_cpsat, solve_cpsat
 from pipeplan.solvers.dp import solve_dp

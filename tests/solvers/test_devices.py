@@ -10,9 +10,9 @@ from _solver_strategies import with_split
 from pipeplan.planner.collectives import collective_cost
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.choose import solve
 from pipeplan.solvers.devices import layout, plan_devices, replica_profile
 from pipeplan.solvers.dp import solve_dp

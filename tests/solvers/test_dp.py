@@ -15,9 +15,9 @@ from pipeplan.planner.errors import (
     UnsupportedConstraintError,
 )
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp import _partition, solve_dp
 
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.planner.updates import update_cost
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp_tables import Instance, longest_sums
 
 

@@ -9,12 +9,13 @@ from itertools import combinations, product
 import pytest
 from _solver_strategies import with_split
 
-from pipeplan.planner.chunks import score, work_bound
+from pipeplan.planner.chunks import score
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.families import FAMILIES, check
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.multichunk import solve_schedule
+from pipeplan.solvers.schedule_bounds import family_bound, work_bound
 
 
 def _brute(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
@@ -143,13 +144,13 @@ def test_chunks_sit_on_their_ranks(small: Profile) -> None:
 
 
 def test_the_plans_timeline_is_the_replay_one_row_per_rank(small: Profile) -> None:
-    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.planner.replay import replay_plan
     from pipeplan.report.timeline_plots import gantt
 
     plan = solve_schedule(small, Cluster.homogeneous(2, 10**9), PlanOptions(schedule="zbv"))
-    timeline = simulate_plan(plan)
+    timeline = replay_plan(plan)
     assert timeline.makespan_s == pytest.approx(plan.step_time_s, rel=1e-12)
-    assert timeline.n_stages == 2 and {e.stage for e in timeline.events} == {0, 1}
+    assert timeline.p == 2 and {e.rank for e in timeline.events} == {0, 1}
     kinds = {e.kind for e in timeline.events}
     assert {"forward", "backward_input", "backward_weight"} <= kinds
     labels = [t.get_text() for t in gantt(plan).axes[0].get_yticklabels()]
@@ -231,8 +232,6 @@ def test_units_per_chunk_are_kept() -> None:
 def test_family_bound_is_below_every_partition() -> None:
     """The end-rank bound holds: no partition or mask of (family, v, m) beats it, on a
     profile whose heavy ends make it bind (a V holds both on rank 0)."""
-    from pipeplan.planner.chunks import family_bound
-
     prof = with_split(
         synthetic_profile(6, batch_size=4, microbatch_sizes=[1, 2], seed=4, heavy_ends=True,
                           loss=True)

@@ -40,9 +40,9 @@ from pipeplan.models.vision import build
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.host import threads_per_rank
 from pipeplan.planner.optim import make_optimizer
-from pipeplan.planner.synthetic import synthetic_profile
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.profiler import profile_model
+from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.runtime.probe import probe
 from pipeplan.runtime.worker import _whole_build_needed
 from pipeplan.solvers.dp import solve_dp

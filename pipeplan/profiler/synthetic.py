@@ -1,4 +1,5 @@
-"""Synthetic profiles with realistic spreads, for tests and solver benchmarks.
+"""Synthetic profiles with realistic spreads: a Profile without a model, for tests, examples and
+solver benchmarks (the profiler's output, made up rather than measured).
 
 Unit times are log-normal around a base (sigma ``spread``), with optional heavy first and last
 units (embedding and LM head); backward is 1.5-2.5x forward; activations shrink and parameters

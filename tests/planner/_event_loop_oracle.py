@@ -1,4 +1,9 @@
-"""Discrete-event simulation of the GPipe (fill-drain) and 1F1B schedules.
+"""The old discrete-event loop of GPipe and 1F1B, kept as the replay's oracle (test only).
+
+Until issue 41 pipeplan had two step simulators: this loop, with its own hand-written order of
+GPipe and 1F1B, and the replay of torch's action lists (:mod:`pipeplan.planner.replay`).  The
+replay is now the only one; this loop stays here so that ``test_replay.py`` can check the two
+agree to 1e-12, with contention, updates that share the host, and tied all-reduces.
 
 Every stage runs its operations in a fixed order, each as soon as its device is free and its
 input has arrived.  Stage j's forward of micro-batch i is ``F_j`` of compute followed by the
@@ -8,30 +13,10 @@ blocking send of its activations (``C_j / 2``); its backward waits for the gradi
     forward(j, i)  needs forward(j - 1, i)
     backward(j, i) needs backward(j + 1, i) and forward(j, i)
 
-For GPipe the makespan is  sum_j (f_j + b_j) + (m - 1) (max_j f_j + max_j b_j)  with
-f_j = F_j + C_j/2 and b_j = B_j + C_j/2, so the closed form of :mod:`pipeplan.planner.costmodel`,
-sum_j t_j + (m - 1) max_j t_j, is exact when b_j / f_j is the same for every stage and a lower
-bound otherwise.
-
-With contention k (``Cluster.contention``), compute runs at rate 1 / (1 + k a) while a other
-stages compute too (ranks sharing cores: each one more competing for them slows the rest), and
-the GPipe makespan of p identical stages without transfers becomes
-(F + B) (p + m - 1 + k (p - 1)(m - 1)): the closed form with k.
-
-Each stage then updates its parameters (``update_s[j]``, once per step, after its last
-operation); the makespan is the latest update's end.  Before that, stages that hold copies of a
-tied parameter sum its gradient (``syncs``: (stages, seconds) all-reduces, run in order): each
-starts when the last of its stages arrives, and those stages update only after it ends.  Updates
-are not slowed by the compute contention k and do not slow forwards or backwards, but slow each
-other: while a updates run at once each progresses at rate 1 / (1 + kappa_u (a - 1)), kappa_u
-the ``update_contention`` (egalitarian processor sharing; two updates that start together end
-at U_max + kappa_u U_min after their start).
-
-The operation order of stage j, drawn for p = 3, m = 4 (F = forward, B = backward)::
-
-    gpipe  j=0: F0 F1 F2 F3 B0 B1 B2 B3          1f1b  j=0: F0 F1 F2 B0 F3 B1 B2 B3
-           j=1: F0 F1 F2 F3 B0 B1 B2 B3                j=1: F0 F1 B0 F2 B1 F3 B2 B3
-           j=2: F0 F1 F2 F3 B0 B1 B2 B3                j=2: F0 B0 F1 B1 F2 B2 F3 B3
+With contention k compute runs at rate 1 / (1 + k a) while a other stages compute too.  Each
+stage then updates its parameters after its last operation and its tied all-reduces (``syncs``,
+run in order, each from the last of its stages' arrival); updates slow each other: while a run
+at once each progresses at rate 1 / (1 + kappa_u (a - 1)).
 """
 
 from __future__ import annotations
@@ -40,17 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeplan.planner.types import Plan
+from pipeplan.planner.replay import ReplayEvent as Event
 
-__all__ = [
-    "Event",
-    "Timeline",
-    "operation_order",
-    "shared_step",
-    "simulate",
-    "simulate_plan",
-    "update_events",
-]
+__all__ = ["Timeline", "operation_order", "simulate"]
 
 Kind = Literal[
     "forward",
@@ -66,31 +43,9 @@ Kind = Literal[
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
-    stage: int
-    microbatch: int
-    kind: Kind
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class Timeline:
     events: tuple[Event, ...]
     makespan_s: float
-    n_stages: int
-    microbatches: int
-
-    def busy_s(self, stage: int) -> float:
-        return sum(e.end_s - e.start_s for e in self.events if e.stage == stage)
-
-    @property
-    def bubble_fraction(self) -> float:
-        """1 - average busy time per device / makespan."""
-        if self.makespan_s <= 0:
-            return 0.0
-        busy = sum(self.busy_s(j) for j in range(self.n_stages)) / self.n_stages
-        return 1.0 - busy / self.makespan_s
 
 
 def operation_order(schedule: str, j: int, p: int, m: int) -> list[tuple[str, int]]:
@@ -193,7 +148,7 @@ def simulate(
                 return
             kind, amount, _ = phases[k]
             if amount > 0 or kind in ("forward", "backward"):
-                events.append(Event(j, i, kind, began[j], now))
+                events.append(Event(j, j, i, kind, began[j], now))
             if k + 1 < len(phases):
                 running[j] = (i, phases, k + 1)
                 left[j], began[j] = phases[k + 1][1], now
@@ -220,11 +175,11 @@ def simulate(
     for members, seconds in syncs:
         end = max(arrive[i] for i in members) + seconds
         for i in members:
-            events.append(Event(i, -1, "tied", arrive[i], end))
+            events.append(Event(i, -1, -1, "tied", arrive[i], end))
             arrive[i] = end
     events += update_events(arrive, update_s, update_contention)
     makespan = max(e.end_s for e in events) if events else 0.0
-    return Timeline(tuple(events), makespan, p, m)
+    return Timeline(tuple(events), makespan)
 
 
 def shared_step(
@@ -257,7 +212,7 @@ def update_events(
     ends U_j after its release."""
     if not kappa_u:
         return [
-            Event(j, -1, "optimizer", arrive[j], arrive[j] + u)
+            Event(j, -1, -1, "optimizer", arrive[j], arrive[j] + u)
             for j, u in enumerate(update_s)
             if u > 0
         ]
@@ -281,73 +236,9 @@ def update_events(
             if left[j] <= 1e-12 * max(abs(now), float(update_s[j])):
                 ends[j] = now
                 del left[j]
-    return [Event(j, -1, "optimizer", arrive[j], ends[j]) for j in sorted(ends)]
+    return [Event(j, -1, -1, "optimizer", arrive[j], ends[j]) for j in sorted(ends)]
 
 
 def _phase(cur: tuple[int, list[tuple[Kind, float, bool]], int] | None) -> tuple[Kind, float, bool]:
     assert cur is not None
     return cur[1][cur[2]]
-
-
-def simulate_plan(plan: Plan) -> Timeline:
-    """Simulate a plan's step with its stage times, schedule and micro-batch count.  Plans of
-    the other families (several chunks per rank, a split backward) are replayed from torch's
-    order (:mod:`pipeplan.planner.replay`): one row per rank, its chunks' actions on it."""
-    if plan.schedule not in ("gpipe", "1f1b"):
-        return _replayed(plan)
-    return simulate(
-        [s.forward_s for s in plan.stages],
-        [s.backward_s for s in plan.stages],
-        [s.comm_s for s in plan.stages],
-        plan.microbatches,
-        schedule=plan.schedule,
-        recompute_s=[s.forward_s if s.recompute else 0.0 for s in plan.stages],
-        contention=plan.cluster.contention,
-        update_s=[s.update_s for s in plan.stages],
-        syncs=[(s.stages, s.seconds) for s in plan.tied_syncs],
-        step_overhead_s=plan.cluster.step_overhead_s,
-        update_contention=plan.cluster.update_contention,
-    )
-
-
-_KINDS: dict[str, Kind] = {
-    "F": "forward",
-    "B": "backward",
-    "I": "backward_input",
-    "W": "backward_weight",
-    "send": "send",
-    "recv": "recv",
-    "tied": "tied",
-    "optimizer": "optimizer",
-}
-
-
-def _replayed(plan: Plan) -> Timeline:
-    from pipeplan.planner.replay import ChunkCosts, replay
-
-    st = plan.stages
-    split = all(s.backward_input_s is not None for s in st)
-    costs = ChunkCosts(
-        [s.forward_s for s in st],
-        [s.backward_s for s in st],
-        [s.comm_s for s in st],
-        [s.backward_input_s or 0.0 for s in st] if split else None,
-        [s.backward_weight_s or 0.0 for s in st] if split else None,
-        [s.update_s for s in st],
-    )
-    p = plan.cluster.n_stages
-    rep = replay(
-        plan.schedule,
-        p,
-        plan.stages_per_rank,
-        plan.microbatches,
-        costs,
-        syncs=[(t.stages, t.seconds) for t in plan.tied_syncs],
-        step_overhead_s=plan.cluster.step_overhead_s,
-        update_contention=plan.cluster.update_contention,
-        contention=plan.cluster.contention,
-    )
-    events = tuple(
-        Event(e.rank, e.microbatch, _KINDS[e.kind], e.start_s, e.end_s) for e in rep.events
-    )
-    return Timeline(events, rep.makespan_s, p, plan.microbatches)
