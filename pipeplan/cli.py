@@ -23,19 +23,13 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from pipeplan.cli_options import DEBUG, Output, Quiet, check_output, fail, parse_pins
 from pipeplan.cli_runtime import calibrate, run
 from pipeplan.planner.errors import PipeplanError
-
-if TYPE_CHECKING:
-    from rich.table import Table
-
-    from pipeplan.api import PlanRequest
-    from pipeplan.solvers.devices import DeviceChoice
 
 __all__ = ["app", "main"]
 
@@ -235,7 +229,7 @@ def plan(
 ) -> None:
     """Choose stage boundaries and the micro-batch count for PROFILE; write the plan."""
     from pipeplan import api
-    from pipeplan.report.terminal import console, err_console, print_plan
+    from pipeplan.report.terminal import console, err_console, frontier_table, print_plan
 
     check_output(output)
     if microbatches != "auto" and not microbatches.isdigit():
@@ -273,7 +267,8 @@ def plan(
         result = request.solve()
     else:
         choices = request.frontier()
-        console.print(_frontier_table(request, choices))
+        batch = request.global_batch or request.profile.batch_size
+        console.print(frontier_table(request.devices, batch, choices))
         result = request.best(choices)
     if not record_solve_time:
         result = result.model_copy(update={"solve_time_s": None})
@@ -288,41 +283,6 @@ def plan(
     api.save(result, output)
     print_plan(result)
     console.print(f"-> {output}")
-
-
-def _frontier_table(request: PlanRequest, choices: list[DeviceChoice]) -> Table:
-    """The (depth, data-parallel mode) pairs ``plan --devices`` weighed, one row each, the best
-    first."""
-    from rich.table import Table
-
-    from pipeplan.planner.io import format_bytes
-
-    best = choices[0]
-    batch = request.global_batch or request.profile.batch_size
-    table = Table(title=f"{request.devices} devices, global batch {batch}")
-    cols = ("pp", "dp", "mode", "family", "m", "step", "samples/s", "peak memory", "note")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("mode", "family", "note") else "right")
-    for c in choices:
-        if c.plan is None:
-            table.add_row(str(c.stages), str(c.replicas), c.mode, "-", "-", "-", "-", "-", c.reason)
-            continue
-        note = "best" if c is best else f"{c.throughput / best.throughput - 1:+.1%} throughput"
-        pl = c.plan
-        mem = max([*pl.rank_peak_bytes, *(s.memory.total for s in pl.stages)])
-        family = pl.schedule if pl.stages_per_rank == 1 else f"{pl.schedule} v={pl.stages_per_rank}"
-        table.add_row(
-            str(c.stages),
-            str(c.replicas),
-            c.mode,
-            family,
-            str(pl.microbatches),
-            f"{(pl.simulated_step_time_s or pl.step_time_s) * 1e3:.4g} ms",
-            f"{c.throughput:.4g}",
-            format_bytes(mem),
-            note,
-        )
-    return table
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from rich import box
 from rich.console import Console
@@ -29,6 +30,7 @@ __all__ = [
     "console",
     "data_parallel_note",
     "err_console",
+    "frontier_table",
     "print_plan",
     "print_profile",
     "stage_table",
@@ -332,5 +334,53 @@ def stage_table(p: Plan, name: str) -> Table:
             f"{s.time_s * 1e3:.2f}" + ("*" if s.time_s == slowest else " "),
             f"{s.time_s * p.microbatches * 1e3:.1f}",
             memory if s.feasible else f"[red]{memory} over[/red]",
+        )
+    return table
+
+
+class FrontierRow(Protocol):
+    """One (depth, data-parallel mode) pair of ``plan --devices``
+    (:class:`pipeplan.solvers.devices.DeviceChoice`)."""
+
+    @property
+    def stages(self) -> int: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def plan(self) -> Plan | None: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def throughput(self) -> float: ...
+
+
+def frontier_table(devices: int, batch: int, choices: Sequence[FrontierRow]) -> Table:
+    """The (depth, data-parallel mode) pairs ``plan --devices`` weighed, one row each, the best
+    first."""
+    best = choices[0]
+    table = Table(title=f"{devices} devices, global batch {batch}")
+    cols = ("pp", "dp", "mode", "family", "m", "step", "samples/s", "peak memory", "note")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("mode", "family", "note") else "right")
+    for c in choices:
+        if c.plan is None:
+            table.add_row(str(c.stages), str(c.replicas), c.mode, "-", "-", "-", "-", "-", c.reason)
+            continue
+        note = "best" if c is best else f"{c.throughput / best.throughput - 1:+.1%} throughput"
+        pl = c.plan
+        mem = max([*pl.rank_peak_bytes, *(s.memory.total for s in pl.stages)])
+        v = pl.stages_per_rank
+        table.add_row(
+            str(c.stages),
+            str(c.replicas),
+            c.mode,
+            pl.schedule if v == 1 else f"{pl.schedule} v={v}",
+            str(pl.microbatches),
+            f"{(pl.simulated_step_time_s or pl.step_time_s) * 1e3:.4g} ms",
+            f"{c.throughput:.4g}",
+            format_bytes(mem),
+            note,
         )
     return table
