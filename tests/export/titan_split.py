@@ -135,6 +135,7 @@ def _split(arch: str, args: list[str]) -> dict[str, Any]:
                 chunk.eval()
                 x = chunk(x)
             out["chained_equal"] = bool(torch.allclose(x, want))
+            out["max_difference"] = float((x - want).abs().max())
         except (TypeError, RuntimeError, ValueError) as exc:  # what a user would meet
             out["error"] = f"{type(exc).__name__}: {exc}"
     return out
