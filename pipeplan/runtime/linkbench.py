@@ -139,19 +139,29 @@ def time_allreduce(sizes: list[int], repeats: int, device: str) -> list[tuple[in
     for size in sizes:
         param = torch.zeros(max(size // 4, 1), dtype=torch.float32, device=device)
         grad = torch.ones_like(param)
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM)  # in place, as pipeplan.runtime.engine's
-            if device != "cpu":
-                torch.cuda.synchronize()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        out.append((size, _low(times)))
+        # in place, as pipeplan.runtime.gradsync's
+        out.append((size, _timed(lambda g=grad: dist.all_reduce(g), repeats, device)))
     return out
+
+
+def _timed(call: Any, repeats: int, device: str) -> float:
+    """The low figure of ``repeats`` timed calls on every rank, each from a barrier, after two
+    warm-up calls."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return _low(times)
 
 
 def time_collectives(
@@ -176,18 +186,7 @@ def time_collectives(
             "all_gather": lambda part=part, whole=whole: dist.all_gather_into_tensor(whole, part),
         }
         for name, call in calls.items():
-            times = []
-            for i in range(repeats + 2):
-                dist.barrier()
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                call()
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-            out[name].append((shard * n * 4, _low(times)))
+            out[name].append((shard * n * 4, _timed(call, repeats, device)))
     return out
 
 
