@@ -28,7 +28,12 @@ def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path: Path) -> None:
             positive(u["forward_ms"], u["backward_ms"], u["param_bytes"]) for u in p["units"]
         )
     c = st["calibrate"]
-    assert positive(c["op_overhead_us"], c["memory_bytes"]) and c["step_overhead_us"] >= 0
+    # the engine's cost is a fit clamped at zero: on an idle CPU it can be lost in the noise
+    # (CI measured 0 us), so only its sign and finiteness are the check's
+    assert positive(c["memory_bytes"])
+    assert all(
+        math.isfinite(c[k]) and c[k] >= 0 for k in ("op_overhead_us", "step_overhead_us")
+    )
     assert (tmp_path / "home" / "cluster-cpu.json").exists()  # kept there, not in ~/.cache
     (r,) = st["run"]
     assert r["m"] == 4 and r["calibrated"]
