@@ -82,8 +82,11 @@ def _fastest(plans: Sequence[Plan]) -> Plan:
     return min(plans, key=lambda p: (not p.feasible, _simulated(p)))
 
 
-def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver: str) -> Plan:
-    """The faster of ``solver``'s GPipe and 1F1B plans (of those ``options.families`` allows)."""
+def _one_chunk_plans(
+    profile: Profile, cluster: Cluster, options: PlanOptions, solver: str
+) -> list[Plan]:
+    """``solver``'s GPipe and 1F1B plans (of those ``options.families`` allows), the first
+    refusal raised when neither has one."""
     families = [f for f in ONE_CHUNK if options.families is None or f in options.families]
     plans: list[Plan] = []
     errors: list[InfeasiblePlanError | InvalidRequestError] = []
@@ -96,7 +99,12 @@ def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver:
             errors.append(exc)
     if not plans:
         raise errors[0]
-    return _fastest(plans)
+    return plans
+
+
+def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver: str) -> Plan:
+    """The faster of ``solver``'s GPipe and 1F1B plans (of those ``options.families`` allows)."""
+    return _fastest(_one_chunk_plans(profile, cluster, options, solver))
 
 
 def solve(
@@ -119,14 +127,16 @@ def solve(
     if not (one_pipeline and multi):
         return _one_chunk(profile, cluster, options, solver)
     singles: list[Plan] = []
+    dp_plans: list[Plan] = []  # the schedule solver's seeds too: solved once
     failed: InfeasiblePlanError | None = None
     if any(f in ONE_CHUNK for f in options.families or ONE_CHUNK):
         try:  # a bad request for one chunk per rank is bad for every family: it stands
-            singles.append(_one_chunk(profile, cluster, options, "dp"))
+            dp_plans = _one_chunk_plans(profile, cluster, options, "dp")
+            singles.append(_fastest(dp_plans))
         except InfeasiblePlanError as exc:
             failed = exc
     try:
-        sched = solve_schedule(profile, cluster, options)
+        sched = solve_schedule(profile, cluster, options, dp_plans=dp_plans)
     except InfeasiblePlanError:
         if singles:
             return singles[0]

@@ -213,6 +213,10 @@ class Instance:
         self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
         self.wk = self.state.total
         self.update = update or UpdateCost()  # U(w) at speed 1 (pipeplan.planner.updates)
+        # a partition's stages, each a function of (j, l, r) alone, looked up once: a cut's
+        # move (_balanced, the tails) changes two stages and re-reads the rest
+        self._recomputes: dict[tuple[int, int, int], bool] = {}
+        self._stage_update: dict[tuple[int, int], float] = {}
         self.speed = speed
         # Tied gradients: per shared parameter (first user, last user, sorted users, all-reduce
         # seconds).  A stage holding a user of one that spans stages waits for its all-reduce,
@@ -326,7 +330,22 @@ class Instance:
     def recomputing(self, j: int, l: int, r: int) -> bool:
         """Whether mid stage j over units l..r recomputes (the policy's rule, or under
         ``auto`` whether keeping does not fit)."""
-        return stage_recomputes(self.c, self.cluster, self.options, l, r, j)
+        key = (j, l, r)
+        got = self._recomputes.get(key)
+        if got is None:
+            got = self._recomputes[key] = stage_recomputes(
+                self.c, self.cluster, self.options, l, r, j
+            )
+        return got
+
+    def _update_of(self, l: int, e: int) -> float:
+        """U of a stage over units l..e-1 (its parameters and its tied copies)."""
+        got = self._stage_update.get((l, e))
+        if got is None:
+            c = self.c
+            got = float(self.upd(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1)))
+            self._stage_update[(l, e)] = got
+        return got
 
     def upd(self, nbytes: np.ndarray | float) -> np.ndarray:
         """U of a stage holding ``nbytes`` of parameters on this instance's devices."""
@@ -425,16 +444,12 @@ class Instance:
     def _stages(self, starts: tuple[int, ...]) -> tuple[list[float], list[float], list[float]]:
         """(c_j, t_j, U_j) of every stage of a partition (U_j of the mid stages only)."""
         ends = [*starts[1:], self.n]
-        c = self.c
         busy = [
             float(Q[e] - Q[l] + op)
             for (Q, op, _, _), l, e in zip(self._mid_variants(starts), starts[:-1], ends)
         ]
         times = [b + float(self.comm[e]) for b, e in zip(busy, ends)]
-        upd = [
-            float(self.upd(c.Pw[e] - c.Pw[l] + c.shared_bytes(l, e - 1)))
-            for l, e in zip(starts[:-1], ends)
-        ]
+        upd = [self._update_of(l, e) for l, e in zip(starts[:-1], ends)]
         busy.append(float(self.t_last[starts[-1]]))
         times.append(busy[-1])
         return busy, times, upd

@@ -308,19 +308,31 @@ def _scored(cp: ChunkPlan, starts: list[int], rc: list[bool]) -> Scored:
 
 
 def _dp_seeds(
-    profile: Profile, cluster: Cluster, options: PlanOptions, cands: list[Candidate]
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    cands: list[Candidate],
+    plans: Sequence[Plan] | None = None,
 ) -> dict[Candidate, tuple[list[int], list[bool]]]:
-    """The closed-form DP's plan for gpipe and 1f1b (:mod:`pipeplan.solvers.dp`), as seeds."""
+    """The closed-form DP's plan for gpipe and 1f1b (:mod:`pipeplan.solvers.dp`), as seeds:
+    ``plans`` where the caller has solved them already (:func:`pipeplan.solvers.choose.solve`
+    under ``auto``), else solved here."""
     from pipeplan.solvers.dp import solve_dp
 
+    given = None if plans is None else {pl.schedule: pl for pl in plans}
     out = {}
     for fam in ("gpipe", "1f1b"):
         if not any(c[0] == fam for c in cands):
             continue
-        try:
-            plan = solve_dp(profile, cluster, options.model_copy(update={"schedule": fam}))
-        except PipeplanError:
-            continue
+        if given is not None:
+            if fam not in given:  # the DP had no plan for it
+                continue
+            plan = given[fam]
+        else:
+            try:
+                plan = solve_dp(profile, cluster, options.model_copy(update={"schedule": fam}))
+            except PipeplanError:
+                continue
         c = (fam, 1, plan.microbatches)
         if c in cands:
             out[c] = ([0, *plan.boundaries], [st.recompute for st in plan.stages])
@@ -368,10 +380,14 @@ def solve_schedule(
     exhaustive_limit: int = 2000,
     search_work: int = SEARCH_WORK,
     chunks: int | None = None,
+    dp_plans: Sequence[Plan] | None = None,
 ) -> Plan:
     """The fastest (family, v, cuts, m, recompute) under memory (module docstring); v =
-    ``chunks`` alone when given."""
+    ``chunks`` alone when given.  ``dp_plans``: the DP's GPipe and 1F1B plans of this request
+    where the caller has them (seeds; solved here otherwise)."""
     options = options or PlanOptions(schedule="auto")
+    if options.search_work is not None:
+        search_work = options.search_work
     t0 = time.perf_counter()
     deadline = None if options.time_limit_s is None else t0 + options.time_limit_s
     if options.pinned:
@@ -385,7 +401,7 @@ def solve_schedule(
     size = sum(comb(inner, p * v - 1) for _, v, _ in requested)
     plans = {c: ChunkPlan(profile, cluster, options, c[0], c[1], c[2]) for c in requested}
     bound_of = {c: _candidate_floor(cp) for c, cp in plans.items()}
-    dp = _dp_seeds(profile, cluster, options, requested)
+    dp = _dp_seeds(profile, cluster, options, requested, dp_plans)
     stage_seeds = [s for s, _ in dp.values()]
     searches: dict[Candidate, _Search] = {}
     work = _Work()
