@@ -234,13 +234,15 @@ class PlanRequest:
         (:func:`pipeplan.solvers.devices.plan_devices`)."""
         from functools import partial
 
-        from pipeplan.solvers.choose import solve
+        from pipeplan.solvers.choose import ONE_CHUNK, solve
         from pipeplan.solvers.devices import plan_devices
 
         if self.devices is None:
             raise InvalidRequestError("a request for --stages has no frontier; give --devices")
         solver = partial(solve, solver=self.solver)
         floor = quick = None
+        # the schedule solver's local search is searched again only on the two best depths
+        refine = 2 if self.solver == "dp" and self.options.schedule not in ONE_CHUNK else 0
         if self.solver == "dp" and self.options.schedule == "auto":
             # search the pairs that can still win; the rest get the DP's one-chunk plan
             from pipeplan.solvers.multichunk import schedule_floor
@@ -259,6 +261,7 @@ class PlanRequest:
             replicas=self.replicas,
             floor=floor,
             quick=quick,
+            refine=refine,
         )
 
     def best(self, choices: Sequence[DeviceChoice]) -> Plan:

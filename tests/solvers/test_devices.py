@@ -174,3 +174,53 @@ def test_a_floor_skips_pairs_that_cannot_win_and_keeps_the_best() -> None:
     for c in pruned:
         if (c.stages, c.mode) not in calls:  # skipped: its floor could not beat the best
             assert floors[(c.stages, c.mode)] >= best * (1 - 1e-12)
+
+
+def test_refine_searches_only_the_best_seeded_pairs_again() -> None:
+    """With ``refine`` = 1, every pair is first planned from the seeds alone (search_work 0);
+    then only the pair with the fastest such plan is searched with the request's budget, and
+    its plan is the one a full search of that pair alone gives."""
+    prof = with_split(
+        synthetic_profile(8, batch_size=16, microbatch_sizes=[1, 2, 4], seed=3, heavy_ends=True)
+    )
+    clus = Cluster.homogeneous(1, 2**40, LINK)
+    options = PlanOptions(schedule="auto", search_work=20_000)
+    calls: list[tuple[int, str, int | None]] = []
+
+    def counted(pr: Profile, cl: Cluster, op: PlanOptions) -> Plan:
+        calls.append((cl.n_stages, cl.data_parallel_mode, op.search_work))
+        return solve(pr, cl, op)
+
+    got = plan_devices(prof, 4, clus, options, counted, global_batch=32, refine=1)
+    seeded = [c for c in calls if c[2] == 0]
+    again = [c for c in calls if c[2] == 20_000]
+    assert len(seeded) + len(again) == len(calls) and len(seeded) == len(got) - 0
+    assert len(again) == 1
+    p, mode, _ = again[0]
+    (pair,) = [c for c in got if (c.stages, c.mode) == (p, mode)]
+    share = replica_profile(prof, pair.replicas, 32)
+    alone = solve(share, pair.plan.cluster, options)  # type: ignore[union-attr]
+    assert pair.plan is not None
+    assert pair.plan.simulated_step_time_s == pytest.approx(alone.simulated_step_time_s, rel=1e-12)
+    # the refined pair was the best seeded one, and nothing beats the refined best
+    light = plan_devices(
+        prof, 4, clus, options.model_copy(update={"search_work": 0}), solve, global_batch=32
+    )
+    fastest = min((c for c in light if c.plan), key=lambda c: c.plan.simulated_step_time_s)  # type: ignore[union-attr]
+    assert (fastest.stages, fastest.mode) == (p, mode)
+    assert got[0].throughput >= fastest.throughput * (1 - 1e-12)
+
+
+def test_refine_with_as_many_pairs_searches_each_once() -> None:
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[1, 2, 4], seed=1)
+    clus = Cluster.homogeneous(1, 2**40, LINK)
+    options = PlanOptions(schedule="auto", search_work=5_000)
+    works: list[int | None] = []
+
+    def counted(pr: Profile, cl: Cluster, op: PlanOptions) -> Plan:
+        works.append(op.search_work)
+        return solve(pr, cl, op)
+
+    got = plan_devices(prof, 2, clus, options, counted, replicas=2, refine=2)
+    assert works == [5_000, 5_000]  # one depth, two modes: each searched once, fully
+    assert [c.plan is not None for c in got] == [True, True]

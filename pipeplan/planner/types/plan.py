@@ -46,6 +46,10 @@ class PlanOptions(FrozenModel):
     """Most units per stage (CP-SAT only)."""
     time_limit_s: float | None = Field(default=None, gt=0)
     """Wall-clock limit for solvers that search (CP-SAT)."""
+    search_work: int | None = Field(default=None, ge=0)
+    """The schedule solver's local-search budget: actions it may replay, summed over its
+    replays (``None``: :data:`pipeplan.solvers.multichunk.SEARCH_WORK`; 0 keeps the best of
+    its seeds).  A count, not a clock, so that a plan does not depend on the host's load."""
     families: tuple[ScheduleName, ...] | None = None
     """The families ``schedule="auto"`` may choose among (``None``: every one): the schedules a
     target framework runs (``pipeplan plan --for``, :data:`pipeplan.export.TARGET_FAMILIES`)."""
