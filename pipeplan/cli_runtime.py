@@ -121,7 +121,7 @@ def run(
         device=device,
         threads=threads,
         outputs=[report, trace],
-        saves=save is not None or resume is not None,
+        resume=resume,
     )
     if device == "cpu":
         from pipeplan.planner.host import threads_mismatch

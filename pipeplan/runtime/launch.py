@@ -2,7 +2,8 @@
 
 Before anything starts, :func:`preflight` loads the plan and the model, traces the model and
 compares the graph fingerprint and unit names with the plan's, so a plan for another model, a
-missing model or an impossible device request fails in a second with one line (exit 2).
+missing model, an impossible device request or a save to resume made on another mesh fails in a
+second with one line (exit 2).
 
 :func:`launch` then runs ``python -m torch.distributed.run --standalone --nproc-per-node P -m
 pipeplan.runtime.worker ...`` with one rank per stage.  If a rank raises or dies, torchrun's agent stops
@@ -46,10 +47,10 @@ def preflight(
     device: str = "cpu",
     threads: int | None = None,
     outputs: Sequence[str | os.PathLike[str] | None] = (),
-    saves: bool = False,
+    resume: str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Everything that can be checked before launching; raises a PipeplanError naming the fix.
-    ``saves``: the run saves or resumes (not yet for a plan sharded by FSDP2)."""
+    ``resume``: the save the run continues, which must have been made on the plan's mesh."""
     import torch
 
     from pipeplan.intake.graph import group_units
@@ -60,12 +61,13 @@ def preflight(
 
     plan = load_plan(plan_path)
     check_schedule(plan)
-    if saves and plan.cluster.data_parallel > 1 and plan.cluster.data_parallel_mode == "shard":
-        raise InvalidRequestError(
-            f"--save and --resume do not yet save a plan sharded by FSDP2 over "
-            f"{plan.cluster.data_parallel} ranks; run it without them, or plan "
-            "--data-parallel replicate"
-        )
+    if resume is not None:
+        from pipeplan.runtime.saving import check_mesh, mesh_record
+        from pipeplan.runtime.snapshots import resolve
+
+        folder, manifest = resolve(Path(resume))
+        if manifest is not None:
+            check_mesh(folder, manifest, mesh_record(plan))
     for out in outputs:
         if out is not None and not Path(out).resolve().parent.is_dir():
             raise InvalidRequestError(f"cannot write {out}: its directory does not exist")

@@ -14,7 +14,26 @@ stage named; the previous save stays ``latest``.
 :func:`restore` is the other half: each rank loads its training state (after its weights were
 read from the same step folder, :class:`~pipeplan.runtime.checkpoint.CheckpointReader`) and
 continues from the step saved, so ``run --steps 4`` and ``run --steps 2 --save D`` then
-``run --resume D --steps 2`` end with the same bits (tested for GPipe, 1F1B, pp x dp and a zero-bubble V).
+``run --resume D --steps 2`` end with the same bits (tested for GPipe, 1F1B, pp x dp, 1 stage
+x 2 ranks sharded by FSDP2 and a zero-bubble V).
+
+A plan sharded by FSDP2 (``Cluster.data_parallel_mode == "shard"``, :mod:`pipeplan.runtime.mesh`)
+saves the same folder: each stage's weights shard holds full tensors (every rank of the stage
+takes part in :meth:`~torch.distributed.tensor.DTensor.full_tensor`, replica 0 writes them), so
+``transformers`` and any other plan read it as they read a replicated save; each rank's
+training state holds its own shards (``DTensor.to_local()`` of Adam's moments, and the list of
+entries that were sharded), which :func:`restore` wraps back with ``DTensor.from_local`` onto
+the parameters' own mesh and placements.  The manifest covers every rank's file, as before.  A
+save resumes only on the mesh it was made on (:func:`check_mesh`: pp, dp and the dp mode).
+
+torch's ``get_optimizer_state_dict`` and ``set_optimizer_state_dict``
+(``torch.distributed.checkpoint.state_dict``) were weighed for this: with
+``full_state_dict=False`` they return the same DTensors keyed by the paths of one module (a
+rank here holds several chunk modules, and the save records the model's names), still to be
+made local for ``torch.load(weights_only=True)`` (and an optimizer without state is first given
+one by a zero-rate step); ``full_state_dict=True`` gathers whole states, which is not what a
+rank of a sharded run should write.  DTensor's own ``to_local``, ``from_local`` and
+``full_tensor`` are what remains, and they are used directly.
 
 Why not ``torch.distributed.checkpoint`` itself: its strength is resharding a save onto another
 layout, but a pipeline stage's optimizer state only makes sense for the same plan, and the
@@ -39,6 +58,7 @@ from pipeplan.planner.errors import InvalidRequestError, ModelLoadError, Pipepla
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.checkpoint import INDEX, shard_name, write_index, write_shard
 from pipeplan.runtime.engine import PipelineRunner
+from pipeplan.runtime.mesh import local
 from pipeplan.runtime.snapshots import (
     check_file,
     commit,
@@ -52,6 +72,8 @@ from pipeplan.runtime.snapshots import (
 __all__ = [
     "CheckpointWriteError",
     "PeerFailedError",
+    "check_mesh",
+    "mesh_record",
     "restore",
     "resume_point",
     "run_info",
@@ -75,11 +97,38 @@ class PeerFailedError(RuntimeError):
     peer = True
 
 
+def mesh_record(plan: Plan) -> dict[str, Any]:
+    """The mesh a save is made on, as the manifest records it: pipeline ranks, data-parallel
+    ranks and how they hold the weights (``replicate`` for one replica, whatever the plan says)."""
+    d = plan.cluster.data_parallel
+    return {
+        "pp": plan.pipeline_ranks,
+        "dp": d,
+        "dp_mode": plan.cluster.data_parallel_mode if d > 1 else "replicate",
+    }
+
+
+def check_mesh(folder: Path, manifest: dict[str, Any], mesh: dict[str, Any]) -> None:
+    """Refuse to resume the save in ``folder`` on another mesh than its own
+    (:func:`mesh_record`): each rank's training state holds its own shards.  A save made
+    before meshes were recorded was replicated; its pipeline ranks are checked by its cuts
+    and its files' names."""
+    saved = manifest.get("mesh") or {**mesh, "dp": manifest.get("replicas"), "dp_mode": "replicate"}
+    if saved != mesh:
+        have, want = (f"pp {m['pp']} x dp {m['dp']} ({m['dp_mode']})" for m in (saved, mesh))
+        raise InvalidRequestError(
+            f"--resume {folder}: the save was made on the mesh {have} but this plan runs "
+            f"{want}; resume with the plan that was saved, or start a new run from its "
+            f"weights with --weights"
+        )
+
+
 def run_info(plan: Plan, optimizer: str, lr: float, seed: int) -> dict[str, Any]:
     """What a resumed run must share with the saved one, recorded in the manifest."""
     return {
         "stages": plan.n_stages,
         "replicas": plan.cluster.data_parallel,
+        "mesh": mesh_record(plan),
         "graph_fingerprint": plan.graph_fingerprint,
         "boundaries": [s.first_unit for s in plan.stages],
         "schedule": plan.schedule,
@@ -95,14 +144,38 @@ def _train_state(runner: PipelineRunner, step: int) -> dict[str, Any]:
     rng = {"cpu": torch.get_rng_state()}
     if runner.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(runner.device)
+    optimizer = runner.optimizer.state_dict()
+    sharded = [
+        [i, key]
+        for i, entry in optimizer["state"].items()
+        for key, value in entry.items()
+        if local(value) is not value
+    ]
+    optimizer["state"] = {
+        i: {key: local(value) for key, value in entry.items()}
+        for i, entry in optimizer["state"].items()
+    }
     return {
         "step": step,
         "stage": runner.rank,
         "replica": runner.replica,
         "params": [runner.names[id(p)] for p in runner.params],
-        "optimizer": runner.optimizer.state_dict(),
+        "optimizer": optimizer,
+        "sharded": sharded,  # the (parameter, state) entries saved as this rank's DTensor shard
         "rng": rng,
     }
+
+
+def _full_tensors(runner: PipelineRunner) -> dict[str, torch.Tensor]:
+    """This stage's tensors by checkpoint key, whole: FSDP2's shards all-gathered over the dp
+    group (collective: every replica of the stage calls it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = runner.shard_tensors()
+    if not runner.sharded:
+        return tensors
+    with torch.no_grad():
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()}
 
 
 def save(
@@ -127,9 +200,9 @@ def save(
     dist.broadcast_object_list(box, src=0)
     save_id: str = box[0]
     records, keys, size, error = [], [], 0, None
+    tensors = _full_tensors(runner)
     try:
         if runner.replica == 0:  # the replicas hold the same weights
-            tensors = runner.shard_tensors()
             meta = {"save_id": save_id, "step": str(step)}
             size = write_shard(tmp, runner.rank, runner.ranks, tensors, meta)
             keys = sorted(tensors)
@@ -171,6 +244,22 @@ def save(
     dist.barrier()
 
 
+def _shard_like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` (this rank's part of a state saved from a DTensor) as a DTensor laid out as
+    the sharded ``param`` (:func:`check_mesh` made sure the run is sharded as the save was)."""
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(param, DTensor)
+    return DTensor.from_local(
+        shard.to(param.device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 def _why(exc: OSError) -> str:
     """What the system said, without the errno: "No space left on device" (the folder is in
     the message already)."""
@@ -180,13 +269,14 @@ def _why(exc: OSError) -> str:
 def resume_point(path: str | Path, info: dict[str, Any]) -> tuple[Path, int]:
     """The step folder to resume from for ``path`` (a save root or a step folder) and its
     step; raises :class:`InvalidRequestError` when the run differs from the saved one in what
-    a resume needs equal (the plan's stages and replicas, the optimizer and its rate)."""
+    a resume needs equal (the mesh, the plan's cuts, the optimizer and its rate)."""
     folder, manifest = resolve(path)
     if manifest is None:
         raise ModelLoadError(
             f"--resume {path} is not a pipeplan save (no manifest.json); start from its weights "
             f"with --weights instead"
         )
+    check_mesh(folder, manifest, info["mesh"])
     for key in ("graph_fingerprint", "boundaries", "replicas", "optimizer", "lr", "seed"):
         if manifest.get(key) != info[key]:
             raise InvalidRequestError(
@@ -210,7 +300,10 @@ def restore(runner: PipelineRunner, folder: Path) -> int:
             f"{path} holds the optimizer state of parameters {state['params'][:3]}... but "
             f"stage {runner.rank} has {names[:3]}...; resume with the plan that was saved"
         )
-    runner.optimizer.load_state_dict(state["optimizer"])
+    optimizer = state["optimizer"]
+    for i, key in state.get("sharded", []):  # this rank's shards, onto the parameter's mesh
+        optimizer["state"][i][key] = _shard_like(runner.params[i], optimizer["state"][i][key])
+    runner.optimizer.load_state_dict(optimizer)
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"] and runner.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], runner.device)

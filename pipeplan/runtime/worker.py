@@ -14,8 +14,8 @@ and each module's name, so the values do not depend on the split; or it reads th
 rank, seeded with ``--seed`` (for models whose graph needs real values to be cut).
 ``--save DIR`` saves the run at its end, and every ``--save-every K`` steps, into step folders
 made visible whole (:mod:`pipeplan.runtime.saving`): weights one shard per rank (its
-stages' tensors by the model's names, each once), each rank's
-optimizer and RNG states, the step; ``--keep K`` keeps the K saves made last.  ``--resume DIR`` continues a saved run from its latest
+stages' tensors by the model's names, each once; whole under FSDP2), each rank's
+optimizer and RNG states (its own shards under FSDP2), the step; ``--keep K`` keeps the K saves made last.  ``--resume DIR`` continues a saved run from its latest
 complete save.  Rank 0 gathers the measurements, writes the run report (``--report``) and the
 Chrome trace (``--trace``), and prints measured vs predicted.
 

@@ -26,8 +26,9 @@ PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 
 
 def write_plans(directory: Path) -> dict[str, Path]:
-    """GPipe and 1F1B on 2 stages, GPipe on 2 stages x 2 replicas, and ZB-V on 2 ranks x 2
-    chunks (one layer each, rank 0 holding the first and the last); Adam."""
+    """GPipe and 1F1B on 2 stages, GPipe on 2 stages x 2 replicas, GPipe on 1 stage x 2 ranks
+    sharded by FSDP2, and ZB-V on 2 ranks x 2 chunks (one layer each, rank 0 holding the first
+    and the last); Adam."""
     spec = load_model(*MODEL)
     traced = trace_model(spec.module, spec.batch(2)[0])
     plans = {}
@@ -37,6 +38,11 @@ def write_plans(directory: Path) -> dict[str, Path]:
         plan = make_plan(*MODEL, traced, starts=[0, 2], batch_size=8, microbatches=2,
                          dtype="float32", optimizer="adam", schedule=schedule, replicas=replicas)  # fmt: skip
         write_json(plans[name], plan)
+    plans["shard"] = directory / "shard.json"
+    plan = make_plan(*MODEL, traced, starts=[0], batch_size=8, microbatches=2, dtype="float32",
+                     optimizer="adam", replicas=2)  # fmt: skip
+    cluster = plan.cluster.model_copy(update={"data_parallel_mode": "shard"})
+    write_json(plans["shard"], plan.model_copy(update={"cluster": cluster}))
     plans["zbv"] = directory / "zbv.json"
     write_json(plans["zbv"], chunked(make_plan(*MODEL, traced, starts=[0, 1, 2, 3], batch_size=8,
                microbatches=2, dtype="float32", optimizer="adam"), "zbv", 2))  # fmt: skip

@@ -18,8 +18,12 @@ from _runtime_jobs import make_plan
 from pipeplan.cli import main
 from pipeplan.intake.model import load_model
 from pipeplan.intake.trace import trace_model
+from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.io import load_plan, load_report, write_json
-from pipeplan.runtime import worker
+from pipeplan.planner.types import Plan
+from pipeplan.runtime import saving, worker
+from pipeplan.runtime.checkpoint import INDEX, shard_name, write_index, write_shard
+from pipeplan.runtime.snapshots import commit, file_record, partial_dir
 
 GPT = (
     "pipeplan.models.gpt:gpt",
@@ -216,11 +220,17 @@ def test_worker_rejects_a_world_size_other_than_the_stage_count(
     assert "has 2 stages x 1 replicas but the world size is 3" in capsys.readouterr().err
 
 
-def test_a_sharded_plan_refuses_save_and_resume_before_launch(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Saving FSDP2's shards is not built yet: --save of a sharded plan is one line, exit 2,
-    before any rank starts (--resume takes the same check, after its folder's)."""
+def _save_of(root: Path, info: dict[str, object]) -> None:
+    """A complete save of one tensor into ``root`` whose manifest records ``info``."""
+    save_id, tmp = "0123456789abcdef", partial_dir(root, 2)
+    size = write_shard(tmp, 0, 1, {"x": torch.zeros(2)}, {"save_id": save_id, "step": "2"})
+    write_index(tmp, [["x"]], size)
+    files = [file_record(tmp / name) for name in (shard_name(0, 1), INDEX)]
+    commit(root, 2, save_id, files, info)
+
+
+def _dp2_plans(tmp_path: Path) -> tuple[Plan, Plan]:
+    """1 stage x 2 replicas, replicated and sharded by FSDP2 (the latter written to plan.json)."""
     spec = load_model(*GPT)
     traced = trace_model(spec.module, spec.batch(2)[0])
     plan = make_plan(*GPT, traced, starts=[0], batch_size=8, microbatches=2, replicas=2)
@@ -228,10 +238,33 @@ def test_a_sharded_plan_refuses_save_and_resume_before_launch(
         update={"cluster": plan.cluster.model_copy(update={"data_parallel_mode": "shard"})}
     )
     write_json(tmp_path / "plan.json", sharded)
+    return plan, sharded
+
+
+def test_resuming_a_save_on_another_mesh_is_one_line_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank's training state holds its own shards, so a save resumes only on its mesh:
+    a save of 1 stage x 2 replicas resumed by the same plan sharded by FSDP2 is one line,
+    exit 2, before any rank starts (issue 42)."""
+    plan, _ = _dp2_plans(tmp_path)
+    _save_of(tmp_path / "save", saving.run_info(plan, "sgd", 1e-3, 0))
     with pytest.raises(SystemExit) as exc:
-        main(["run", str(tmp_path / "plan.json"), "--save", str(tmp_path / "w")])
+        main(["run", str(tmp_path / "plan.json"), "--resume", str(tmp_path / "save")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
-    assert "do not yet save a plan sharded by FSDP2 over 2 ranks" in err
-    assert not (tmp_path / "w").exists()  # nothing written
+    assert "made on the mesh pp 1 x dp 2 (replicate) but this plan runs pp 1 x dp 2 (shard)" in err
+
+
+def test_the_ranks_check_the_mesh_of_a_save_and_take_an_older_one_as_replicated(
+    tmp_path: Path,
+) -> None:
+    """The worker checks the mesh as well (a launch of your own torchrun has no preflight); a
+    save made before manifests recorded it was replicated, and resumes as it did."""
+    plan, sharded = _dp2_plans(tmp_path)
+    info = saving.run_info(plan, "sgd", 1e-3, 0)
+    _save_of(tmp_path / "old", {k: v for k, v in info.items() if k != "mesh"})
+    assert saving.resume_point(tmp_path / "old", info)[1] == 2
+    with pytest.raises(InvalidRequestError, match=r"pp 1 x dp 2 \(replicate\) but this plan"):
+        saving.resume_point(tmp_path / "old", saving.run_info(sharded, "sgd", 1e-3, 0))

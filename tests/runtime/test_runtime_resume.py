@@ -4,7 +4,7 @@ On 2 ranks (4 for pp x dp), a model whose dropout draws from every rank's RNG ea
 Adam: a run saving after step 2 and step 4 (the GPipe one saves after every step);
 ``--resume`` from the save of step 2 for 2 more steps must write a save of step 4
 bit-identical to the first run's: weights, Adam's moments, step and RNG states (GPipe, 1F1B,
-2 stages x 2 replicas).  Then rank 1 is SIGKILLed during a run saving every step, once inside
+2 stages x 2 replicas, and 1 stage x 2 ranks sharded by FSDP2, whose losses are compared too).  Then rank 1 is SIGKILLed during a run saving every step, once inside
 a save (after its files are written, before the commit) and once at a random step and moment
 (a new one each time the suite runs, named in the failure): ``latest`` must name a complete
 save equal to the uninterrupted run's at that step, and resuming from it must end equal to
@@ -25,8 +25,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _resume_jobs import ENV, beat, equal, run, state, survivors, wait_for, worker, write_plans
+import torch
+from _resume_jobs import (
+    ENV,
+    MODEL,
+    beat,
+    equal,
+    run,
+    state,
+    survivors,
+    wait_for,
+    worker,
+    write_plans,
+)
 
+from pipeplan.intake.model import load_model
 from pipeplan.runtime.snapshots import step_name
 
 pytestmark = pytest.mark.multirank
@@ -61,11 +74,12 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(
     assert sum(k.startswith("train-") for k in whole) == world  # every rank's state
 
 
-def _resumed_equals_whole(plan: Path, world: int, a: Path, b: Path) -> dict[str, Any]:
-    """Resume the run saved in ``a`` from its step 2 for 2 steps into ``b``; check that it
-    ends bit-identical to ``a``'s step 4 (and that the comparison can fail); ``a``'s step 4."""
+def _resumed_equals_whole(plan: Path, world: int, a: Path, b: Path, *args: str) -> dict[str, Any]:
+    """Resume the run saved in ``a`` from its step 2 for 2 steps into ``b`` (``args`` to the
+    worker); check that it ends bit-identical to ``a``'s step 4 (and that the comparison can
+    fail); ``a``'s step 4."""
     resume = worker(plan, world, "--steps", "2", "--resume", str(a / step_name(2)),
-                    "--save", str(b))  # fmt: skip
+                    "--save", str(b), *args)  # fmt: skip
     proc = run(resume)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (b / "latest").read_text().strip() == step_name(4)
@@ -93,6 +107,29 @@ def test_a_zbv_run_reads_a_gpipe_save_saves_each_weight_once_and_resumes_bit_ide
     gpipe = state(reference / step_name(2))
     weights = {k: v.shape for k, v in whole.items() if not k.startswith("train-")}
     assert weights == {k: v.shape for k, v in gpipe.items() if not k.startswith("train-")}
+
+
+def test_a_sharded_run_saves_whole_weights_and_rank_shards_and_resumes_bit_identical(
+    plans: dict[str, Path], tmp_path: Path
+) -> None:
+    """1 stage x 2 ranks sharded by FSDP2 (issue 42): the weights shard holds the unsplit
+    model's full tensors (its ``state_dict``'s names and shapes), each rank's training state its
+    own rows of Adam's moments, the manifest both ranks' files; resuming from step 2 ends
+    with the uninterrupted run's losses and step-4 save, bit for bit."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    cmd = worker(plans["shard"], 2, "--steps", "4", "--save-every", "2", "--save", str(a),
+                 "--report", str(tmp_path / "a.json"))  # fmt: skip
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    whole = _resumed_equals_whole(plans["shard"], 2, a, b, "--report", str(tmp_path / "b.json"))
+    losses = [json.loads((tmp_path / f"{r}.json").read_text())["losses"] for r in "ab"]
+    assert len(losses[0]) == 4 and losses[0][2:] == losses[1]
+    weights = {k: v.shape for k, v in whole.items() if not k.startswith("train-")}
+    assert weights == {k: v.shape for k, v in load_model(*MODEL).module.state_dict().items()}
+    moments = [whole[f"train-0000{r}-of-00002.pt"][2][0]["exp_avg"] for r in range(2)]
+    assert moments[0].shape == (8, 16)  # layers.0.weight's rows of rank 0 and rank 1
+    assert torch.cat(moments).shape == whole["layers.0.weight"].shape
+    assert not torch.equal(*moments)
 
 
 @pytest.mark.parametrize("trial", ["inside-a-save", "random"])
