@@ -31,9 +31,7 @@ def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path: Path) -> None:
     # the engine's cost is a fit clamped at zero: on an idle CPU it can be lost in the noise
     # (CI measured 0 us), so only its sign and finiteness are the check's
     assert positive(c["memory_bytes"])
-    assert all(
-        math.isfinite(c[k]) and c[k] >= 0 for k in ("op_overhead_us", "step_overhead_us")
-    )
+    assert all(math.isfinite(c[k]) and c[k] >= 0 for k in ("op_overhead_us", "step_overhead_us"))
     assert (tmp_path / "home" / "cluster-cpu.json").exists()  # kept there, not in ~/.cache
     (r,) = st["run"]
     assert r["m"] == 4 and r["calibrated"]
