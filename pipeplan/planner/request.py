@@ -3,9 +3,13 @@ solver reads before it searches.
 
 The DP, CP-SAT, its time scale and the baselines (:mod:`pipeplan.solvers`) each began with the
 same lines: check the request, list the micro-batch counts m to try, fit the optimizer's update
-cost U(w), read the devices' memories and where a stage may start.  :func:`resolve_request` does
-that once and the solver starts from the :class:`ResolvedRequest` it returns (the DP builds one
-table per m from it, CP-SAT its time scale and its models).
+cost U(w), the training state per parameter byte, read the devices' memories and where a stage
+may start.  :func:`resolve_request` does that once and the solver starts from the
+:class:`ResolvedRequest` it returns (the DP builds one table per m from it, CP-SAT its time scale
+and its models).  The multi-chunk solver, whose families :func:`check_request
+<pipeplan.planner.evaluate.check_request>` does not plan, makes one ``ResolvedRequest(profile,
+cluster, options)`` per solve and each candidate's chunk costs
+(:class:`pipeplan.planner.chunks.ChunkPlan`) read it.
 
 Each table is built the first time it is read, then kept: a solver that never reads one (a
 baseline given m never lists the choices) neither pays for it nor meets its error.
@@ -24,6 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
+from pipeplan.planner.collectives import StateFactors, state_factors
 from pipeplan.planner.evaluate import allowed_starts, check_request
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
@@ -51,6 +56,12 @@ class ResolvedRequest:
         """U(w) of one step of the request's optimizer on this cluster
         (:func:`pipeplan.planner.updates.update_cost`)."""
         return update_cost(self.profile, self.options.optimizer, self.cluster)
+
+    @cached_property
+    def state(self) -> StateFactors:
+        """The training state a rank holds per parameter byte of its stage
+        (:func:`pipeplan.planner.collectives.state_factors`)."""
+        return state_factors(self.options.optimizer, self.cluster)
 
     @cached_property
     def allowed(self) -> np.ndarray:

@@ -60,7 +60,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import (
     contention,
     in_flight,
@@ -164,7 +163,7 @@ class Instance:
         self.p = cluster.n_stages
         self.m = costs.m
         self.caps = caps
-        self.state = state_factors(options.optimizer, cluster)  # training state per byte
+        self.state = request.state  # training state per byte
         # allowed[b]: a stage may start at unit b (PlanOptions.allowed_cuts); a stage's cells
         # are valid only where the next one may start after them.
         self.allowed = request.allowed

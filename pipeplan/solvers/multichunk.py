@@ -63,6 +63,7 @@ from pipeplan.planner.errors import (
 from pipeplan.planner.evaluate import profile_fields, stage_record
 from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
+from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.schedule_bounds import family_bound
@@ -383,7 +384,8 @@ def solve_schedule(
     cuts = Cuts.of(options, n)
     inner = len(cuts.positions) - 2
     size = sum(comb(inner, p * v - 1) for _, v, _ in requested)
-    plans = {c: ChunkPlan(profile, cluster, options, c[0], c[1], c[2]) for c in requested}
+    request = ResolvedRequest(profile, cluster, options)
+    plans = {c: ChunkPlan(request, *c) for c in requested}
     bound_of = {c: _candidate_floor(cp) for c, cp in plans.items()}
     dp = _dp_seeds(profile, cluster, options, requested)
     stage_seeds = [s for s, _ in dp.values()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import allowed_starts
 from pipeplan.planner.request import ResolvedRequest, resolve_request
@@ -21,6 +22,7 @@ def test_the_tables_are_the_ones_each_solver_built_and_are_built_once() -> None:
     req = resolve_request(prof, cluster, options)
     assert req.microbatches == microbatch_choices(prof, options, 3)
     assert req.update == update_cost(prof, options.optimizer, cluster)
+    assert req.state == state_factors(options.optimizer, cluster)
     assert np.array_equal(req.allowed, allowed_starts(options, prof.n_units))
     assert req.caps.tolist() == [float(2**30)] * 3
     assert req.allowed is req.allowed and req.caps is req.caps and req.update is req.update
