@@ -131,7 +131,7 @@ def partition_cpsat(
         incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
         window = bd.window(bd.t_max(incumbent)) if math.isfinite(incumbent) else None
         t_floor = math.floor(bd.t_lb * scale - STAGE_ERR_TICKS)
-        model = CpsatModel(c, cluster, options, scale, caps, window, bd.hint, t_floor, req.update)
+        model = CpsatModel(c, req, cluster, scale, caps, window, bd.hint, t_floor)
         status, solver = model.solve(left, None if best is None else best[1] - 1)
         status_of[m] = solver.status_name(status).lower()
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
