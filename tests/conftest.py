@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +12,10 @@ import pytest
 from pipeplan.cli import main
 
 CliRunner = Callable[[list[str]], tuple[int, str, str]]
+
+# The runtime's job helpers (tests/runtime/_*.py) import one another by name; so does
+# tests/test_cli_runtime.py, which runs ``pipeplan run`` end to end.
+sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """pipeplan's public face: profile -> plan -> save -> load as the CLI does, the errors it names,
 one top-level name in the wheel, and the house's floors (no import runs upward, no import
-circle), its unique module names and its module lengths (docs/layout.md)."""
+circle), its unique module names, its module lengths and its tests' names (docs/layout.md)."""
 
 from __future__ import annotations
 
@@ -372,6 +372,60 @@ def test_the_multirank_check_catches_an_unmarked_launch(tmp_path: pathlib.Path) 
     assert _unmarked_launches(tests) == [
         "tests/test_jobs.py::test_by_fixture",
         "tests/test_jobs.py::test_by_helper",
+    ]
+
+
+def _listed_unnamed_tests() -> set[str]:
+    """The test files docs/layout.md allows to name no module, each on a line
+    ``- `tests/....py`: why``."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    return set(re.findall(r"^- `(tests/[\w/]+\.py)`: \S", text, re.MULTILINE))
+
+
+def _unnamed_tests(root: pathlib.Path) -> list[str]:
+    """Each test file below ``root``/tests that names no module (STYLE rule 6, tests mirror the
+    packages): ``tests/test_X.py`` names ``pipeplan/X.py`` (or a folder of ``root``, as
+    ``notebooks/``), ``tests/P/test_X.py`` a module ``X`` of ``pipeplan/P/`` or the package ``P``
+    itself, ``tests/benchmarks/test_X.py`` the benchmark ``benchmarks/X/``; ``tests/zoo/``
+    (models this project did not write, through every package) names none."""
+    bad = []
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        rel = path.relative_to(root / "tests")
+        name = path.stem.removeprefix("test_")
+        if len(rel.parts) == 1:
+            named = (root / "pipeplan" / f"{name}.py").is_file() or (root / name).is_dir()
+        elif rel.parts[0] == "zoo":
+            named = True
+        elif rel.parts[0] == "benchmarks":
+            named = (root / "benchmarks" / name).is_dir()
+        else:
+            pkg = root / "pipeplan" / Path(*rel.parts[:-1])
+            named = name == pkg.name or any(m.stem == name for m in pkg.rglob("*.py"))
+        if not named:
+            bad.append(str(path.relative_to(root)))
+    return bad
+
+
+def test_every_test_file_names_the_module_it_tests() -> None:
+    """A failing test's file points at one module (docs/layout.md lists the exceptions)."""
+    unnamed, listed = set(_unnamed_tests(ROOT)), _listed_unnamed_tests()
+    assert unnamed <= listed, f"name these for the module they test: {unnamed - listed}"
+    assert listed <= unnamed, f"listed in docs/layout.md but named for a module: {listed - unnamed}"
+
+
+def test_the_test_name_check_catches_a_file_named_for_no_module(tmp_path: pathlib.Path) -> None:
+    for module in ("pipeplan/cli.py", "pipeplan/runtime/stages.py", "benchmarks/gpu/main.py"):
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / module).write_text("")
+    for test in ("test_cli", "runtime/test_stages", "runtime/test_runtime", "test_runtime_cli",
+                 "runtime/test_runtime_carry", "benchmarks/test_gpu", "benchmarks/test_gpu_check",
+                 "zoo/test_anything"):  # fmt: skip
+        (tmp_path / "tests" / f"{test}.py").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / f"{test}.py").write_text("")
+    assert _unnamed_tests(tmp_path) == [
+        "tests/benchmarks/test_gpu_check.py",
+        "tests/runtime/test_runtime_carry.py",
+        "tests/test_runtime_cli.py",
     ]
 
 

@@ -37,6 +37,7 @@ from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.io import load_profile
+from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Timing
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.baselines import uniform_partition
@@ -116,8 +117,8 @@ def torchtitan_split(profile: Profile, cluster: Cluster, plan: Plan) -> float | 
     starts = torchtitan_starts(profile, k)
     if starts is None:
         return None
-    cp = ChunkPlan(profile, cluster, PlanOptions(schedule=plan.schedule), plan.schedule,
-                   plan.stages_per_rank, plan.microbatches)  # fmt: skip
+    request = ResolvedRequest(profile, cluster, PlanOptions(schedule=plan.schedule))
+    cp = ChunkPlan(request, plan.schedule, plan.stages_per_rank, plan.microbatches)
     rep = cp.replay(starts, recompute_to_fit(cp, starts))
     return rep.makespan_s if cp.fits(rep) else None
 

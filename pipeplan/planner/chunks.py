@@ -42,14 +42,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.families import FAMILIES, rank_of_stage
 from pipeplan.planner.replay import ChunkCosts, Replay, replay
+from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import tables, unit_costs
-from pipeplan.planner.updates import update_cost
 
 __all__ = [
     "ChunkPlan",
@@ -84,15 +83,14 @@ def refuse_split(profile: Profile, family: str) -> None:
 class ChunkPlan:
     """The chunk costs of one (family, v, m) for any cuts and recomputation: the tables once."""
 
-    def __init__(
-        self, profile: Profile, cluster: Cluster, options: PlanOptions, family: str, v: int, m: int
-    ) -> None:
-        self.profile, self.cluster, self.options = profile, cluster, options
+    def __init__(self, request: ResolvedRequest, family: str, v: int, m: int) -> None:
+        profile, cluster = request.profile, request.cluster
+        self.profile, self.cluster, self.options = profile, cluster, request.options
         self.family, self.v, self.m, self.p = family, v, m, cluster.n_stages
         self.costs = unit_costs(profile, m)
         self.owner = rank_of_stage(family, self.p, v)
-        self.update = update_cost(profile, options.optimizer, cluster)
-        self.state = state_factors(options.optimizer, cluster)  # training state per byte
+        self.update = request.update
+        self.state = request.state  # training state per byte
         self.split = FAMILIES[family].split_backward
         self._memo: dict[tuple[int, int, int, bool, int, float], tuple[float | int, ...]] = {}
         b = profile.batch_size // m
@@ -237,4 +235,5 @@ def score(
     recompute: Sequence[bool],
 ) -> Replay:
     """The replay of one partition: step time and per-rank peaks."""
-    return ChunkPlan(profile, cluster, options, family, v, m).replay(starts, recompute, True)
+    request = ResolvedRequest(profile, cluster, options)
+    return ChunkPlan(request, family, v, m).replay(starts, recompute, True)

@@ -39,11 +39,26 @@ from pipeplan.planner.costmodel import (
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.families import check
 from pipeplan.planner.replay import replay_plan
-from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile, Stage
+from pipeplan.planner.types import (
+    Cluster,
+    Device,
+    MemoryBreakdown,
+    Plan,
+    PlanOptions,
+    Profile,
+    Stage,
+)
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.planner.updates import update_cost, update_tail
 
-__all__ = ["allowed_starts", "build_stages", "check_request", "evaluate", "profile_fields"]
+__all__ = [
+    "allowed_starts",
+    "build_stages",
+    "check_request",
+    "evaluate",
+    "profile_fields",
+    "stage_record",
+]
 
 
 def allowed_starts(options: PlanOptions, n: int) -> np.ndarray:
@@ -131,25 +146,46 @@ def build_stages(
         F, B, C = stage_time(costs, cluster, options, l, r, j, rc)
         mem = stage_memory(costs, cluster, options, l, r, j, rc)
         dev = cluster.devices[j]
-        stages.append(
-            Stage(
-                index=j,
-                device=dev.name,
-                first_unit=l,
-                last_unit=r,
-                unit_names=tuple(u.name for u in profile.units[l : r + 1]),
-                recompute=rc,
-                forward_s=F,
-                backward_s=B,
-                comm_s=C,
-                time_s=F + B + C,
-                update_s=update.seconds(stage_params(costs, l, r)) / dev.speed,
-                memory=mem,
-                memory_limit=dev.memory_bytes,
-                feasible=mem.total <= dev.memory_bytes,
-            )
-        )
+        update_s = update.seconds(stage_params(costs, l, r)) / dev.speed
+        stages.append(stage_record(profile, j, dev, l, r, rc, (F, B, C), update_s, mem, mem.total))
     return stages
+
+
+def stage_record(
+    profile: Profile,
+    index: int,
+    device: Device,
+    first: int,
+    last: int,
+    recompute: bool,
+    times: tuple[float, float, float],
+    update_s: float,
+    memory: MemoryBreakdown,
+    peak_bytes: float,
+    split: tuple[float, float] | None = None,
+) -> Stage:
+    """The Stage record of units ``first..last`` on ``device``: ``times`` its (F, B, C),
+    ``split`` its backward's (I, W) where the schedule splits it, feasible where
+    ``peak_bytes`` (its own memory's total, or its rank's peak) fits the device."""
+    F, B, C = times
+    return Stage(
+        index=index,
+        device=device.name,
+        first_unit=first,
+        last_unit=last,
+        unit_names=tuple(u.name for u in profile.units[first : last + 1]),
+        recompute=recompute,
+        forward_s=F,
+        backward_s=B,
+        comm_s=C,
+        backward_input_s=None if split is None else split[0],
+        backward_weight_s=None if split is None else split[1],
+        time_s=F + B + C,
+        update_s=update_s,
+        memory=memory,
+        memory_limit=device.memory_bytes,
+        feasible=peak_bytes <= device.memory_bytes,
+    )
 
 
 def profile_fields(profile: Profile, m: int) -> dict[str, Any]:

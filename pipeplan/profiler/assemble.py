@@ -1,12 +1,13 @@
-"""From measurements to a :class:`~pipeplan.planner.types.Profile`'s parts, shared by both
-profiling methods (whole, :mod:`pipeplan.profiler.whole`; unit by unit,
-:mod:`pipeplan.profiler.units`): the units and how they were grouped, the cut table, tied
-parameters, merged timing rounds, the loss as a module, and the source's checksum."""
+"""From measurements to a :class:`~pipeplan.planner.types.Profile`, shared by both profiling
+methods (whole, :mod:`pipeplan.profiler.whole`; unit by unit, :mod:`pipeplan.profiler.units`):
+the units and how they were grouped, the cut table, tied parameters, merged timing rounds, the
+loss as a module, the source's checksum, and the Profile itself (:func:`assemble_profile`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -15,31 +16,64 @@ from pipeplan.intake.graph import UnitSpec, cut_tensors, group_units
 from pipeplan.intake.refine import node_costs, refine_units
 from pipeplan.intake.trace import TracedModel
 from pipeplan.intake.usercode import user_code
-from pipeplan.planner.types import Cut, CutTensor, Grouping, SharedParam, Timing
+from pipeplan.planner.types import (
+    Cut,
+    CutTensor,
+    Grouping,
+    OptimizerName,
+    Profile,
+    SharedParam,
+    Timing,
+    Unit,
+)
+from pipeplan.profiler.device import device_info
 from pipeplan.profiler.measure import value_bytes
+from pipeplan.profiler.unit_modules import UnitModule, split_units
 
 __all__ = [
     "LossModule",
+    "Recipe",
+    "UnitSplit",
+    "assemble_profile",
     "batch_dependent_layers",
     "cut_table",
-    "group",
     "merge_rounds",
     "per_sample",
     "shared_params",
     "source_sha256",
+    "split_model",
 ]
 
 
-def group(
+@dataclass(frozen=True, slots=True)
+class UnitSplit:
+    """A traced model cut into units, once, for measuring and for the Profile."""
+
+    traced: TracedModel
+    specs: list[UnitSpec]
+    pieces: list[UnitModule]
+    """One callable per unit (:func:`pipeplan.profiler.unit_modules.split_units`)."""
+    grouping: Grouping | None
+    """How ``auto`` grouped the units (``None`` for other granularities)."""
+    placeholders: list[str]
+    """The graph's inputs, by node name."""
+
+
+def split_model(
     traced: TracedModel, example: Sequence[Any], granularity: str, max_stages: int
-) -> tuple[list[UnitSpec], Grouping | None]:
+) -> UnitSplit:
     """The units of ``granularity`` (``auto``: refined for ``max_stages`` on the cost estimate
-    of ``example``, :mod:`pipeplan.intake.refine`) and, for ``auto``, how they were grouped."""
+    of ``example``, :mod:`pipeplan.intake.refine`), their callables and, for ``auto``, how they
+    were grouped."""
+    grouping: Grouping | None = None
     if granularity != "auto":
-        return group_units(traced, granularity), None
-    base = len(group_units(traced, granularity))
-    units, opened = refine_units(traced, node_costs(traced, example), max_stages, granularity)
-    return units, Grouping(max_stages=max_stages, base_units=base, expanded=opened)
+        specs = group_units(traced, granularity)
+    else:
+        base = len(group_units(traced, granularity))
+        specs, opened = refine_units(traced, node_costs(traced, example), max_stages, granularity)
+        grouping = Grouping(max_stages=max_stages, base_units=base, expanded=opened)
+    placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    return UnitSplit(traced, specs, split_units(traced, specs), grouping, placeholders)
 
 
 def per_sample(values: Mapping[str, Any], names: Sequence[str], b: int) -> int:
@@ -138,4 +172,85 @@ def shared_params(gm: torch.nn.Module, used: Sequence[Sequence[str]]) -> tuple[S
         )
         for name, ks in sorted(users.items())
         if len(set(ks)) > 1
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """How a profile was asked for, as it records it: checked once by
+    :func:`pipeplan.profiler.whole.profile_model` and passed to either method."""
+
+    model: str
+    model_kwargs: dict[str, str | int | float | bool]
+    """The keyword arguments as the profile records them (JSON scalars)."""
+    dtype: str
+    batch_size: int
+    sizes: tuple[int, ...]
+    """The micro-batch sizes measured."""
+    granularity: str
+    warmup: int
+    repeats: int
+    rounds: int
+
+
+def assemble_profile(
+    recipe: Recipe,
+    split: UnitSplit,
+    *,
+    module: torch.nn.Module,
+    dev: torch.device,
+    values: Mapping[str, Any],
+    timings: Sequence[dict[int, Timing]],
+    loss: dict[int, Timing],
+    update_curve: dict[OptimizerName, tuple[tuple[int, float], ...]],
+    call_s: tuple[float, float],
+    method: Literal["whole", "units"],
+    measured_as: Sequence[int] | None = None,
+) -> Profile:
+    """The Profile of ``recipe`` from what either method measured: ``timings[k]`` unit k's by
+    micro-batch size (``measured_as[k]`` the unit measured for it, when not itself), ``values``
+    the graph's values at the largest size (the inputs and the cuts' tensors by node name),
+    ``module`` the model (for its batch-dependent layers)."""
+    r, traced = recipe, split.traced
+    b_max = max(r.sizes)
+    return Profile(
+        model=r.model,
+        model_kwargs=r.model_kwargs,
+        tracer=traced.tracer,
+        graph_fingerprint=traced.fingerprint,
+        device=device_info(dev),
+        torch_version=torch.__version__,
+        dtype=r.dtype,
+        batch_size=r.batch_size,
+        microbatch_sizes=r.sizes,
+        granularity=r.granularity,
+        warmup=r.warmup,
+        repeats=r.repeats,
+        rounds=r.rounds,
+        input_bytes_per_sample=per_sample(values, split.placeholders, b_max),
+        units=tuple(
+            Unit(
+                index=k,
+                name=p.spec.name,
+                nodes=p.spec.nodes,
+                params=p.params,
+                param_bytes=p.param_bytes,
+                largest_param_bytes=p.largest_param_bytes,
+                timings=timings[k],
+                measured_as=(
+                    None if measured_as is None or measured_as[k] == k else measured_as[k]
+                ),
+            )
+            for k, p in enumerate(split.pieces)
+        ),
+        cuts=cut_table(traced, split.specs, values, b_max),
+        shared_params=shared_params(traced.gm, [p.params for p in split.pieces]),
+        loss=loss,
+        update_s={name: pts[-1][1] for name, pts in update_curve.items() if pts},
+        update_curve=update_curve,
+        checkpoint_call_s=call_s,
+        model_sha256=source_sha256(r.model),
+        batch_dependent_layers=batch_dependent_layers(module),
+        grouping=split.grouping,
+        method=method,
     )

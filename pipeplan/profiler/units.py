@@ -70,18 +70,15 @@ from pipeplan.intake.meta import MetaInterpreter, dematerialize, materialize, tr
 from pipeplan.intake.model import ModelSpec, load_model
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import PipeplanError, UnitMeasureError
-from pipeplan.planner.types import OptimizerName, Profile, Timing, Unit
+from pipeplan.planner.types import OptimizerName, Profile, Timing
 from pipeplan.profiler.assemble import (
     LossModule,
-    batch_dependent_layers,
-    cut_table,
-    group,
+    Recipe,
+    assemble_profile,
     merge_rounds,
-    per_sample,
-    shared_params,
-    source_sha256,
+    split_model,
 )
-from pipeplan.profiler.device import Clock, device_info
+from pipeplan.profiler.device import Clock
 from pipeplan.profiler.measure import (
     measure_checkpoint_call,
     measure_updates,
@@ -91,7 +88,7 @@ from pipeplan.profiler.measure import (
 )
 from pipeplan.profiler.sweep import OutputFn, measure_sweep
 from pipeplan.profiler.unit_identity import unit_signature
-from pipeplan.profiler.unit_modules import UnitModule, split_units
+from pipeplan.profiler.unit_modules import UnitModule
 
 __all__ = [
     "activation_estimate",
@@ -317,32 +314,25 @@ def _owned(pieces: Sequence[UnitModule], traced: TracedModel) -> list[list[Tenso
 
 
 def profile_units(
-    model: str,
+    recipe: Recipe,
     *,
-    sizes: tuple[int, ...],
-    batch_size: int,
     model_kwargs: Mapping[str, Any] | None,
-    recorded_kwargs: dict[str, str | int | float | bool],
     dev: torch.device,
-    dtype: str,
     torch_dtype: torch.dtype,
-    granularity: str,
     tracer: str,
-    warmup: int,
-    repeats: int,
-    rounds: int,
     max_stages: int,
     progress: Callable[[str, int], Callable[[str], None]],
     seed: int = 0,
 ) -> Profile:
-    """Profile ``model`` as the module docstring says; ``progress(description, total)`` gives
-    a callback advanced once per unit and size measured."""
+    """Profile ``recipe.model`` as the module docstring says; ``progress(description, total)``
+    gives a callback advanced once per unit and size measured."""
+    model, sizes, rounds = recipe.model, recipe.sizes, recipe.rounds
+    warmup, repeats = recipe.warmup, recipe.repeats
     b_max = max(sizes)
     spec, module, example, traced = build_meta(model, model_kwargs, dev, torch_dtype, b_max, tracer)
-    units, grouping = group(traced, example, granularity, max_stages)
-    pieces = split_units(traced, units)
+    split = split_model(traced, example, recipe.granularity, max_stages)
+    units, pieces, placeholders = split.specs, split.pieces, split.placeholders
     nodes = list(traced.gm.graph.nodes)
-    placeholders = [n.name for n in nodes if n.op == "placeholder"]
     (output_node,) = [n for n in nodes if n.op == "output"]
     output_reads = {n.name for n in output_node.all_input_nodes}
     cuts_names = cut_tensors(traced, units)
@@ -436,44 +426,16 @@ def profile_units(
     one = torch.zeros(1, device=dev, dtype=torch_dtype, requires_grad=True)
     step_s = measure_updates([one], clock=clock, warmup=warmup, repeats=repeats * rounds)
     update_curve = summed_update_curve(unit_bytes, [updates[rep] for rep in measured_as], step_s)
-    update_s = {name: pts[-1][1] for name, pts in update_curve.items() if pts}
-    loss_timings = {b: merge_rounds(ts) for b, ts in loss_runs.items() if ts}
-    return Profile(
-        model=model,
-        model_kwargs=recorded_kwargs,
-        tracer=traced.tracer,
-        graph_fingerprint=traced.fingerprint,
-        device=device_info(dev),
-        torch_version=torch.__version__,
-        dtype=dtype,
-        batch_size=batch_size,
-        microbatch_sizes=sizes,
-        granularity=granularity,
-        warmup=warmup,
-        repeats=repeats,
-        rounds=rounds,
-        input_bytes_per_sample=per_sample(values[b_max], placeholders, b_max),
-        units=tuple(
-            Unit(
-                index=k,
-                name=p.spec.name,
-                nodes=p.spec.nodes,
-                params=p.params,
-                param_bytes=p.param_bytes,
-                largest_param_bytes=p.largest_param_bytes,
-                timings=timings[measured_as[k]],
-                measured_as=None if measured_as[k] == k else measured_as[k],
-            )
-            for k, p in enumerate(pieces)
-        ),
-        cuts=cut_table(traced, units, values[b_max], b_max),
-        shared_params=shared_params(traced.gm, [p.params for p in pieces]),
-        loss=loss_timings,
-        update_s=update_s,
+    return assemble_profile(
+        recipe,
+        split,
+        module=spec.module,
+        dev=dev,
+        values=values[b_max],
+        timings=[timings[rep] for rep in measured_as],
+        loss={b: merge_rounds(ts) for b, ts in loss_runs.items() if ts},
         update_curve=update_curve,
-        checkpoint_call_s=call_s,
-        model_sha256=source_sha256(model),
-        batch_dependent_layers=batch_dependent_layers(spec.module),
-        grouping=grouping,
+        call_s=call_s,
         method="units",
+        measured_as=measured_as,
     )

@@ -41,25 +41,22 @@ from pipeplan.intake.trace import run_eagerly, trace_model
 from pipeplan.planner.allocator import keep_heap
 from pipeplan.planner.errors import InvalidRequestError, PipeplanError
 from pipeplan.planner.host import PROFILE_RANKS, threads_per_rank
-from pipeplan.planner.types import Profile, Timing, Unit
+from pipeplan.planner.types import Profile, Timing
 from pipeplan.profiler.assemble import (
     LossModule,
+    Recipe,
+    assemble_profile,
     batch_dependent_layers,
-    cut_table,
-    group,
     merge_rounds,
-    per_sample,
-    shared_params,
-    source_sha256,
+    split_model,
 )
-from pipeplan.profiler.device import Clock, available_bytes, device_info, resolve_device
+from pipeplan.profiler.device import Clock, available_bytes, resolve_device
 from pipeplan.profiler.measure import (
     measure_checkpoint_call,
     measure_update_curve,
     storage_keys,
 )
 from pipeplan.profiler.sweep import measure_sweep
-from pipeplan.profiler.unit_modules import split_units
 from pipeplan.profiler.units import activation_estimate, param_bytes
 from pipeplan.report.progress import progress_bar
 
@@ -251,7 +248,17 @@ def _profile(
         )
     if tracer not in ("auto", "fx", "export"):
         raise InvalidRequestError(f"tracer {tracer!r} is not one of auto, fx, export")
-    kwargs = _check_kwargs(model_kwargs)
+    recipe = Recipe(
+        model=model,
+        model_kwargs=_check_kwargs(model_kwargs),
+        dtype=dtype,
+        batch_size=batch_size,
+        sizes=sizes,
+        granularity=granularity,
+        warmup=warmup,
+        repeats=repeats,
+        rounds=rounds,
+    )
     dev = resolve_device(device)
     torch_dtype = DTYPES[dtype]
     if dev.type == "cpu":
@@ -287,27 +294,18 @@ def _profile(
                 return lambda text: bar.update(task, description=text, advance=1)
 
             return profile_units(
-                model,
-                sizes=sizes,
-                batch_size=batch_size,
+                recipe,
                 model_kwargs=model_kwargs,
-                recorded_kwargs=kwargs,
                 dev=dev,
-                dtype=dtype,
                 torch_dtype=torch_dtype,
-                granularity=granularity,
                 tracer=tracer,
-                warmup=warmup,
-                repeats=repeats,
-                rounds=rounds,
                 max_stages=max_stages,
                 progress=start,
             )
 
     assert spec is not None
-    units, grouping = group(traced, example, granularity, max_stages)
-    pieces = split_units(traced, units)
-    placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    split = split_model(traced, example, granularity, max_stages)
+    pieces, placeholders = split.pieces, split.placeholders
     exclude = storage_keys([*traced.gm.parameters(), *traced.gm.buffers()])
     clock = Clock(dev)
 
@@ -359,44 +357,15 @@ def _profile(
         warmup=warmup,
         repeats=repeats * rounds,
     )
-    update_s = {name: pts[-1][1] for name, pts in update_curve.items() if pts}
-    timings = [{b: merge_rounds(ts) for b, ts in per_size.items()} for per_size in runs]
-    loss_timings = {b: merge_rounds(ts) for b, ts in loss_runs.items()}
-    b_max = max(sizes)
-    return Profile(
-        model=model,
-        model_kwargs=kwargs,
-        tracer=traced.tracer,
-        graph_fingerprint=traced.fingerprint,
-        device=device_info(dev),
-        torch_version=torch.__version__,
-        dtype=dtype,
-        batch_size=batch_size,
-        microbatch_sizes=sizes,
-        granularity=granularity,
-        warmup=warmup,
-        repeats=repeats,
-        rounds=rounds,
-        input_bytes_per_sample=per_sample(biggest, placeholders, b_max),
-        units=tuple(
-            Unit(
-                index=k,
-                name=p.spec.name,
-                nodes=p.spec.nodes,
-                params=p.params,
-                param_bytes=p.param_bytes,
-                largest_param_bytes=p.largest_param_bytes,
-                timings=timings[k],
-            )
-            for k, p in enumerate(pieces)
-        ),
-        cuts=cut_table(traced, units, biggest, b_max),
-        shared_params=shared_params(traced.gm, [p.params for p in pieces]),
-        loss=loss_timings,
-        update_s=update_s,
+    return assemble_profile(
+        recipe,
+        split,
+        module=spec.module,
+        dev=dev,
+        values=biggest,
+        timings=[{b: merge_rounds(ts) for b, ts in per_size.items()} for per_size in runs],
+        loss={b: merge_rounds(ts) for b, ts in loss_runs.items()},
         update_curve=update_curve,
-        checkpoint_call_s=call_s,
-        model_sha256=source_sha256(model),
-        batch_dependent_layers=batch_dependent_layers(spec.module),
-        grouping=grouping,
+        call_s=call_s,
+        method="whole",
     )

@@ -47,9 +47,10 @@ from itertools import pairwise
 import numpy as np
 
 from pipeplan.planner.errors import UnsupportedConstraintError
-from pipeplan.planner.evaluate import check_request, evaluate
+from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.request import ResolvedRequest, resolve_request
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
-from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
+from pipeplan.planner.unitcosts import unit_costs
 
 __all__ = [
     "baseline_microbatches",
@@ -165,21 +166,17 @@ def _nonempty(starts: list[int], n: int) -> list[int]:
     return starts
 
 
-def baseline_microbatches(profile: Profile, cluster: Cluster, options: PlanOptions) -> int:
+def baseline_microbatches(request: ResolvedRequest) -> int:
     """m for a baseline: the user's, else the DP's choice, else the largest profiled count."""
-    if options.microbatches is not None:
-        return options.microbatches
+    if request.options.microbatches is not None:
+        return request.options.microbatches
     from pipeplan.solvers.dp import partition_dp
 
     try:
-        found = partition_dp(profile, cluster, options)
+        found = partition_dp(request.profile, request.cluster, request.options)
     except UnsupportedConstraintError:
         found = None
-    return (
-        found[1]
-        if found is not None
-        else max(microbatch_choices(profile, options, cluster.n_stages))
-    )
+    return found[1] if found is not None else max(request.microbatches)
 
 
 def _baseline(
@@ -197,8 +194,7 @@ def _baseline(
             raise UnsupportedConstraintError(
                 f"the {name} baseline cannot pin units or bound units per stage; use --solver cpsat"
             )
-        check_request(profile, cluster, options)
-        m = baseline_microbatches(profile, cluster, options)
+        m = baseline_microbatches(resolve_request(profile, cluster, options))
         n, w = profile.n_units, weights(profile, m)
         firsts = [0, *(range(1, n) if options.allowed_cuts is None else options.allowed_cuts)]
         runs = [float(sum(w[a:b])) for a, b in pairwise([*firsts, n])]

@@ -46,11 +46,11 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from pipeplan.planner.errors import InfeasiblePlanError
-from pipeplan.planner.evaluate import allowed_starts, check_request, evaluate
+from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import format_bytes
+from pipeplan.planner.request import ResolvedRequest, resolve_request
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
-from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
-from pipeplan.planner.updates import update_cost
+from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.solvers.bounds import Bounds
 from pipeplan.solvers.cpsat_model import CpsatModel
 from pipeplan.solvers.cpsat_scale import STAGE_ERR_TICKS, TICKS, err_ticks, reference_time
@@ -76,9 +76,14 @@ class CpsatResult:
 
 def error_bound_s(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
     """Seconds by which a plan CP-SAT proves optimal may exceed the true optimum."""
-    ms = microbatch_choices(profile, options, cluster.n_stages)
-    R = reference_time(profile, cluster, options, ms)
-    return 2 * err_ticks(cluster.n_stages, max(ms), len(profile.shared_params)) * R / TICKS
+    req = ResolvedRequest(profile, cluster, options)
+    R = reference_time(req)
+    return (
+        2
+        * err_ticks(cluster.n_stages, max(req.microbatches), len(profile.shared_params))
+        * R
+        / TICKS
+    )
 
 
 def partition_cpsat(
@@ -89,17 +94,15 @@ def partition_cpsat(
     Raises :class:`InfeasiblePlanError` when the time limit ends the search before a feasible
     partition is found.
     """
-    check_request(profile, cluster, options)
+    req = resolve_request(profile, cluster, options)
     deadline = None if options.time_limit_s is None else time.monotonic() + options.time_limit_s
-    ms = microbatch_choices(profile, options, cluster.n_stages)
-    scale = TICKS / reference_time(profile, cluster, options, ms)
+    scale = TICKS / reference_time(req)
     p = cluster.n_stages
     if ignore_memory:
         cluster = _unlimited(cluster)
     caps = [d.memory_bytes for d in cluster.devices]
-    update = update_cost(profile, options.optimizer, cluster)
     order = []
-    for m in ms:
+    for m in req.microbatches:
         c = unit_costs(profile, m)
         order.append((Bounds(c, cluster, options), c))
     order.sort(key=lambda item: (item[0].lower_bound(), item[0].m))
@@ -120,15 +123,15 @@ def partition_cpsat(
             bounds.append(lb_ticks)
             proven = False
             # Out of time before this m: with no plan yet, keep its greedy partition if it fits.
-            hint_s = _satisfies(profile, cluster, options, bd.hint, m) if best is None else None
+            hint_s = _satisfies(req, cluster, bd.hint, m) if best is None else None
             if hint_s is not None:
                 best = (hint_s, math.ceil(hint_s * scale + err), bd.hint, m)
             continue
-        hint_s = _satisfies(profile, cluster, options, bd.hint, m)
+        hint_s = _satisfies(req, cluster, bd.hint, m)
         incumbent = min(best[0] if best is not None else math.inf, hint_s or math.inf)
         window = bd.window(bd.t_max(incumbent)) if math.isfinite(incumbent) else None
         t_floor = math.floor(bd.t_lb * scale - STAGE_ERR_TICKS)
-        model = CpsatModel(c, cluster, options, scale, caps, window, bd.hint, t_floor, update)
+        model = CpsatModel(c, req, cluster, scale, caps, window, bd.hint, t_floor)
         status, solver = model.solve(left, None if best is None else best[1] - 1)
         status_of[m] = solver.status_name(status).lower()
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -172,13 +175,15 @@ def partition_cpsat(
 
 
 def _satisfies(
-    profile: Profile, cluster: Cluster, options: PlanOptions, starts: tuple[int, ...], m: int
+    req: ResolvedRequest, cluster: Cluster, starts: tuple[int, ...], m: int
 ) -> float | None:
-    """The step time of a partition that meets every constraint, else ``None``."""
+    """The step time of a partition that meets every constraint on ``cluster`` (the
+    request's, or it without memory limits), else ``None``."""
+    profile, options = req.profile, req.options
     sizes = np.diff([*starts, profile.n_units])
     if sizes.min() < options.min_units or sizes.max() > (options.max_units or profile.n_units):
         return None
-    if not allowed_starts(options, profile.n_units)[list(starts)].all():
+    if not req.allowed[list(starts)].all():
         return None
     for unit, stage in options.pinned.items():
         if (

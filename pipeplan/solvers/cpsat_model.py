@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 from ortools.sat.python import cp_model
 
-from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import contention, in_flight, recomputes
-from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.planner.request import ResolvedRequest
+from pipeplan.planner.types import Cluster
 from pipeplan.planner.unitcosts import UnitCosts
 from pipeplan.planner.updates import UpdateCost
 from pipeplan.solvers.bounds import stage_backward, stage_compute, stage_offsets
@@ -80,15 +80,17 @@ class CpsatModel:
     def __init__(
         self,
         costs: UnitCosts,
+        request: ResolvedRequest,
         cluster: Cluster,
-        options: PlanOptions,
         scale: float,
         caps: list[int],
         window: tuple[list[int], list[int]] | None = None,
         hint: tuple[int, ...] | None = None,
         t_floor: int = 0,
-        update: UpdateCost | None = None,
     ) -> None:
+        """The model of ``request`` at ``costs.m`` on ``cluster`` (the request's, or it without
+        memory limits) with memory ``caps``."""
+        options = request.options
         n, p, m = costs.n, cluster.n_stages, costs.m
         self.n, self.p, self.m = n, p, m
         md = cp_model.CpModel()
@@ -137,7 +139,7 @@ class CpsatModel:
         cuts = np.asarray(cut_times(costs, cluster, options))
         comm = to_ticks(cuts, scale)
         W = [int(v) for v in costs.Pw]
-        update = update or UpdateCost()
+        update = request.update
         self._Pw = costs.Pw
         all_bytes = float(costs.Pw[-1]) + sum(float(nb) for nb, _ in costs.shared)
         slowest = min(dev.speed for dev in cluster.devices)
@@ -148,7 +150,7 @@ class CpsatModel:
         X = [int(v) for v in costs.x]
         # Training state per parameter byte, times D (d where FSDP shards it over d ranks,
         # else 1) so that every memory term is an integer: D M_j <= D cap_j.
-        state = state_factors(options.optimizer, cluster)
+        state = request.state
         D = cluster.data_parallel if cluster.data_parallel_mode == "shard" else 1
         k_static, k_grad = round(D * (state.params + state.optimizer)), round(D * state.grads)
         # (shared parameter index, all-reduce ticks) of every shared parameter: its holders

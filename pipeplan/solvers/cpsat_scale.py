@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 from pipeplan.planner.costmodel import stage_time
-from pipeplan.planner.types import Cluster, PlanOptions, Profile
+from pipeplan.planner.request import ResolvedRequest
+from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.planner.unitcosts import UnitCosts, unit_costs
-from pipeplan.planner.updates import update_cost
 from pipeplan.solvers.bounds import stage_offsets
 
 __all__ = ["STAGE_ERR_TICKS", "TICKS", "cut_times", "err_ticks", "reference_time", "to_ticks"]
@@ -35,12 +35,12 @@ def err_ticks(p: int, m: int, n_shared: int) -> float:
     return STAGE_ERR_TICKS * (p + m - 1) + 2 * p + 3 + n_shared
 
 
-def reference_time(
-    profile: Profile, cluster: Cluster, options: PlanOptions, ms: list[int]
-) -> float:
+def reference_time(request: ResolvedRequest) -> float:
     """R: the largest sum of stage times any partition can have, over the candidate m."""
+    profile, cluster, options = request.profile, request.cluster, request.options
+    ms = request.microbatches
     s_min = min(d.speed for d in cluster.devices)
-    update = update_cost(profile, options.optimizer, cluster)
+    update = request.update
     shared = sum(sp.bytes * len(sp.units) for sp in profile.shared_params)
     worst = update.seconds(sum(u.param_bytes for u in profile.units) + shared) / s_min
     worst += sum(cluster.allreduce_s(sp.bytes) for sp in profile.shared_params)

@@ -62,11 +62,11 @@ import time
 import numpy as np
 
 from pipeplan.planner.errors import InfeasiblePlanError, UnsupportedConstraintError
-from pipeplan.planner.evaluate import allowed_starts, check_request, evaluate
+from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import format_bytes
+from pipeplan.planner.request import ResolvedRequest, resolve_request
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
-from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
-from pipeplan.planner.updates import update_cost
+from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.solvers.dp_tables import INF, Instance, TailNode
 from pipeplan.solvers.dp_threshold import Incumbent, Start, floor, prepare, search
 
@@ -145,13 +145,8 @@ def _partition(
 ) -> tuple[tuple[int, ...], int, float, float] | None:
     """(stage starts, m, step time, a lower bound of the optimum) or ``None``."""
     _check_supported(cluster, options)
-    check_request(profile, cluster, options)
-    caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
-    update = update_cost(profile, options.optimizer, cluster)
-    insts = [
-        Instance(unit_costs(profile, m), cluster, options, caps, update)
-        for m in microbatch_choices(profile, options, cluster.n_stages)
-    ]
+    req = resolve_request(profile, cluster, options)
+    insts = [Instance(req, unit_costs(profile, m)) for m in req.microbatches]
     # The most promising m first: its step time then cuts the other m's searches short, or
     # skips them.
     starts = [prepare(inst) for inst in insts]
@@ -177,18 +172,13 @@ def _partition(
     if not inc.starts:
         return None
     by_m = {inst.m: inst for inst in insts}
-    best = _balanced(by_m[inc.m], inc.starts, inc.objective, profile, cluster, options)
+    best = _balanced(req, by_m[inc.m], inc.starts, inc.objective)
     objective = by_m[inc.m].step_time(best)  # to rounding, the optimum's
     return best, inc.m, objective, min(bound, objective)
 
 
 def _balanced(
-    inst: Instance,
-    starts: tuple[int, ...],
-    objective: float,
-    profile: Profile,
-    cluster: Cluster,
-    options: PlanOptions,
+    req: ResolvedRequest, inst: Instance, starts: tuple[int, ...], objective: float
 ) -> tuple[int, ...]:
     """Among the partitions as fast as ``starts`` (to 1e-12, the
     tolerance of a proof), the most balanced one that fits,
@@ -204,7 +194,7 @@ def _balanced(
     def key(s: tuple[int, ...]) -> list[float]:
         return sorted(inst._stages(s)[0], reverse=True)
 
-    allowed = [b for b, ok in enumerate(allowed_starts(options, inst.n)) if ok and 0 < b < inst.n]
+    allowed = [b for b, ok in enumerate(req.allowed) if ok and 0 < b < inst.n]
     best, best_key = starts, key(starts)
     moved = True
     while moved:
@@ -219,15 +209,14 @@ def _balanced(
                 if inst.step_time(cand) > objective * (1 + 1e-12):
                     continue
                 k = key(cand)
-                if k < best_key and _fits(profile, cluster, options, cand, inst.m):
+                if k < best_key and _fits(req, cand, inst.m):
                     best, best_key, moved = cand, k, True
     return best
 
 
-def _fits(
-    profile: Profile, cluster: Cluster, options: PlanOptions, starts: tuple[int, ...], m: int
-) -> bool:
-    return evaluate(profile, cluster, options, starts[1:], m, solver="dp").feasible
+def _fits(req: ResolvedRequest, starts: tuple[int, ...], m: int) -> bool:
+    plan = evaluate(req.profile, req.cluster, req.options, starts[1:], m, solver="dp")
+    return plan.feasible
 
 
 def _check_supported(cluster: Cluster, options: PlanOptions) -> None:

@@ -60,7 +60,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import (
     contention,
     in_flight,
@@ -70,10 +69,10 @@ from pipeplan.planner.costmodel import (
     step_time,
     tied_syncs,
 )
-from pipeplan.planner.evaluate import allowed_starts
-from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.planner.request import ResolvedRequest
+from pipeplan.planner.types import PlanOptions
 from pipeplan.planner.unitcosts import UnitCosts, holds_user
-from pipeplan.planner.updates import UpdateCost, update_tail
+from pipeplan.planner.updates import update_tail
 
 __all__: list[str] = []
 
@@ -157,23 +156,17 @@ class Instance:
     p - 1 stages over units 0..L-1.
     """
 
-    def __init__(
-        self,
-        costs: UnitCosts,
-        cluster: Cluster,
-        options: PlanOptions,
-        caps: np.ndarray,
-        update: UpdateCost | None = None,
-    ):
+    def __init__(self, request: ResolvedRequest, costs: UnitCosts):
+        cluster, options, caps = request.cluster, request.options, request.caps
         self.c = costs
         self.n = n = costs.n
         self.p = cluster.n_stages
         self.m = costs.m
         self.caps = caps
-        self.state = state_factors(options.optimizer, cluster)  # training state per byte
+        self.state = request.state  # training state per byte
         # allowed[b]: a stage may start at unit b (PlanOptions.allowed_cuts); a stage's cells
         # are valid only where the next one may start after them.
-        self.allowed = allowed_starts(options, n)
+        self.allowed = request.allowed
         speed = cluster.devices[0].speed
         x = costs.x
         one_way = cluster.link.one_way_s(x, costs.msgs)
@@ -212,7 +205,7 @@ class Instance:
         self.kappa = contention(cluster, self.m)
         self.ka = (self.m - 1) * self.kappa  # c_j's weight in S: k per steady-state slot
         self.wk = self.state.total
-        self.update = update or UpdateCost()  # U(w) at speed 1 (pipeplan.planner.updates)
+        self.update = request.update  # U(w) at speed 1 (pipeplan.planner.updates)
         # a partition's stages, each a function of (j, l, r) alone, looked up once: a cut's
         # move (_balanced, the tails) changes two stages and re-reads the rest
         self._recomputes: dict[tuple[int, int, int], bool] = {}

@@ -60,10 +60,11 @@ from pipeplan.planner.errors import (
     PipeplanError,
     UnsupportedConstraintError,
 )
-from pipeplan.planner.evaluate import profile_fields
+from pipeplan.planner.evaluate import profile_fields, stage_record
 from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
-from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile, Stage
+from pipeplan.planner.request import ResolvedRequest
+from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
@@ -399,7 +400,8 @@ def solve_schedule(
     cuts = Cuts.of(options, n)
     inner = len(cuts.positions) - 2
     size = sum(comb(inner, p * v - 1) for _, v, _ in requested)
-    plans = {c: ChunkPlan(profile, cluster, options, c[0], c[1], c[2]) for c in requested}
+    request = ResolvedRequest(profile, cluster, options)
+    plans = {c: ChunkPlan(request, *c) for c in requested}
     bound_of = {c: _candidate_floor(cp) for c, cp in plans.items()}
     dp = _dp_seeds(profile, cluster, options, requested, dp_plans)
     stage_seeds = [s for s, _ in dp.values()]
@@ -537,25 +539,17 @@ def _plan(
             "activations": flight[s] * costs.held_bytes[s],
             "transient": costs.transient_bytes[s],
         }
-        F, B, C = costs.forward_s[s], costs.backward_s[s], costs.comm_s[s]
+        times = (costs.forward_s[s], costs.backward_s[s], costs.comm_s[s])
+        split = (
+            (costs.backward_input_s[s], costs.backward_weight_s[s])
+            if costs.backward_input_s and costs.backward_weight_s
+            else None
+        )
+        memory = MemoryBreakdown(**parts, total=sum(parts.values()))
+        peak = rep.peak_bytes[q]
         stages.append(
-            Stage(
-                index=s,
-                device=dev.name,
-                first_unit=l,
-                last_unit=r,
-                unit_names=tuple(u.name for u in profile.units[l : r + 1]),
-                recompute=rc[s],
-                forward_s=F,
-                backward_s=B,
-                comm_s=C,
-                backward_input_s=costs.backward_input_s[s] if costs.backward_input_s else None,
-                backward_weight_s=costs.backward_weight_s[s] if costs.backward_weight_s else None,
-                time_s=F + B + C,
-                update_s=costs.update_s[s],
-                memory=MemoryBreakdown(**parts, total=sum(parts.values())),
-                memory_limit=dev.memory_bytes,
-                feasible=rep.peak_bytes[q] <= dev.memory_bytes,
+            stage_record(
+                profile, s, dev, l, r, rc[s], times, costs.update_s[s], memory, peak, split
             )
         )
     shared = [(sp.bytes, sp.units) for sp in profile.shared_params]

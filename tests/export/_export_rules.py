@@ -2,7 +2,7 @@
 profiled, and helpers that read an export back.  Where the ``targets`` extra is installed the
 targets' own code reads the exports too: megatron-core every model's Megatron export
 (``megatron_core_layers``), DeepSpeed 0.19.8 every model's DeepSpeed export on two gloo ranks
-(test_deepspeed.py); torchtitan 0.3.0's own reading is in test_targets.py.
+(test_deepspeed.py); torchtitan 0.3.0's own reading is in test_torchtitan.py.
 
 The targets' rules, re-implemented here from their source (mirrors fetched 2026-11-24):
 
@@ -48,7 +48,7 @@ GiB = 2**30
 
 def titan_config(text: str) -> dict[str, object]:
     """The ``--parallelism.*``/``--training.*`` override line (torchtitan 0.3's ConfigManager
-    reads it in test_targets.py), as field -> value."""
+    reads it in test_torchtitan.py), as field -> value."""
     line = next(ln for ln in text.splitlines() if not ln.startswith("#"))
     words: dict[str, list[str]] = {}
     key = ""
@@ -178,7 +178,7 @@ def titan_children(root: nn.Module) -> dict[str, nn.Module]:
 
 
 def ds_fields(text: str) -> dict[str, object]:
-    """NUM_STAGES, PARTS and LAYERS of the exported DeepSpeed module (test_targets.py builds it
+    """NUM_STAGES, PARTS and LAYERS of the exported DeepSpeed module (test_deepspeed.py builds it
     with DeepSpeed's own PipelineModule)."""
     out: dict[str, object] = {}
     for node in ast.parse(text).body:

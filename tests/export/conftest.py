@@ -51,3 +51,21 @@ def plan_file(tmp_path: Path) -> Path:
     path = tmp_path / "plan.json"
     write_json(path, plan_of(named_profile(GPT_NAMES), [0, 5]))
     return path
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Profile]:
+    """A refined profile of the zoo's 4-layer Llama (units inside the layers)."""
+    prof = profile_model(
+        "pipeplan.models.zoo:llama",
+        batch_size=8,
+        model_kwargs={"n_layers": 4, "d_model": 32, "seq_len": 8},
+        microbatch_sizes=[2, 4],
+        warmup=0,
+        repeats=1,
+        progress=False,
+        max_stages=8,
+    )
+    path = tmp_path_factory.mktemp("llama") / "llama.profile.json"
+    write_json(path, prof)
+    return path, prof

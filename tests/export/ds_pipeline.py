@@ -1,4 +1,4 @@
-"""DeepSpeed's own PipelineModule builds a pipeplan export (run as a script by test_targets.py).
+"""DeepSpeed's own PipelineModule builds a pipeplan export (run as a script by test_deepspeed.py).
 
 ``python ds_pipeline.py RANK WORLD PORT JOBS.json``: one gloo rank (``deepspeed.init_distributed``
 on gloo, CPU).  JOBS.json lists ``{"model", "kwargs", "export"}``; for each it loads the model

@@ -1,5 +1,6 @@
 """DeepSpeed's ``parts`` and layer list (:mod:`pipeplan.export.deepspeed`), and DeepSpeed 0.19.8's
-own PipelineModule building every model's export on two gloo ranks."""
+own PipelineModule building every model's export on two gloo ranks, and the exported CONFIG as
+DeepSpeed's ZeRO config parses it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from _export_rules import (
 from pipeplan.export import export_plan
 from pipeplan.planner.io import write_json
 from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers import SOLVERS
 
 
 @pytest.mark.multirank
@@ -114,3 +117,23 @@ def test_stdout_and_file_agree_and_tied_modules_stay_in_both_stages(tmp_path, cl
         "transformer.ln_f",
         "lm_head",
     ]
+
+
+@pytest.mark.parametrize(("mode", "stage"), [("shard", 1), ("replicate", 0)])
+def test_deepspeed_config_carries_the_batch_and_zero_stage(mode: str, stage: int) -> None:
+    """The exported module's CONFIG: the plan's micro-batch size and count, the global batch,
+    and ZeRO stage 1 for a sharded plan, as DeepSpeed's own ZeRO config parses it (its
+    PipelineEngine refuses stages 2 and 3)."""
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    prof = synthetic_profile(6, batch_size=16, microbatch_sizes=[2, 4], seed=1)
+    cluster = Cluster.homogeneous(2, GiB).model_copy(
+        update={"data_parallel": 4, "data_parallel_mode": mode}
+    )
+    plan = SOLVERS["dp"](prof, cluster, PlanOptions(microbatches=4))
+    text = export_plan(plan, "deepspeed", prof).text
+    config_line = next(ln for ln in text.splitlines() if ln.startswith("CONFIG = "))
+    config = eval(config_line.removeprefix("CONFIG = "))  # a Python literal
+    assert config["train_micro_batch_size_per_gpu"] == plan.microbatch_size
+    assert config["gradient_accumulation_steps"] == plan.microbatches == 4
+    assert config["train_batch_size"] == plan.batch_size * 4
+    assert zero_config.DeepSpeedZeroConfig(**config["zero_optimization"]).stage == stage

@@ -13,6 +13,7 @@ import pytest
 from _export_rules import (
     MODELS,
     T5_NAMES,
+    GiB,
     blocks_per_stage,
     deepspeed_owner,
     ds_fields,
@@ -36,7 +37,9 @@ from torch import nn
 from pipeplan.export import export_plan
 from pipeplan.planner.io import load_plan, write_json
 from pipeplan.planner.types import Cluster, Plan, PlanOptions
+from pipeplan.profiler import profile_model
 from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers import SOLVERS
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -288,3 +291,22 @@ def test_schedules_export_their_family_and_chunks() -> None:
     assert "ZBVZeroBubble" in export_plan(zbv, "torchtitan").text
     with pytest.raises(InvalidRequestError, match="VPP"):
         export_plan(zbv, "megatron")
+
+
+def test_a_tied_weight_is_named_under_its_owner(tmp_path: Path) -> None:
+    """GPT-2 ties lm_head.weight to transformer.wte.weight, which torch names it: the first
+    stage's embedding is transformer.wte, not lm_head."""
+    prof = profile_model(
+        "pipeplan.models.zoo:gpt2",
+        batch_size=4,
+        model_kwargs={"n_layers": 2, "d_model": 32, "seq_len": 8},
+        microbatch_sizes=[2],
+        warmup=0,
+        repeats=1,
+        progress=False,
+    )
+    plan = SOLVERS["dp"](prof, Cluster.homogeneous(2, GiB), PlanOptions())
+    for target in ("fqns", "deepspeed"):
+        result = export_plan(plan, target, prof)  # type: ignore[arg-type]
+        assert result.stage_keys[0][0] == "transformer.wte", target
+        assert "lm_head" in result.stage_keys[-1] and "lm_head" not in result.stage_keys[0]

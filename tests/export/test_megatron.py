@@ -1,13 +1,17 @@
-"""Megatron's two forms, the layout and the first/last pair (:mod:`pipeplan.export.megatron`)."""
+"""Megatron's two forms, the layout and the first/last pair (:mod:`pipeplan.export.megatron`),
+and megatron-core's own ``TransformerConfig`` parsing both (the ``targets`` extra) and building
+the plan's layers per stage."""
 
 from __future__ import annotations
 
+import shlex
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 from _export_rules import (
     GPT_NAMES,
+    GiB,
     megatron_args,
     megatron_core_layers,
     megatron_parse,
@@ -17,8 +21,11 @@ from _export_rules import (
     plan_of,
 )
 
-from pipeplan.export import megatron_layout
+from pipeplan.api import target_allowed_cuts
+from pipeplan.export import export_plan, megatron_layout
 from pipeplan.planner.io import write_json
+from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.solvers import SOLVERS
 
 
 @pytest.mark.parametrize(
@@ -101,3 +108,51 @@ def test_megatron_prices_the_closest_first_last_pair(tmp_path: Path, cli) -> Non
     best = min(priced, key=priced.__getitem__)
     assert f"({list(best)} layers per stage): predicted step {priced[best] * 1e3:.4g} ms" in err
     assert f"vs {plan.step_time_s * 1e3:.4g} ms planned" in err
+
+
+def test_megatron_core_reads_the_export(llama) -> None:
+    """The layout line and the commented first/last pair through megatron-core's own
+    TransformerConfig: each builds the plan's decoder layers per stage, and the two together
+    are refused (the comment says the pair replaces the layout)."""
+    torch = pytest.importorskip("torch")
+    config_mod = pytest.importorskip("megatron.core.transformer.transformer_config")
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    _, prof = llama
+    for p in (2, 3, 4):
+        cluster = Cluster.homogeneous(p, GiB)
+        options = PlanOptions(allowed_cuts=target_allowed_cuts(prof, "megatron"))
+        plan = SOLVERS["dp"](prof, cluster, options)
+        result = export_plan(plan, "megatron", prof)
+        layers = [ks.count("t") for ks in result.stage_keys]
+        lines = result.text.splitlines()
+        args = dict(zip(shlex.split(lines[0])[::2], shlex.split(lines[0])[1::2]))
+        common = {
+            "num_layers": int(args["--num-layers"]),
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "pipeline_model_parallel_size": int(args["--pipeline-model-parallel-size"]),
+            "pipeline_dtype": torch.float32,
+        }
+        layout = args["--pipeline-model-parallel-layout"]
+        config = config_mod.TransformerConfig(**common, pipeline_model_parallel_layout=layout)
+        built = config.pipeline_model_parallel_layout
+        assert [built.get_num_layers_to_build(pp_rank=j) for j in range(p)] == layers
+        if len(lines) > 1:
+            assert lines[1].startswith("# or, replacing the line above")
+            alt = shlex.split(lines[1].split(":", 1)[1])
+            flags = dict(zip(alt[::2], alt[1::2]))
+            pair = {
+                "num_layers_in_first_pipeline_stage": int(
+                    flags["--decoder-first-pipeline-num-layers"]
+                ),
+                "num_layers_in_last_pipeline_stage": int(
+                    flags["--decoder-last-pipeline-num-layers"]
+                ),
+            }
+            config = config_mod.TransformerConfig(**common, **pair)
+            assert [get_num_layers_to_build(config, pp_rank=j) for j in range(p)] == layers
+            with pytest.raises(ValueError, match="cannot be set with other pipeline layout"):
+                config_mod.TransformerConfig(
+                    **common, **pair, pipeline_model_parallel_layout=layout
+                )

@@ -1,11 +1,14 @@
 """How cuts a target cannot make move to the closest plan it can run, priced by the cost model
-(:mod:`pipeplan.export.snap`)."""
+(:mod:`pipeplan.export.snap`); and the cuts a target can make (``target_cuts``): a refined
+profile planned ``--for`` a target is never worse than planning freely and then snapping the
+cuts on export, and exports without moving a cut."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 from _export_rules import (
     GiB,
     ds_fields,
@@ -16,11 +19,14 @@ from _export_rules import (
     titan_config,
 )
 
-from pipeplan.export import ModelLayout, export_plan
+from pipeplan.api import target_allowed_cuts
+from pipeplan.export import ModelLayout, export_plan, target_cuts
 from pipeplan.export.snap import legal_cuts
+from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.io import write_json
+from pipeplan.planner.io import load_plan, load_profile, write_json
 from pipeplan.planner.types import Cluster, PlanOptions
+from pipeplan.solvers import SOLVERS
 
 
 def test_a_cut_inside_a_block_moves_to_the_cheaper_neighbour(real, tmp_path: Path, cli) -> None:
@@ -114,3 +120,85 @@ def test_fqns_moves_a_cut_inside_a_leaf_module(tmp_path: Path, cli) -> None:
     best = min(price, key=price.__getitem__)
     modules = [[n for n in part if "[" not in n] for part in (names[:best], names[best:])]
     assert json.loads(out) == modules  # module names: a sub-unit's "[...]" is its module's
+
+
+# ``plan --for TARGET``: planned within the target's cuts, never worse than snapping on export.
+
+
+LLAMA_NAMES = [
+    "model.embed_tokens",
+    *(f"model.layers.{i}.{part}" for i in range(4) for part in ("self_attn", "mlp")),
+    "model.norm+lm_head",
+]
+
+
+def test_torchtitan_cuts_leave_a_layer_on_every_stage() -> None:
+    """torchtitan 0.3.0's transformers backend fails on a stage without a decoder layer, so
+    its cuts start after layer 0's first unit and at layer 3's start at the latest; megatron
+    and deepspeed cut at every block edge, fqns between any modules."""
+    assert target_cuts(LLAMA_NAMES, "torchtitan") == (3, 5, 7)
+    assert target_cuts(LLAMA_NAMES, "megatron") == (1, 3, 5, 7, 9)
+    assert target_cuts(LLAMA_NAMES, "deepspeed") == (1, 3, 5, 7, 9)
+    assert target_cuts(LLAMA_NAMES, "fqns") == tuple(range(1, 10))
+    with pytest.raises(InvalidRequestError, match="torchtitan: the block list transformer.h"):
+        target_cuts(
+            ["transformer.wte", "transformer.h.0", "transformer.h.1", "lm_head"], "torchtitan"
+        )
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron", "deepspeed"])
+def test_for_target_is_never_worse_than_export_then_snap(llama, target: str) -> None:
+    _, prof = llama
+    cluster = Cluster.homogeneous(3, GiB)
+    free = SOLVERS["dp"](prof, cluster, PlanOptions())
+    snapped = export_plan(free, target, prof)  # type: ignore[arg-type]
+    today = free if snapped.adjustment is None else snapped.adjustment.plan
+    allowed = target_allowed_cuts(prof, target)
+    planned = SOLVERS["dp"](prof, cluster, PlanOptions(allowed_cuts=allowed))
+    if {s.first_unit for s in today.stages[1:]} <= set(allowed):
+        assert planned.step_time_s <= today.step_time_s * (1 + 1e-9)
+    else:  # the snapped plan leaves a stage without a decoder layer: torchtitan cannot run it
+        assert target == "torchtitan"
+        assert any(n.startswith("torchtitan: stage(s)") for n in snapped.notes)
+    assert planned.step_time_s >= free.step_time_s * (1 - 1e-9)
+    result = export_plan(planned, target, prof)  # type: ignore[arg-type]
+    assert result.adjustment is None
+    assert not [n for n in result.notes if n.startswith("torchtitan: stage(s)")]
+
+
+def test_plan_for_on_the_command_line(llama, tmp_path: Path, cli) -> None:
+    path, _ = llama
+    out = tmp_path / "plan.json"
+    code, _, err = cli(
+        ["plan", str(path), "--stages", "4", "--memory", "1GiB", "--for", "torchtitan"]
+        + ["--no-calibration", "-o", str(out)]
+    )
+    assert code == 0, err
+    plan = load_plan(out)
+    allowed = set(target_allowed_cuts(load_profile(path), "torchtitan"))
+    assert {s.first_unit for s in plan.stages[1:]} <= allowed
+    code, _text, err = cli(["export", str(out), "--to", "torchtitan", "--profile", str(path)])
+    assert code == 0 and "note:" not in err, err
+    code, _, err = cli(["plan", str(path), "--stages", "3", "--for", "xla", "-o", str(out)])
+    assert code == 2 and err.startswith("error: --for 'xla' is not one of") and err.count("\n") == 1
+    # --for also keeps schedule auto to the families the target runs: DeepSpeed runs its own
+    ds = ["plan", str(path), "--stages", "2", "--memory", "1GiB", "--for", "deepspeed"]
+    code, _, err = cli([*ds, "-o", str(out)])
+    assert code == 0 and load_plan(out).schedule == "1f1b", err
+    code, _, err = cli([*ds, "--schedule", "zbv", "-o", str(tmp_path / "no.json")])
+    assert code == 2 and err.count("\n") == 1 and not (tmp_path / "no.json").exists()
+    assert "--schedule zbv is not what deepspeed runs (1f1b)" in err
+
+
+def test_devices_leave_out_depths_the_target_cannot_cut(llama) -> None:
+    """--devices with --for: a depth needing more cuts than the target allows is a row of the
+    frontier that says so, not an error."""
+    from pipeplan.solvers.devices import plan_devices
+
+    _, prof = llama
+    options = PlanOptions(allowed_cuts=(5,))
+    choices = plan_devices(prof, 4, Cluster.homogeneous(1, GiB), options, SOLVERS["dp"])
+    by_depth = {c.stages: c for c in choices}
+    assert by_depth[4].plan is None and "only 1 allowed cut(s)" in by_depth[4].reason
+    plan = by_depth[2].plan
+    assert plan is not None and [s.first_unit for s in plan.stages] == [0, 5]

@@ -1,4 +1,4 @@
-"""torchtitan 0.3's own code reads a pipeplan export (run as a script by test_targets.py).
+"""torchtitan 0.3's own code reads a pipeplan export (run as a script by test_torchtitan.py).
 
 ``python titan_split.py PORT JOB...``, each JOB ``ARCH:N_LAYERS LINE`` (ARCH ``llama`` or
 ``gemma``; LINE an export's override line): each LINE an export's override line (one

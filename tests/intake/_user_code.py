@@ -1,4 +1,4 @@
-"""Model callables with bugs of the kinds users write, for ``test_model_intake``."""
+"""Model callables with bugs of the kinds users write, for ``test_usercode`` and ``test_model``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """``hf:PATH/config.json``: the class a config names (or its model type's usual head), seeded
 weights with dropout off, batches for every head, each head's own loss, and the config's hash.
-(The command-line round trip, profile -> plan -> a changed config refused by run, is in
-test_model_intake.)"""
+The command-line round trip too: profile -> plan -> a changed config refused by run."""
 
 from __future__ import annotations
 
@@ -14,9 +13,10 @@ import torch
 
 tf = pytest.importorskip("transformers")
 
-from pipeplan.intake.hf_source import DROPOUT_KEYS, default_head, file_sha256
+from pipeplan.intake.hf_source import DROPOUT_KEYS, default_head, default_spec, file_sha256
 from pipeplan.intake.model import ModelSpec, NamedInputs, load_model
 from pipeplan.planner.errors import ModelLoadError
+from pipeplan.planner.io import load_plan, load_profile
 from pipeplan.profiler import profile_model
 
 
@@ -116,3 +116,78 @@ def test_the_profile_records_the_configs_hash(tmp_path: Path) -> None:
     profile = profile_model(f"hf:{path.parent}", batch_size=2, model_kwargs={"seq_len": 8},
                             microbatch_sizes=[2], warmup=0, repeats=1, progress=False)  # fmt: skip
     assert profile.model_sha256 == file_sha256(path) and profile.model_kwargs == {"seq_len": 8}
+
+
+CLI_FAST = ["--warmup", "0", "--repeats", "1", "--quiet"]
+HEADS = {
+    "LlamaForCausalLM": ("LlamaConfig", {"num_key_value_heads": 1}),
+    "BertForMaskedLM": ("BertConfig", {}),
+    "BertForSequenceClassification": ("BertConfig", {"num_labels": 3}),
+    "BartForConditionalGeneration": ("BartConfig", {}),
+    "ViTForImageClassification": ("ViTConfig", {"image_size": 8, "patch_size": 4}),
+}
+
+
+def _config(tmp_path: Path, arch: str) -> Path:
+    tf = pytest.importorskip("transformers")
+    cls, extra = HEADS[arch]
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "vocab_size": 64, "max_position_embeddings": 32}  # fmt: skip
+    if cls == "BartConfig":
+        sizes = {"d_model": 16, "encoder_layers": 1, "decoder_layers": 1, "vocab_size": 64,
+                 "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+                 "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 32}  # fmt: skip
+    getattr(tf, cls)(**sizes, **extra, architectures=[arch]).save_pretrained(tmp_path / arch)
+    return tmp_path / arch / "config.json"
+
+
+@pytest.mark.parametrize("arch", list(HEADS))
+def test_hf_config_source_matches_the_models_own_loss(tmp_path: Path, arch: str) -> None:
+    spec = load_model(f"hf:{_config(tmp_path, arch)}", {"seq_len": 8})
+    inputs, target = spec.batch(2)
+    assert isinstance(spec.module, NamedInputs) and type(spec.module.model).__name__ == arch
+    named = dict(zip(spec.module.names or (), inputs))
+    ours = spec.loss(spec.module(*inputs), target)
+    theirs = spec.module.model(**named, labels=target).loss
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.multirank
+def test_hf_source_profile_plan_and_changed_config(tmp_path: Path, cli) -> None:
+    config = _config(tmp_path, "LlamaForCausalLM")
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    code, _, err = cli(["profile", f"hf:{config}", "-b", "2", "--seq-len", "8", *CLI_FAST,
+                        "-o", str(prof)])  # fmt: skip
+    assert code == 0, err
+    profile = load_profile(prof)
+    assert profile.model_kwargs == {"seq_len": 8} and profile.model_sha256 == file_sha256(config)
+    code, _, err = cli(["plan", str(prof), "--stages", "2", "--memory", "1GiB", "-o", str(plan)])
+    assert code == 0, err
+    assert load_plan(plan).model_sha256 == file_sha256(config)
+    data = json.loads(config.read_text())
+    config.write_text(json.dumps({**data, "rms_norm_eps": 1e-5}))
+    code, _, err = cli(["run", str(plan), "--steps", "1"])
+    assert code == 2 and "changed since the plan was made" in err and len(err.splitlines()) == 1
+
+
+def test_hf_source_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        load_model(f"hf:{tmp_path / 'missing.json'}")
+    config = _config(tmp_path, "LlamaForCausalLM")
+    with pytest.raises(ModelLoadError, match="seq_len 64 exceeds the model's 32 positions"):
+        load_model(f"hf:{config}", {"seq_len": 64})
+    with pytest.raises(ModelLoadError, match="takes the model arguments seq_len and seed"):
+        load_model(f"hf:{config}", {"depth": 3})
+    data = json.loads(config.read_text())
+    config.write_text(json.dumps({**data, "architectures": ["LlamaModel"]}))
+    with pytest.raises(ModelLoadError, match="names no class with a head"):
+        load_model(f"hf:{config}")
+    bare = pytest.importorskip("transformers").LlamaModel(_tiny_llama_config())
+    with pytest.raises(ModelLoadError, match="no head pipeplan can feed"):
+        default_spec(bare)
+
+
+def _tiny_llama_config() -> object:
+    tf = pytest.importorskip("transformers")
+    return tf.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip

@@ -3,15 +3,13 @@ are (in a spec, or bare) traced and profiled with no wrapper, and ``--seq-len`` 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
-
 from _hf_models import BARE
 
 from pipeplan.intake.model import NamedInputs, load_model
@@ -20,9 +18,12 @@ from pipeplan.planner.errors import ModelLoadError, UserCodeError
 from pipeplan.profiler import profile_model
 
 FAST = {"warmup": 0, "repeats": 1, "progress": False}
+CLI_FAST = ["--warmup", "0", "--repeats", "1", "--quiet"]
 SOURCE = (Path(__file__).parent / "_hf_models.py").read_text().splitlines()
+HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers")
 
 
+@HF
 def test_positional_inputs_need_no_wrapper() -> None:
     spec = load_model("_hf_models:positional_spec")
     assert not isinstance(spec.module, NamedInputs)
@@ -30,6 +31,7 @@ def test_positional_inputs_need_no_wrapper() -> None:
     assert x.shape == mask.shape == (3, 4) and y.shape == (3,)
 
 
+@HF
 def test_a_transformers_model_in_a_spec_gets_named_inputs_and_its_loss_a_model_output() -> None:
     spec = load_model("_hf_models:llama_spec")
     assert isinstance(spec.module, NamedInputs)
@@ -50,6 +52,7 @@ def test_a_transformers_model_in_a_spec_gets_named_inputs_and_its_loss_a_model_o
     assert any(p.startswith("model.model.layers.0.") for u in profile.units for p in u.params)
 
 
+@HF
 @pytest.mark.parametrize("name", list(BARE))
 def test_a_bare_transformers_model_traces_and_profiles(name: str) -> None:
     spec = load_model("_hf_models:bare", {"name": name})
@@ -72,6 +75,7 @@ def test_a_bare_transformers_model_traces_and_profiles(name: str) -> None:
     assert profile.model_kwargs == {"name": name, "seq_len": 8}
 
 
+@HF
 def test_seq_len_reaches_a_bare_models_batches() -> None:
     spec = load_model("_hf_models:bare", {"name": "llama", "seq_len": 8})
     (ids,), _ = spec.batch(2)
@@ -84,11 +88,13 @@ def test_seq_len_reaches_a_bare_models_batches() -> None:
     assert ids.shape == (2, 6) and model.config.max_position_embeddings == 6
 
 
+@HF
 def test_seq_len_for_a_callable_that_does_not_take_it() -> None:
     with pytest.raises(ModelLoadError, match="takes no seq_len argument"):
         load_model("_hf_models:spec_without_seq_len", {"seq_len": 8})
 
 
+@HF
 def test_a_bug_in_a_wrapped_forward_names_the_users_class_and_line() -> None:
     spec = load_model("_hf_models:named_forward_raises")
     inputs, _ = spec.batch(2)
@@ -101,6 +107,7 @@ def test_a_bug_in_a_wrapped_forward_names_the_users_class_and_line() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+@HF
 def test_cli_seq_len_for_a_bare_model_and_a_callable_without_it(tmp_path: Path, cli: Any) -> None:
     out = tmp_path / "p.json"
     argv = ["profile", "_hf_models:bare", "--model-arg", "name=vit", "-b", "2", "--seq-len", "4"]
@@ -112,3 +119,41 @@ def test_cli_seq_len_for_a_bare_model_and_a_callable_without_it(tmp_path: Path, 
                         "4", *fast, "-o", str(out)])  # fmt: skip
     assert code == 2 and not out.exists() and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "takes no seq_len argument" in err
+
+
+def test_named_inputs_become_positional_in_a_fixed_order() -> None:
+    spec = load_model("_user_code:named_inputs")
+    assert isinstance(spec.module, NamedInputs) and spec.module.names == ("offset", "features")
+    (offset, features), y = spec.batch(3)
+    assert offset.shape == features.shape == (3, 4) and y.shape == (3,)
+    out = spec.module(offset, features)
+    assert set(out) == {"logits"} and spec.loss(out, y).dim() == 0
+
+
+@HF
+def test_a_bare_transformers_model_gets_batches_and_its_own_loss() -> None:
+    spec = load_model("_user_code:bare_llama")
+    assert isinstance(spec.module, NamedInputs)
+    assert spec.module.fixed == {"use_cache": False, "return_dict": True}
+    (ids,), target = spec.batch(2)
+    assert ids.shape == (2, 16) and torch.equal(ids, target)
+    out = spec.module(ids)
+    ours = spec.loss(out, target)
+    theirs = spec.module.model(input_ids=ids, labels=target).loss
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["_user_code:named_inputs", "--max-stages", "0"], "--max-stages 0 must be at least 1"),
+        (["_user_code:named_inputs", "--seq-len", "0"], "--seq-len 0 must be positive"),
+        (["hf:/no/such/config.json"], "cannot read /no/such/config.json"),
+        (["_user_code:named_inputs", "--model-arg", "depth=3"], "check --model-arg"),
+    ],
+)
+def test_bad_profile_input(tmp_path: Path, cli, args: list[str], message: str) -> None:
+    out = tmp_path / "p.json"
+    code, _, err = cli(["profile", *args, "-b", "2", *CLI_FAST, "-o", str(out)])
+    assert code == 2 and message in " ".join(err.split()), err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

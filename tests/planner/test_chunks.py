@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeplan.planner.chunks import ChunkPlan
+from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.profiler.synthetic import synthetic_profile
 
@@ -23,7 +24,7 @@ def test_a_weight_two_chunks_of_one_rank_share_counts_once() -> None:
     params = {}
     for fam in ("zbv", "zb-interleaved"):
         options = PlanOptions(schedule=fam, checkpoint="never", microbatches=4)
-        plan = ChunkPlan(profile, cluster, options, fam, 2, 4)
+        plan = ChunkPlan(ResolvedRequest(profile, cluster, options), fam, 2, 4)
         params[fam] = plan.costs_of(starts, [False] * 4).grad_bytes
     assert params["zb-interleaved"][0] - params["zbv"][0] == tied  # counted on chunk 3 only
     assert params["zbv"][3] == params["zb-interleaved"][3]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeplan.planner.evaluate import evaluate
+from pipeplan.planner.evaluate import evaluate, stage_record
 from pipeplan.planner.replay import replay_plan
 from pipeplan.planner.types import Cluster, Link, PlanOptions
 from pipeplan.profiler.synthetic import synthetic_profile
@@ -57,3 +57,15 @@ def test_evaluate_charges_update_contention_as_the_simulator_does() -> None:
     assert Cluster.model_validate(data).update_contention == 0.3
     del data["update_contention"]
     assert Cluster.model_validate(data).update_contention == 0.0
+
+
+def test_stage_record_is_the_one_builder_of_a_stage() -> None:
+    prof = synthetic_profile(6, batch_size=8, seed=3)
+    cluster = Cluster.homogeneous(3, 2**30)
+    plan = evaluate(prof, cluster, PlanOptions(), [2, 4], 4, solver="t")
+    for s, dev in zip(plan.stages, cluster.devices, strict=True):
+        times = (s.forward_s, s.backward_s, s.comm_s)
+        args = (prof, s.index, dev, s.first_unit, s.last_unit, s.recompute, times, s.update_s)
+        assert stage_record(*args, s.memory, s.memory.total) == s
+        over = stage_record(*args, s.memory, dev.memory_bytes + 1, (1.0, 2.0))
+        assert not over.feasible and (over.backward_input_s, over.backward_weight_s) == (1.0, 2.0)

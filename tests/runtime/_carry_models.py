@@ -1,4 +1,4 @@
-"""Models whose cuts carry every kind of value, for ``test_runtime_carry`` (run by torchrun jobs).
+"""Models whose cuts carry every kind of value, for ``test_stages`` (run by torchrun jobs).
 
 ``carry``: three blocks; across the cuts travel a non-contiguous view (a transpose), an integer
 tensor (positions), a bool mask, a float tensor that needs no gradient, and several tensors at

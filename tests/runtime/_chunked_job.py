@@ -1,5 +1,5 @@
 """One step of each multi-chunk plan on torch's schedule classes (run by torchrun from
-test_chunked.py and test_chunked_zoo.py).
+test_engine.py and tests/zoo/test_chunked_zoo.py).
 
 ``python _chunked_job.py BATCH OUT PLAN...`` (BATCH: ``{model: (inputs, target)}``, each
 plan's full batch by its ``model``): every rank builds each plan's model with seed 3

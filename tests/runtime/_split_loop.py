@@ -1,4 +1,4 @@
-"""A training loop of a user's own on ``pipeplan.split`` (run by torchrun from test_split.py).
+"""A training loop of a user's own on ``pipeplan.split`` (run by torchrun from test_stage_split.py).
 
 ``python _split_loop.py PLAN BATCH OUT``: every rank takes its stage, runs one GPipe step of
 ``torch.distributed.pipelining``'s own schedule on the batch in BATCH, syncs the gradients and

@@ -1,7 +1,7 @@
 """Models for the runtime's weight tests: ``bare`` has a parameter of its own that nothing
 initialises on meta (its module has no ``reset_parameters``), so ``--init stage`` must refuse
 it (``test_weights``); ``dropped`` draws dropout masks every step
-(``test_runtime_resume``)."""
+(``test_saving``)."""
 
 from __future__ import annotations
 

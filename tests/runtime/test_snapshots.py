@@ -1,7 +1,7 @@
 """Step folders (``pipeplan.runtime.snapshots``) read through ``CheckpointReader``: the latest
 complete save is read, and a torn, truncated, corrupted, mixed or incomplete one is refused
 with the file named.  The saves are made with the same functions the ranks use, in one
-process (the multi-rank protocol is tested in ``tests/runtime/test_runtime_resume.py``)."""
+process (the multi-rank protocol is tested in ``tests/runtime/test_saving.py``)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.planner.errors import UnsupportedConstraintError
+from pipeplan.planner.request import resolve_request
 from pipeplan.planner.types import Cluster, Link, PlanOptions
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.profiler.synthetic import synthetic_profile
@@ -139,8 +140,9 @@ def test_infeasible_baselines_are_marked_not_raised() -> None:
 def test_microbatches_follow_the_user_then_the_dp() -> None:
     prof = synthetic_profile(12, batch_size=16)
     clus = Cluster.homogeneous(3, 2**40)
-    assert baseline_microbatches(prof, clus, PlanOptions(microbatches=2)) == 2
-    assert baseline_microbatches(prof, clus, PlanOptions()) == solve_dp(prof, clus).microbatches
+    user, auto = (resolve_request(prof, clus, PlanOptions(microbatches=m)) for m in (2, None))
+    assert baseline_microbatches(user) == 2
+    assert baseline_microbatches(auto) == solve_dp(prof, clus).microbatches
     assert solve_uniform(prof, clus, PlanOptions(microbatches=4)).microbatches == 4
 
 

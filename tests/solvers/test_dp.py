@@ -1,8 +1,10 @@
-"""The DP is exact: it matches brute force over every partition and micro-batch count."""
+"""The DP is exact: it matches brute force over every partition and micro-batch count (and,
+beside CP-SAT and the baselines, over the cuts ``PlanOptions.allowed_cuts`` allows)."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import _solver_strategies as ss
 import pytest
@@ -18,13 +20,15 @@ from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers import SOLVERS
 from pipeplan.solvers.dp import _partition, solve_dp
 
 
 def brute_force(
     profile: Profile, cluster: Cluster, options: PlanOptions, choices: bool = False
 ) -> float | None:
-    """Best feasible step time over all C(n-1, p-1) partitions and all m; with ``choices``
+    """Best feasible step time over all C(n-1, p-1) partitions (over the allowed cuts alone,
+    with ``PlanOptions.allowed_cuts``) and all m; with ``choices``
     under ``auto``, over every stage's choice to recompute or keep too (2^p per partition),
     not the policy's rule."""
     n, p = profile.n_units, cluster.n_stages
@@ -33,7 +37,7 @@ def brute_force(
     if choices and options.checkpoint == "auto":
         each = list(itertools.product((False, True), repeat=p))
     for m in microbatch_choices(profile, options, cluster.n_stages):
-        for cuts in itertools.combinations(range(1, n), p - 1):
+        for cuts in itertools.combinations(options.allowed_cuts or range(1, n), p - 1):
             for rc in each:
                 plan = evaluate(profile, cluster, options, cuts, m, solver="brute", recompute=rc)
                 if plan.feasible and (best is None or plan.step_time_s < best):
@@ -315,3 +319,31 @@ def test_held_back_instances(index: int) -> None:
     if options.checkpoint == "auto" and prof.update_s and cluster.n_stages > 2:
         exact = False  # the drain under auto is a bound
     _check_against_brute_force(prof, cluster, options, exact)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_solvers_keep_to_the_allowed_cuts(seed: int) -> None:
+    """Where a target framework can cut (``plan --for``): the DP and CP-SAT equal brute force
+    over the allowed cuts, the baselines cut only there."""
+    prof = synthetic_profile(10, batch_size=8, microbatch_sizes=[1, 2, 4], seed=seed)
+    cuts = tuple(sorted({1 + (seed * 3 + 2 * k) % 9 for k in range(5)}))
+    cluster = Cluster.homogeneous(3, 2**30)
+    options = PlanOptions(allowed_cuts=cuts)
+    want = brute_force(prof, cluster, options)
+    free = SOLVERS["dp"](prof, cluster, PlanOptions())
+    for name in ("dp", "cpsat"):
+        plan = SOLVERS[name](prof, cluster, options)
+        assert {s.first_unit for s in plan.stages[1:]} <= set(cuts), name
+        assert plan.step_time_s == pytest.approx(want, rel=1e-9), name
+    assert free.step_time_s <= want
+    for name in ("uniform", "params", "torchgpipe"):
+        plan = SOLVERS[name](prof, cluster, options)
+        assert {s.first_unit for s in plan.stages[1:]} <= set(cuts), name
+
+
+def test_too_few_allowed_cuts_is_one_clear_error(tmp_path: Path) -> None:
+    prof = synthetic_profile(6, batch_size=8)
+    with pytest.raises(InvalidRequestError, match=r"4 stages need 3 cuts but only 2 are allowed"):
+        SOLVERS["dp"](prof, Cluster.homogeneous(4, 2**30), PlanOptions(allowed_cuts=(2, 4)))
+    with pytest.raises(ValueError, match="distinct units >= 1, in order"):
+        PlanOptions(allowed_cuts=(3, 2))

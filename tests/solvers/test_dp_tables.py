@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
 from pipeplan.planner.unitcosts import unit_costs
-from pipeplan.planner.updates import update_cost
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp_tables import Instance, longest_sums
 
@@ -31,9 +31,7 @@ def test_longest_sums_match_sorting(comm: list[float], k_max: int) -> None:
 
 
 def _instance(prof: Profile, cluster: Cluster, options: PlanOptions, m: int) -> Instance:
-    caps = np.array([d.memory_bytes for d in cluster.devices], dtype=np.float64)
-    update = update_cost(prof, options.optimizer)
-    return Instance(unit_costs(prof, m), cluster, options, caps, update)
+    return Instance(ResolvedRequest(prof, cluster, options), unit_costs(prof, m))
 
 
 @pytest.mark.parametrize("seed", range(6))

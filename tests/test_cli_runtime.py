@@ -1,18 +1,37 @@
-"""``pipeplan run`` end to end on 2 and 3 CPU ranks: report and trace written; a stage that
-raises or is killed stops the whole run within bounded time and the message names it; bad
-requests fail before launch with one line and status 2."""
+"""``pipeplan run`` end to end (:mod:`pipeplan.cli_runtime`) on 2 and 3 CPU ranks: report and
+trace written; a stage that raises or is killed stops the whole run within bounded time and the
+message names it; bad requests fail before launch with one line and status 2.
+
+Faults during ``pipeplan run`` on 2 CPU ranks: each ends in bounded time, names the stage and
+the cause, exits non-zero, leaves no process behind and keeps the last complete save.
+
+- SIGTERM to ``pipeplan run`` (a scheduler's time limit) and SIGINT to its process group
+  (Ctrl-C) are forwarded to torchrun and every rank; the job ends within seconds, status
+  128 + the signal, and one line names the signal and the step.
+- A rank stopped with SIGSTOP (a hung rank) ends the job within ``--timeout`` plus a margin,
+  naming the stalled stage.
+- A full disk during a save (``ENOSPC``, injected) names the stage that could not write it.
+- A save that is truncated, corrupted or incomplete is refused before launch (``--resume``),
+  naming the file, with status 2 (the ranks' own checks are tested in
+  ``tests/runtime/test_snapshots.py``).
+
+Each test prints its time to stop (``pytest -s`` shows them).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from _resume_jobs import ENV, PIPEPLAN, beat, state, survivors, wait_for, write_plans
 from _runtime_jobs import make_plan
 
 from pipeplan.cli import main
@@ -23,13 +42,12 @@ from pipeplan.planner.io import load_plan, load_report, write_json
 from pipeplan.planner.types import Plan
 from pipeplan.runtime import saving, worker
 from pipeplan.runtime.checkpoint import INDEX, shard_name, write_index, write_shard
-from pipeplan.runtime.snapshots import commit, file_record, partial_dir
+from pipeplan.runtime.snapshots import commit, file_record, partial_dir, step_name
 
 GPT = (
     "pipeplan.models.gpt:gpt",
     {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
 )
-PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
 
 
 def _plan(path: Path, starts: list[int]) -> Path:
@@ -268,3 +286,135 @@ def test_the_ranks_check_the_mesh_of_a_save_and_take_an_older_one_as_replicated(
     assert saving.resume_point(tmp_path / "old", info)[1] == 2
     with pytest.raises(InvalidRequestError, match=r"pp 1 x dp 2 \(replicate\) but this plan"):
         saving.resume_point(tmp_path / "old", saving.run_info(sharded, "sgd", 1e-3, 0))
+
+
+# Faults: one plan, saved every 5 steps.
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_plans(tmp_path_factory.mktemp("faults"))["gpipe"]
+
+
+def _start(plan: Path, tmp_path: Path, *args: str, **popen: object) -> subprocess.Popen[str]:
+    """``pipeplan run`` of many steps saving every 5 into ``tmp_path/save``; the launcher's run
+    folder (the heartbeats) under ``tmp_path``.  Returns once the first save is complete."""
+    cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "100000",
+           "--optimizer", "adam", "--save-every", "5", "--save", str(tmp_path / "save"), *args]  # fmt: skip
+    env = {**ENV, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, **popen)  # type: ignore[call-overload]  # fmt: skip
+    wait_for(lambda: (tmp_path / "save" / "latest").exists() or proc.poll() is not None)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return proc  # type: ignore[no-any-return]
+
+
+def _stopped(proc: subprocess.Popen[str], tmp_path: Path, what: str) -> tuple[str, float]:
+    """Wait for the job after a fault sent at this moment: (stderr, seconds to stop); checks
+    that nothing is left and that the last complete save reads whole."""
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    print(f"\n{what}: stopped in {took:.1f} s, status {proc.returncode}: {err.strip()}")
+    assert not survivors(str(tmp_path))
+    assert state(tmp_path / "save")  # the latest save is complete and whole
+    return err, took
+
+
+@pytest.mark.multirank
+def test_sigterm_to_pipeplan_run_ends_every_process(plan: Path, tmp_path: Path) -> None:
+    proc = _start(plan, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    err, took = _stopped(proc, tmp_path, "SIGTERM to pipeplan run")
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM at step" in err and len(err.strip().splitlines()) == 1
+    assert took < 10
+
+
+@pytest.mark.multirank
+def test_sigint_to_the_process_group_ends_every_process(plan: Path, tmp_path: Path) -> None:
+    proc = _start(plan, tmp_path, start_new_session=True)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+    err, took = _stopped(proc, tmp_path, "SIGINT to the process group")
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "stopped by SIGINT at step" in err and len(err.strip().splitlines()) == 1
+    assert took < 10
+
+
+@pytest.mark.multirank
+def test_a_stopped_rank_ends_the_job_within_the_timeout(plan: Path, tmp_path: Path) -> None:
+    timeout = 6.0
+    proc = _start(plan, tmp_path, "--timeout", str(timeout))
+    target = beat(tmp_path, 1)
+    assert target is not None
+    os.kill(target[0], signal.SIGSTOP)
+    err, took = _stopped(proc, tmp_path, f"SIGSTOP of rank 1 (--timeout {timeout:.0f})")
+    assert proc.returncode == 1
+    assert "stage 1 (rank 1) stopped making progress" in err
+    assert timeout - 1 < took < timeout + 8
+
+
+@pytest.fixture(scope="module")
+def full_disk(plan: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, float]:
+    """A run whose stage 1 finds the disk full in the save of step 2: (save, result, seconds)."""
+    tmp = tmp_path_factory.mktemp("enospc")
+    save = tmp / "save"
+    env = {**ENV, "PIPEPLAN_FAIL": "1:2:enospc"}
+    cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "4",
+           "--optimizer", "adam", "--save-every", "1", "--save", str(save)]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - start
+    print(f"\nENOSPC in stage 1's save: stopped after {took:.1f} s: {proc.stderr.strip()}")
+    assert not survivors(str(tmp))
+    return save, proc, took
+
+
+@pytest.mark.multirank
+def test_a_full_disk_during_a_save_names_the_stage_and_keeps_the_last_save(
+    full_disk: tuple[Path, Any, float],
+) -> None:
+    save, proc, _ = full_disk
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "error: stage 1 (rank 1) could not write its part of the save of step 2 into "
+    )
+    assert "save/.partial-step-000002: No space left on device (injected" in proc.stderr
+    assert proc.stderr.strip().endswith("is kept (stage 0 stopped as a consequence)")
+    assert proc.stderr.count("stage 1") == 1 and "Errno" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert (save / "latest").read_text().strip() == step_name(1)
+    assert sorted(p.name for p in save.iterdir()) == ["latest", step_name(1)]  # no partial
+    assert state(save)
+    manifest = json.loads((save / step_name(1) / "manifest.json").read_text())
+    assert manifest["step"] == 1 and manifest["optimizer"] == "adam"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("damage", ["corrupted", "truncated", "incomplete"])
+def test_a_damaged_save_is_refused_before_launch_naming_the_file(
+    plan: Path,
+    full_disk: tuple[Path, Any, float],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: str,
+) -> None:
+    save = tmp_path / "save"
+    shutil.copytree(full_disk[0], save)
+    shard = save / step_name(1) / shard_name(0, 2)
+    data = bytearray(shard.read_bytes())
+    if damage == "corrupted":
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        expected = f"{shard} is corrupted"
+    elif damage == "truncated":
+        shard.write_bytes(bytes(data[:-9]))
+        expected = f"{shard} is truncated"
+    else:
+        (save / step_name(1) / "manifest.json").unlink()
+        expected = f"{save / step_name(1)} is incomplete"
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(plan), "--steps", "1", "--optimizer", "adam", "--resume", str(save)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in " ".join(err.split()) and len(err.strip().splitlines()) <= 2

@@ -39,7 +39,7 @@ from pipeplan.planner.io import write_json
 
 pytestmark = pytest.mark.multirank
 
-JOB = Path(__file__).with_name("_chunked_job.py")
+JOB = Path(__file__).parents[1] / "runtime" / "_chunked_job.py"
 FAMILIES = ("interleaved1f1b", "loopedbfs", "zb-interleaved", "zbv", "dualpipev")
 ZOO = {"d_model": 16, "vocab": 64, "seq_len": 8}
 #: name -> (model, kwargs by p): 2 p units, one per chunk.
