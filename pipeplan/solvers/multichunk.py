@@ -52,18 +52,16 @@ from math import comb
 
 import numpy as np
 
-from pipeplan.planner.chunks import ChunkPlan, has_split_backward, refuse_split
-from pipeplan.planner.costmodel import stage_params, tied_syncs
+from pipeplan.planner.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.planner.errors import (
     InfeasiblePlanError,
     InvalidRequestError,
     PipeplanError,
     UnsupportedConstraintError,
 )
-from pipeplan.planner.evaluate import profile_fields
 from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
-from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile, Stage
+from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
@@ -142,14 +140,6 @@ def _requested(
     return out, why
 
 
-def _fixed(options: PlanOptions, k: int) -> list[bool] | None:
-    """The recompute flags a fixed ``--checkpoint`` policy sets (``None`` under ``auto``)."""
-    policy = options.checkpoint
-    if policy == "auto":
-        return None
-    return [policy == "always" or (policy == "except_last" and s < k - 1) for s in range(k)]
-
-
 def recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
     """No chunk recomputes; then, while a rank is over its memory, its chunk with the most held
     bytes does (until all of that rank's do).  A fixed policy's flags as they are."""
@@ -158,7 +148,7 @@ def recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
 
 def _fit(cp: ChunkPlan, starts: Sequence[int]) -> tuple[list[bool], ChunkCosts, tuple[int, ...]]:
     """:func:`recompute_to_fit`'s flags, with the chunk costs and the peaks they give."""
-    fixed = _fixed(cp.options, len(starts))
+    fixed = fixed_flags(cp.options, len(starts))
     rc = fixed if fixed is not None else [False] * len(starts)
     order = action_order(cp.family, cp.p, cp.v, cp.m)
     while True:
@@ -261,7 +251,7 @@ def _exhaustive(
     it: a count, not a clock, so that whether a plan is proven does not depend on the load)."""
     best: Scored | None = None
     order = action_order(cp.family, cp.p, cp.v, cp.m)
-    fixed = _fixed(cp.options, k)
+    fixed = fixed_flags(cp.options, k)
     limits = [d.memory_bytes for d in cp.cluster.devices]
     floor = _Floor(cp)
     for cuts_ in combinations(cuts.positions[1:-1], k - 1):
@@ -457,8 +447,9 @@ def solve_schedule(
         )
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
-    return _plan(
-        plans[best_c], starts, rc, rep,
+    return plans[best_c].to_plan(
+        starts, rc, rep,
+        solver="schedules",
         status="optimal" if exact else "feasible",
         gap=None if exact else max(0.0, (T - bound) / T),
         bound=bound,
@@ -482,86 +473,3 @@ def schedule_floor(profile: Profile, cluster: Cluster, options: PlanOptions) -> 
 def _candidate_floor(cp: ChunkPlan) -> float:
     """A lower bound on every partition of one candidate (:func:`family_bound`)."""
     return family_bound(cp.profile, cp.cluster, cp.options, cp.family, cp.v, cp.m)
-
-
-def _plan(
-    cp: ChunkPlan,
-    starts: list[int],
-    rc: list[bool],
-    rep: Replay,
-    *,
-    status: str,
-    gap: float | None,
-    bound: float,
-    solve_time_s: float,
-) -> Plan:
-    profile, cluster, m = cp.profile, cp.cluster, cp.m
-    costs = cp.costs_of(starts, rc)
-    n, k = profile.n_units, len(starts)
-    order = action_order(cp.family, cp.p, cp.v, m)
-    flight = [0] * k
-    live = [0] * k
-    for acts in order:
-        for a in acts:
-            live[a.stage] += 1 if a.kind == "F" else (-1 if a.kind in "BW" else 0)
-            flight[a.stage] = max(flight[a.stage], live[a.stage])
-    state = cp.state
-    stages = []
-    for s, l in enumerate(starts):
-        r = (starts[s + 1] if s + 1 < k else n) - 1
-        q = cp.owner[s]
-        dev = cluster.devices[q]
-        params = int(stage_params(cp.costs, l, r))
-        parts = {
-            "params": int(state.params * params),
-            "grads": int(state.grads * params),
-            "optimizer": int(state.optimizer * params),
-            "stashed_inputs": int(m * cp.costs.x[l]),
-            "gradient_buffers": int(m * cp.costs.x[r + 1]),
-            "activations": flight[s] * costs.held_bytes[s],
-            "transient": costs.transient_bytes[s],
-        }
-        F, B, C = costs.forward_s[s], costs.backward_s[s], costs.comm_s[s]
-        stages.append(
-            Stage(
-                index=s,
-                device=dev.name,
-                first_unit=l,
-                last_unit=r,
-                unit_names=tuple(u.name for u in profile.units[l : r + 1]),
-                recompute=rc[s],
-                forward_s=F,
-                backward_s=B,
-                comm_s=C,
-                backward_input_s=costs.backward_input_s[s] if costs.backward_input_s else None,
-                backward_weight_s=costs.backward_weight_s[s] if costs.backward_weight_s else None,
-                time_s=F + B + C,
-                update_s=costs.update_s[s],
-                memory=MemoryBreakdown(**parts, total=sum(parts.values())),
-                memory_limit=dev.memory_bytes,
-                feasible=rep.peak_bytes[q] <= dev.memory_bytes,
-            )
-        )
-    shared = [(sp.bytes, sp.units) for sp in profile.shared_params]
-    T = rep.makespan_s
-    return Plan(
-        **profile_fields(profile, m),
-        schedule=cp.family,  # type: ignore[arg-type]
-        stages_per_rank=cp.v,
-        rank_peak_bytes=rep.peak_bytes,
-        checkpoint=cp.options.checkpoint,
-        optimizer=cp.options.optimizer,
-        cluster=cluster,
-        stages=tuple(stages),
-        tied_syncs=tuple(tied_syncs(shared, cluster, starts)),
-        step_time_s=T,
-        simulated_step_time_s=T,
-        bubble_fraction=rep.bubble_fraction,
-        throughput=profile.batch_size / T if T > 0 else 0.0,
-        feasible=True,
-        solver="schedules",
-        status=status,  # type: ignore[arg-type]
-        gap=gap,
-        lower_bound_s=bound,
-        solve_time_s=solve_time_s,
-    )
