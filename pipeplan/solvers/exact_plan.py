@@ -13,8 +13,10 @@ what it would need.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from pipeplan.planner.chunks import ChunkPlan
@@ -23,7 +25,7 @@ from pipeplan.planner.io import format_bytes
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.solvers.exact_order import ExactOrder, ExactResult
 
-__all__ = ["solve_exact_order"]
+__all__ = ["Proof", "prove_candidates", "solve_exact_order"]
 
 
 def solve_exact_order(
@@ -88,3 +90,53 @@ def _refuse(cp: ChunkPlan, deterministic_time: float | None) -> NoReturn:
         f"{format_bytes(spare)} over its {format_bytes(devs[q].memory_bytes)}",
         min_memory_bytes=int(max(d.memory_bytes for d in devs) + spare),
     )
+
+
+Candidate = tuple[str, int, int]
+"""(family, v, m)."""
+
+
+@dataclass
+class Proof:
+    """What the exact models of a schedule solver's candidates showed."""
+
+    bounds: dict[Candidate, float]
+    """Each candidate's lower bound: the larger of the one given and CP-SAT's."""
+    found: dict[Candidate, tuple[list[int], list[bool]]] = field(default_factory=dict)
+    """Cuts and flags that beat the incumbent, per candidate."""
+    proven: set[Candidate] = field(default_factory=set)
+    """Candidates none of whose plans beats the incumbent by more than the model's rounding
+    (its optimum proven, or no plan below the incumbent)."""
+
+
+def prove_candidates(
+    plans: dict[Candidate, ChunkPlan],
+    bounds: dict[Candidate, float],
+    best: dict[Candidate, tuple[list[int], list[bool], float]],
+    deterministic_time: float,
+) -> Proof:
+    """The exact model of each candidate in the order of its bound, warm-started from
+    ``best`` (its local search's cuts, flags and step), only on plans below the incumbent
+    (the least step of ``best``, then of what it finds), within ``deterministic_time`` of
+    CP-SAT's work each; a candidate whose bound reaches the incumbent is dropped, and one
+    the model refuses (a shared parameter inside the model) keeps its bound."""
+    proof = Proof(dict(bounds))
+    incumbent = min((b[2] for b in best.values()), default=math.inf)
+    for c in sorted(bounds, key=bounds.__getitem__):
+        if proof.bounds[c] >= incumbent:
+            continue
+        try:
+            xo = ExactOrder(plans[c])
+        except UnsupportedConstraintError:
+            continue
+        if c in best and math.isfinite(best[c][2]):
+            xo.hint(best[c][0], best[c][1])
+        res = xo.solve(deterministic_time, incumbent if math.isfinite(incumbent) else None)
+        proof.bounds[c] = max(proof.bounds[c], res.bound_s)
+        if res.status == "optimal" or (res.status == "infeasible" and xo.exact):
+            proof.proven.add(c)
+        rep = res.replay
+        if rep is not None and plans[c].fits(rep) and rep.makespan_s < incumbent:
+            proof.found[c] = (res.starts, res.recompute)
+            incumbent = rep.makespan_s
+    return proof

@@ -33,6 +33,12 @@ Algorithm.
      move, and the plan is
      ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
      every family, v, partition and mask (proof in :func:`family_bound`).
+  4. With ``exact_time`` > 0 (off by default), each candidate whose bound is below the best
+     step gets the exact model of :mod:`pipeplan.solvers.exact_order` in bound order,
+     warm-started from its search's best, for that much of CP-SAT's deterministic time (a
+     count again), only on plans below the best step: what it finds is replayed, and L_c
+     rises to CP-SAT's bound.  ``optimal`` when every candidate is proven (its optimum, or
+     no plan below the best) or bounded at the best step.
 
 Allowed cuts (``PlanOptions.allowed_cuts``, ``pipeplan plan --for``) and ``min_units`` /
 ``max_units`` per chunk are kept by every step; pinned units are refused.
@@ -63,6 +69,7 @@ from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers.exact_plan import Candidate, prove_candidates
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
     Cuts,
@@ -82,9 +89,6 @@ __all__ = [
     "schedule_floor",
     "solve_schedule",
 ]
-
-Candidate = tuple[str, int, int]
-"""(family, v, m)."""
 
 #: Actions the local search may replay, summed over its replays (step 3 of the module
 #: docstring): 2 M is about 1300 replays of the 7B profile's 226 refined units at p = 8 (v = 4,
@@ -358,9 +362,11 @@ def solve_schedule(
     exhaustive_limit: int = 2000,
     search_work: int = SEARCH_WORK,
     chunks: int | None = None,
+    exact_time: float = 0.0,
 ) -> Plan:
     """The fastest (family, v, cuts, m, recompute) under memory (module docstring); v =
-    ``chunks`` alone when given."""
+    ``chunks`` alone when given; ``exact_time`` > 0: step 4, that much of CP-SAT's
+    deterministic time per candidate."""
     options = options or PlanOptions(schedule="auto")
     t0 = time.perf_counter()
     deadline = None if options.time_limit_s is None else t0 + options.time_limit_s
@@ -435,6 +441,16 @@ def solve_schedule(
 
             starts, score, _, _ = sr.best()
             local_search(starts, sr.score, plans[c].owner, cuts, stop, score)
+    proven: set[Candidate] = set()
+    if exact_time > 0 and not exact:  # step 4, warm-started from each search's best
+        best = {c: (b[0], b[2], b[1][0]) for c, sr in searches.items() if sr.seen
+                for b in [sr.best()]}  # fmt: skip
+        proof = prove_candidates(plans, {c: bound_of[c] for c in searches}, best, exact_time)
+        for c, (cut, flags) in proof.found.items():
+            searches[c].score(cut, flags)
+            live[c] = searches[c]
+        bound_of.update(proof.bounds)
+        proven = proof.proven
     best_c = min(live, key=lambda c: live[c].best()[1])
     starts, score, rc, rep = live[best_c].best()
     T = score[0]
@@ -447,6 +463,9 @@ def solve_schedule(
         )
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
+    exact = exact or (
+        exact_time > 0 and all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
+    )
     return plans[best_c].to_plan(
         starts, rc, rep,
         solver="schedules",

@@ -17,6 +17,7 @@ from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.exact_order import ExactOrder
 from pipeplan.solvers.exact_plan import solve_exact_order
+from pipeplan.solvers.multichunk import solve_schedule
 
 MULTI = [name for name, fam in FAMILIES.items() if 1 not in fam.v]
 ADAM = PlanOptions(optimizer="adam")
@@ -162,3 +163,47 @@ def test_a_shared_parameter_inside_the_model_is_refused() -> None:
     cp = ChunkPlan(prof, _cluster(2, 2**40), PlanOptions(), "zbv", 2, 8)
     with pytest.raises(UnsupportedConstraintError, match="units \\[1, 3\\]"):
         ExactOrder(cp)
+
+
+def _brute_all(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
+    """The best replayed step over every family, v, m, cut and mask the request allows."""
+    best = float("inf")
+    families = FAMILIES if options.schedule == "auto" else [options.schedule]
+    for fam in families:
+        for v in FAMILIES[fam].v:
+            for b in profile.microbatch_sizes:
+                m = profile.batch_size // b
+                if cluster.n_stages * v <= profile.n_units and check(fam, 2, v, m) is None:
+                    best = min(best, _brute(ChunkPlan(profile, cluster, options, fam, v, m)))
+    return best
+
+
+def test_the_schedule_solver_proves_its_plan_with_the_exact_model() -> None:
+    """Without the enumeration (``exhaustive_limit=0``) the local search's plan is
+    ``feasible`` with the family bound's gap; with the exact model on every candidate, the
+    same request is proven optimal, and its step is the brute force's best over every
+    family, v, m, cut and mask."""
+    prof = _profile(5)
+    cluster = _cluster(2, 2**40)
+    options = PlanOptions(schedule="auto", optimizer="adam")
+    searched = solve_schedule(prof, cluster, options, exhaustive_limit=0)
+    proven = solve_schedule(prof, cluster, options, exhaustive_limit=0, exact_time=10.0)
+    assert searched.status == "feasible" and searched.gap is not None and searched.gap > 0.01
+    assert proven.status == "optimal" and proven.gap is None
+    assert proven.step_time_s == pytest.approx(_brute_all(prof, cluster, options), rel=1e-9)
+    assert proven.lower_bound_s is not None and proven.lower_bound_s <= proven.step_time_s
+
+
+def test_the_exact_model_finds_a_plan_the_local_search_misses() -> None:
+    """A search stopped after its seeds keeps a seed; the exact model, warm-started from it,
+    finds the brute force's best."""
+    prof = _profile(7, seed=5)
+    cluster = _tight(prof, "zbv", 2, 4, q=50)
+    options = PlanOptions(schedule="zbv", optimizer="adam", microbatches=4)
+    seeds = solve_schedule(prof, cluster, options, exhaustive_limit=0, search_work=1)
+    proven = solve_schedule(prof, cluster, options, exhaustive_limit=0, search_work=1,
+                            exact_time=10.0)  # fmt: skip
+    best = _brute(ChunkPlan(prof, cluster, options, "zbv", 2, 4))
+    assert seeds.step_time_s > best * (1 + 1e-6)
+    assert proven.status == "optimal"
+    assert proven.step_time_s == pytest.approx(best, rel=1e-9)
