@@ -181,9 +181,9 @@ class ExactOrder:
         """R: every action of every rank one after another, the all-reduces and every update."""
         cp, c = self.cp, self.cp.costs
         slow = min(d.speed for d in cp.cluster.devices)
-        work = np.maximum(c.Pfc[-1], c.Pf[-1]) + np.maximum(c.Pr[-1], c.Pg[-1])
-        if cp.split:
-            work = max(work, c.Pf[-1] + cp.Pi[-1] + cp.Pw[-1])
+        work = c.Pfc[-1] + c.Pr[-1]  # at least f + g unit by unit (the tables clip them)
+        if cp.split:  # chunks may mix recomputing and I + W: both, summed, bound either
+            work += c.Pf[-1] + cp.Pi[-1] + cp.Pw[-1]
         work += c.loss_f + 2 * c.loss_g + self.k * (c.call_f + c.call_b)
         actions = sum(len(r) for r in action_order(cp.family, cp.p, cp.v, cp.m))
         trip = max(cp.cluster.link.transfer_s(float(x), int(q)) for x, q in zip(c.x, c.msgs))

@@ -101,6 +101,16 @@ def test_three_ranks_against_brute_force(family: str) -> None:
     assert got.replay.makespan_s == pytest.approx(_brute(cp), rel=1e-9)
 
 
+def test_four_ranks_without_recomputation_against_brute_force() -> None:
+    """12 units into 8 chunks (330 cut placements) of the zero-bubble loop at p = 4."""
+    prof = _profile(12, seed=2)
+    never = PlanOptions(optimizer="adam", checkpoint="never")
+    cp = ChunkPlan(prof, _cluster(4, 2**40), never, "zb-interleaved", 2, 4)
+    got = ExactOrder(cp).solve()
+    assert got.status == "optimal" and got.replay is not None
+    assert got.replay.makespan_s == pytest.approx(_brute(cp, masks=False), rel=1e-9)
+
+
 def test_a_fixed_policy_fixes_the_flags() -> None:
     prof = _profile(5)
     never = PlanOptions(optimizer="adam", checkpoint="never")
