@@ -33,6 +33,12 @@ Algorithm.
      move, and the plan is
      ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
      every family, v, partition and mask (proof in :func:`family_bound`).
+  4. With ``exact_time`` > 0 (off by default), each candidate whose bound is below the best
+     step gets the exact model of :mod:`pipeplan.solvers.exact_order` in bound order,
+     warm-started from its search's best, for that much of CP-SAT's deterministic time (a
+     count again), only on plans below the best step: what it finds is replayed, and L_c
+     rises to CP-SAT's bound.  ``optimal`` when every candidate is proven (its optimum, or
+     no plan below the best) or bounded at the best step.
 
 Allowed cuts (``PlanOptions.allowed_cuts``, ``pipeplan plan --for``) and ``min_units`` /
 ``max_units`` per chunk are kept by every step; pinned units are refused.
@@ -52,20 +58,19 @@ from math import comb
 
 import numpy as np
 
-from pipeplan.planner.chunks import ChunkPlan, has_split_backward, refuse_split
-from pipeplan.planner.costmodel import stage_params, tied_syncs
+from pipeplan.planner.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.planner.errors import (
     InfeasiblePlanError,
     InvalidRequestError,
     PipeplanError,
     UnsupportedConstraintError,
 )
-from pipeplan.planner.evaluate import profile_fields, stage_record
 from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.request import ResolvedRequest
-from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers.exact_plan import Candidate, prove_candidates
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
     Cuts,
@@ -85,9 +90,6 @@ __all__ = [
     "schedule_floor",
     "solve_schedule",
 ]
-
-Candidate = tuple[str, int, int]
-"""(family, v, m)."""
 
 #: Actions the local search may replay, summed over its replays (step 3 of the module
 #: docstring): 2 M is about 1300 replays of the 7B profile's 226 refined units at p = 8 (v = 4,
@@ -143,14 +145,6 @@ def _requested(
     return out, why
 
 
-def _fixed(options: PlanOptions, k: int) -> list[bool] | None:
-    """The recompute flags a fixed ``--checkpoint`` policy sets (``None`` under ``auto``)."""
-    policy = options.checkpoint
-    if policy == "auto":
-        return None
-    return [policy == "always" or (policy == "except_last" and s < k - 1) for s in range(k)]
-
-
 def recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
     """No chunk recomputes; then, while a rank is over its memory, its chunk with the most held
     bytes does (until all of that rank's do).  A fixed policy's flags as they are."""
@@ -159,7 +153,7 @@ def recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
 
 def _fit(cp: ChunkPlan, starts: Sequence[int]) -> tuple[list[bool], ChunkCosts, tuple[int, ...]]:
     """:func:`recompute_to_fit`'s flags, with the chunk costs and the peaks they give."""
-    fixed = _fixed(cp.options, len(starts))
+    fixed = fixed_flags(cp.options, len(starts))
     rc = fixed if fixed is not None else [False] * len(starts)
     order = action_order(cp.family, cp.p, cp.v, cp.m)
     while True:
@@ -262,7 +256,7 @@ def _exhaustive(
     it: a count, not a clock, so that whether a plan is proven does not depend on the load)."""
     best: Scored | None = None
     order = action_order(cp.family, cp.p, cp.v, cp.m)
-    fixed = _fixed(cp.options, k)
+    fixed = fixed_flags(cp.options, k)
     limits = [d.memory_bytes for d in cp.cluster.devices]
     floor = _Floor(cp)
     for cuts_ in combinations(cuts.positions[1:-1], k - 1):
@@ -382,10 +376,12 @@ def solve_schedule(
     search_work: int = SEARCH_WORK,
     chunks: int | None = None,
     dp_plans: Sequence[Plan] | None = None,
+    exact_time: float = 0.0,
 ) -> Plan:
     """The fastest (family, v, cuts, m, recompute) under memory (module docstring); v =
-    ``chunks`` alone when given.  ``dp_plans``: the DP's GPipe and 1F1B plans of this request
-    where the caller has them (seeds; solved here otherwise)."""
+    ``chunks`` alone when given; ``dp_plans``: the DP's GPipe and 1F1B plans of this request
+    where the caller has them (seeds; solved here otherwise); ``exact_time`` > 0: step 4,
+    that much of CP-SAT's deterministic time per candidate."""
     options = options or PlanOptions(schedule="auto")
     if options.search_work is not None:
         search_work = options.search_work
@@ -463,6 +459,16 @@ def solve_schedule(
 
             starts, score, _, _ = sr.best()
             local_search(starts, sr.score, plans[c].owner, cuts, stop, score)
+    proven: set[Candidate] = set()
+    if exact_time > 0 and not exact:  # step 4, warm-started from each search's best
+        best = {c: (b[0], b[2], b[1][0]) for c, sr in searches.items() if sr.seen
+                for b in [sr.best()]}  # fmt: skip
+        proof = prove_candidates(plans, {c: bound_of[c] for c in searches}, best, exact_time)
+        for c, (cut, flags) in proof.found.items():
+            searches[c].score(cut, flags)
+            live[c] = searches[c]
+        bound_of.update(proof.bounds)
+        proven = proof.proven
     best_c = min(live, key=lambda c: live[c].best()[1])
     starts, score, rc, rep = live[best_c].best()
     T = score[0]
@@ -475,8 +481,12 @@ def solve_schedule(
         )
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
-    return _plan(
-        plans[best_c], starts, rc, rep,
+    exact = exact or (
+        exact_time > 0 and all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
+    )
+    return plans[best_c].to_plan(
+        starts, rc, rep,
+        solver="schedules",
         status="optimal" if exact else "feasible",
         gap=None if exact else max(0.0, (T - bound) / T),
         bound=bound,
@@ -500,78 +510,3 @@ def schedule_floor(profile: Profile, cluster: Cluster, options: PlanOptions) -> 
 def _candidate_floor(cp: ChunkPlan) -> float:
     """A lower bound on every partition of one candidate (:func:`family_bound`)."""
     return family_bound(cp.profile, cp.cluster, cp.options, cp.family, cp.v, cp.m)
-
-
-def _plan(
-    cp: ChunkPlan,
-    starts: list[int],
-    rc: list[bool],
-    rep: Replay,
-    *,
-    status: str,
-    gap: float | None,
-    bound: float,
-    solve_time_s: float,
-) -> Plan:
-    profile, cluster, m = cp.profile, cp.cluster, cp.m
-    costs = cp.costs_of(starts, rc)
-    n, k = profile.n_units, len(starts)
-    order = action_order(cp.family, cp.p, cp.v, m)
-    flight = [0] * k
-    live = [0] * k
-    for acts in order:
-        for a in acts:
-            live[a.stage] += 1 if a.kind == "F" else (-1 if a.kind in "BW" else 0)
-            flight[a.stage] = max(flight[a.stage], live[a.stage])
-    state = cp.state
-    stages = []
-    for s, l in enumerate(starts):
-        r = (starts[s + 1] if s + 1 < k else n) - 1
-        q = cp.owner[s]
-        dev = cluster.devices[q]
-        params = int(stage_params(cp.costs, l, r))
-        parts = {
-            "params": int(state.params * params),
-            "grads": int(state.grads * params),
-            "optimizer": int(state.optimizer * params),
-            "stashed_inputs": int(m * cp.costs.x[l]),
-            "gradient_buffers": int(m * cp.costs.x[r + 1]),
-            "activations": flight[s] * costs.held_bytes[s],
-            "transient": costs.transient_bytes[s],
-        }
-        times = (costs.forward_s[s], costs.backward_s[s], costs.comm_s[s])
-        split = (
-            (costs.backward_input_s[s], costs.backward_weight_s[s])
-            if costs.backward_input_s and costs.backward_weight_s
-            else None
-        )
-        memory = MemoryBreakdown(**parts, total=sum(parts.values()))
-        peak = rep.peak_bytes[q]
-        stages.append(
-            stage_record(
-                profile, s, dev, l, r, rc[s], times, costs.update_s[s], memory, peak, split
-            )
-        )
-    shared = [(sp.bytes, sp.units) for sp in profile.shared_params]
-    T = rep.makespan_s
-    return Plan(
-        **profile_fields(profile, m),
-        schedule=cp.family,  # type: ignore[arg-type]
-        stages_per_rank=cp.v,
-        rank_peak_bytes=rep.peak_bytes,
-        checkpoint=cp.options.checkpoint,
-        optimizer=cp.options.optimizer,
-        cluster=cluster,
-        stages=tuple(stages),
-        tied_syncs=tuple(tied_syncs(shared, cluster, starts)),
-        step_time_s=T,
-        simulated_step_time_s=T,
-        bubble_fraction=rep.bubble_fraction,
-        throughput=profile.batch_size / T if T > 0 else 0.0,
-        feasible=True,
-        solver="schedules",
-        status=status,  # type: ignore[arg-type]
-        gap=gap,
-        lower_bound_s=bound,
-        solve_time_s=solve_time_s,
-    )
