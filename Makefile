@@ -11,7 +11,7 @@ STAMP := $(VENV)/.pipeplan-installed
 TARGETS_NO_DEPS ?= torchtitan==0.3.0 megatron-core==0.16.1 deepspeed==0.19.8 torchdata==0.11.0 \
 	spmd_types==0.2.3 torch_checkpointing==0.1.1
 
-.PHONY: demo test lint venv clean gpu-wheels
+.PHONY: demo test test-all lint venv clean gpu-wheels
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: $(STAMP)
 	$(VENV)/bin/pipeplan show out/gpt.plan.json
 
 test: $(STAMP) lint
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+
+# everything, the zoo's slow models included (about twice as long)
+test-all: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
