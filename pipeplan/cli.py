@@ -204,6 +204,14 @@ def plan(
             "do not depend on the machine)."
         ),
     ] = None,
+    prove: Annotated[
+        float,
+        typer.Option(
+            help="Multi-chunk plans: this much of CP-SAT's deterministic time per (family, v, m) "
+            "on the exact model over torch's action order, to prove the plan optimal or "
+            "tighten its gap (0: the local search alone)."
+        ),
+    ] = 0.0,
     pin: Annotated[list[str] | None, typer.Option(help="UNIT:STAGE (CP-SAT).")] = None,
     min_units: Annotated[int, typer.Option(help="Fewest units per stage (CP-SAT).")] = 1,
     max_units: Annotated[int | None, typer.Option(help="Most units per stage (CP-SAT).")] = None,
@@ -256,6 +264,7 @@ def plan(
         min_units=max(1, min_units),
         max_units=max_units,
         time_limit_s=time_limit,
+        prove=prove,
     )
     if request.calibration is not None:
         err_console.print(

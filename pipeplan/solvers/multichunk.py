@@ -385,6 +385,7 @@ def solve_schedule(
     options = options or PlanOptions(schedule="auto")
     if options.search_work is not None:
         search_work = options.search_work
+    exact_time = exact_time or options.prove
     t0 = time.perf_counter()
     deadline = None if options.time_limit_s is None else t0 + options.time_limit_s
     if options.pinned:

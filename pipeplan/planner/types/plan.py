@@ -50,6 +50,11 @@ class PlanOptions(FrozenModel):
     """The schedule solver's local-search budget: actions it may replay, summed over its
     replays (``None``: :data:`pipeplan.solvers.multichunk.SEARCH_WORK`; 0 keeps the best of
     its seeds).  A count, not a clock, so that a plan does not depend on the host's load."""
+    prove: float = Field(default=0.0, ge=0)
+    """The schedule solver's exact model (:mod:`pipeplan.solvers.exact_order`): CP-SAT's
+    deterministic time per (family, v, m) candidate whose bound can still win (0: off).  It
+    starts from the search's plan, looks only below the best step, and turns the status to
+    ``optimal`` where every candidate is proven; elsewhere it tightens the gap."""
     families: tuple[ScheduleName, ...] | None = None
     """The families ``schedule="auto"`` may choose among (``None``: every one): the schedules a
     target framework runs (``pipeplan plan --for``, :data:`pipeplan.export.TARGET_FAMILIES`)."""
