@@ -365,9 +365,11 @@ def compare(
     names = [path.stem for path in plan_files]
     df = compare_frame(plans, names)
     if plot is not None:
+        from pipeplan.planner.io import write_atomic
         from pipeplan.report.plots import compare_figure
 
-        compare_figure(plans, names).savefig(plot, dpi=120)
+        figure = compare_figure(plans, names)
+        write_atomic(plot, lambda fh: figure.savefig(fh, dpi=120, format=plot.suffix[1:].lower()))
         err_console.print(f"figure -> {plot}")
     if output is not None:
         write_text(output, render(df, fmt))

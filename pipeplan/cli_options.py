@@ -10,6 +10,7 @@ more than typer, so ``pipeplan --help`` starts at once.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -41,8 +42,13 @@ def check_output(path: Path) -> None:
     """``fail`` unless ``path`` can be written: not a directory, in a directory that exists."""
     if path.is_dir():
         fail(f"output {path} is a directory; give a file name such as {path / 'out.json'}")
+    nearest = next((p for p in path.parents if p.exists()), Path("."))
+    if not nearest.is_dir():
+        fail(f"output {path}: {nearest} is a file, not a directory; give a path in a folder")
     if not path.parent.exists():
         fail(f"output directory {path.parent} does not exist; create it first")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        fail(f"output directory {path.parent} is not writable; give a folder you can write to")
 
 
 def parse_pins(pins: list[str] | None) -> dict[int, int]:

@@ -12,8 +12,9 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -32,6 +33,7 @@ __all__ = [
     "parse_bytes",
     "parse_duration",
     "parse_rate",
+    "write_atomic",
     "write_json",
     "write_text",
 ]
@@ -47,14 +49,29 @@ def dumps(obj: BaseModel) -> str:
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` atomically (temporary file + rename)."""
+    write_atomic(path, lambda fh: fh.write(text.encode()))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write`` on a temporary file beside ``path``, then rename it to ``path``: a reader
+    sees the old file or the whole new one, never half of it, and a failed ``write`` leaves
+    nothing.  The file gets the mode a plain ``open`` would (0666 less the umask), not
+    ``mkstemp``'s 0600."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise InvalidRequestError(f"cannot write {path}: directory {directory} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

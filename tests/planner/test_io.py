@@ -93,3 +93,20 @@ def test_sizes() -> None:
     for bad in ("-5GB", "0", "lots", "5XB"):
         with pytest.raises(InvalidRequestError):
             parse_bytes(bad)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_get_the_mode_open_would_give(
+    tmp_path: Path, profile: Profile, umask: int
+) -> None:
+    """Atomic writes go through mkstemp (mode 0600); the file they leave has 0666 less the
+    umask, as a plain open would give it."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "p.json", profile)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "p.json").stat().st_mode) == 0o666 & ~umask

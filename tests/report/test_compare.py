@@ -161,6 +161,8 @@ def test_compare_writes_a_file(plan_files: list[Path], tmp_path: Path, cli) -> N
         (["compare", "PLAN", "--format", "xml"], "--format 'xml'"),
         (["compare", "PROFILE"], "expected 'pipeplan.plan/1'"),
         (["compare", "PLAN", "-o", "/nonexistent-dir/x.csv"], "does not exist"),
+        (["compare", "PLAN", "--plot", "UNDER_PLAN"], "is a file, not a directory"),
+        (["compare", "PLAN", "-o", "UNDER_PLAN"], "is a file, not a directory"),
         (["plan", "PROFILE", "-p", "3", "--memory", "1GiB", "--solver", "nope"], "--solver 'nope'"),
         (
             [
@@ -184,9 +186,9 @@ def test_bad_input_is_one_line(
     plan_files: list[Path], tmp_path: Path, args: list[str], message: str
 ) -> None:
     profile = plan_files[0].parent / "profile.json"
-    argv = [
-        str(profile) if a == "PROFILE" else str(plan_files[0]) if a == "PLAN" else a for a in args
-    ]
+    swap = {"PROFILE": str(profile), "PLAN": str(plan_files[0]),
+            "UNDER_PLAN": f"{plan_files[0]}/ro/x.png"}  # fmt: skip
+    argv = [swap.get(a, a) for a in args]
     if "plan" == argv[0]:
         argv += ["-o", str(tmp_path / "out.json")]
     proc = subprocess.run(
