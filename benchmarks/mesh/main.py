@@ -62,13 +62,13 @@ def _row(name: str, devices: int, mode: str, plan: Plan, seconds: float | None) 
     }
 
 
-def bench(names: list[str]) -> list[dict[str, Any]]:
+def bench(names: list[str], devices: list[int]) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         prof = load_profile(PROFILES[name])
-        for n in DEVICES:
+        for n in devices:
             for mode in ("replicate", "shard", "auto"):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 try:
                     plan = pipeplan.plan(
                         prof,
@@ -84,7 +84,9 @@ def bench(names: list[str]) -> list[dict[str, Any]]:
                     print(name, n, mode, "no plan:", str(exc)[:200], flush=True)
                     continue
                 seconds = time.perf_counter() - t0
+                cpu = time.process_time() - c0
                 rows.append(_row(name, n, mode, plan, seconds if mode == "auto" else None))
+                rows[-1]["planning_cpu_s"] = cpu if mode == "auto" else None
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -92,9 +94,10 @@ def bench(names: list[str]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", nargs="*", default=list(PROFILES), choices=list(PROFILES))
+    ap.add_argument("--devices", nargs="*", type=int, default=list(DEVICES))
     ap.add_argument("-o", "--output", default=str(HERE / "results.json"))
     args = ap.parse_args(argv)
-    rows = bench(args.profiles)
+    rows = bench(args.profiles, args.devices)
     Path(args.output).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
 
 
