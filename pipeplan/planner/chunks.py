@@ -44,11 +44,10 @@ import numpy as np
 
 from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.evaluate import profile_fields, stage_record
-from pipeplan.planner.families import FAMILIES, action_order, rank_of_stage
+from pipeplan.planner.families import FAMILIES, rank_of_stage
 from pipeplan.planner.replay import ChunkCosts, Replay, replay
 from pipeplan.planner.request import ResolvedRequest
-from pipeplan.planner.types import Cluster, MemoryBreakdown, Plan, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import tables, unit_costs
 
 __all__ = [
@@ -232,93 +231,6 @@ class ChunkPlan:
     def fits(self, rep: Replay) -> bool:
         return all(
             peak <= self.cluster.devices[q].memory_bytes for q, peak in enumerate(rep.peak_bytes)
-        )
-
-    def to_plan(
-        self,
-        starts: list[int],
-        rc: list[bool],
-        rep: Replay,
-        *,
-        solver: str,
-        status: str,
-        gap: float | None,
-        bound: float,
-        solve_time_s: float,
-    ) -> Plan:
-        """The plan of these cuts and flags, ``rep`` their replay (what the schedule solvers
-        return: the stages' times and memory at their peaks, the replay's step)."""
-        cp = self
-        profile, cluster, m = cp.profile, cp.cluster, cp.m
-        costs = cp.costs_of(starts, rc)
-        n, k = profile.n_units, len(starts)
-        order = action_order(cp.family, cp.p, cp.v, m)
-        flight = [0] * k
-        live = [0] * k
-        for acts in order:
-            for a in acts:
-                live[a.stage] += 1 if a.kind == "F" else (-1 if a.kind in "BW" else 0)
-                flight[a.stage] = max(flight[a.stage], live[a.stage])
-        state = cp.state
-        stages = []
-        for s, l in enumerate(starts):
-            r = (starts[s + 1] if s + 1 < k else n) - 1
-            q = cp.owner[s]
-            dev = cluster.devices[q]
-            params = int(stage_params(cp.costs, l, r))
-            parts = {
-                "params": int(state.params * params),
-                "grads": int(state.grads * params),
-                "optimizer": int(state.optimizer * params),
-                "stashed_inputs": int(m * cp.costs.x[l]),
-                "gradient_buffers": int(m * cp.costs.x[r + 1]),
-                "activations": flight[s] * costs.held_bytes[s],
-                "transient": costs.transient_bytes[s],
-            }
-            times = (costs.forward_s[s], costs.backward_s[s], costs.comm_s[s])
-            split = (
-                (costs.backward_input_s[s], costs.backward_weight_s[s])
-                if costs.backward_input_s and costs.backward_weight_s
-                else None
-            )
-            memory = MemoryBreakdown(**parts, total=sum(parts.values()))
-            stages.append(
-                stage_record(
-                    profile,
-                    s,
-                    dev,
-                    l,
-                    r,
-                    rc[s],
-                    times,
-                    costs.update_s[s],
-                    memory,
-                    rep.peak_bytes[q],
-                    split,
-                )
-            )
-        shared = [(sp.bytes, sp.units) for sp in profile.shared_params]
-        T = rep.makespan_s
-        return Plan(
-            **profile_fields(profile, m),
-            schedule=cp.family,  # type: ignore[arg-type]
-            stages_per_rank=cp.v,
-            rank_peak_bytes=rep.peak_bytes,
-            checkpoint=cp.options.checkpoint,
-            optimizer=cp.options.optimizer,
-            cluster=cluster,
-            stages=tuple(stages),
-            tied_syncs=tuple(tied_syncs(shared, cluster, starts)),
-            step_time_s=T,
-            simulated_step_time_s=T,
-            bubble_fraction=rep.bubble_fraction,
-            throughput=profile.batch_size / T if T > 0 else 0.0,
-            feasible=True,
-            solver=solver,
-            status=status,  # type: ignore[arg-type]
-            gap=gap,
-            lower_bound_s=bound,
-            solve_time_s=solve_time_s,
         )
 
 

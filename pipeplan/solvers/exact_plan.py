@@ -24,6 +24,7 @@ from pipeplan.planner.errors import InfeasiblePlanError, UnsupportedConstraintEr
 from pipeplan.planner.io import format_bytes
 from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
+from pipeplan.solvers.chunk_plan import chunk_plan
 from pipeplan.solvers.exact_order import ExactOrder, ExactResult
 
 __all__ = ["Proof", "prove_candidates", "solve_exact_order"]
@@ -69,7 +70,8 @@ def solve_exact_order(
     T = res.replay.makespan_s
     bound = min(res.bound_s, T)
     gap = None if res.status == "optimal" else max(0.0, (T - bound) / T)
-    return cp.to_plan(
+    return chunk_plan(
+        cp,
         res.starts, res.recompute, res.replay, solver="exact-order", status=res.status,
         gap=gap, bound=bound, solve_time_s=time.perf_counter() - t0,
     )  # fmt: skip

@@ -70,6 +70,7 @@ from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.solvers.chunk_plan import chunk_plan
 from pipeplan.solvers.exact_plan import Candidate, prove_candidates
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
@@ -485,7 +486,8 @@ def solve_schedule(
     exact = exact or (
         exact_time > 0 and all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
     )
-    return plans[best_c].to_plan(
+    return chunk_plan(
+        plans[best_c],
         starts, rc, rep,
         solver="schedules",
         status="optimal" if exact else "feasible",
