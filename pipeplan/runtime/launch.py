@@ -55,6 +55,7 @@ def preflight(
 
     from pipeplan.intake.graph import group_units
     from pipeplan.intake.model import load_model, parse_model_args
+    from pipeplan.intake.spec import cast_floating
     from pipeplan.intake.trace import trace_model
     from pipeplan.runtime.engine import cast_batch, check_schedule
     from pipeplan.runtime.stages import check_plan
@@ -89,7 +90,7 @@ def preflight(
         check_source(plan)
     spec = load_model(model or plan.model, kwargs)
     dtype = getattr(torch, plan.dtype)
-    module = spec.module.to(dtype=dtype)
+    module = cast_floating(spec.module, dtype)
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
     traced = trace_model(module, inputs, tracer=plan.tracer)
     check_plan(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions))
