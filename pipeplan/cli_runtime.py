@@ -122,6 +122,7 @@ def run(
         threads=threads,
         outputs=[report, trace],
         resume=resume,
+        save=save,
     )
     if device == "cpu":
         from pipeplan.planner.host import threads_mismatch
@@ -160,7 +161,7 @@ def run(
     try:
         launch(
             p, plan_file.resolve(), args, steps=warmup + steps, progress=not quiet,
-            timeout_s=timeout,
+            timeout_s=timeout, save=save.resolve() if save else None,
         )  # fmt: skip
     except StageFailedError as exc:
         if exc.rank_traceback and DEBUG[0]:

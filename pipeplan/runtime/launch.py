@@ -11,9 +11,14 @@ the others and exits non-zero; :func:`failure` reads the ranks' error files and 
 that failed first (an error caused by a peer's death, such as a closed connection, is not the
 root cause), and :func:`launch` raises :class:`~pipeplan.planner.errors.StageFailedError`.
 
-While the job runs, :func:`pipeplan.runtime.supervise.supervise` forwards SIGTERM and SIGINT to
-torchrun and every rank, and ends the job when a rank stops beating for ``--timeout`` seconds
-(stopped or frozen); the error then names the signal and the step, or the stalled stage.
+While the job runs, :func:`pipeplan.runtime.supervise.supervise` forwards SIGTERM, SIGINT and
+SIGHUP to torchrun and every rank, and ends the job when a rank stops beating for ``--timeout``
+seconds (stopped or frozen); the error then names the signal and the step, or the stalled stage.
+The job also ends with ``pipeplan run`` itself: torchrun gets SIGTERM when its parent dies
+(:func:`~pipeplan.runtime.supervise.die_with_parent`) and each rank watches the launcher's pid
+(``PIPEPLAN_LAUNCHER``, :mod:`pipeplan.runtime.worker`).  A ``--save`` folder is held by a
+lock while the job runs (:mod:`pipeplan.runtime.save_lock`); a job stopped by a signal or a
+failure leaves no partial save in it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +40,8 @@ from pipeplan.planner.errors import InvalidRequestError, StageFailedError
 from pipeplan.planner.io import load_plan
 from pipeplan.planner.types import Plan
 from pipeplan.report.progress import progress_bar
-from pipeplan.runtime.supervise import forwarded_signals, supervise
+from pipeplan.runtime.save_lock import check_free, hold
+from pipeplan.runtime.supervise import die_with_parent, forwarded_signals, process_start, supervise
 
 __all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
 
@@ -48,9 +55,11 @@ def preflight(
     threads: int | None = None,
     outputs: Sequence[str | os.PathLike[str] | None] = (),
     resume: str | os.PathLike[str] | None = None,
+    save: str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Everything that can be checked before launching; raises a PipeplanError naming the fix.
-    ``resume``: the save the run continues, which must have been made on the plan's mesh."""
+    ``resume``: the save the run continues, which must have been made on the plan's mesh;
+    ``save``: the folder it saves into; neither may be one a live job still writes."""
     import torch
 
     from pipeplan.intake.graph import group_units
@@ -62,6 +71,9 @@ def preflight(
 
     plan = load_plan(plan_path)
     check_schedule(plan)
+    for option, folder in (("--resume", resume), ("--save", save)):
+        if folder is not None:
+            check_free(option, folder)
     if resume is not None:
         from pipeplan.runtime.saving import check_mesh, mesh_record
         from pipeplan.runtime.snapshots import resolve
@@ -269,6 +281,7 @@ def launch(
     steps: int = 0,
     progress: bool = False,
     timeout_s: float = 300.0,
+    save: str | os.PathLike[str] | None = None,
 ) -> None:
     """Run the worker under torchrun; raise :class:`StageFailedError` if any rank fails, a
     rank stalls for ``timeout_s`` or a signal stops the job.
@@ -276,10 +289,13 @@ def launch(
     Rank 0's standard output (the comparison table) is passed through; torchrun's and the
     ranks' standard error are kept and shown only when the cause of a failure is unknown.
     With ``progress``, a bar on stderr follows rank 0 through its ``steps`` steps (warm-up
-    included).
+    included).  ``save``: the run's ``--save`` folder, locked while the job runs; the partial
+    save a stopped or failed job leaves there is removed.
     """
     ranks = plan.pipeline_ranks * plan.cluster.data_parallel
-    with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
+    env = {**(os.environ if env is None else env), "PIPEPLAN_LAUNCHER": str(os.getpid())}
+    env["PIPEPLAN_LAUNCHER_START"] = str(process_start(os.getpid()))  # the ranks' watchdog
+    with hold(save), tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         run_dir = Path(tmp)
         cmd = worker_command(plan, plan_path, [*worker_args, "--run-dir", str(run_dir)])
         log_path, step_file = run_dir / "torchrun.log", run_dir / "progress"
@@ -295,12 +311,19 @@ def launch(
 
             with forwarded_signals() as received:  # before the job starts: none is missed
                 proc = subprocess.Popen(
-                    cmd, stdout=None, stderr=log, env=env, start_new_session=True
-                )
+                    cmd, stdout=None, stderr=log, env=env, start_new_session=True,
+                    preexec_fn=die_with_parent(),  # noqa: PLW1509 - prepared before the fork
+                )  # fmt: skip
                 outcome = supervise(proc, run_dir, ranks, poll, timeout_s, received)
 
             if outcome.code == 0:
                 bar.update(task, completed=steps)
+        if outcome.code != 0 and save is not None:  # every rank has ended
+            for partial in Path(save).glob(".partial-*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        if outcome.agent_killed and outcome.code is not None:
+            name = signal.Signals(-outcome.code).name
+            raise StageFailedError(f"torchrun ended by {name}; every rank ended")
         if outcome.signal is not None:
             name = signal.Signals(outcome.signal).name
             at = f" at step {outcome.step}" if outcome.step is not None else " before step 0"

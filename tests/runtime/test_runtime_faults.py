@@ -4,6 +4,9 @@ the cause, exits non-zero, leaves no process behind and keeps the last complete 
 - SIGTERM to ``pipeplan run`` (a scheduler's time limit) and SIGINT to its process group
   (Ctrl-C) are forwarded to torchrun and every rank; the job ends within seconds, status
   128 + the signal, and one line names the signal and the step.
+- SIGKILL or SIGHUP of ``pipeplan run`` ends torchrun and every rank within seconds and
+  ``latest`` stops moving; while the job runs, a ``--resume`` into its folder is refused naming
+  the launcher's pid. SIGKILL of torchrun ends every rank, in one line.
 - A rank stopped with SIGSTOP (a hung rank) ends the job within ``--timeout`` plus a margin,
   naming the stalled stage.
 - A full disk during a save (``ENOSPC``, injected) names the stage that could not write it.
@@ -31,6 +34,7 @@ from _resume_jobs import ENV, PIPEPLAN, beat, state, survivors, wait_for, write_
 from pipeplan.cli import main
 from pipeplan.runtime.checkpoint import shard_name
 from pipeplan.runtime.snapshots import step_name
+from pipeplan.runtime.supervise import live_processes
 
 pytestmark = pytest.mark.multirank
 
@@ -157,3 +161,54 @@ def test_a_damaged_save_is_refused_before_launch_naming_the_file(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert expected in " ".join(err.split()) and len(err.strip().splitlines()) <= 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_the_job_ends_with_its_launcher(plan: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGKILL of ``pipeplan run`` (the OOM killer) or SIGHUP (a closed terminal): torchrun and
+    the ranks end within 10 s and ``latest`` stops moving.  While the job runs, a ``--resume``
+    into its save folder is refused naming the launcher's pid."""
+    proc = _start(plan, tmp_path)
+    save = tmp_path / "save"
+    if sig == signal.SIGHUP:
+        cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--steps", "1", "--optimizer", "adam",
+               "--resume", str(save), "--save", str(save)]  # fmt: skip
+        refused = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV,
+                                 timeout=120)  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert f"a run still writes {save} (pid {proc.pid} on host" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    proc.send_signal(sig)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    wait_for(lambda: not survivors(str(tmp_path)), timeout=10.0)
+    took = time.monotonic() - start
+    print(f"\n{sig.name} to pipeplan run: nothing left after {took:.1f} s: {err.strip()[-300:]}")
+    assert took < 10
+    folders = sorted(p.name for p in save.iterdir())
+    latest = (save / "latest").read_text()
+    time.sleep(2.0)  # nothing writes the folder any more
+    assert sorted(p.name for p in save.iterdir()) == folders
+    assert (save / "latest").read_text() == latest
+    assert state(save)  # the latest save is complete and whole
+    if sig == signal.SIGHUP:
+        assert proc.returncode == 128 + signal.SIGHUP
+        assert "stopped by SIGHUP at step" in err and len(err.strip().splitlines()) == 1
+        assert not [f for f in folders if f.startswith(".")]  # no partial save, no lock
+    else:
+        assert proc.returncode == -signal.SIGKILL
+        from pipeplan.runtime.save_lock import check_free
+
+        check_free("--resume", save)  # the dead job's lock is stale: a resume may start
+
+
+def test_sigkill_of_torchrun_ends_every_rank_in_one_line(plan: Path, tmp_path: Path) -> None:
+    proc = _start(plan, tmp_path)
+    agents = [pid for pid, cmd in live_processes(str(tmp_path)).items()
+              if "torch.distributed.run" in cmd]  # fmt: skip
+    assert len(agents) == 1
+    os.kill(agents[0], signal.SIGKILL)
+    err, took = _stopped(proc, tmp_path, "SIGKILL of torchrun")
+    assert proc.returncode == 1
+    assert err.strip() == "error: torchrun ended by SIGKILL; every rank ended"
+    assert took < 10
