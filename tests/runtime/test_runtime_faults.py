@@ -9,7 +9,9 @@ the cause, exits non-zero, leaves no process behind and keeps the last complete 
   the launcher's pid. SIGKILL of torchrun ends every rank, in one line.
 - A rank stopped with SIGSTOP (a hung rank) ends the job within ``--timeout`` plus a margin,
   naming the stalled stage.
-- A full disk during a save (``ENOSPC``, injected) names the stage that could not write it.
+- A full disk during a save (``ENOSPC``, injected) names the stage that could not write it;
+  so does a real one (a 72 KiB tmpfs, where the test may mount one), whose partial save is
+  removed so the disk is freed.
 - A save that is truncated, corrupted or incomplete is refused before launch (``--resume``),
   naming the file, with status 2 (the ranks' own checks are tested in
   ``tests/runtime/test_snapshots.py``).
@@ -25,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +215,43 @@ def test_sigkill_of_torchrun_ends_every_rank_in_one_line(plan: Path, tmp_path: P
     assert proc.returncode == 1
     assert err.strip() == "error: torchrun ended by SIGKILL; every rank ended"
     assert took < 10
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 72 KiB tmpfs: one save of the test model (48 KiB in pages), its ``latest`` and
+    the run's lock fit, a second save does not."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=72k", "tmpfs", str(mnt)],
+                           check=False, capture_output=True, text=True)  # fmt: skip
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_real_full_disk_is_one_line_and_leaves_the_disk_as_it_was(
+    plan: Path, small_disk: Path
+) -> None:
+    save = small_disk / "save"
+    cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "4",
+           "--optimizer", "adam", "--save-every", "1", "--save", str(save)]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=180)
+    print(f"\na real full disk: stopped after {time.monotonic() - start:.1f} s: {proc.stderr}")
+    assert not survivors(str(save))
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert (
+        f"could not write its part of the save of step 2 into {save}/.partial-step-000002: " in err
+    )
+    assert "No space left on device; the last complete save in" in err
+    assert sorted(p.name for p in save.iterdir()) == ["latest", step_name(1)]  # no partial
+    assert (save / "latest").read_text().strip() == step_name(1)
+    assert state(save)
+    used = shutil.disk_usage(small_disk).used
+    assert used <= 56 * 1024  # the first save, latest and nothing else: the disk was freed
