@@ -7,7 +7,8 @@ torchtitan 0.3.0, megatron-core, deepspeed).
   snapping the cuts on export (today's path), and exports without moving a cut.
 * megatron-core's ``TransformerConfig`` parses the layout (``PipelineParallelLayerLayout``) and
   the commented first/last pair, and builds the plan's layers per stage.
-* torchtitan 0.3.0's ``ConfigManager`` parses the override line and its transformers backend's
+* torchtitan 0.3.0's ``ConfigManager`` parses the override line (the activation-checkpoint
+  policy the plan's recomputation sets included) and its transformers backend's
   ``pipeline_module_split`` cuts a Llama and a Gemma by it: every parameter on one stage (Gemma's
   tied head keeps a copy on the last), the chained stages equal to the whole model
   (``titan_split.py``, in its own process).
@@ -286,11 +287,32 @@ def test_torchtitan_reads_the_export(llama) -> None:
         ).text.splitlines()[1]
         for mode in ("shard", "replicate")
     }
-    got, got_bad, got_gemma, got_shard, got_rep = titan_split(
+    # The plan's recomputation: every stage, and the first two only (torchtitan's one policy).
+    recomputing = {
+        name: export_plan(
+            plan.model_copy(
+                update={"stages": tuple(s.model_copy(update={"recompute": j in which})
+                                        for j, s in enumerate(plan.stages))}
+            ),
+            "torchtitan",
+            prof,
+        )
+        for name, which in (("every", (0, 1, 2)), ("some", (0, 1)))
+    }  # fmt: skip
+    assert not recomputing["every"].notes
+    assert any("recomputes stage(s) [0, 1] only" in n for n in recomputing["some"].notes)
+    got, got_bad, got_gemma, got_shard, got_rep, got_every, got_some = titan_split(
         [f"llama:4 {lines[0]}", f"llama:4 {bad_line}", f"gemma:3 {gemma_line}",
-         f"llama:4 {meshed['shard']}", f"llama:4 {meshed['replicate']}"],
+         f"llama:4 {meshed['shard']}", f"llama:4 {meshed['replicate']}",
+         *(f"llama:4 {r.text.splitlines()[1]}" for r in recomputing.values())],
         29541,
     )  # fmt: skip
+    # torchtitan reads the plan's recomputation
+    assert not any(s.recompute for s in plan.stages)
+    assert got["activation_checkpoint"] == "NoneType"  # not its default, selective
+    assert (
+        got_every["activation_checkpoint"] == got_some["activation_checkpoint"] == "FullAC.Config"
+    )
     # torchtitan's own parser reads the data-parallel degrees the plan's mode sets
     assert (got_shard["dp_shard"], got_shard["dp_replicate"]) == (2, 1)
     assert (got_rep["dp_shard"], got_rep["dp_replicate"]) == (1, 2)

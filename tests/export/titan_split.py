@@ -115,6 +115,7 @@ def _split(arch: str, args: list[str]) -> dict[str, Any]:
         "whole": [n for n, _ in model.named_parameters()],
         "dp_shard": par.data_parallel_shard_degree,
         "dp_replicate": par.data_parallel_replicate_degree,
+        "activation_checkpoint": type(config.activation_checkpoint).__qualname__,
     }
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
     _, chunks = pipeline_module_split(
