@@ -8,9 +8,10 @@ torchtitan 0.3.0, megatron-core, deepspeed).
 * megatron-core's ``TransformerConfig`` parses the layout (``PipelineParallelLayerLayout``) and
   the commented first/last pair, and builds the plan's layers per stage.
 * torchtitan 0.3.0's ``ConfigManager`` parses the override line (the activation-checkpoint
-  policy the plan's recomputation sets included) and its transformers backend's
-  ``pipeline_module_split`` cuts a Llama and a Gemma by it: every parameter on one stage (Gemma's
-  tied head keeps a copy on the last), the chained stages equal to the whole model
+  policy the plan's recomputation sets included); its transformers backend builds the layers
+  the config names (its ``full`` config: the debug config overrides the layer count to 2) and
+  its ``pipeline_module_split`` cuts a Llama and a Gemma by it: every parameter on one stage
+  (Gemma's tied head keeps a copy on the last), the chained stages equal to the whole model
   (``titan_split.py``, in its own process).
 """
 
@@ -307,7 +308,8 @@ def test_torchtitan_reads_the_export(llama) -> None:
          *(f"llama:4 {r.text.splitlines()[1]}" for r in recomputing.values())],
         29541,
     )  # fmt: skip
-    # torchtitan reads the plan's recomputation
+    # torchtitan builds the layers the config names, and reads the plan's recomputation
+    assert [g["n_layers"] for g in (got, got_gemma)] == [4, 3]
     assert not any(s.recompute for s in plan.stages)
     assert got["activation_checkpoint"] == "NoneType"  # not its default, selective
     assert (
