@@ -5,6 +5,10 @@ drops its imaginary part)."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +52,17 @@ def test_only_floating_point_tensors_take_the_dtype() -> None:
     assert not torch.allclose(dropped(x), reference(x))
     with pytest.warns(UserWarning, match="discards the imaginary part"):
         assert copy.deepcopy(model).to(dtype=torch.float64).freqs_cis.dtype == torch.float64
+
+
+def test_a_torchtitan_llama_keeps_its_loss() -> None:
+    """torchtitan's Llama 3 keeps its RoPE table in complex64: ``module.to`` moved its loss
+    (8.176558 -> 8.176278 on 2026-11-27), ``cast_floating`` does not."""
+    pytest.importorskip("torchtitan")
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "_titan_llama.py")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["buffers"] == ["torch.complex64"]
+    assert got["cast_floating"] == got["uncast"] != got["to"]
