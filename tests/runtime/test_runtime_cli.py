@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from _runtime_jobs import make_plan
 
 from pipeplan.cli import main
@@ -268,3 +269,37 @@ def test_the_ranks_check_the_mesh_of_a_save_and_take_an_older_one_as_replicated(
     assert saving.resume_point(tmp_path / "old", info)[1] == 2
     with pytest.raises(InvalidRequestError, match=r"pp 1 x dp 2 \(replicate\) but this plan"):
         saving.resume_point(tmp_path / "old", saving.run_info(sharded, "sgd", 1e-3, 0))
+
+
+def test_resume_falls_back_to_the_newest_complete_save_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--resume DIR`` whose ``latest`` save is damaged resumes the newest complete one, and
+    says so in one line; with none complete it is refused, naming the damaged file."""
+    from pipeplan.cli_runtime import check_resume
+    from pipeplan.runtime.snapshots import step_name
+
+    root = tmp_path / "save"
+    for step in (2, 4, 3):  # committed in this order: 3 is the newest after 4
+        save_id, tmp = f"{step:016x}", partial_dir(root, step)
+        size = write_shard(tmp, 0, 1, {"x": torch.full((2,), step)}, {"save_id": save_id})
+        write_index(tmp, [["x"]], size)
+        files = [file_record(tmp / name) for name in (shard_name(0, 1), INDEX)]
+        commit(root, step, save_id, files, {})
+    assert check_resume(root) == root  # whole: resumed at latest
+    shard = root / step_name(3) / shard_name(0, 1)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert check_resume(root) == root / step_name(4)
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(f"warning: --resume {root}: the save latest names is damaged ")
+    assert f"{shard} is corrupted" in err and err.endswith(
+        "resuming from step-000004, the newest complete save"
+    )
+    for step in (2, 4):
+        (root / step_name(step) / INDEX).unlink()
+    with pytest.raises(typer.Exit) as exc:
+        check_resume(root)
+    assert exc.value.exit_code == 2
+    assert f"{shard} is corrupted" in " ".join(capsys.readouterr().err.split())
