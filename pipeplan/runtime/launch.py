@@ -37,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
+from pipeplan.planner.families import stages_of_rank
 from pipeplan.planner.io import load_plan
 from pipeplan.planner.types import Plan
 from pipeplan.report.progress import progress_bar
 from pipeplan.runtime.save_lock import check_free, hold
+from pipeplan.runtime.stage_errors import rank_label
 from pipeplan.runtime.supervise import die_with_parent, forwarded_signals, process_start, supervise
 
 __all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
@@ -182,8 +184,13 @@ def failure(
     log: str,
     frozen: dict[int, float] | None = None,
     n_stages: int | None = None,
+    chunks: list[list[int]] | None = None,
 ) -> StageFailedError:
     """The error to raise for a failed run: the stage that failed first and why.
+
+    ``n_stages``: the pipeline ranks (a rank's stage is its rank modulo them); ``chunks``: for
+    a plan of several stages per rank, each pipeline rank's stages, which the message names
+    (``rank 0 (stages 0 and 3)``) rather than one stage.
 
     In order: the earliest error a rank raised itself; else a rank that stopped beating
     (``frozen``: rank -> seconds without a heartbeat; stopped or frozen, its peers timed out
@@ -197,12 +204,19 @@ def failure(
     silent = sorted(set(range(n_ranks)) - {int(e["stage"]) for e in errors})
     died = [r for r in silent if not codes.get(r, "").startswith("-15")] or silent
 
+    def who(rank: int) -> str | None:
+        """``rank 0 (stages 0 and 3)`` for a rank holding several chunks, else ``None``."""
+        if not chunks:
+            return None
+        return rank_label(rank, chunks[rank % len(chunks)])
+
     def consequence(culprit: int) -> str:
         others = sorted({int(e["stage"]) for e in errors} - {culprit})
         if not others:
             return ""
         names = ", ".join(map(str, others))
-        return f" (stage{'s' if len(others) > 1 else ''} {names} stopped as a consequence)"
+        what = "rank" if chunks else "stage"
+        return f" ({what}{'s' if len(others) > 1 else ''} {names} stopped as a consequence)"
 
     if own:
         e = own[0]
@@ -219,17 +233,18 @@ def failure(
                 bad_request=request,
                 rank_traceback=e.get("traceback"),
             )
+        name = who(int(e["stage"])) or f"stage {e['stage']}"
         return StageFailedError(
-            f"stage {e['stage']} failed{at}: {e['type']}: {e['message']}"
-            + consequence(int(e["stage"])),
+            f"{name} failed{at}: {e['type']}: {e['message']}" + consequence(int(e["stage"])),
             bad_request=request,
             rank_traceback=e.get("traceback"),
         )
     if frozen:
         rank = min(frozen, key=lambda r: -frozen[r])  # the one silent longest
         stage = rank % (n_stages or n_ranks)
+        name = who(rank) or f"stage {stage} (rank {rank})"
         return StageFailedError(
-            f"stage {stage} (rank {rank}) stopped making progress: no heartbeat for "
+            f"{name} stopped making progress: no heartbeat for "
             f"{frozen[rank]:.0f} s (the process is stopped or frozen); the job was stopped"
             + consequence(rank)
         )
@@ -242,12 +257,14 @@ def failure(
             None,
         )  # fmt: skip
         why = f": {native}" if native else " (killed, os._exit or out of memory?)"
+        name = who(stage) or f"stage {stage}"
         return StageFailedError(
-            f"stage {stage} died{code} without a Python error{why}{consequence(stage)}"
+            f"{name} died{code} without a Python error{why}{consequence(stage)}"
         )
     if errors:
         e = min(errors, key=lambda e: e.get("time", 0))
-        return StageFailedError(f"stage {e['stage']} failed: {e['type']}: {e['message']}")
+        name = who(int(e["stage"])) or f"stage {e['stage']}"
+        return StageFailedError(f"{name} failed: {e['type']}: {e['message']}")
     tail = " | ".join(line.strip() for line in log.strip().splitlines()[-5:])
     return StageFailedError(f"torchrun exited with status {returncode}: {tail}")
 
@@ -338,4 +355,13 @@ def launch(
                 log_path.read_text(),
                 outcome.frozen,
                 plan.pipeline_ranks,
+                _chunks(plan),
             )
+
+
+def _chunks(plan: Plan) -> list[list[int]] | None:
+    """Each pipeline rank's stages, for a plan of several stages per rank."""
+    p, v = plan.pipeline_ranks, plan.stages_per_rank
+    if v == 1:
+        return None
+    return [sorted(stages_of_rank(plan.schedule, p, v, r)) for r in range(p)]

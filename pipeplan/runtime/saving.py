@@ -71,6 +71,7 @@ from pipeplan.runtime.snapshots import (
     resolve,
     train_state_name,
 )
+from pipeplan.runtime.stage_errors import rank_label
 
 __all__ = [
     "CheckpointWriteError",
@@ -224,9 +225,9 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         r, why = failed[0]
-        stage = r % runner.ranks
+        held = [s for s, owner in enumerate(runner.owner) if owner == r % runner.ranks]
         message = (
-            f"stage {stage} (rank {r}) could not write its part of the save of step {step} "
+            f"{rank_label(r, held)} could not write its part of the save of step {step} "
             f"into {tmp}: {why}; the last complete save in {root} is kept"
         )
         raise CheckpointWriteError(message) if r == rank else PeerFailedError(message)

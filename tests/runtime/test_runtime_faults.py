@@ -255,3 +255,21 @@ def test_a_real_full_disk_is_one_line_and_leaves_the_disk_as_it_was(
     assert state(save)
     used = shutil.disk_usage(small_disk).used
     assert used <= 56 * 1024  # the first save, latest and nothing else: the disk was freed
+
+
+def test_a_multi_chunk_failure_names_the_rank_and_its_chunks(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """ZB-V on 2 ranks: rank 0 holds stages 0 and 3; its full disk names both (issue 45)."""
+    tmp = tmp_path_factory.mktemp("zbv")
+    plan = write_plans(tmp)["zbv"]
+    cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "2",
+           "--optimizer", "adam", "--save-every", "1", "--save", str(tmp / "save")]  # fmt: skip
+    env = {**ENV, "PIPEPLAN_FAIL": "0:2:enospc"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "error: rank 0 (stages 0 and 3) could not write its part of the save of step 2 into "
+    )
+    assert proc.stderr.strip().endswith("is kept (rank 1 stopped as a consequence)")
+    assert not survivors(str(tmp))
