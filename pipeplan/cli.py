@@ -115,6 +115,7 @@ def profile(
         if seq_len <= 0:
             fail(f"--seq-len {seq_len} must be positive")
         kwargs["seq_len"] = seq_len
+    before = _load_average()
     prof = api.profile(
         model,
         batch_size,
@@ -133,6 +134,14 @@ def profile(
         max_stages=max_stages,
     )
     api.save(prof, output)
+    if prof.device.threads is not None and before is not None:
+        from pipeplan.planner.host import busy_host, cores
+        from pipeplan.report.terminal import err_console
+
+        after = _load_average()
+        warning = busy_host(before, after or 0.0, prof.device.threads, cores(), rounds)
+        if warning is not None:
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     copied = sum(u.measured_as is not None for u in prof.units)
     console.print(
         f"profiled {prof.model} ({prof.method}"
@@ -140,6 +149,14 @@ def profile(
         + f"): {prof.n_units} units ({prof.tracer}), "
         f"micro-batch sizes {list(prof.microbatch_sizes)} -> {output}"
     )
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average (``None`` where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -83,8 +83,9 @@ def run(
     resume: Annotated[
         Path | None,
         typer.Option(
-            help="Continue the run saved in this folder from its latest complete save (or "
-            "from the step-N folder given); --steps counts the steps still to run."
+            help="Continue the run saved in this folder from its latest complete save (the "
+            "newest complete one, said in one line, when the save 'latest' names is damaged; "
+            "or from the step-N folder given); --steps counts the steps still to run."
         ),
     ] = None,
     quiet: Quiet = False,
@@ -113,7 +114,7 @@ def run(
     if resume is not None and weights is not None:
         fail("--resume and --weights both say where to start; pass one")
     if resume is not None:
-        check_resume(resume)
+        resume = check_resume(resume)
     p = preflight(
         plan_file,
         model=model,
@@ -122,6 +123,7 @@ def run(
         threads=threads,
         outputs=[report, trace],
         resume=resume,
+        save=save,
     )
     if device == "cpu":
         from pipeplan.planner.host import threads_mismatch
@@ -160,7 +162,7 @@ def run(
     try:
         launch(
             p, plan_file.resolve(), args, steps=warmup + steps, progress=not quiet,
-            timeout_s=timeout,
+            timeout_s=timeout, save=save.resolve() if save else None,
         )  # fmt: skip
     except StageFailedError as exc:
         if exc.rank_traceback and DEBUG[0]:
@@ -172,25 +174,54 @@ def run(
             console.print(f"{what} -> {path}")
 
 
-def check_resume(path: Path) -> None:
-    """``fail`` unless ``path`` is a complete pipeplan save whose files are all there, whole and
-    of the SHA-256 written (the ranks check the files they read again: a launch of your own
-    torchrun has no preflight)."""
+def check_resume(path: Path) -> Path:
+    """The save to resume for ``--resume path``: ``path`` itself when it is a complete
+    pipeplan save whose files are all there, whole and of the SHA-256 written (the ranks check
+    the files they read again: a launch of your own torchrun has no preflight); when the save
+    ``latest`` names is damaged, the newest complete one in the folder, said in one line;
+    ``fail`` when there is none."""
     from pipeplan.planner.errors import ModelLoadError
-    from pipeplan.runtime.checkpoint import CheckpointReader
-    from pipeplan.runtime.snapshots import check_file
+    from pipeplan.report.terminal import err_console
+    from pipeplan.runtime.snapshots import LATEST, committed_saves
 
     if not path.exists():
         fail(f"--resume {path} does not exist; pass the folder given to --save")
     try:
-        reader = CheckpointReader(path)
-        if reader.manifest is None:
-            fail(f"--resume {path} is not a pipeplan save (no manifest.json); start from its "
-                 f"weights with --weights instead")  # fmt: skip
-        for name in reader.manifest["files"]:
-            check_file(reader.folder, reader.manifest, name)
+        _check_save(path)
+        return path
     except ModelLoadError as exc:
-        fail(str(exc))
+        damaged = exc
+    if (path / LATEST).is_file():  # a save root: its other saves, newest first
+        for folder in committed_saves(path):
+            try:
+                _check_save(folder)
+            except ModelLoadError:
+                continue
+            err_console.print(
+                f"[yellow]warning:[/] --resume {path}: the save {LATEST} names is damaged "
+                f"({damaged}); resuming from {folder.name}, the newest complete save",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return folder
+    fail(str(damaged))
+
+
+def _check_save(path: Path) -> None:
+    """Raise :class:`~pipeplan.planner.errors.ModelLoadError` unless ``path`` (a save root
+    read at ``latest``, or a step folder) is a complete pipeplan save, every file whole."""
+    from pipeplan.planner.errors import ModelLoadError
+    from pipeplan.runtime.checkpoint import CheckpointReader
+    from pipeplan.runtime.snapshots import check_file
+
+    reader = CheckpointReader(path)
+    if reader.manifest is None:
+        raise ModelLoadError(
+            f"--resume {path} is not a pipeplan save (no manifest.json); start from its "
+            f"weights with --weights instead"
+        )
+    for name in reader.manifest["files"]:
+        check_file(reader.folder, reader.manifest, name)
 
 
 def calibrate(

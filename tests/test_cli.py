@@ -323,6 +323,29 @@ def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
     assert code == 0 and "fingerprint" in out
 
 
+def test_profiling_on_a_busy_host_warns_in_one_line(
+    tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other jobs loading the cores the profile needs: one warning naming --rounds (issue 45)."""
+    import pipeplan.cli as cli_module
+    from pipeplan.planner import host
+
+    options = (
+        "-b 8 --model-arg width=32 --model-arg in_features=32 --model-arg depth=3 --threads 1"
+        " --repeats 1 --warmup 0 --quiet"
+    )
+    monkeypatch.setattr(host, "cores", lambda: 2)
+    monkeypatch.setattr(cli_module.os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    code, _, err = cli(cli_argv("profile", "pipeplan.models.mlp:mlp", tmp_path / "a.json", options))
+    assert code == 0 and "warning" not in err
+    monkeypatch.setattr(cli_module.os, "getloadavg", lambda: (7.5, 7.0, 6.0))
+    code, _, err = cli(cli_argv("profile", "pipeplan.models.mlp:mlp", tmp_path / "b.json", options))
+    assert code == 0
+    line = " ".join(err.split())
+    assert line.startswith("warning: the host was busy while profiling: load average 7.5 on 2 ")
+    assert "or with --rounds 3 to take medians over bursts)" in line and err.count("warning") == 1
+
+
 BAD_PROFILE = [
     (["pipeplan.models.nothing:here", "-b", "8"], "cannot import 'pipeplan.models.nothing'"),
     (["pipeplan.models.mlp:nope", "-b", "8"], "has no attribute 'nope'"),

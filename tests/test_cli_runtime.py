@@ -26,11 +26,13 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import typer
 from _resume_jobs import ENV, PIPEPLAN, beat, state, survivors, wait_for, write_plans
 from _runtime_jobs import make_plan
 
@@ -43,6 +45,7 @@ from pipeplan.planner.types import Plan
 from pipeplan.runtime import saving, worker
 from pipeplan.runtime.checkpoint import INDEX, shard_name, write_index, write_shard
 from pipeplan.runtime.snapshots import commit, file_record, partial_dir, step_name
+from pipeplan.runtime.supervise import live_processes
 
 GPT = (
     "pipeplan.models.gpt:gpt",
@@ -288,6 +291,40 @@ def test_the_ranks_check_the_mesh_of_a_save_and_take_an_older_one_as_replicated(
         saving.resume_point(tmp_path / "old", saving.run_info(sharded, "sgd", 1e-3, 0))
 
 
+def test_resume_falls_back_to_the_newest_complete_save_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--resume DIR`` whose ``latest`` save is damaged resumes the newest complete one, and
+    says so in one line; with none complete it is refused, naming the damaged file."""
+    from pipeplan.cli_runtime import check_resume
+    from pipeplan.runtime.snapshots import step_name
+
+    root = tmp_path / "save"
+    for step in (2, 4, 3):  # committed in this order: 3 is the newest after 4
+        save_id, tmp = f"{step:016x}", partial_dir(root, step)
+        size = write_shard(tmp, 0, 1, {"x": torch.full((2,), step)}, {"save_id": save_id})
+        write_index(tmp, [["x"]], size)
+        files = [file_record(tmp / name) for name in (shard_name(0, 1), INDEX)]
+        commit(root, step, save_id, files, {})
+    assert check_resume(root) == root  # whole: resumed at latest
+    shard = root / step_name(3) / shard_name(0, 1)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert check_resume(root) == root / step_name(4)
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(f"warning: --resume {root}: the save latest names is damaged ")
+    assert f"{shard} is corrupted" in err and err.endswith(
+        "resuming from step-000004, the newest complete save"
+    )
+    for step in (2, 4):
+        (root / step_name(step) / INDEX).unlink()
+    with pytest.raises(typer.Exit) as exc:
+        check_resume(root)
+    assert exc.value.exit_code == 2
+    assert f"{shard} is corrupted" in " ".join(capsys.readouterr().err.split())
+
+
 # Faults: one plan, saved every 5 steps.
 
 
@@ -418,3 +455,116 @@ def test_a_damaged_save_is_refused_before_launch_naming_the_file(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert expected in " ".join(err.split()) and len(err.strip().splitlines()) <= 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_the_job_ends_with_its_launcher(plan: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGKILL of ``pipeplan run`` (the OOM killer) or SIGHUP (a closed terminal): torchrun and
+    the ranks end within 10 s and ``latest`` stops moving.  While the job runs, a ``--resume``
+    into its save folder is refused naming the launcher's pid."""
+    proc = _start(plan, tmp_path)
+    save = tmp_path / "save"
+    if sig == signal.SIGHUP:
+        cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--steps", "1", "--optimizer", "adam",
+               "--resume", str(save), "--save", str(save)]  # fmt: skip
+        refused = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV,
+                                 timeout=120)  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert f"a run still writes {save} (pid {proc.pid} on host" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    proc.send_signal(sig)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    wait_for(lambda: not survivors(str(tmp_path)), timeout=10.0)
+    took = time.monotonic() - start
+    print(f"\n{sig.name} to pipeplan run: nothing left after {took:.1f} s: {err.strip()[-300:]}")
+    assert took < 10
+    folders = sorted(p.name for p in save.iterdir())
+    latest = (save / "latest").read_text()
+    time.sleep(2.0)  # nothing writes the folder any more
+    assert sorted(p.name for p in save.iterdir()) == folders
+    assert (save / "latest").read_text() == latest
+    assert state(save)  # the latest save is complete and whole
+    if sig == signal.SIGHUP:
+        assert proc.returncode == 128 + signal.SIGHUP
+        assert "stopped by SIGHUP at step" in err and len(err.strip().splitlines()) == 1
+        assert not [f for f in folders if f.startswith(".")]  # no partial save, no lock
+    else:
+        assert proc.returncode == -signal.SIGKILL
+        from pipeplan.runtime.save_lock import check_free
+
+        check_free("--resume", save)  # the dead job's lock is stale: a resume may start
+
+
+@pytest.mark.multirank
+def test_sigkill_of_torchrun_ends_every_rank_in_one_line(plan: Path, tmp_path: Path) -> None:
+    proc = _start(plan, tmp_path)
+    agents = [pid for pid, cmd in live_processes(str(tmp_path)).items()
+              if "torch.distributed.run" in cmd]  # fmt: skip
+    assert len(agents) == 1
+    os.kill(agents[0], signal.SIGKILL)
+    err, took = _stopped(proc, tmp_path, "SIGKILL of torchrun")
+    assert proc.returncode == 1
+    assert err.strip() == "error: torchrun ended by SIGKILL; every rank ended"
+    assert took < 10
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 72 KiB tmpfs: one save of the test model (48 KiB in pages), its ``latest`` and
+    the run's lock fit, a second save does not."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=72k", "tmpfs", str(mnt)],
+                           check=False, capture_output=True, text=True)  # fmt: skip
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.multirank
+def test_a_real_full_disk_is_one_line_and_leaves_the_disk_as_it_was(
+    plan: Path, small_disk: Path
+) -> None:
+    save = small_disk / "save"
+    cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "4",
+           "--optimizer", "adam", "--save-every", "1", "--save", str(save)]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=180)
+    print(f"\na real full disk: stopped after {time.monotonic() - start:.1f} s: {proc.stderr}")
+    assert not survivors(str(save))
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert (
+        f"could not write its part of the save of step 2 into {save}/.partial-step-000002: " in err
+    )
+    assert "No space left on device; the last complete save in" in err
+    assert sorted(p.name for p in save.iterdir()) == ["latest", step_name(1)]  # no partial
+    assert (save / "latest").read_text().strip() == step_name(1)
+    assert state(save)
+    used = shutil.disk_usage(small_disk).used
+    assert used <= 56 * 1024  # the first save, latest and nothing else: the disk was freed
+
+
+@pytest.mark.multirank
+def test_a_multi_chunk_failure_names_the_rank_and_its_chunks(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """ZB-V on 2 ranks: rank 0 holds stages 0 and 3; its full disk names both (issue 45)."""
+    tmp = tmp_path_factory.mktemp("zbv")
+    plan = write_plans(tmp)["zbv"]
+    cmd = [*PIPEPLAN, "run", str(plan), "--quiet", "--warmup", "0", "--steps", "2",
+           "--optimizer", "adam", "--save-every", "1", "--save", str(tmp / "save")]  # fmt: skip
+    env = {**ENV, "PIPEPLAN_FAIL": "0:2:enospc"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "error: rank 0 (stages 0 and 3) could not write its part of the save of step 2 into "
+    )
+    assert proc.stderr.strip().endswith("is kept (rank 1 stopped as a consequence)")
+    assert not survivors(str(tmp))

@@ -10,7 +10,14 @@ first save is complete the fault is sent, and the time from the fault to the mom
 - ``SIGSTOP`` of rank 1 (``--timeout 10``);
 - ``ENOSPC`` in stage 1's part of the save after step 40 (injected: ``PIPEPLAN_FAIL``; time
   from the save of step 20 to the exit, so it includes 20 steps);
-- ``--resume`` from a save whose first shard had one byte flipped (time of the refusal).
+- ``--resume`` from a save whose first shard had one byte flipped (time of the refusal);
+- ``SIGKILL`` of ``pipeplan run`` itself (the OOM killer) and ``SIGHUP`` (a closed terminal);
+- ``SIGKILL`` of torchrun;
+- a real full disk: the save folder on a tmpfs, shrunk (``mount -o remount,size=``) once the
+  first save is complete to what it holds plus a quarter of a save, so the next save does not
+  fit (needs root to mount; the row says so where it cannot).
+
+``--only FAULT`` (repeatable) runs those faults alone and writes ``results-partial.json``.
 
 After each, the save folder's ``latest`` is read back through every check of
 ``CheckpointReader`` (sizes, SHA-256, save ids).  Prints one JSON line per case and the
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +51,10 @@ FAULTS = (
     "SIGSTOP rank 1",
     "ENOSPC in a save",
     "corrupt shard",
+    "SIGKILL launcher",
+    "SIGHUP launcher",
+    "SIGKILL torchrun",
+    "full tmpfs",
 )
 
 
@@ -70,8 +82,29 @@ def _survived(save: Path) -> str:
     return f"{reader.folder.name} complete"
 
 
+def _mount(folder: Path, size: str, *options: str) -> bool:
+    folder.mkdir(exist_ok=True)
+    opts = ",".join([*options, f"size={size}"])
+    cmd = ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(folder)]
+    return subprocess.run(cmd, check=False, capture_output=True).returncode == 0
+
+
 def case(plan: Path, ranks: int, fault: str, work: Path) -> dict[str, Any]:
     save = work / "save"
+    if fault == "full tmpfs":
+        if not _mount(work / "disk", "256m"):
+            return {"ranks": ranks, "fault": fault, "stop_s": 0.0, "status": None,
+                    "message": "skipped: cannot mount a tmpfs (needs root)", "survived": "",
+                    "left_behind": 0}  # fmt: skip
+        save = work / "disk" / "save"
+        try:
+            return _case(plan, ranks, fault, work, save)
+        finally:
+            subprocess.run(["umount", str(work / "disk")], check=False)
+    return _case(plan, ranks, fault, work, save)
+
+
+def _case(plan: Path, ranks: int, fault: str, work: Path, save: Path) -> dict[str, Any]:
     env = {**os.environ, "TMPDIR": str(work), "OMP_NUM_THREADS": "1"}
     args = ["run", str(plan), "--quiet", "--warmup", "0", "--optimizer", "adam",
             "--save-every", "20", "--save", str(save)]  # fmt: skip
@@ -105,6 +138,21 @@ def case(plan: Path, ranks: int, fault: str, work: Path) -> dict[str, Any]:
         os.kill(pids[ranks - 1], signal.SIGKILL)
     elif fault == "SIGSTOP rank 1":
         os.kill(pids[1], signal.SIGSTOP)
+    elif fault == "SIGKILL launcher":
+        popen.kill()
+    elif fault == "SIGHUP launcher":
+        popen.send_signal(signal.SIGHUP)
+    elif fault == "SIGKILL torchrun":
+        agent = next(p for p, c in live_processes(str(save)).items() if "distributed.run" in c)
+        os.kill(agent, signal.SIGKILL)
+    elif fault == "full tmpfs":  # room for what is there and a quarter of a save more
+        disk = save.parent
+        one = sum(
+            f.stat().st_size for f in (save / (save / "latest").read_text().strip()).iterdir()
+        )
+        used = shutil.disk_usage(disk).used
+        start = time.monotonic()
+        _mount(disk, str(used + one // 4), "remount")
     _, err = popen.communicate(timeout=600)
     while live_processes(str(save)):
         time.sleep(0.02)
@@ -134,6 +182,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    only = [a for flag, a in zip(sys.argv[1:], sys.argv[2:], strict=False) if flag == "--only"]
+    faults = [f for f in FAULTS if not only or f in only]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pipeplan-faults-") as tmp:
         work = Path(tmp)
@@ -146,14 +196,15 @@ def main() -> None:
             pipeplan("plan", str(profile), "--stages", str(ranks), "--memory", "64GiB",
                      "--microbatches", "4", "--schedule", "gpipe", "--optimizer", "adam",
                      "-o", str(plan))  # fmt: skip
-            for i, fault in enumerate(FAULTS):
+            for i, fault in enumerate(faults):
                 folder = work / f"r{ranks}-{i}"
                 folder.mkdir()
                 row = case(plan, ranks, fault, folder)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     out = {"machine": machine(), "rows": rows}
-    (HERE / "results.json").write_text(json.dumps(out, indent=2) + "\n")
+    name = "results-partial.json" if only else "results.json"
+    (HERE / name).write_text(json.dumps(out, indent=2) + "\n")
     print(table(rows))
 
 

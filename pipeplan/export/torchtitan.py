@@ -12,6 +12,13 @@ argument each) and, in comments, the same settings for a config function:
 * the micro-batches as ``--training.local_batch_size B`` and
   ``--parallelism.pipeline_parallel_microbatch_size B / m`` (0.3.0 has no micro-batch count);
 * ``--training.disable_cuda_graphs``: 0.3.0 refuses pipeline parallelism with CUDA graphs;
+* the plan's recomputation as the ``activation_checkpoint`` policy, a tyro subcommand in 0.3.0
+  (``activation_checkpoint:none`` or ``activation_checkpoint:full``; its default, selective
+  activation checkpointing, crashes a zero-bubble schedule's split backward: "Trying to
+  backward an extra time").  ``none`` where no stage recomputes, ``full`` (each decoder block
+  recomputed in the backward) where every stage does.  0.3.0 applies one policy to every
+  stage, so a plan that recomputes some stages only gets ``full`` and a note: the memory the
+  plan counted on holds, the stages it kept pay a recomputation it did not predict;
 * with d > 1 data-parallel ranks, ``--parallelism.data_parallel_shard_degree d`` (FSDP2,
   ``shard``) or ``--parallelism.data_parallel_replicate_degree d`` (``replicate``), the other
   1 (``training.local_batch_size`` is then each rank's share).
@@ -110,6 +117,15 @@ def torchtitan_text(
         ("training", "local_batch_size", plan.batch_size),
         ("training", "disable_cuda_graphs", True),
     ]
+    recompute = [j for j, stage in enumerate(plan.stages) if stage.recompute]
+    full = bool(recompute)
+    if recompute and len(recompute) < len(plan.stages):
+        notes.append(
+            f"torchtitan: the plan recomputes stage(s) {recompute} only, but torchtitan "
+            f"{TORCHTITAN_VERSION} applies one activation-checkpoint policy to every stage; "
+            f"exported activation_checkpoint:full (the memory the plan needs; the other stages "
+            f"run slower than it predicts)"
+        )
     d = plan.cluster.data_parallel
     if d > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
         shard = plan.cluster.data_parallel_mode == "shard"
@@ -124,7 +140,13 @@ def torchtitan_text(
             args.extend(",".join(ns) for ns in value)
         elif not isinstance(value, bool):
             args.append(str(value))
+    args.append(f"activation_checkpoint:{'full' if full else 'none'}")
     python = "\n".join(f"#   config.{s}.{f} = {v!r}" for s, f, v in settings)
+    python += "\n#   config.activation_checkpoint = " + (
+        "FullAC.Config()  # from torchtitan.distributed.activation_checkpoint import FullAC"
+        if full
+        else "None"
+    )
     text = (
         f"# torchtitan {TORCHTITAN_VERSION}: add to the launch's arguments after --module and "
         f"--config\n{shlex.join(args)}\n"

@@ -16,10 +16,28 @@ from torch import nn
 from pipeplan.intake.usercode import user_code
 from pipeplan.planner.errors import ModelLoadError
 
-__all__ = ["Batch", "ModelSpec", "NamedInputs", "as_tuple", "is_transformers_model"]
+__all__ = [
+    "Batch",
+    "ModelSpec",
+    "NamedInputs",
+    "as_tuple",
+    "cast_floating",
+    "is_transformers_model",
+]
 
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
+def cast_floating(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` (in place, and returned) with its floating-point parameters and buffers in
+    ``dtype``; complex and integer ones stay as they are.
+
+    ``module.to(dtype=torch.float32)`` casts complex tensors too and drops their imaginary
+    part (torchtitan's Llama keeps its RoPE table ``freqs_cis`` in complex64), which would
+    make pipeplan profile and train another model than the user's.
+    """
+    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from pipeplan.intake.graph import cut_tensors
 from pipeplan.intake.meta import MetaInterpreter, dematerialize, materialize, trace_meta
 from pipeplan.intake.model import ModelSpec, load_model
+from pipeplan.intake.spec import cast_floating
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import PipeplanError, UnitMeasureError
 from pipeplan.planner.types import OptimizerName, Profile, Timing
@@ -177,7 +178,7 @@ def build_meta(
     """The model built on ``meta`` (real buffers moved to ``dev``), in ``dtype``, training mode;
     a real example batch of ``batch_size``; and the graph traced on fake tensors."""
     spec = load_model(model, model_kwargs, meta=True)
-    module = spec.module.to(dtype=dtype).train()
+    module = cast_floating(spec.module, dtype).train()
     moved: dict[int, Tensor] = {}
     for mod in module.modules():
         for key, buf in list(mod._buffers.items()):

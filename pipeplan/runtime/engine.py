@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import has_meta, trace_meta
 from pipeplan.intake.model import ModelSpec
+from pipeplan.intake.spec import cast_floating
 from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.families import FAMILIES, check, rank_of_stage, stages_of_rank
@@ -194,7 +195,7 @@ class PipelineRunner:
         """Whether FSDP2 shards the rank's stages over the dp group (:mod:`~pipeplan.runtime.mesh`)."""
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
-        module = spec.module.to(dtype=self.dtype)
+        module = cast_floating(spec.module, self.dtype)
         inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, torch.device("cpu"))
         on_meta = has_meta(module)
         if traced is None:

@@ -11,9 +11,14 @@ the others and exits non-zero; :func:`failure` reads the ranks' error files and 
 that failed first (an error caused by a peer's death, such as a closed connection, is not the
 root cause), and :func:`launch` raises :class:`~pipeplan.planner.errors.StageFailedError`.
 
-While the job runs, :func:`pipeplan.runtime.supervise.supervise` forwards SIGTERM and SIGINT to
-torchrun and every rank, and ends the job when a rank stops beating for ``--timeout`` seconds
-(stopped or frozen); the error then names the signal and the step, or the stalled stage.
+While the job runs, :func:`pipeplan.runtime.supervise.supervise` forwards SIGTERM, SIGINT and
+SIGHUP to torchrun and every rank, and ends the job when a rank stops beating for ``--timeout``
+seconds (stopped or frozen); the error then names the signal and the step, or the stalled stage.
+The job also ends with ``pipeplan run`` itself: torchrun gets SIGTERM when its parent dies
+(:func:`~pipeplan.runtime.supervise.die_with_parent`) and each rank watches the launcher's pid
+(``PIPEPLAN_LAUNCHER``, :mod:`pipeplan.runtime.worker`).  A ``--save`` folder is held by a
+lock while the job runs (:mod:`pipeplan.runtime.save_lock`); a job stopped by a signal or a
+failure leaves no partial save in it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
+from pipeplan.planner.families import stages_of_rank
 from pipeplan.planner.io import load_plan
 from pipeplan.planner.types import Plan
 from pipeplan.report.progress import progress_bar
-from pipeplan.runtime.supervise import forwarded_signals, supervise
+from pipeplan.runtime.save_lock import check_free, hold
+from pipeplan.runtime.stage_errors import rank_label
+from pipeplan.runtime.supervise import die_with_parent, forwarded_signals, process_start, supervise
 
 __all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
 
@@ -48,19 +57,25 @@ def preflight(
     threads: int | None = None,
     outputs: Sequence[str | os.PathLike[str] | None] = (),
     resume: str | os.PathLike[str] | None = None,
+    save: str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Everything that can be checked before launching; raises a PipeplanError naming the fix.
-    ``resume``: the save the run continues, which must have been made on the plan's mesh."""
+    ``resume``: the save the run continues, which must have been made on the plan's mesh;
+    ``save``: the folder it saves into; neither may be one a live job still writes."""
     import torch
 
     from pipeplan.intake.graph import group_units
     from pipeplan.intake.model import load_model, parse_model_args
+    from pipeplan.intake.spec import cast_floating
     from pipeplan.intake.trace import trace_model
     from pipeplan.runtime.engine import cast_batch, check_schedule
     from pipeplan.runtime.stages import check_plan
 
     plan = load_plan(plan_path)
     check_schedule(plan)
+    for option, folder in (("--resume", resume), ("--save", save)):
+        if folder is not None:
+            check_free(option, folder)
     if resume is not None:
         from pipeplan.runtime.saving import check_mesh, mesh_record
         from pipeplan.runtime.snapshots import resolve
@@ -89,7 +104,7 @@ def preflight(
         check_source(plan)
     spec = load_model(model or plan.model, kwargs)
     dtype = getattr(torch, plan.dtype)
-    module = spec.module.to(dtype=dtype)
+    module = cast_floating(spec.module, dtype)
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
     traced = trace_model(module, inputs, tracer=plan.tracer)
     check_plan(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions))
@@ -169,8 +184,13 @@ def failure(
     log: str,
     frozen: dict[int, float] | None = None,
     n_stages: int | None = None,
+    chunks: list[list[int]] | None = None,
 ) -> StageFailedError:
     """The error to raise for a failed run: the stage that failed first and why.
+
+    ``n_stages``: the pipeline ranks (a rank's stage is its rank modulo them); ``chunks``: for
+    a plan of several stages per rank, each pipeline rank's stages, which the message names
+    (``rank 0 (stages 0 and 3)``) rather than one stage.
 
     In order: the earliest error a rank raised itself; else a rank that stopped beating
     (``frozen``: rank -> seconds without a heartbeat; stopped or frozen, its peers timed out
@@ -184,12 +204,19 @@ def failure(
     silent = sorted(set(range(n_ranks)) - {int(e["stage"]) for e in errors})
     died = [r for r in silent if not codes.get(r, "").startswith("-15")] or silent
 
+    def who(rank: int) -> str | None:
+        """``rank 0 (stages 0 and 3)`` for a rank holding several chunks, else ``None``."""
+        if not chunks:
+            return None
+        return rank_label(rank, chunks[rank % len(chunks)])
+
     def consequence(culprit: int) -> str:
         others = sorted({int(e["stage"]) for e in errors} - {culprit})
         if not others:
             return ""
         names = ", ".join(map(str, others))
-        return f" (stage{'s' if len(others) > 1 else ''} {names} stopped as a consequence)"
+        what = "rank" if chunks else "stage"
+        return f" ({what}{'s' if len(others) > 1 else ''} {names} stopped as a consequence)"
 
     if own:
         e = own[0]
@@ -206,17 +233,18 @@ def failure(
                 bad_request=request,
                 rank_traceback=e.get("traceback"),
             )
+        name = who(int(e["stage"])) or f"stage {e['stage']}"
         return StageFailedError(
-            f"stage {e['stage']} failed{at}: {e['type']}: {e['message']}"
-            + consequence(int(e["stage"])),
+            f"{name} failed{at}: {e['type']}: {e['message']}" + consequence(int(e["stage"])),
             bad_request=request,
             rank_traceback=e.get("traceback"),
         )
     if frozen:
         rank = min(frozen, key=lambda r: -frozen[r])  # the one silent longest
         stage = rank % (n_stages or n_ranks)
+        name = who(rank) or f"stage {stage} (rank {rank})"
         return StageFailedError(
-            f"stage {stage} (rank {rank}) stopped making progress: no heartbeat for "
+            f"{name} stopped making progress: no heartbeat for "
             f"{frozen[rank]:.0f} s (the process is stopped or frozen); the job was stopped"
             + consequence(rank)
         )
@@ -229,12 +257,14 @@ def failure(
             None,
         )  # fmt: skip
         why = f": {native}" if native else " (killed, os._exit or out of memory?)"
+        name = who(stage) or f"stage {stage}"
         return StageFailedError(
-            f"stage {stage} died{code} without a Python error{why}{consequence(stage)}"
+            f"{name} died{code} without a Python error{why}{consequence(stage)}"
         )
     if errors:
         e = min(errors, key=lambda e: e.get("time", 0))
-        return StageFailedError(f"stage {e['stage']} failed: {e['type']}: {e['message']}")
+        name = who(int(e["stage"])) or f"stage {e['stage']}"
+        return StageFailedError(f"{name} failed: {e['type']}: {e['message']}")
     tail = " | ".join(line.strip() for line in log.strip().splitlines()[-5:])
     return StageFailedError(f"torchrun exited with status {returncode}: {tail}")
 
@@ -268,6 +298,7 @@ def launch(
     steps: int = 0,
     progress: bool = False,
     timeout_s: float = 300.0,
+    save: str | os.PathLike[str] | None = None,
 ) -> None:
     """Run the worker under torchrun; raise :class:`StageFailedError` if any rank fails, a
     rank stalls for ``timeout_s`` or a signal stops the job.
@@ -275,10 +306,13 @@ def launch(
     Rank 0's standard output (the comparison table) is passed through; torchrun's and the
     ranks' standard error are kept and shown only when the cause of a failure is unknown.
     With ``progress``, a bar on stderr follows rank 0 through its ``steps`` steps (warm-up
-    included).
+    included).  ``save``: the run's ``--save`` folder, locked while the job runs; the partial
+    save a stopped or failed job leaves there is removed.
     """
     ranks = plan.pipeline_ranks * plan.cluster.data_parallel
-    with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
+    env = {**(os.environ if env is None else env), "PIPEPLAN_LAUNCHER": str(os.getpid())}
+    env["PIPEPLAN_LAUNCHER_START"] = str(process_start(os.getpid()))  # the ranks' watchdog
+    with hold(save), tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         run_dir = Path(tmp)
         cmd = worker_command(plan, plan_path, [*worker_args, "--run-dir", str(run_dir)])
         log_path, step_file = run_dir / "torchrun.log", run_dir / "progress"
@@ -294,12 +328,19 @@ def launch(
 
             with forwarded_signals() as received:  # before the job starts: none is missed
                 proc = subprocess.Popen(
-                    cmd, stdout=None, stderr=log, env=env, start_new_session=True
-                )
+                    cmd, stdout=None, stderr=log, env=env, start_new_session=True,
+                    preexec_fn=die_with_parent(),  # noqa: PLW1509 - prepared before the fork
+                )  # fmt: skip
                 outcome = supervise(proc, run_dir, ranks, poll, timeout_s, received)
 
             if outcome.code == 0:
                 bar.update(task, completed=steps)
+        if outcome.code != 0 and save is not None:  # every rank has ended
+            for partial in Path(save).glob(".partial-*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        if outcome.agent_killed and outcome.code is not None:
+            name = signal.Signals(-outcome.code).name
+            raise StageFailedError(f"torchrun ended by {name}; every rank ended")
         if outcome.signal is not None:
             name = signal.Signals(outcome.signal).name
             at = f" at step {outcome.step}" if outcome.step is not None else " before step 0"
@@ -314,4 +355,13 @@ def launch(
                 log_path.read_text(),
                 outcome.frozen,
                 plan.pipeline_ranks,
+                _chunks(plan),
             )
+
+
+def _chunks(plan: Plan) -> list[list[int]] | None:
+    """Each pipeline rank's stages, for a plan of several stages per rank."""
+    p, v = plan.pipeline_ranks, plan.stages_per_rank
+    if v == 1:
+        return None
+    return [sorted(stages_of_rank(plan.schedule, p, v, r)) for r in range(p)]

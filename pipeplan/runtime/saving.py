@@ -8,8 +8,9 @@ header) and every rank writes its training state (``train-r-of-n.pt``,
 ``torch.save``: the optimizer's ``state_dict`` with the parameter names it belongs to, the
 step, the CPU and CUDA RNG states); the ranks gather what each wrote, or the error that stopped
 it; rank 0 writes the index and the manifest and commits.  A rank that cannot write (a full
-disk) is reported by every rank, the partial folder is removed and the run stops with the
-stage named; the previous save stays ``latest``.
+disk, whatever the library writing says: an ``OSError``, safetensors' ``SafetensorError``,
+``torch.save``'s ``RuntimeError``) is reported by every rank, the partial folder is removed (the
+disk is freed) and the run stops with the stage named; the previous save stays ``latest``.
 
 :func:`restore` is the other half: each rank loads its training state (after its weights were
 read from the same step folder, :class:`~pipeplan.runtime.checkpoint.CheckpointReader`) and
@@ -45,6 +46,8 @@ step, complete only when its manifest is written and its rename done.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -68,6 +71,7 @@ from pipeplan.runtime.snapshots import (
     resolve,
     train_state_name,
 )
+from pipeplan.runtime.stage_errors import rank_label
 
 __all__ = [
     "CheckpointWriteError",
@@ -212,8 +216,8 @@ def save(
         records.append(file_record(state))
         if fault is not None:
             fault(step)
-    except OSError as exc:
-        error = _why(exc)
+    except Exception as exc:  # noqa: BLE001 - a full disk is not always an OSError (_why)
+        error = _why(exc, tmp)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (error, records, keys, size))
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
@@ -221,9 +225,9 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         r, why = failed[0]
-        stage = r % runner.ranks
+        held = [s for s, owner in enumerate(runner.owner) if owner == r % runner.ranks]
         message = (
-            f"stage {stage} (rank {r}) could not write its part of the save of step {step} "
+            f"{rank_label(r, held)} could not write its part of the save of step {step} "
             f"into {tmp}: {why}; the last complete save in {root} is kept"
         )
         raise CheckpointWriteError(message) if r == rank else PeerFailedError(message)
@@ -233,11 +237,12 @@ def save(
             write_index(tmp, shards, sum(g[3] for g in gathered))
             files = [rec for g in gathered for rec in g[1]] + [file_record(tmp / INDEX)]
             commit(root, step, save_id, files, info)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - as above
+            why = _why(exc, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointWriteError(
                 f"stage 0 (rank 0) could not finish the save of step {step} into {tmp}: "
-                f"{_why(exc)}; the last complete save in {root} is kept"
+                f"{why}; the last complete save in {root} is kept"
             ) from None
         with contextlib.suppress(OSError):  # the save is complete: a prune may fail
             prune(root, keep)
@@ -260,10 +265,30 @@ def _shard_like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _why(exc: OSError) -> str:
-    """What the system said, without the errno: "No space left on device" (the folder is in
-    the message already)."""
-    return exc.strerror or str(exc)
+#: Free bytes under which a failed write is put down to a full disk.
+FULL_DISK_BYTES = 1 << 20
+
+
+def _why(exc: BaseException, folder: Path) -> str:
+    """What stopped a write into ``folder``, in words, without the errno: "No space left on
+    device" (the folder is in the message already).
+
+    A full disk does not always come as an :class:`OSError`: safetensors raises
+    ``SafetensorError("... I/O error: No space left on device (os error 28)")`` and
+    ``torch.save`` ``RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos
+    576 vs 534")``.  The system's words are taken from the first; for an error that names no
+    cause, a folder with less than :data:`FULL_DISK_BYTES` free is reported as full."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = " ".join(str(exc).split())
+    said = re.search(r"I/O error: (.+?) \(os error \d+\)", text)
+    if said:
+        return said.group(1)
+    with contextlib.suppress(OSError):
+        disk = os.statvfs(folder)
+        if disk.f_bavail * disk.f_frsize < FULL_DISK_BYTES:
+            return "No space left on device"
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def resume_point(path: str | Path, info: dict[str, Any]) -> tuple[Path, int]:

@@ -56,6 +56,7 @@ __all__ = [
     "FileRecord",
     "check_file",
     "commit",
+    "committed_saves",
     "file_record",
     "fsync_dir",
     "latest_step",
@@ -173,16 +174,9 @@ def prune(root: str | Path, keep: int) -> list[Path]:
         return []
     pointer = root / LATEST
     latest = pointer.read_text().strip() if pointer.is_file() else None
-    saves = []
-    for folder in root.glob("step-*"):
-        try:
-            manifest = json.loads(folder.joinpath(MANIFEST).read_text())
-            saves.append((int(manifest["committed_ns"]), folder.name, folder))
-        except (OSError, ValueError, KeyError, TypeError):  # not a complete save of ours
-            continue
-    saves.sort(reverse=True)
     removed = []
-    for _, name, folder in saves[keep:]:
+    for folder in committed_saves(root)[keep:]:
+        name = folder.name
         if name == latest:
             continue
         gone = root / f".pruned-{name}"
@@ -193,6 +187,20 @@ def prune(root: str | Path, keep: int) -> list[Path]:
         shutil.rmtree(gone, ignore_errors=True)
         removed.append(folder)
     return removed
+
+
+def committed_saves(root: str | Path) -> list[Path]:
+    """The step folders of ``root`` that hold a manifest, the one committed last first (its
+    ``committed_ns``: a run resumed into its own folder saves lower steps again).  Their files
+    are not checked here (:func:`check_file`)."""
+    saves = []
+    for folder in Path(root).glob("step-*"):
+        try:
+            manifest = json.loads(folder.joinpath(MANIFEST).read_text())
+            saves.append((int(manifest["committed_ns"]), folder.name, folder))
+        except (OSError, ValueError, KeyError, TypeError):  # not a complete save of ours
+            continue
+    return [folder for *_, folder in sorted(saves, reverse=True)]
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

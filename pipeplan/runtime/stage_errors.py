@@ -25,6 +25,7 @@ __all__ = [
     "describe_values",
     "exception_text",
     "node_failure",
+    "rank_label",
 ]
 
 
@@ -91,3 +92,11 @@ def node_failure(
 def _target(node: Node) -> str:
     target = node.target
     return str(target) if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def rank_label(rank: int, held: list[int]) -> str:
+    """How a message names a rank: ``stage 1 (rank 1)``, or ``rank 0 (stages 0 and 3)`` for a
+    rank that holds several chunks of a multi-chunk plan (``held``: its stages)."""
+    if len(held) == 1:
+        return f"stage {held[0]} (rank {rank})"
+    return f"rank {rank} (stages {', '.join(map(str, held[:-1]))} and {held[-1]})"

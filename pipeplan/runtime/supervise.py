@@ -6,7 +6,8 @@ never reaches the ranks, and when torchrun itself is stopped it asks them to end
 and waits 30 s before SIGKILL.  A stopped (SIGSTOP) or frozen rank does not act on SIGTERM.
 :func:`supervise` therefore watches the job itself, every quarter second:
 
-- **a signal** (SIGTERM from a scheduler, SIGINT from Ctrl-C) received by ``pipeplan run`` is
+- **a signal** (SIGTERM from a scheduler, SIGINT from Ctrl-C, SIGHUP from a closed terminal)
+  received by ``pipeplan run`` is
   forwarded to torchrun and to every rank; whatever is still alive 3 s later is killed
   (SIGKILL); the job ends as :class:`Outcome` ``signal`` with the step rank 0 was at;
 - **a stall**: each rank's heartbeat thread rewrites ``beat-<rank>`` every 0.5 s
@@ -15,7 +16,15 @@ and waits 30 s before SIGKILL.  A stopped (SIGSTOP) or frozen rank does not act 
   groups' timeout too) stops the job, naming it; so does the collective timeout, whichever
   comes first;
 - **a failure**: once a rank has written its error file, the others get 3 s to end (torchrun
-  stops them), then are killed, so a stopped peer does not hold the job for torchrun's 30 s.
+  stops them), then are killed, so a stopped peer does not hold the job for torchrun's 30 s;
+- **torchrun killed** (SIGKILL): its ranks, left without an agent, end by their own watchdog
+  (:mod:`pipeplan.runtime.worker`); whatever is left after 3 s is killed.
+
+What :func:`supervise` cannot do is outlive ``pipeplan run`` itself.  For that torchrun is
+started with a parent-death signal (SIGTERM, Linux ``prctl``: :func:`die_with_parent`), on
+which it stops its ranks, and each rank's watchdog ends it when the launcher's pid is gone or
+its own parent changed; so a ``pipeplan run`` killed with SIGKILL (the OOM killer) leaves
+nothing running within a second or two.
 
 The ranks' pids come from their heartbeat files; a pid is signalled only while its command
 line is still a ``pipeplan.runtime.worker``.  torchrun's own signal handling (SIGTERM to each
@@ -29,6 +38,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +46,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Beat", "Outcome", "beats", "forwarded_signals", "live_processes", "supervise"]
+__all__ = [
+    "STOP_SIGNALS",
+    "Beat",
+    "Outcome",
+    "beats",
+    "die_with_parent",
+    "forwarded_signals",
+    "live_processes",
+    "process_start",
+    "supervise",
+]
+
+#: The signals that stop a job: a scheduler's, Ctrl-C, a closed terminal.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 #: Seconds the ranks get to end after a signal or a failure before they are killed.
 GRACE_S = 3.0
@@ -76,6 +99,36 @@ def _command_line(pid: int) -> str | None:
     return None if state in ("Z", "X") else cmdline.replace(b"\0", b" ").decode(errors="replace")
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, Linux ``/proc``), ``None`` when it
+    is gone or a zombie: with the pid, it names one process even after the pid is reused."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel send the child ``sig`` when this process (its
+    parent) ends (Linux ``PR_SET_PDEATHSIG``; ``None`` elsewhere).  Everything it needs is
+    looked up here, before the fork: the child only calls ``prctl``, ``getppid`` and ``kill``
+    (no import, no lock), which is what makes a ``preexec_fn`` safe in a process with threads."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent, getpid, getppid, kill = os.getpid(), os.getpid, os.getppid, os.kill
+
+    def arm() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if getppid() != parent:  # the parent ended before the signal was armed
+            kill(getpid(), sig)
+
+    return arm
+
+
 def live_processes(marker: str) -> dict[int, str]:
     """pid -> command line of every live process but this one whose command line contains
     ``marker`` (a run's folder, say): what a stopped job may have left behind. A process in
@@ -107,17 +160,19 @@ class Outcome:
     frozen: dict[int, float] = field(default_factory=dict)
     step: int | None = None
     stalled: bool = False
+    agent_killed: bool = False
+    """torchrun itself was ended by a signal (``-code``); its ranks were ended after it."""
 
 
 @contextlib.contextmanager
 def forwarded_signals() -> Iterator[list[int]]:
-    """Catch SIGTERM and SIGINT while the job runs: the list receives each signal number (the
-    main thread only; elsewhere nothing is caught)."""
+    """Catch SIGTERM, SIGINT and SIGHUP while the job runs: the list receives each signal
+    number (the main thread only; elsewhere nothing is caught)."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
 
     def handler(signum: int, _frame: Any) -> None:
         received.append(signum)
@@ -176,6 +231,9 @@ def supervise(
         pids = [b.pid for b in seen.values()]
         step = seen[0].step if 0 in seen else None
         silent = {r: now - b.time for r, b in seen.items() if _is_rank(b.pid)}
+        if code is not None and code < 0:  # torchrun itself was killed: end its ranks
+            _stop(proc, pids, None)
+            return Outcome(code, signal=None, step=step, agent_killed=True)
         if code is not None:
             return Outcome(code, step=step)
         if received:

@@ -25,7 +25,10 @@ model stops every rank before the pipeline starts, with one line and status 2.
 Failures: a rank that raises writes ``error-<rank>.json`` (stage, error, traceback) into
 ``--run-dir`` when one is given, prints one line and exits with status 1; torchrun then stops
 the other ranks, and a rank blocked on a dead peer fails on the closed connection or, at the
-latest, at the process group's ``--timeout``.  With ``--run-dir``, each rank also keeps a
+latest, at the process group's ``--timeout``.  A rank also ends itself (status 143, as SIGTERM)
+within half a second of losing its launcher: when its parent (torchrun) changes, or when the
+``pipeplan run`` named by ``PIPEPLAN_LAUNCHER`` (pid) and ``PIPEPLAN_LAUNCHER_START`` is gone
+(:func:`_watchdog`).  With ``--run-dir``, each rank also keeps a
 heartbeat there (``beat-<rank>``: pid, step, time, rewritten every 0.5 s by a thread), from
 which ``pipeplan run`` tells a stopped or frozen rank from one waiting on it.
 
@@ -39,6 +42,7 @@ and ``enospc`` raises ``OSError(ENOSPC)``, as a full disk would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -214,6 +218,34 @@ def _heartbeat(run_dir: str | None, rank: int, period_s: float = 0.5) -> Callabl
     return write
 
 
+def _watchdog(period_s: float = 0.5) -> None:
+    """End this rank (``os._exit(143)``) from a daemon thread once its launcher is gone: its
+    parent changed (torchrun killed: the rank was handed to init) or the ``pipeplan run``
+    that ``PIPEPLAN_LAUNCHER`` names ended (killed with SIGKILL, it could not stop the job)."""
+    from pipeplan.runtime.supervise import process_start
+
+    parent = os.getppid()
+    launcher = int(os.environ.get("PIPEPLAN_LAUNCHER", "0") or 0)
+    start = os.environ.get("PIPEPLAN_LAUNCHER_START", "")
+
+    def gone() -> str | None:
+        if os.getppid() != parent:
+            return f"its parent (pid {parent}) ended"
+        if launcher and str(process_start(launcher)) != start:
+            return f"pipeplan run (pid {launcher}) ended"
+        return None
+
+    def watch() -> None:
+        while (why := gone()) is None:
+            time.sleep(period_s)
+        rank = os.environ.get("RANK", "0")
+        with contextlib.suppress(OSError, ValueError):
+            print(f"error: rank {rank} stopped: {why}", file=sys.stderr, flush=True)
+        os._exit(143)
+
+    threading.Thread(target=watch, name="pipeplan-watchdog", daemon=True).start()
+
+
 def _is_peer_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a consequence of another rank failing (a closed or timed-out link)."""
     import torch.distributed as dist
@@ -287,6 +319,7 @@ def run(args: argparse.Namespace) -> None:
     from pipeplan.runtime.records import RankRecord, chrome_trace, gather_report, print_comparison
 
     rank = int(os.environ.get("RANK", "0"))
+    _watchdog()
     beat = _heartbeat(args.run_dir, rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

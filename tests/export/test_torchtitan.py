@@ -1,6 +1,8 @@
 """torchtitan's module names per stage (:mod:`pipeplan.export.torchtitan`), read by torchtitan
-0.3.0's own code (the ``targets`` extra): its ``ConfigManager`` parses the override line and its
-transformers backend's ``pipeline_module_split`` cuts a Llama and a Gemma by it, every parameter
+0.3.0's own code (the ``targets`` extra): its ``ConfigManager`` parses the override line (the
+activation-checkpoint policy the plan's recomputation sets included); its transformers backend
+builds the layers the config names (its ``full`` config: the debug config overrides the layer
+count to 2) and its ``pipeline_module_split`` cuts a Llama and a Gemma by it, every parameter
 on one stage (Gemma's tied head keeps a copy on the last), the chained stages equal to the whole
 model (``titan_split.py``, in its own process)."""
 
@@ -156,11 +158,33 @@ def test_torchtitan_reads_the_export(llama) -> None:
         ).text.splitlines()[1]
         for mode in ("shard", "replicate")
     }
-    got, got_bad, got_gemma, got_shard, got_rep = run_titan_split(
+    # The plan's recomputation: every stage, and the first two only (torchtitan's one policy).
+    recomputing = {
+        name: export_plan(
+            plan.model_copy(
+                update={"stages": tuple(s.model_copy(update={"recompute": j in which})
+                                        for j, s in enumerate(plan.stages))}
+            ),
+            "torchtitan",
+            prof,
+        )
+        for name, which in (("every", (0, 1, 2)), ("some", (0, 1)))
+    }  # fmt: skip
+    assert not recomputing["every"].notes
+    assert any("recomputes stage(s) [0, 1] only" in n for n in recomputing["some"].notes)
+    got, got_bad, got_gemma, got_shard, got_rep, got_every, got_some = run_titan_split(
         [f"llama:4 {lines[0]}", f"llama:4 {bad_line}", f"gemma:3 {gemma_line}",
-         f"llama:4 {meshed['shard']}", f"llama:4 {meshed['replicate']}"],
+         f"llama:4 {meshed['shard']}", f"llama:4 {meshed['replicate']}",
+         *(f"llama:4 {r.text.splitlines()[1]}" for r in recomputing.values())],
         29541,
     )  # fmt: skip
+    # torchtitan builds the layers the config names, and reads the plan's recomputation
+    assert [g["n_layers"] for g in (got, got_gemma)] == [4, 3]
+    assert not any(s.recompute for s in plan.stages)
+    assert got["activation_checkpoint"] == "NoneType"  # not its default, selective
+    assert (
+        got_every["activation_checkpoint"] == got_some["activation_checkpoint"] == "FullAC.Config"
+    )
     # torchtitan's own parser reads the data-parallel degrees the plan's mode sets
     assert (got_shard["dp_shard"], got_shard["dp_replicate"]) == (2, 1)
     assert (got_rep["dp_shard"], got_rep["dp_replicate"]) == (1, 2)

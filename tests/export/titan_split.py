@@ -2,10 +2,11 @@
 
 ``python titan_split.py PORT JOB...``, each JOB ``ARCH:N_LAYERS LINE`` (ARCH ``llama`` or
 ``gemma``; LINE an export's override line): each LINE an export's override line (one
-argument each; torchtitan is imported once for them all).  Its ``ConfigManager`` parses each on the transformers backend's debug config; the backend builds
-a Llama of N_LAYERS layers from a local transformers config (no hub); its
-``pipeline_module_split`` cuts it on a one-rank gloo mesh.  Prints one JSON line, a list with per LINE: the parsed
-settings, each stage's parameter names, whether the chained stages equal the whole model, and
+argument each; torchtitan is imported once for them all).  Its ``ConfigManager`` parses each on
+the transformers backend's ``full`` config (its debug config overrides the layer count to 2 and
+the width to 256); the backend builds a model of N_LAYERS layers from a local transformers
+config (no hub), whose layer count it reports; its ``pipeline_module_split`` cuts it on a
+one-rank gloo mesh.  Prints one JSON line, a list with per LINE: the parsed settings, each stage's parameter names, whether the chained stages equal the whole model, and
 the error a stage raised, if one did.
 
 Stand-ins (installed here only, before torchtitan is imported): three modules that need a GPU
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -78,7 +80,7 @@ def _split(arch: str, args: list[str]) -> dict[str, Any]:
             "--module",
             "transformers_modeling_backend",
             "--config",
-            "transformers_modeling_backend_debugmodel",
+            "transformers_modeling_backend_full",  # debugmodel sets 2 layers of width 256
             *args,
         ]
     )
@@ -115,7 +117,10 @@ def _split(arch: str, args: list[str]) -> dict[str, Any]:
         "whole": [n for n, _ in model.named_parameters()],
         "dp_shard": par.data_parallel_shard_degree,
         "dp_replicate": par.data_parallel_replicate_degree,
-    }
+        "n_layers": len({m.group(1) for n, _ in model.named_parameters()
+                         if (m := re.search(r"layers\.(\d+)\.", n))}),
+        "activation_checkpoint": type(config.activation_checkpoint).__qualname__,
+    }  # fmt: skip
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
     _, chunks = pipeline_module_split(
         model,

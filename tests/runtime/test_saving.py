@@ -15,6 +15,7 @@ saves (``--keep 2``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -38,8 +39,10 @@ from _resume_jobs import (
     worker,
     write_plans,
 )
+from safetensors import SafetensorError
 
 from pipeplan.intake.model import load_model
+from pipeplan.runtime import saving
 from pipeplan.runtime.snapshots import step_name
 
 pytestmark = pytest.mark.multirank
@@ -172,3 +175,21 @@ def test_a_rank_killed_between_saves_resumes_from_the_last_complete_one(
     assert equal(state(save), state(reference / step_name(8))), f"resumed from {last} ({where})"
     assert sorted(f.name for f in save.glob("step-*")) == [step_name(7), step_name(8)]
     assert not survivors(str(tmp_path))
+
+
+def test_a_full_disk_is_named_whichever_library_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert saving._why(full, tmp_path) == "No space left on device"
+    said = SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"
+    )
+    assert saving._why(said, tmp_path) == "No space left on device"
+    silent = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    monkeypatch.setattr(saving, "FULL_DISK_BYTES", 0)  # a disk with room: the library's words
+    assert saving._why(silent, tmp_path) == (
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
+    )
+    monkeypatch.setattr(saving, "FULL_DISK_BYTES", 1 << 62)  # a disk with no room left
+    assert saving._why(silent, tmp_path) == "No space left on device"

@@ -385,6 +385,25 @@ def test_failure_names_the_stage_that_failed_first(tmp_path: Path) -> None:
     assert "stages 0, 2 stopped" in msg
 
 
+def test_a_rank_of_several_chunks_is_named_with_every_chunk(tmp_path: Path) -> None:
+    """A V on 2 ranks: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (issue 45)."""
+    chunks = [[0, 3], [1, 2]]
+    _error(tmp_path, 1, "Connection reset by peer", True, 1.0)
+    msg = str(failure(tmp_path, 2, 1, SUMMARY.replace("rank      : 1", "rank      : 0"), None, 2,
+                      chunks))  # fmt: skip
+    assert msg.startswith("rank 0 (stages 0 and 3) died with exit code -9 (SIGKILL)")
+    assert msg.endswith("(rank 1 stopped as a consequence)")
+    _error(tmp_path, 0, "boom", False, 2.0)
+    msg = str(failure(tmp_path, 2, 1, SUMMARY, None, 2, chunks))
+    assert msg.startswith("rank 0 (stages 0 and 3) failed at step 1: RuntimeError: boom")
+    msg = str(failure(tmp_path, 2, None, "", {1: 7.0}, 2, chunks))
+    assert msg.startswith("rank 0 (stages 0 and 3) failed at step 1")  # its own error first
+    (tmp_path / "error-0.json").unlink()
+    (tmp_path / "error-1.json").unlink()
+    msg = str(failure(tmp_path, 2, None, "", {1: 7.0}, 2, chunks))
+    assert msg.startswith("rank 1 (stages 1 and 2) stopped making progress: no heartbeat for 7 s")
+
+
 def test_a_rank_that_aborts_in_native_code_shows_why(tmp_path: Path) -> None:
     native = "terminate called after throwing an instance of 'gloo::IoException'\n"
     native += "  what():  [pair.cc:589] Connection closed by peer [127.0.0.1]:1234\n"
