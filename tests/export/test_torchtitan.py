@@ -4,7 +4,9 @@ activation-checkpoint policy the plan's recomputation sets included); its transf
 builds the layers the config names (its ``full`` config: the debug config overrides the layer
 count to 2) and its ``pipeline_module_split`` cuts a Llama and a Gemma by it, every parameter
 on one stage (Gemma's tied head keeps a copy on the last), the chained stages equal to the whole
-model (``titan_split.py``, in its own process)."""
+model (``titan_split.py``, in its own process); and a plan for 2 stages x 2 FSDP2 ranks trains
+a step in torchtitan's own llama3 pipeline and FSDP code, with the unsplit model's loss and
+gradients (``titan_train.py``, four gloo ranks)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import pytest
 from _export_rules import (
     GiB,
     export_cli,
+    named_profile,
     titan_config,
 )
 
+import pipeplan
 from pipeplan.api import target_allowed_cuts
 from pipeplan.export import export_plan
 from pipeplan.planner.evaluate import evaluate
@@ -224,3 +228,48 @@ def test_torchtitan_reads_the_export(llama) -> None:
              if g["chained_equal"] is not True}  # fmt: skip
     if apart:
         pytest.xfail(f"torchtitan's chained stages differ from its whole model: {apart}")
+
+
+@pytest.mark.multirank
+def test_torchtitan_trains_a_step_of_the_export(tmp_path: Path) -> None:
+    """Issue 42: a plan of torchtitan's llama3 names for 2 stages x 2 FSDP2 ranks, exported,
+    trains one step in torchtitan's own code (``titan_train.py``, four gloo ranks): its parser
+    reads the line, its ``pipeline_llm`` cuts torchtitan's Llama3Model by it and its
+    ``parallelize_llama`` shards each part over the 2 data-parallel ranks.  The step's loss is
+    the unsplit model's on the same batch, and every gradient too."""
+    pytest.importorskip("torchtitan")
+    names = ["tok_embeddings", *(f"layers.{i}" for i in range(4)), "norm+lm_head"]
+    plan = pipeplan.plan(
+        named_profile(names),
+        devices=4,
+        dp=2,
+        data_parallel="shard",
+        memory=GiB,
+        target="torchtitan",
+        schedule="1f1b",
+        microbatches=2,
+    )
+    assert (plan.cluster.data_parallel, plan.cluster.data_parallel_mode) == (2, "shard")
+    result = export_plan(plan, "torchtitan")
+    line = next(ln for ln in result.text.splitlines() if not ln.startswith("#"))
+    out = tmp_path / "ranks.json"
+    run = subprocess.run(
+        [sys.executable, str(HERE / "titan_train.py"), "29543", str(out), line],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    ranks = json.loads(out.read_text())
+    # torchtitan's mesh: ranks 0, 1 hold stage 0 and 2, 3 stage 1, each a data-parallel pair
+    assert [(r["pp"], r["dp"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in ranks:
+        assert r["parts"] == [sorted(result.stage_keys[r["pp"]])]
+        assert r["sharded"] and r["schedule"] == "Schedule1F1B"
+        assert r["microbatches"] == plan.microbatches
+    whole = ranks[0]["whole_loss_sum"] / ranks[0]["tokens"]
+    got = sum(r["loss_sum"] for r in ranks if r["last"]) / ranks[0]["tokens"]
+    assert got == pytest.approx(whole, rel=1e-5)
+    for r in ranks:
+        assert r["grad_difference"] <= 1e-5 * r["grad_max"]

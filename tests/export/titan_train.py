@@ -1,0 +1,225 @@
+"""torchtitan 0.3's own code trains one step of a pipeplan export (run by test_torchtitan.py).
+
+``python titan_train.py PORT OUT LINE``: LINE is torchtitan's export of a plan of 2 stages x
+2 data-parallel ranks (``shard``).  Four gloo ranks (``mp.spawn``) each parse it with
+torchtitan's ``ConfigManager`` on ``llama3_debugmodel_ce_loss`` and build the run with
+torchtitan's own functions, as its ``Trainer`` does: ``ParallelDims.build_mesh``,
+``pipeline_llm`` (which cuts the model by ``module_fqns_per_model_part``, runs
+``parallelize_llama`` on each part, FSDP2 over the data-parallel ranks, and builds the
+schedule), then ``to_empty`` and ``init_weights``.  The model is torchtitan's ``Llama3Model``,
+its debug model shrunk (4 layers, dim 32, vocabulary 64) with its maskless attention (causal
+``ScaledDotProductAttention``: FlexAttention needs a BlockMask per micro-batch and inductor),
+float32 throughout.  Each rank then copies one unsplit model's parameters into its part, runs
+``schedule.step`` once as torch documents it (inputs on the first stage, targets and a
+``losses`` list on the last) and reports its per-micro-batch losses (torchtitan sums the loss
+over tokens) and its parameters' gradients, gathered whole, next to the unsplit model's on the
+same batch.  Writes a JSON list, one entry per rank, to OUT.
+
+Settings of torchtitan's, not patches: ``--parallelism.spmd_backend partial_dtensor``, since
+its default ``spmd_types`` hands ``fully_shard`` annotated plain tensors that torch 2.13's
+refuses ("When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD
+mesh"), and ``--training.mixed_precision_param float32``.
+
+Environment only, never the code under test: the stand-ins of ``titan_split.py`` for imports
+that need a GPU library or a large package; torchtitan's device type set to ``cpu``
+(``ParallelDims`` falls back to ``cuda`` when it finds no accelerator); and, since gloo has no
+``ReduceOp.PREMUL_SUM``, the FSDP modules told to reduce with a plain SUM
+(``set_force_sum_reduction_for_comms``): torchtitan sets FSDP's divide factor to 1, which
+torch sends as ``PREMUL_SUM(1.0)``, the same sum.  torchtitan's trainer passes ``step``
+micro-batch lists (``arg_mbs``, ``target_mbs``) that torch 2.13 lacks, hence ``step()`` as
+torch documents it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+B, T, V = 8, 8, 64  # the whole step's samples, tokens per sample, vocabulary
+
+
+def _tiny_llama() -> Any:
+    """torchtitan's llama3 debug model, shrunk, with its maskless (causal SDPA) attention."""
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        ScaledDotProductAttention,
+    )
+    from torchtitan.models.llama3 import _build_llama3_layers, _debugmodel
+
+    dim, heads = 32, 4
+    base = _debugmodel("flex")
+    layers = _build_llama3_layers(
+        n_layers=4,
+        dim=dim,
+        n_heads=heads,
+        hidden_dim=64,
+        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=64, theta=500000, scaling="llama"),
+        attn_backend="flex",
+    )
+    for layer in layers:  # flex needs a BlockMask per micro-batch and inductor; SDPA neither
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return dataclasses.replace(
+        base,
+        dim=dim,
+        vocab_size=V,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=V, embedding_dim=dim, param_init=base.tok_embeddings.param_init
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=base.norm.param_init),
+        lm_head=Linear.Config(in_features=dim, out_features=V, param_init=base.lm_head.param_init),
+        layers=layers,
+    )
+
+
+def _rank(rank: int, port: int, out: str, line: str) -> None:
+    from titan_split import _install_stand_ins
+
+    _install_stand_ins()
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # four ranks on a few cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        result = _train(rank, line)
+        results: list[Any] = [None] * 4
+        dist.all_gather_object(results, result)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+        dist.barrier()  # no rank leaves while another still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, line: str) -> dict[str, Any]:
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
+
+    titan_dims.device_type = "cpu"  # torchtitan's fallback is cuda
+    config = ConfigManager().parse_args(
+        [
+            "--module",
+            "llama3",
+            "--config",
+            "llama3_debugmodel_ce_loss",
+            *shlex.split(line),
+            "--training.mixed_precision_param",
+            "float32",
+            "--training.seq_len",
+            str(T),
+            "--parallelism.spmd_backend",  # see the module's docstring
+            "partial_dtensor",
+        ]
+    )
+    par = config.parallelism
+    dist_utils.set_spmd_backend(par.spmd_backend)  # as torchtitan's Trainer does
+    dims = ParallelDims.from_config(par, 4)
+    dims.build_mesh()
+    model_config = _tiny_llama()
+    config.model_spec.model = model_config
+    model_config.update_from_config(config=config)
+    torch.manual_seed(0)
+    whole = model_config.build()
+    with torch.no_grad():
+        whole.init_weights()
+    state = {k: v.detach().clone() for k, v in whole.named_parameters()}
+    with torch.device("meta"):
+        model = model_config.build()
+    loss_fn = config.loss.build(compile_config=config.compile)  # sum-reduced cross-entropy
+    schedule, parts, first, last = pipeline_llm(
+        model,
+        parallel_dims=dims,
+        training=config.training,
+        parallelism=par,
+        compile_config=config.compile,
+        ac_config=config.activation_checkpoint,
+        dump_folder=tempfile.mkdtemp(),
+        device=torch.device("cpu"),
+        model_config=model_config,
+        parallelize_fn=parallelize_llama,
+        loss_fn=loss_fn,
+    )
+    for part in parts:  # gloo has no PREMUL_SUM: the same sum (factor 1) as a plain SUM
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    for part in parts:  # as torchtitan's Trainer does, then the whole model's parameters
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+            for name, param in part.named_parameters():
+                full = state[name.replace("_checkpoint_wrapped_module.", "")]
+                if isinstance(param, DTensor):
+                    full = distribute_tensor(full, param.device_mesh, param.placements)
+                param.copy_(full)
+        part.train()
+    ids = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(1))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    whole.train()
+    logits = whole(inputs).flatten(0, 1)
+    want = torch.nn.functional.cross_entropy(logits, labels.flatten(), reduction="sum")
+    want.backward()  # torchtitan sums the loss and the gradients (FSDP's divide factor 1)
+    batch = dims.get_mesh("batch")
+    d, share = batch.get_local_rank(), B // batch.size()
+    mine = slice(d * share, (d + 1) * share)
+    losses: list[torch.Tensor] = []
+    if first:
+        schedule.step(inputs[mine])
+    else:
+        schedule.step(target=labels[mine], losses=losses)
+    grad_diff, grad_max = 0.0, 0.0
+    for part in parts:
+        for name, param in part.named_parameters():
+            g = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            ref = whole.get_parameter(name.replace("_checkpoint_wrapped_module.", "")).grad
+            grad_diff = max(grad_diff, float((g - ref).abs().max()))
+            grad_max = max(grad_max, float(ref.abs().max()))
+    return {
+        "pp": dims.get_mesh("pp").get_local_rank(),
+        "dp": d,
+        "first": first,
+        "last": last,
+        "parts": [sorted({_owner(n) for n, _ in p.named_parameters()}) for p in parts],
+        "sharded": all(
+            isinstance(q, DTensor) and q.device_mesh.size() == 2
+            for p in parts
+            for q in p.parameters()
+        ),
+        "schedule": type(schedule).__name__,
+        "microbatches": schedule._n_microbatches,
+        "loss_sum": float(sum(x.detach() for x in losses)) if losses else None,
+        "whole_loss_sum": want.item(),
+        "tokens": B * T,
+        "grad_difference": grad_diff,
+        "grad_max": grad_max,
+    }
+
+
+def _owner(name: str) -> str:
+    """The model part's name for a parameter: ``layers.N`` or a direct child."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    mp.spawn(_rank, args=(int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=4)
