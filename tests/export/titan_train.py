@@ -119,13 +119,15 @@ def _train(rank: int, line: str) -> dict[str, Any]:
             "llama3",
             "--config",
             "llama3_debugmodel_ce_loss",
-            *shlex.split(line),
+            # this harness's settings first: the export's line may end in a tyro subcommand
+            # (activation_checkpoint:none), after which only that subcommand's options parse
             "--training.mixed_precision_param",
             "float32",
             "--training.seq_len",
             str(T),
             "--parallelism.spmd_backend",  # see the module's docstring
             "partial_dtensor",
+            *shlex.split(line),
         ]
     )
     par = config.parallelism
