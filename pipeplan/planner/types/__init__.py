@@ -42,6 +42,7 @@ from pipeplan.planner.types.profile import (
     SharedParam,
     Timing,
     Unit,
+    UnitTensorParallel,
 )
 from pipeplan.planner.types.run_report import RankMeasurement, RunReport, StageMeasurement
 
@@ -75,4 +76,5 @@ __all__ = [
     "TiedSync",
     "Timing",
     "Unit",
+    "UnitTensorParallel",
 ]

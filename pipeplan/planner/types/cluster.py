@@ -121,6 +121,22 @@ class Cluster(FrozenModel):
     collective_ranks: int = Field(default=2, ge=2)
     """The ranks ``collectives`` were measured on."""
 
+    tensor_parallel: int = Field(default=1, ge=1)
+    """t: the ranks each stage's (chunk's) transformer blocks are split over, Megatron-style
+    (attention and MLP projections column-wise, then row-wise; :mod:`pipeplan.planner.tensor_parallel`).
+    A stage runs on t d ranks; its t tensor-parallel ranks lie in one node."""
+    sequence_parallel: bool = False
+    """With t > 1: the norms and residuals between the blocks' projections run on 1 / t of the
+    sequence (Megatron's ``--sequence-parallel``, torch's ``SequenceParallel``): each all-reduce
+    becomes a reduce-scatter and an all-gather, and the activations there are divided by t."""
+    devices_per_node: int | None = Field(default=None, ge=1)
+    """K: devices in one node.  Tensor-parallel groups stay inside a node (t <= K); ``None``: one
+    node holds every device."""
+    intra_node_link: Link | None = None
+    """The link between two devices of one node (NVLink): the tensor-parallel collectives, and
+    the pipeline's or the replicas' transfers where their peers share a node.  ``None``:
+    ``link``."""
+
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     @classmethod

@@ -182,8 +182,11 @@ class Plan(FrozenModel):
     feasible: bool
     """Every stage fits its device's memory."""
     layout: tuple[tuple[int, ...], ...] = ()
-    """With ``cluster.data_parallel`` d > 1: the global ranks of each replica's stages (replica
-    r's stage j on ``layout[r][j]``); empty for one pipeline on ranks 0..p-1."""
+    """With ``cluster.data_parallel`` d > 1 or ``cluster.tensor_parallel`` t > 1: the first
+    global rank of each replica's pipeline ranks (replica r's rank j on ranks
+    ``layout[r][j]`` .. ``layout[r][j] + t - 1``, which is (r p + j) t: the device mesh
+    (dp, pp, tp), tensor-parallel ranks consecutive within a node); empty for one pipeline on
+    ranks 0..p-1."""
     solver: str
     status: Literal["optimal", "feasible", "infeasible", "unknown", "heuristic"]
     gap: float | None = None

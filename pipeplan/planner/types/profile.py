@@ -30,6 +30,7 @@ __all__ = [
     "SharedParam",
     "Timing",
     "Unit",
+    "UnitTensorParallel",
 ]
 
 
@@ -82,6 +83,40 @@ class Grouping(FrozenModel):
     expanded)`` rebuilds the units from them."""
 
 
+TensorParallelStyle = Literal["colwise", "rowwise"]
+
+
+class UnitTensorParallel(FrozenModel):
+    """How one unit splits over t tensor-parallel ranks (``pipeplan.intake.tensor_parallel``
+    finds it, ``pipeplan.profiler`` measures it; :mod:`pipeplan.planner.tensor_parallel`
+    prices it).
+
+    Megatron's split of a transformer block: the projections that open a sub-block (query,
+    key, value; gate and up) column-wise, the ones that close it (output; down) row-wise, so
+    that each sub-block's heads or hidden units are local and one all-reduce of the block's
+    output (per sample ``allreduce_bytes_per_sample``) closes each sub-block in the forward,
+    and one of its input's gradient in the backward.
+    """
+
+    styles: dict[str, TensorParallelStyle]
+    """Qualified module name in the model -> how its weight is split."""
+    divisors: dict[str, int] = {}
+    """Dimension name (``heads``, ``kv_heads``, ``hidden``, ``intermediate``) -> its size, which
+    t must divide."""
+    sharded_param_bytes: int = Field(ge=0)
+    """Of the unit's ``param_bytes``, those divided by t (the split projections' weights and
+    their column-wise biases)."""
+    sharded_flop_fraction: float = Field(ge=0, le=1)
+    """Of the unit's forward FLOPs, the share that t ranks divide (the projections and the
+    attention between them)."""
+    sharded_saved_fraction: float = Field(default=0.0, ge=0, le=1)
+    """Of the unit's ``saved_bytes``, the share divided by t (what the split sub-blocks save)."""
+    allreduces: int = Field(default=0, ge=0)
+    """All-reduces per forward (one per row-wise projection), as many again in the backward."""
+    allreduce_bytes_per_sample: int = Field(default=0, ge=0)
+    """Bytes those all-reduces sum, per sample, in the forward (the backward's are the same)."""
+
+
 class Unit(FrozenModel):
     """A partition atom: consecutive graph nodes, usually one block of a repeated container."""
 
@@ -102,6 +137,13 @@ class Unit(FrozenModel):
     measured_as: int | None = Field(default=None, ge=0)
     """The unit whose measurement ``timings`` copies (``--method units``: an identical unit,
     measured once, :mod:`pipeplan.profiler.units`); ``None``: measured itself."""
+    tensor_parallel: UnitTensorParallel | None = None
+    """How the unit splits over tensor-parallel ranks; ``None``: it does not (every rank of a
+    tensor-parallel group runs it whole)."""
+    tp_timings: dict[int, dict[int, Timing]] = {}
+    """Measured per-rank timings with the unit split t ways on t ranks, collectives included:
+    t -> micro-batch size -> Timing (``pipeplan profile --tensor-parallel``); a t absent here is
+    modelled from ``timings`` (:mod:`pipeplan.planner.tensor_parallel`)."""
 
 
 class CutTensor(FrozenModel):
@@ -194,6 +236,9 @@ class Profile(FrozenModel):
     they see one micro-batch at a time (see ``pipeplan run --batch-norm``)."""
     grouping: Grouping | None = None
     """How ``auto`` grouped the units (``None`` for other granularities and older profiles)."""
+    tensor_parallel_note: str | None = None
+    """Why the model plans tensor parallelism t = 1 only (no recognised block), in one line;
+    ``None`` where its blocks split or it was not looked at."""
     method: Literal["whole", "units"] = "whole"
     """How the units were measured: inside whole training passes of the real model
     (:mod:`pipeplan.profiler.sweep`), or each distinct unit alone, materialized from a model built on
