@@ -219,6 +219,27 @@ class PlanRequest:
     """The data-parallel modes the frontier weighs (:mod:`pipeplan.planner.collectives`)."""
     replicas: int | None = None
     """d fixed (``--dp``); ``None``: every divisor of ``devices``."""
+    tensor_parallels: tuple[int, ...] = (1,)
+    """The tensor-parallel degrees t the frontier plans
+    (:func:`pipeplan.solvers.devices.tensor_degrees`)."""
+    skipped_tensor_parallels: tuple[tuple[int, str], ...] = ()
+    """Degrees left out, with why (t does not divide a split dimension)."""
+
+    @property
+    def tensor_parallel_note(self) -> str | None:
+        """One line when the search would weigh t > 1 (``devices_per_node`` given) but the
+        profile's units do not split: the profile's reason."""
+        from pipeplan.planner.tensor_parallel import is_annotated
+
+        if (
+            self.devices is None
+            or self.cluster.devices_per_node is None
+            or self.tensor_parallels != (1,)
+            or is_annotated(self.profile)
+        ):
+            return None
+        why = self.profile.tensor_parallel_note or "no unit of the profile has a split"
+        return f"tensor parallel 1 only: {why}"
 
     def solve(self) -> Plan:
         """The best plan: :func:`pipeplan.solvers.choose.solve` on the cluster, or with
@@ -249,7 +270,8 @@ class PlanRequest:
 
             floor = schedule_floor
             one = self.options.model_copy(update={"families": ("gpipe", "1f1b")})
-            quick = partial(_solve_as, options=one, solver=self.solver)
+            if self.tensor_parallels == (1,):  # the mesh's many triples go unplanned instead
+                quick = partial(_solve_as, options=one, solver=self.solver)
         return plan_devices(
             self.profile,
             self.devices,
@@ -262,6 +284,8 @@ class PlanRequest:
             floor=floor,
             quick=quick,
             refine=refine,
+            tensor_parallels=self.tensor_parallels,
+            skipped=self.skipped_tensor_parallels,
         )
 
     def best(self, choices: Sequence[DeviceChoice]) -> Plan:
@@ -269,7 +293,11 @@ class PlanRequest:
         :class:`~pipeplan.planner.errors.InfeasiblePlanError` naming every depth's reason
         when none has a plan."""
         if choices[0].plan is None:
-            reasons = "; ".join(f"p={c.stages} {c.mode}: {c.reason}" for c in choices)
+            reasons = "; ".join(
+                f"p={c.stages}{f' t={c.tensor_parallel}' if c.tensor_parallel > 1 else ''} "
+                f"{c.mode}: {c.reason}"
+                for c in choices
+            )
             raise InfeasiblePlanError(f"no depth fits {self.devices} devices: {reasons}")
         return choices[0].plan
 
@@ -317,6 +345,11 @@ def plan_request(
     global_batch_size: int | None = None,
     data_parallel: str = "auto",
     dp: int | None = None,
+    devices_per_node: int | None = None,
+    tensor_parallel: int | None = None,
+    sequence_parallel: bool = False,
+    intra_bandwidth: float | str | None = None,
+    intra_latency: float | str | None = None,
     **options: Any,
 ) -> PlanRequest:
     """A request to plan ``profile`` (a Profile or its file), checked: what :func:`plan` solves
@@ -340,7 +373,16 @@ def plan_request(
     data-parallel rank (default: the profile's batch; the profile's per-micro-batch times are
     reused, m = B / (d b)).  ``data_parallel`` is how each stage's d ranks hold its state:
     ``replicate``, ``shard`` (FSDP2) or ``auto`` (both weighed); ``dp`` fixes d (with
-    ``stages`` p, the plan runs p x d devices).  Raises
+    ``stages`` p, the plan runs p x d devices).
+
+    Tensor parallelism (:mod:`pipeplan.planner.tensor_parallel`): ``devices_per_node`` K
+    (default: the cluster file's) with ``devices`` weighs every tensor-parallel degree t
+    dividing K as well (:func:`pipeplan.solvers.devices.tensor_degrees`); ``tensor_parallel``
+    fixes t (with ``stages`` p alone, the plan runs p x t devices); ``sequence_parallel``
+    splits the norms' sequence too.  ``intra_bandwidth`` and ``intra_latency`` are the
+    intra-node link's (default: the cluster file's ``intra_node_link``, else ``bandwidth`` and
+    ``latency``).  A profile whose units carry no split is annotated first
+    (:func:`_annotated`), when its model can be built.  Raises
     :class:`~pipeplan.planner.errors.InvalidRequestError` for a request no solver plans.
     """
     from pipeplan.solvers.choose import check_solver
@@ -362,8 +404,14 @@ def plan_request(
         raise InvalidRequestError(f"--dp {dp} must be at least 1")
     if devices is not None and stages is not None:
         raise InvalidRequestError("--devices chooses the stage count; drop --stages")
-    if dp is not None and stages is not None:  # p stages x d ranks: one depth of p d devices
-        devices, stages = stages * dp, None
+    if devices_per_node is not None and devices_per_node < 1:
+        raise InvalidRequestError(f"--devices-per-node {devices_per_node} must be at least 1")
+    t_fixed = tensor_parallel
+    if t_fixed is not None and t_fixed < 1:
+        raise InvalidRequestError(f"--tensor-parallel {t_fixed} must be at least 1")
+    if stages is not None and (dp is not None or (t_fixed or 1) > 1):
+        # p stages x d ranks x t: one depth of p d t devices
+        devices, stages, dp = stages * (dp or 1) * (t_fixed or 1), None, dp or 1
     if devices is None and global_batch_size is not None:  # one pipeline takes the whole batch
         from pipeplan.solvers.devices import replica_profile
 
@@ -378,6 +426,19 @@ def plan_request(
         cluster=cluster,
         calibrated=found[0] if found else None,
     )
+    clus = _with_nodes(clus, devices_per_node, sequence_parallel, intra_bandwidth, intra_latency)
+    degrees: tuple[int, ...] = (1,)
+    skipped: tuple[tuple[int, str], ...] = ()
+    if devices is None and sequence_parallel:
+        raise InvalidRequestError("--sequence-parallel needs --tensor-parallel above 1")
+    if devices is not None:
+        from pipeplan.solvers.devices import tensor_degrees
+
+        if (t_fixed or 1) > 1 or (t_fixed is None and clus.devices_per_node is not None):
+            prof = _annotated(prof)
+        degrees, skipped = tensor_degrees(prof, devices, clus, t_fixed)
+        if sequence_parallel and max(degrees) == 1:
+            raise InvalidRequestError("--sequence-parallel needs --tensor-parallel above 1")
     return PlanRequest(
         prof,
         clus,
@@ -388,7 +449,54 @@ def plan_request(
         global_batch=global_batch_size,
         modes=DATA_PARALLEL[data_parallel],
         replicas=dp,
+        tensor_parallels=degrees,
+        skipped_tensor_parallels=skipped,
     )
+
+
+def _with_nodes(
+    cluster: Cluster,
+    devices_per_node: int | None,
+    sequence_parallel: bool,
+    intra_bandwidth: float | str | None,
+    intra_latency: float | str | None,
+) -> Cluster:
+    """``cluster`` with the request's node size, intra-node link and sequence parallelism
+    (each option overriding the cluster file's field)."""
+    update: dict[str, Any] = {"sequence_parallel": sequence_parallel or cluster.sequence_parallel}
+    if devices_per_node is not None:
+        update["devices_per_node"] = devices_per_node
+    if intra_bandwidth is not None or intra_latency is not None:
+        base = cluster.intra_node_link or cluster.link
+        update["intra_node_link"] = Link(
+            bandwidth_Bps=(
+                parse_rate(intra_bandwidth)
+                if isinstance(intra_bandwidth, str)
+                else intra_bandwidth
+                if intra_bandwidth is not None
+                else base.bandwidth_Bps
+            ),
+            latency_s=(
+                parse_duration(intra_latency)
+                if isinstance(intra_latency, str)
+                else intra_latency
+                if intra_latency is not None
+                else base.latency_s
+            ),
+        )
+    return cluster.model_copy(update=update)
+
+
+def _annotated(profile: Profile) -> Profile:
+    """``profile`` with each unit's tensor-parallel split, when none has one yet and nothing
+    was said about it (``tensor_parallel_note``): its model built on ``meta`` and annotated
+    by :func:`pipeplan.profiler.tp_annotate.annotate_profile`.  A model that cannot be built
+    here plans t = 1, and the note says why."""
+    from pipeplan.planner.tensor_parallel import is_annotated
+
+    if is_annotated(profile) or profile.tensor_parallel_note is not None:
+        return profile
+    return _annotate(profile)
 
 
 def plan(profile: Profile | PathLike, **request: Any) -> Plan:
@@ -455,3 +563,19 @@ def _load_plan(path: PathLike) -> Plan:
     from pipeplan.planner.io import load_plan
 
     return load_plan(path)
+
+
+def _annotate(profile: Profile) -> Profile:
+    """:func:`pipeplan.profiler.tp_annotate.annotate_profile` on the profile's model, built on
+    ``meta``; a model that cannot be built here gets a ``tensor_parallel_note`` saying so."""
+    from pipeplan.intake.model import load_model
+    from pipeplan.planner.errors import PipeplanError
+    from pipeplan.profiler.tp_annotate import annotate_profile
+
+    try:
+        spec = load_model(profile.model, dict(profile.model_kwargs), meta=True)
+        return annotate_profile(profile, spec)
+    except PipeplanError as exc:
+        why = str(exc).split(";")[0].splitlines()[0]
+        note = f"the model {profile.model} could not be annotated here ({why})"
+        return profile.model_copy(update={"tensor_parallel_note": note})

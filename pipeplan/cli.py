@@ -191,6 +191,35 @@ def plan(
         int | None,
         typer.Option(help="Data-parallel ranks per stage d, fixed (with --stages: p x d devices)."),
     ] = None,
+    devices_per_node: Annotated[
+        int | None,
+        typer.Option(
+            help="Devices per node K: with --devices, every tensor-parallel degree dividing K is "
+            "weighed too (tensor-parallel groups stay inside a node)."
+        ),
+    ] = None,
+    tensor_parallel: Annotated[
+        int | None,
+        typer.Option(
+            help="Tensor-parallel degree t, fixed (default: searched when --devices-per-node is "
+            "given, else 1; with --stages: p x t devices)."
+        ),
+    ] = None,
+    sequence_parallel: Annotated[
+        bool,
+        typer.Option(
+            help="With t > 1: split the norms' sequence too (Megatron's --sequence-parallel)."
+        ),
+    ] = False,
+    intra_bandwidth: Annotated[
+        str | None,
+        typer.Option(
+            help="Intra-node link bandwidth (NVLink), e.g. 400GB/s (default: --bandwidth)."
+        ),
+    ] = None,
+    intra_latency: Annotated[
+        str | None, typer.Option(help="Intra-node link latency, e.g. 2us (default: --latency).")
+    ] = None,
     memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 16GiB.")] = None,
     microbatches: Annotated[str, typer.Option(help="auto or a count m.")] = "auto",
     checkpoint: Annotated[
@@ -273,6 +302,11 @@ def plan(
         global_batch_size=global_batch_size,
         data_parallel=data_parallel,
         dp=dp,
+        devices_per_node=devices_per_node,
+        tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
+        intra_bandwidth=intra_bandwidth,
+        intra_latency=intra_latency,
         microbatches=None if microbatches == "auto" else int(microbatches),
         checkpoint=checkpoint,
         schedule=schedule,
@@ -289,6 +323,8 @@ def plan(
             "(pipeplan calibrate; --no-calibration to leave them out)",
             highlight=False,
         )
+    if request.tensor_parallel_note is not None:
+        err_console.print(request.tensor_parallel_note, highlight=False, soft_wrap=True)
     if request.devices is None:
         result = request.solve()
     else:
@@ -296,12 +332,17 @@ def plan(
         batch = request.global_batch or request.profile.batch_size
         console.print(frontier_table(request.devices, batch, choices))
         result = request.best(choices)
+    if result.cluster.tensor_parallel > 1:
+        from pipeplan.planner.tensor_parallel import source_note
+
+        console.print(source_note(request.profile, result.cluster.tensor_parallel), highlight=False)
     if not record_solve_time:
         result = result.model_copy(update={"solve_time_s": None})
     if result.profiled_threads is not None:  # before anything runs: what run will give a rank
         from pipeplan.planner.host import threads_mismatch, threads_per_rank
 
-        per_rank = threads_per_rank(result.n_stages * result.cluster.data_parallel)
+        ranks = result.n_stages * result.cluster.data_parallel * result.cluster.tensor_parallel
+        per_rank = threads_per_rank(ranks)
         if (warning := threads_mismatch(result.profiled_threads, per_rank)) is not None:
             err_console.print(
                 f"[yellow]warning:[/] on this host {warning}", highlight=False, soft_wrap=True

@@ -62,6 +62,7 @@ __all__ = [
     "Collective",
     "StateFactors",
     "collective_cost",
+    "ring_cost",
     "state_factors",
 ]
 
@@ -105,10 +106,23 @@ def state_factors(optimizer: str, cluster: Cluster) -> StateFactors:
     return StateFactors(params=1.0, grads=1.0, optimizer=s)
 
 
-def _ring(link: Link, d: int, steps: float) -> tuple[float, float]:
+def ring_cost(link: Link, ranks: int, kind: Collective) -> tuple[float, float]:
+    """(alpha, beta): ``kind`` of w > 0 bytes as a ring over ``ranks`` ranks on ``link`` takes
+    alpha w + beta seconds (the module docstring's formulas, d = ``ranks``); (0, 0) for one
+    rank.  The data-parallel axis (:func:`collective_cost`) and the tensor-parallel one
+    (:mod:`pipeplan.planner.tensor_parallel`) both price their rings here.
+
+    >>> from pipeplan.planner.types import Link
+    >>> a, b = ring_cost(Link(bandwidth_Bps=1e9, latency_s=1e-6), 4, "all_reduce")
+    >>> round(a * 1e9, 3), round(b * 1e6, 3)
+    (1.5, 6.0)
+    """
+    if ranks <= 1:
+        return 0.0, 0.0
+    steps = _RING_STEPS[kind]
     bw = link.bandwidth_Bps
-    alpha = 0.0 if bw is None else steps * (d - 1) / d / bw
-    return alpha, steps * (d - 1) * (link.latency_s + link.overhead_s)
+    alpha = 0.0 if bw is None else steps * (ranks - 1) / ranks / bw
+    return alpha, steps * (ranks - 1) * (link.latency_s + link.overhead_s)
 
 
 def collective_cost(cluster: Cluster, kind: Collective) -> tuple[float, float]:
@@ -134,4 +148,4 @@ def collective_cost(cluster: Cluster, kind: Collective) -> tuple[float, float]:
         n = cluster.collective_ranks
         per_byte, fixed = measured
         return per_byte * ((d - 1) / d) / ((n - 1) / n), fixed * (d - 1) / (n - 1)
-    return _ring(cluster.replica_link or cluster.link, d, _RING_STEPS[kind])
+    return ring_cost(cluster.replica_link or cluster.link, d, kind)

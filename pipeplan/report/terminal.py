@@ -339,7 +339,7 @@ def stage_table(p: Plan, name: str) -> Table:
 
 
 class FrontierRow(Protocol):
-    """One (depth, data-parallel mode) pair of ``plan --devices``
+    """One (depth, tensor-parallel degree, data-parallel mode) of ``plan --devices``
     (:class:`pipeplan.solvers.devices.DeviceChoice`)."""
 
     @property
@@ -348,6 +348,8 @@ class FrontierRow(Protocol):
     def replicas(self) -> int: ...
     @property
     def mode(self) -> str: ...
+    @property
+    def tensor_parallel(self) -> int: ...
     @property
     def plan(self) -> Plan | None: ...
     @property
@@ -358,15 +360,28 @@ class FrontierRow(Protocol):
 
 def frontier_table(devices: int, batch: int, choices: Sequence[FrontierRow]) -> Table:
     """The (depth, data-parallel mode) pairs ``plan --devices`` weighed, one row each, the best
-    first."""
+    first; where several tensor-parallel degrees were weighed, the best plan of each (pp, tp)
+    pair (its mode the better one) and a tp column."""
     best = choices[0]
+    mesh = len({c.tensor_parallel for c in choices}) > 1 or best.tensor_parallel > 1
+    if mesh:
+        seen: set[tuple[int, int]] = set()
+        rows: list[FrontierRow] = []
+        for c in choices:  # best first: the first of each (pp, tp) is its best
+            if (c.stages, c.tensor_parallel) not in seen:
+                seen.add((c.stages, c.tensor_parallel))
+                rows.append(c)
+        choices = rows
     table = Table(title=f"{devices} devices, global batch {batch}")
-    cols = ("pp", "dp", "mode", "family", "m", "step", "samples/s", "peak memory", "note")
+    cols = ("pp", *(("tp",) if mesh else ()), "dp", "mode", "family", "m", "step", "samples/s",
+            "peak memory", "note")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col in ("mode", "family", "note") else "right")
     for c in choices:
+        tp = (str(c.tensor_parallel),) if mesh else ()
         if c.plan is None:
-            table.add_row(str(c.stages), str(c.replicas), c.mode, "-", "-", "-", "-", "-", c.reason)
+            pp, dp = (str(c.stages), str(c.replicas)) if c.stages else ("-", "-")
+            table.add_row(pp, *tp, dp, c.mode, "-", "-", "-", "-", "-", c.reason)
             continue
         note = "best" if c is best else f"{c.throughput / best.throughput - 1:+.1%} throughput"
         pl = c.plan
@@ -374,6 +389,7 @@ def frontier_table(devices: int, batch: int, choices: Sequence[FrontierRow]) -> 
         v = pl.stages_per_rank
         table.add_row(
             str(c.stages),
+            *tp,
             str(c.replicas),
             c.mode,
             pl.schedule if v == 1 else f"{pl.schedule} v={v}",

@@ -70,7 +70,8 @@ def family_bound(
         forced.setdefault(owner[-1], []).append(n - 1)
     inner = least[1:-1] if n > 2 else least[:0]
     s_min = float(inner.min()) if len(inner) else 0.0
-    best = work_bound(profile, cluster, options.model_copy(update={"microbatches": m}))
+    crossings = sum(a != b for a, b in zip(owner, owner[1:], strict=False))
+    best = work_bound(profile, cluster, options.model_copy(update={"microbatches": m}), crossings)
     for q, units in forced.items():
         speed = cluster.devices[q].speed
         work = sum(float(least[u]) for u in units) + (loss if n - 1 in units else 0.0)
@@ -84,10 +85,13 @@ def family_bound(
     return best
 
 
-def work_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:
+def work_bound(
+    profile: Profile, cluster: Cluster, options: PlanOptions, crossings: int | None = None
+) -> float:
     """A lower bound on the step of every family, v, partition and recomputation:
 
-        L = c + min over m of max((m S_m + sum_{q >= 1} v_q D_q) / sum_q v_q,  S_m / v_max)
+        L = c + min over m of max((m (S_m + X_m) + sum_{q >= 1} v_q D_q + U_min) / sum_q v_q,
+                                  S_m / v_max)
 
     with c the step overhead, S_m = sum_u s_u + the loss's forward and backward at m, s_u the
     least of the unit's plain forward and backward f_u + g_u, its recomputing pair and (where
@@ -103,9 +107,30 @@ def work_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> floa
     hence the idle is at least D_q.  Weighting T - c >= busy_q + D_q by v_q and summing gives
     the first term.  The second: one micro-batch's forward and backward pass through every
     unit in order.  Tighter than the work bound alone (D_q = 0) by sum v_q D_q / sum v_q.
+
+    U_min: the ranks' optimizer updates (with their data-parallel collectives,
+    :func:`~pipeplan.planner.updates.update_cost`), which the replay runs on each rank after
+    its last action, so they add to T - c >= busy_q + D_q + U(W_q) / v_q.  U is the maximum of
+    affine pieces (s_k, c_k), so sum_q U(W_q) >= s_k W + p min(c_k, 0) for every piece k (W the
+    profile's parameter bytes, which the ranks hold between them at least once; U(0) = 0 >=
+    s_k 0 + c_k only where c_k <= 0); U_min is the largest over k.  It is what bounds a
+    plan whose step the gradients' all-reduce over many replicas dominates.
+
+    With p > 1 ranks, m times (p - 1) times the cheapest cut's two transfers join m S_m: the
+    replay charges a chunk whose output goes to another rank the transfer of its output and of
+    that output's gradient (a send in its F, a receive in its B, on the rank's own timeline),
+    and at least p - 1 chunk boundaries cross ranks in every family (``crossings`` where the
+    caller knows the family and v: :func:`family_bound`'s chunks that sit on another rank than
+    the next; X_m: those transfers' seconds, weighted by the slowest rank's speed as the busy
+    times are).
     """
     speed = sum(d.speed for d in cluster.devices)
     fastest = max(d.speed for d in cluster.devices)
+    total = float(sum(u.param_bytes for u in profile.units))
+    pieces = update_cost(profile, options.optimizer, cluster).pieces
+    p = cluster.n_stages
+    updates = max((sl * total + p * min(c, 0.0) for sl, c in pieces), default=0.0)
+    updates = max(updates, 0.0)
     best = np.inf
     for m in microbatch_choices(profile, options):
         c = unit_costs(profile, m)
@@ -113,5 +138,11 @@ def work_bound(profile: Profile, cluster: Cluster, options: PlanOptions) -> floa
         work = float(least.sum()) + loss
         fwd = np.concatenate([[0.0], np.cumsum(np.minimum(c.f, np.diff(c.Pfc)))]) / fastest
         ramp = sum(d.speed * float(fwd[min(q, c.n)]) for q, d in enumerate(cluster.devices))
-        best = min(best, max((m * work + ramp) / speed, work / fastest))
+        sends = 0.0
+        if p > 1 and c.n > 1:  # every crossing's two transfers, each the cheapest cut's
+            nbytes, msgs = c.x[1 : c.n], c.msgs[1 : c.n]
+            slowest = min(d.speed for d in cluster.devices)  # seconds weighted by speed
+            cheapest = 2.0 * float(np.min(cluster.link.one_way_s(nbytes, msgs)))
+            sends = slowest * (p - 1 if crossings is None else crossings) * cheapest
+        best = min(best, max((m * (work + sends) + ramp + updates) / speed, work / fastest))
     return float(best) + cluster.step_overhead_s

@@ -254,6 +254,36 @@ def test_family_bound_is_below_every_partition() -> None:
     assert tight > 0
 
 
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_the_bounds_count_transfers_and_data_parallel_updates(mode: str) -> None:
+    """With a slow link between ranks and the gradients' collectives over 8 replicas, the
+    transfers and the updates dominate: the bounds count both and stay below every partition
+    of every (family, v, m), and the work bound is then above the one that leaves them out."""
+    prof = with_split(
+        synthetic_profile(6, batch_size=4, microbatch_sizes=[1, 2], seed=2, loss=True,
+                          update_s_per_byte=2e-9)
+    )  # fmt: skip
+    slow = Link(bandwidth_Bps=2e7, latency_s=1e-4)
+    cluster = Cluster.homogeneous(3, 2**40, slow).model_copy(
+        update={"data_parallel": 8, "data_parallel_mode": mode, "devices": tuple(
+            d.model_copy(update={"speed": 2.0}) for d in Cluster.homogeneous(3, 2**40).devices)}
+    )  # fmt: skip
+    options = PlanOptions(schedule="auto")
+    free = cluster.model_copy(update={"link": Link(), "replica_link": Link()})
+    looser = work_bound(prof, free, options)
+    assert work_bound(prof, cluster, options) > 1.5 * looser
+    for fam, spec in FAMILIES.items():
+        for v in spec.v:
+            for b in prof.microbatch_sizes:
+                m = prof.batch_size // b
+                if 3 * v > prof.n_units or check(fam, 3, v, m) is not None:
+                    continue
+                bound = family_bound(prof, cluster, options, fam, v, m)
+                best = _brute_cuts(prof, cluster, options.model_copy(update={"checkpoint": "never"}),
+                                   fam, v, m)  # fmt: skip
+                assert bound <= best * (1 + 1e-12), (fam, v, m, bound, best)
+
+
 def test_torchtitan_cuts_leave_a_layer_on_every_chunk() -> None:
     """``plan --for torchtitan``'s allowed cuts (its transformers backend fails on a stage
     without a decoder layer) hold for every chunk of a V."""

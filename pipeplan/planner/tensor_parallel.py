@@ -1,0 +1,197 @@
+"""Megatron-style tensor parallelism as a per-rank profile: what one of t ranks of a stage runs.
+
+Megatron-LM (Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models
+Using Model Parallelism", 2019; with sequence parallelism, Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models", 2022) splits each transformer block's
+attention and MLP over t ranks of one node: the opening projections column-wise, the closing
+ones row-wise, each sub-block closed by one all-reduce of its output in the forward and one of
+its input's gradient in the backward.  Every rank of the group runs the same per-rank program,
+so a stage of t ranks is priced as one device running the per-rank profile
+:func:`tp_profile` returns; every solver then plans that profile unchanged.
+
+Per unit u with an annotation (``Unit.tensor_parallel``: sharded FLOP share phi, sharded saved
+share sigma, sharded parameter bytes w_s, k all-reduces of X bytes per sample in the forward),
+at micro-batch size b, the collectives a ring over the t ranks on the intra-node link
+(``Cluster.intra_node_link``, else ``link``) with the formulas of
+:mod:`pipeplan.planner.collectives` (alpha per byte, beta per message):
+
+    c          = alpha_AR X b + k beta_AR                      (without sequence parallelism)
+               = (alpha_RS + alpha_AG) X b + k (beta_RS + beta_AG)      (with it: each
+                 all-reduce is a reduce-scatter and an all-gather, the same bytes on a ring)
+    s          = 1 - phi + phi / t                             the per-rank share of compute
+    forward    = f s + c
+    backward   = g s + c                     (the input gradient's all-reduces)
+    I, W       = I s + c,  W s               (the all-reduce belongs to I: zero-bubble split)
+    recompute  = fc s + c (forward),  r s + 2 c (backward: the recomputed forward's too)
+    params     = (w - w_s) + w_s / t
+    saved      = a (1 - sigma + sigma / t), and a / t with sequence parallelism (the norms and
+                 residuals then hold 1 / t of the sequence); ``weight_held_bytes`` and
+                 ``peak_bytes`` scale the same way
+    largest    = max(big / t, min(big, w - w_s))       (the largest parameter is sharded, or
+                 one of the whole ones: an upper bound either way)
+
+A unit's measured ``tp_timings[t][b]`` (collectives included) is used as it stands where
+present; otherwise the times above are modelled from its unsharded ``timings[b]``.  A unit
+without an annotation is run whole by every rank: its times and bytes are unchanged.  The
+tensors crossing a cut are unchanged (each rank sends the whole activation to its peer in the
+next stage), except with sequence parallelism after an annotated unit, where they are 1 / t.
+Left whole, an upper bound: the loss (no loss-parallel split), tied parameters' copies, the
+optimizer step's curve (evaluated at the per-rank bytes, which the smaller parameters make
+cheaper, as a rank updates only its shard).
+"""
+
+from __future__ import annotations
+
+from pipeplan.planner.collectives import ring_cost
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.types import Cluster, Profile, Timing, Unit, UnitTensorParallel
+
+__all__ = [
+    "check_tensor_parallel",
+    "collective_s",
+    "is_annotated",
+    "source_note",
+    "tp_profile",
+]
+
+
+def is_annotated(profile: Profile) -> bool:
+    """Whether any unit of ``profile`` splits over tensor-parallel ranks."""
+    return any(u.tensor_parallel is not None for u in profile.units)
+
+
+def check_tensor_parallel(profile: Profile, t: int) -> None:
+    """Raise :class:`InvalidRequestError` when ``profile`` cannot run t-way tensor parallel:
+    no unit splits (the profile's note, or why), or t does not divide a split dimension (the
+    first such, by name)."""
+    if t == 1:
+        return
+    if not is_annotated(profile):
+        why = profile.tensor_parallel_note or "no unit of the profile has a tensor-parallel split"
+        raise InvalidRequestError(f"--tensor-parallel {t}: {why}; plan --tensor-parallel 1")
+    for u in profile.units:
+        for dim, size in (u.tensor_parallel.divisors if u.tensor_parallel else {}).items():
+            if size % t:
+                raise InvalidRequestError(
+                    f"--tensor-parallel {t} does not divide the model's {dim} ({size}, unit "
+                    f"{u.name}); give a divisor of {size}"
+                )
+
+
+def collective_s(cluster: Cluster, nbytes: float, count: int) -> float:
+    """c: seconds of ``count`` tensor-parallel all-reduces summing ``nbytes`` in all over the
+    cluster's t ranks (reduce-scatter and all-gather pairs with ``sequence_parallel``), on the
+    intra-node link; 0 for t = 1 or nothing to sum."""
+    t = cluster.tensor_parallel
+    if t == 1 or count == 0:
+        return 0.0
+    link = cluster.intra_node_link or cluster.link
+    kinds = ("reduce_scatter", "all_gather") if cluster.sequence_parallel else ("all_reduce",)
+    out = 0.0
+    for kind in kinds:
+        alpha, beta = ring_cost(link, t, kind)  # type: ignore[arg-type]
+        out += alpha * nbytes + beta * count
+    return out
+
+
+def _scale(nbytes: int | None, share: float) -> int | None:
+    return None if nbytes is None else round(nbytes * share)
+
+
+def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster) -> Timing:
+    """One annotated unit's per-rank timing at size b, from its unsharded one (docstring)."""
+    t = cluster.tensor_parallel
+    s = 1.0 - ann.sharded_flop_fraction + ann.sharded_flop_fraction / t
+    keep = (
+        1.0 / t
+        if cluster.sequence_parallel
+        else 1.0 - ann.sharded_saved_fraction + ann.sharded_saved_fraction / t
+    )
+    c = collective_s(cluster, ann.allreduce_bytes_per_sample * b, ann.allreduces)
+
+    def opt(x: float | None, extra: float) -> float | None:
+        return None if x is None else x * s + extra
+
+    return timing.model_copy(
+        update={
+            "forward_s": timing.forward_s * s + c,
+            "backward_s": timing.backward_s * s + c,
+            "forward_spread_s": timing.forward_spread_s * s,
+            "backward_spread_s": timing.backward_spread_s * s,
+            "recompute_forward_s": opt(timing.recompute_forward_s, c),
+            "recompute_backward_s": opt(timing.recompute_backward_s, 2 * c),
+            "backward_input_s": opt(timing.backward_input_s, c),
+            "backward_weight_s": opt(timing.backward_weight_s, 0.0),
+            "saved_bytes": _scale(timing.saved_bytes, keep),
+            "weight_held_bytes": _scale(timing.weight_held_bytes, keep),
+            "peak_bytes": _scale(timing.peak_bytes, keep),
+            "output_bytes": _scale(timing.output_bytes, 1.0 / t)
+            if cluster.sequence_parallel
+            else timing.output_bytes,
+        }
+    )
+
+
+def _unit(unit: Unit, cluster: Cluster) -> Unit:
+    ann = unit.tensor_parallel
+    if ann is None:
+        return unit
+    t = cluster.tensor_parallel
+    measured = unit.tp_timings.get(t, {})
+    timings = {
+        b: measured[b] if b in measured else _modelled(timing, ann, b, cluster)
+        for b, timing in unit.timings.items()
+    }
+    whole = unit.param_bytes - min(ann.sharded_param_bytes, unit.param_bytes)
+    big = unit.largest_param_bytes
+    return unit.model_copy(
+        update={
+            "timings": timings,
+            "param_bytes": whole + round((unit.param_bytes - whole) / t),
+            "largest_param_bytes": max(round(big / t), min(big, whole)),
+        }
+    )
+
+
+def tp_profile(profile: Profile, cluster: Cluster) -> Profile:
+    """The profile one of t = ``cluster.tensor_parallel`` ranks of a stage runs (module
+    docstring); ``profile`` itself for t = 1.  Raises :class:`InvalidRequestError` when t does
+    not divide a split dimension or nothing splits (:func:`check_tensor_parallel`)."""
+    t = cluster.tensor_parallel
+    if t == 1:
+        return profile
+    check_tensor_parallel(profile, t)
+    units = tuple(_unit(u, cluster) for u in profile.units)
+    cuts = profile.cuts
+    if cluster.sequence_parallel:
+        cuts = tuple(
+            c
+            if profile.units[c.after].tensor_parallel is None
+            else c.model_copy(
+                update={
+                    "bytes_per_sample": round(c.bytes_per_sample / t),
+                    "tensors": tuple(
+                        x.model_copy(update={"bytes_per_sample": round(x.bytes_per_sample / t)})
+                        for x in c.tensors
+                    ),
+                }
+            )
+            for c in cuts
+        )
+    return profile.model_copy(update={"units": units, "cuts": cuts})
+
+
+def source_note(profile: Profile, t: int) -> str:
+    """One line: how the per-rank profile of t-way tensor parallelism was made (how many split
+    units measured at t, how many modelled, how many run whole)."""
+    if t == 1:
+        return profile.tensor_parallel_note or "tensor parallel 1"
+    split = [u for u in profile.units if u.tensor_parallel is not None]
+    measured = sum(
+        all(b in u.tp_timings.get(t, {}) for b in profile.microbatch_sizes) for u in split
+    )
+    whole = profile.n_units - len(split)
+    return (
+        f"tensor parallel {t}: {len(split)} units split ({measured} measured at t = {t}, "
+        f"{len(split) - measured} modelled from the unsharded times), {whole} run whole"
+    )
