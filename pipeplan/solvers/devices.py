@@ -45,7 +45,7 @@ from typing import Literal
 
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.tensor_parallel import check_tensor_parallel, is_annotated, tp_profile
-from pipeplan.planner.types import Cluster, Device, Link, Plan, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, Device, Plan, PlanOptions, Profile
 
 __all__ = [
     "MODES",

@@ -10,6 +10,8 @@ the chunk costs of :mod:`pipeplan.planner.chunks` and hold for the replay of
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from pipeplan.planner.chunks import has_split_backward
@@ -70,7 +72,7 @@ def family_bound(
         forced.setdefault(owner[-1], []).append(n - 1)
     inner = least[1:-1] if n > 2 else least[:0]
     s_min = float(inner.min()) if len(inner) else 0.0
-    crossings = sum(a != b for a, b in zip(owner, owner[1:], strict=False))
+    crossings = sum(a != b for a, b in itertools.pairwise(owner))
     best = work_bound(profile, cluster, options.model_copy(update={"microbatches": m}), crossings)
     for q, units in forced.items():
         speed = cluster.devices[q].speed
