@@ -463,11 +463,17 @@ def export(
 app.command()(calibrate)
 
 
+#: click's UsageError (typer vendors click, and exports only its subclass BadParameter).
+_USAGE_ERROR: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError"
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turning PipeplanErrors into one line.
 
-    Click runs standalone (usage errors exit 2 with its own message); errors pipeplan raises
-    print ``error: ...`` and exit 2.  ``--debug`` anywhere on the line, or ``PIPEPLAN_DEBUG=1``,
+    Usage errors (click's: a bad option value, a missing argument) and errors pipeplan raises
+    print one line, ``error: ...``, and exit 2.  ``--debug`` anywhere on the line, or ``PIPEPLAN_DEBUG=1``,
     also prints the error's traceback, with the user's exception it came from.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -475,7 +481,25 @@ def main(argv: list[str] | None = None) -> None:
     DEBUG[0] = debug
     args = [a for a in args if a != "--debug"]
     try:
-        app(args=args)
+        rc = app(args=args, standalone_mode=False)
+    except _USAGE_ERROR as exc:
+        from pipeplan.report.terminal import err_console
+
+        names, ctx = [], getattr(exc, "ctx", None)
+        while ctx is not None and ctx.parent is not None:
+            names.append(ctx.info_name)
+            ctx = ctx.parent
+        where = " ".join(["pipeplan", *reversed(names)])
+        message = " ".join(getattr(exc, "format_message", exc.__str__)().split()).rstrip(".")
+        err_console.print(
+            f"[bold red]error:[/] {message}; see {where} --help", highlight=False, soft_wrap=True
+        )
+        sys.exit(2)
+    except typer.Abort:
+        from pipeplan.report.terminal import err_console
+
+        err_console.print("interrupted")
+        sys.exit(130)
     except PipeplanError as exc:
         from pipeplan.report.terminal import err_console
 
@@ -490,6 +514,8 @@ def main(argv: list[str] | None = None) -> None:
 
         err_console.print("interrupted")
         sys.exit(130)
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)
 
 
 if __name__ == "__main__":

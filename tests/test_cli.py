@@ -496,7 +496,9 @@ OUT = ["-o", "{tmp}/plan.json"]
         (["plan", "{profile}", "-p", "2", "--memory", "nonsense", *OUT], 2, "memory 'nonsense'"),
         (["plan", "{profile}", "-p", "2", "--memory", "1GiB", "--solver", "x", *OUT], 2, "'x'"),
         (["plan", "{profile}", "--microbatches", "many", *OUT], 2, "--microbatches 'many'"),
-        (["plan", "--no-such-option"], 2, "No such option"),
+        (["plan", "--no-such-option"], 2, "error: No such option: --no-such-option"),
+        (["plan"], 2, "error: Missing argument 'PROFILE'; see pipeplan plan --help"),
+        (["run", "{tmp}/plan.json", "--steps", "0"], 2, "'--steps': Input should be greater"),
         (["show", "{tmp}/missing.json"], 2, "no such file"),
     ],
 )
@@ -513,6 +515,7 @@ def test_help_and_bad_options_import_no_heavy_package(
     assert not _heavy(names), f"pipeplan {' '.join(argv)} imported {_heavy(names)[:5]}"
     if exit_code:
         assert says in err
+        assert len(err.strip().splitlines()) == 1, err  # one line, not click's boxed usage
     else:
         assert (
             says
