@@ -148,6 +148,8 @@ def print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    if p.weighed:
+        console.print(weighed_table(p))
     if p.rank_peak_bytes:
         from pipeplan.planner.families import stages_of_rank
 
@@ -188,6 +190,32 @@ def print_plan(p: Plan) -> None:
             f"tied gradients: stages {stages} sum {format_bytes(sync.bytes)} after their last "
             f"backward, {sync.seconds * 1e3:.3f} ms, before updating"
         )
+
+
+def weighed_table(p: Plan) -> Table:
+    """What ``--schedule auto`` weighed: each family's best plan found (v, m, its replayed step
+    and its ratio to the chosen plan's), or the lower bound that ruled it out."""
+    chosen = p.simulated_step_time_s or p.step_time_s
+    table = Table(
+        title="schedule auto weighed (each family's best plan found)", title_justify="left"
+    )
+    for col in ("family", "v", "m", "step ms", "x chosen"):
+        table.add_column(col, justify="left" if col == "family" else "right", no_wrap=True)
+    for w in sorted(p.weighed, key=lambda w: (w.step_time_s is None, w.step_time_s or 0.0)):
+        if w.step_time_s is None:
+            why = "no fit" if w.lower_bound_s < chosen else f"bound {w.lower_bound_s * 1e3:.1f}"
+            table.add_row(w.family, str(w.stages_per_rank), str(w.microbatches), why, "-")
+            continue
+        mark = " (chosen)" if (w.family, w.microbatches, w.stages_per_rank) == (
+            p.schedule, p.microbatches, p.stages_per_rank) else ""  # fmt: skip
+        table.add_row(
+            w.family,
+            str(w.stages_per_rank),
+            str(w.microbatches),
+            f"{w.step_time_s * 1e3:.3f}",
+            f"{w.step_time_s / chosen:.2f}{mark}",
+        )
+    return table
 
 
 def print_profile(p: Profile) -> None:
