@@ -380,6 +380,17 @@ def compare(
             fail(f"--plot {plot} must end in .png, .svg or .pdf")
     plans = [load_plan(path) for path in plan_files]
     names = [path.stem for path in plan_files]
+    for what, values in (
+        ("models", [p.model for p in plans]),
+        ("global batch sizes", [str(p.batch_size * p.cluster.data_parallel) for p in plans]),
+    ):
+        if len(set(values)) > 1:
+            err_console.print(
+                f"warning: these plans are of different {what} ({', '.join(dict.fromkeys(values))}"
+                "): their ratios compare unlike work",
+                highlight=False,
+            )
+            break
     df = compare_frame(plans, names)
     if plot is not None:
         from pipeplan.planner.io import write_atomic
@@ -392,7 +403,7 @@ def compare(
         write_text(output, render(df, fmt))
         console.print(f"{len(plans)} plans -> {output}")
     elif fmt == "table":
-        console.print(compare_table(df))
+        console.print(compare_table(df, width=console.width))
         if stages:
             for i in sorted(
                 range(len(plans)), key=lambda i: (not plans[i].feasible, df["step_ms"][i])
