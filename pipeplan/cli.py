@@ -27,8 +27,18 @@ from typing import Annotated
 
 import typer
 
-from pipeplan.cli_options import DEBUG, Output, Quiet, check_output, fail, parse_pins
+from pipeplan.cli_options import (
+    DEBUG,
+    USAGE_ERROR,
+    Output,
+    Quiet,
+    check_output,
+    fail,
+    parse_pins,
+    usage_line,
+)
 from pipeplan.cli_runtime import calibrate, run
+from pipeplan.cli_views import compare, show
 from pipeplan.planner.errors import PipeplanError
 
 __all__ = ["app", "main"]
@@ -316,22 +326,7 @@ def plan(
 # --------------------------------------------------------------------------------------------
 
 
-@app.command()
-def show(
-    file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or run report.")],
-) -> None:
-    """Print a plan or profile as a table."""
-    from pipeplan import api
-    from pipeplan.planner.types import Plan, Profile
-    from pipeplan.report.terminal import console, print_plan, print_profile
-
-    obj = api.load(file)
-    if isinstance(obj, Plan):
-        print_plan(obj)
-    elif isinstance(obj, Profile):
-        print_profile(obj)
-    else:
-        console.print_json(obj.model_dump_json(by_alias=True))
+app.command()(show)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,71 +341,7 @@ app.command()(run)
 # --------------------------------------------------------------------------------------------
 
 
-@app.command()
-def compare(
-    plan_files: Annotated[list[Path], typer.Argument(metavar="PLAN...", help="Plan JSON files.")],
-    fmt: Annotated[
-        str, typer.Option("--format", "-f", help="table, csv, json or markdown.")
-    ] = "table",
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(help="Also draw step times, stage times and memory (.png, .svg, .pdf)."),
-    ] = None,
-    stages: Annotated[
-        bool, typer.Option("--stages", help="Also print each plan's stages (--format table).")
-    ] = False,
-) -> None:
-    """Compare plans side by side: step time, ratio to the best, bubble, memory, samples/s."""
-    from pipeplan.planner.io import load_plan, write_text
-    from pipeplan.report.compare import FORMATS, compare_frame, render
-    from pipeplan.report.terminal import compare_table, console, err_console, stage_table
-
-    if fmt not in FORMATS:
-        fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
-    if stages and (fmt != "table" or output is not None):
-        fail("--stages prints a table per plan on the terminal: leave out --format and -o")
-    if output is not None:
-        check_output(output)
-    if plot is not None:
-        check_output(plot)
-        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-            fail(f"--plot {plot} must end in .png, .svg or .pdf")
-    plans = [load_plan(path) for path in plan_files]
-    names = [path.stem for path in plan_files]
-    for what, values in (
-        ("models", [p.model for p in plans]),
-        ("global batch sizes", [str(p.batch_size * p.cluster.data_parallel) for p in plans]),
-    ):
-        if len(set(values)) > 1:
-            err_console.print(
-                f"warning: these plans are of different {what} ({', '.join(dict.fromkeys(values))}"
-                "): their ratios compare unlike work",
-                highlight=False,
-            )
-            break
-    df = compare_frame(plans, names)
-    if plot is not None:
-        from pipeplan.planner.io import write_atomic
-        from pipeplan.report.plots import compare_figure
-
-        figure = compare_figure(plans, names)
-        write_atomic(plot, lambda fh: figure.savefig(fh, dpi=120, format=plot.suffix[1:].lower()))
-        err_console.print(f"figure -> {plot}")
-    if output is not None:
-        write_text(output, render(df, fmt))
-        console.print(f"{len(plans)} plans -> {output}")
-    elif fmt == "table":
-        console.print(compare_table(df, width=console.width))
-        if stages:
-            for i in sorted(
-                range(len(plans)), key=lambda i: (not plans[i].feasible, df["step_ms"][i])
-            ):
-                console.print(stage_table(plans[i], names[i]))
-    else:
-        sys.stdout.write(render(df, fmt))
+app.command()(compare)
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,12 +405,6 @@ def export(
 app.command()(calibrate)
 
 
-#: click's UsageError (typer vendors click, and exports only its subclass BadParameter).
-_USAGE_ERROR: type[Exception] = next(
-    c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError"
-)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turning PipeplanErrors into one line.
 
@@ -493,18 +418,10 @@ def main(argv: list[str] | None = None) -> None:
     args = [a for a in args if a != "--debug"]
     try:
         rc = app(args=args, standalone_mode=False)
-    except _USAGE_ERROR as exc:
+    except USAGE_ERROR as exc:
         from pipeplan.report.terminal import err_console
 
-        names, ctx = [], getattr(exc, "ctx", None)
-        while ctx is not None and ctx.parent is not None:
-            names.append(ctx.info_name)
-            ctx = ctx.parent
-        where = " ".join(["pipeplan", *reversed(names)])
-        message = " ".join(getattr(exc, "format_message", exc.__str__)().split()).rstrip(".")
-        err_console.print(
-            f"[bold red]error:[/] {message}; see {where} --help", highlight=False, soft_wrap=True
-        )
+        err_console.print(f"[bold red]error:[/] {usage_line(exc)}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Abort:
         from pipeplan.report.terminal import err_console
