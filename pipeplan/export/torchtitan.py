@@ -126,16 +126,21 @@ def torchtitan_text(
             f"exported activation_checkpoint:full (the memory the plan needs; the other stages "
             f"run slower than it predicts)"
         )
-    d = plan.cluster.data_parallel
-    if d > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
+    d, t = plan.cluster.data_parallel, plan.cluster.tensor_parallel
+    if d > 1 or t > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
         shard = plan.cluster.data_parallel_mode == "shard"
         settings += [
             ("parallelism", "data_parallel_shard_degree", d if shard else 1),
             ("parallelism", "data_parallel_replicate_degree", 1 if shard else d),
         ]
+    if t > 1:  # torchtitan's own TP plan; its head is always vocabulary-sharded (loss-parallel)
+        settings += [
+            ("parallelism", "tensor_parallel_degree", t),
+            ("parallelism", "enable_sequence_parallel", plan.cluster.sequence_parallel),
+        ]
     args: list[str] = []
     for section, field, value in settings:
-        args.append(f"--{section}.{field}")
+        args.append(f"--{section}.{'' if value is not False else 'no_'}{field}")
         if isinstance(value, list):
             args.extend(",".join(ns) for ns in value)
         elif not isinstance(value, bool):

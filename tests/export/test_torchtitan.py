@@ -273,3 +273,70 @@ def test_torchtitan_trains_a_step_of_the_export(tmp_path: Path) -> None:
     assert got == pytest.approx(whole, rel=1e-5)
     for r in ranks:
         assert r["grad_difference"] <= 1e-5 * r["grad_max"]
+
+
+@pytest.mark.multirank
+def test_torchtitan_trains_a_step_of_a_tensor_parallel_export(tmp_path: Path) -> None:
+    """Issue 44: a plan for 2 stages x 2 tensor-parallel ranks with sequence parallelism (the
+    solver's 2-stage plan, its cluster given t = 2 by hand), exported, trains one step in
+    torchtitan's own code (``titan_train.py``, four gloo ranks): its parser reads the degrees,
+    ``pipeline_llm`` cuts its Llama3Model by the plan and ``parallelize_llama`` applies
+    torchtitan's own TP plan to each part.  The step's loss is the unsplit model's, and every
+    gradient, gathered whole, too (float32)."""
+    pytest.importorskip("torchtitan")
+    names = ["tok_embeddings", *(f"layers.{i}" for i in range(4)), "norm+lm_head"]
+    solved = pipeplan.plan(
+        named_profile(names),
+        stages=2,
+        memory=GiB,
+        target="torchtitan",
+        schedule="1f1b",
+        microbatches=2,
+    )
+    cluster = solved.cluster.model_copy(update={"tensor_parallel": 2, "sequence_parallel": True})
+    plan = solved.model_copy(update={"cluster": cluster})
+    result = export_plan(plan, "torchtitan")
+    line = next(ln for ln in result.text.splitlines() if not ln.startswith("#"))
+    assert "--parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel" in line
+    out = tmp_path / "ranks.json"
+    run = subprocess.run(
+        [sys.executable, str(HERE / "titan_train.py"), "29547", str(out), line],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    ranks = json.loads(out.read_text())
+    # torchtitan's mesh (pp, tp), tp innermost: ranks 0, 1 hold stage 0 and 2, 3 stage 1
+    assert [(r["pp"], r["dp"], r["tp"]) for r in ranks] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+    ]
+    for r in ranks:
+        assert (r["tp_degree"], r["sequence_parallel"]) == (2, True)
+        assert r["parts"] == [sorted(result.stage_keys[r["pp"]])]
+        assert r["schedule"] == "Schedule1F1B" and r["microbatches"] == plan.microbatches
+        # torchtitan's TP plan, not pipeplan's: where it split each weight over the tp ranks
+        split = {n: [p for dim, p in where if dim == "tp"] for n, where in r["placements"].items()}
+        want: dict[str, list[str]] = {}
+        for key in result.stage_keys[r["pp"]]:
+            if key.startswith("layers."):  # column-wise, then row-wise; norms replicated
+                for w, p in (("attention.qkv_linear.wqkv", "S(0)"), ("attention.wo", "S(1)"),
+                             ("feed_forward.w1", "S(0)"), ("feed_forward.w3", "S(0)"),
+                             ("feed_forward.w2", "S(1)")):  # fmt: skip
+                    want[f"{key}.{w}.weight"] = [p]
+                want[f"{key}.attention_norm.weight"] = want[f"{key}.ffn_norm.weight"] = []
+            elif key in ("tok_embeddings", "lm_head"):  # over the vocabulary: loss-parallel
+                want[f"{key}.weight"] = ["S(0)"]
+            else:
+                want[f"{key}.weight"] = []
+        assert split == want
+    whole = ranks[0]["whole_loss_sum"] / ranks[0]["tokens"]
+    last = [r["loss_sum"] for r in ranks if r["last"]]  # each tp rank holds the whole loss
+    assert len(last) == 2 and last[0] == pytest.approx(last[1], rel=1e-6)
+    assert last[0] / ranks[0]["tokens"] == pytest.approx(whole, rel=1e-5)
+    for r in ranks:
+        assert r["grad_difference"] <= 1e-5 * r["grad_max"]
