@@ -36,6 +36,10 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
 Schedules: torchtitan gets the plan's family by torch's name and its p v model parts; DeepSpeed
 runs only its own schedule, so plans of the other families are refused for it.
 
+Degrees: the plan's p x d x t ranks in each target's terms (torchtitan's and Megatron's tensor-
+and sequence-parallel settings, Megatron's rank order); DeepSpeed refuses t > 1, and a t the
+profile's split dimensions do not take is an error (:mod:`pipeplan.export.degrees`).
+
 A tied weight is named under the module torch names it after (GPT-2's ``transformer.wte``), not
 after the head that shares it (:func:`pipeplan.export.layout.owner_names`; the plan's profile
 tells which, without it a transformers decoder's tied embedding is ``model.embed_tokens``).  A

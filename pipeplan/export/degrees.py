@@ -71,20 +71,23 @@ def check_tensor_parallel(plan: Plan, target: str, profile: Profile | None) -> l
             f"--to megatron or torchtitan, or plan with tensor parallelism 1"
         )
     if profile is not None:
-        units = [u for s in plan.stages for u in profile.units[s.first_unit : s.last_unit + 1]]
-        split = [u for u in units if u.tensor_parallel is not None]
+        split = [
+            (u.name, u.tensor_parallel)
+            for s in plan.stages
+            for u in profile.units[s.first_unit : s.last_unit + 1]
+            if u.tensor_parallel is not None
+        ]
         if not split:
             raise InvalidRequestError(
                 f"{target}: the plan splits its stages over {t} tensor-parallel ranks, but the "
                 f"profile finds no block to split; plan with tensor parallelism 1"
             )
-        for unit in split:
-            assert unit.tensor_parallel is not None
-            for dim, size in unit.tensor_parallel.divisors.items():
+        for name, how in split:
+            for dim, size in how.divisors.items():
                 if size % t:
                     raise InvalidRequestError(
                         f"{target}: the plan's tensor-parallel degree {t} does not divide "
-                        f"{unit.name}'s {dim} ({size}); plan again with a degree dividing {size}"
+                        f"{name}'s {dim} ({size}); plan again with a degree dividing {size}"
                     )
     if target == "fqns":
         note = (
