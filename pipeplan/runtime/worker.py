@@ -383,6 +383,7 @@ def run(args: argparse.Namespace) -> None:
 
     def after_step(done: int) -> None:
         if args.save and args.save_every > 0 and done % args.save_every == 0:
+            _progress["step"] = done  # a failure now is the save of step-<done>'s
             saving.save(runner, args.save, done, info, save_fault, args.keep)
             saved[0] = done
 
@@ -405,6 +406,7 @@ def run(args: argparse.Namespace) -> None:
         record.resident_growth_bytes = resident.growth()
     done = start + args.warmup + args.steps
     if args.save and saved[0] != done:
+        _progress["step"] = done
         saving.save(runner, args.save, done, info, save_fault, args.keep)
     if args.weights and args.run_dir:  # what this rank read, for the tests
         write_text(Path(args.run_dir) / f"weights-{rank}.json", json.dumps(runner.checkpoint_reads))
