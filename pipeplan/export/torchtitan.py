@@ -21,7 +21,15 @@ argument each) and, in comments, the same settings for a config function:
   plan counted on holds, the stages it kept pay a recomputation it did not predict;
 * with d > 1 data-parallel ranks, ``--parallelism.data_parallel_shard_degree d`` (FSDP2,
   ``shard``) or ``--parallelism.data_parallel_replicate_degree d`` (``replicate``), the other
-  1 (``training.local_batch_size`` is then each rank's share).
+  1 (``training.local_batch_size`` is then each rank's share); both given whenever d > 1 or
+  t > 1, so that torchtitan checks p d t against the world size;
+* with t > 1 tensor-parallel ranks, ``--parallelism.tensor_parallel_degree t`` and the plan's
+  sequence parallelism as ``--parallelism.enable_sequence_parallel`` or
+  ``--parallelism.no_enable_sequence_parallel`` (torchtitan's default is on).  torchtitan
+  applies its own TP plan (projections column- then row-wise); 0.3.0 has no loss-parallel
+  setting: its head is always split over the vocabulary and its cross-entropy loss-parallel.
+  Its mesh is (pp, dp, tp), pipeline ranks outermost: a plan whose layout puts the replicas
+  outermost, on several nodes, gets a note (:mod:`pipeplan.export.degrees`).
 
 A transformers decoder (blocks in ``model.layers``) is named as 0.3.0's transformers backend
 flattens it (``HFTransformerModel.named_children``): ``tok_embeddings``, ``layers.N``, ``norm``,
@@ -38,6 +46,7 @@ from __future__ import annotations
 import shlex
 from typing import Final
 
+from pipeplan.export.degrees import RankOrder
 from pipeplan.export.layout import ModelLayout
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Plan
@@ -92,9 +101,13 @@ def check_torchtitan(layout: ModelLayout, names: list[list[str]]) -> None:
 
 
 def torchtitan_text(
-    layout: ModelLayout, stage_keys: list[list[str]], plan: Plan
+    layout: ModelLayout,
+    stage_keys: list[list[str]],
+    plan: Plan,
+    order: RankOrder | None = "pp,dp,tp",
 ) -> tuple[str, list[list[str]], list[str]]:
-    """The overrides line and its Python form, the names per stage, and notes."""
+    """The overrides line and its Python form, the names per stage, and notes (``order``: the
+    plan's rank order, :func:`pipeplan.export.degrees.rank_order`)."""
     check_torchtitan(layout, stage_keys)
     prefix = layout.wrapper + "." if layout.wrapper else ""
     names = [[k.removeprefix(prefix) for k in ks] for ks in stage_keys]
@@ -126,16 +139,38 @@ def torchtitan_text(
             f"exported activation_checkpoint:full (the memory the plan needs; the other stages "
             f"run slower than it predicts)"
         )
-    d = plan.cluster.data_parallel
-    if d > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
+    d, t = plan.cluster.data_parallel, plan.cluster.tensor_parallel
+    if d > 1 or t > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
         shard = plan.cluster.data_parallel_mode == "shard"
         settings += [
             ("parallelism", "data_parallel_shard_degree", d if shard else 1),
             ("parallelism", "data_parallel_replicate_degree", 1 if shard else d),
         ]
+    if t > 1:  # torchtitan's own TP plan; its head is always vocabulary-sharded (loss-parallel)
+        settings += [
+            ("parallelism", "tensor_parallel_degree", t),
+            ("parallelism", "enable_sequence_parallel", plan.cluster.sequence_parallel),
+        ]
+        if needs_layer_per_stage(layout) and not plan.cluster.sequence_parallel:
+            notes.append(
+                f"torchtitan: {TORCHTITAN_VERSION}'s transformers backend shards the norms "
+                f"sequence-parallel whenever t > 1 (it ignores enable_sequence_parallel), "
+                f"which the plan did not price: less activation memory than planned, a "
+                f"reduce-scatter and an all-gather for each all-reduce"
+            )
+    nodes = plan.cluster.devices_per_node
+    if order is None or (
+        order == "dp,pp,tp" and nodes is not None and plan.pipeline_ranks * d * t > nodes
+    ):
+        notes.append(
+            f"torchtitan: places the ranks pipeline-outermost (mesh pp, dp, tp: replica r's "
+            f"stage j on ranks (j d + r) t ..), not as the plan's layout "
+            f"{[list(r) for r in plan.layout]}; across nodes its pipeline transfers and "
+            f"data-parallel reductions cross other links than the plan priced"
+        )
     args: list[str] = []
     for section, field, value in settings:
-        args.append(f"--{section}.{field}")
+        args.append(f"--{section}.{'' if value is not False else 'no_'}{field}")
         if isinstance(value, list):
             args.extend(",".join(ns) for ns in value)
         elif not isinstance(value, bool):

@@ -1,7 +1,12 @@
 """torchtitan 0.3's own code trains one step of a pipeplan export (run by test_torchtitan.py).
 
 ``python titan_train.py PORT OUT LINE``: LINE is torchtitan's export of a plan of 2 stages x
-2 data-parallel ranks (``shard``).  Four gloo ranks (``mp.spawn``) each parse it with
+2 data-parallel ranks (``shard``), or of 2 stages x 2 tensor-parallel ranks (torchtitan's own
+TP plan for its Llama: ``parallelize_llama`` calls the model's ``parallelize``, projections
+column- then row-wise, the embedding and the head split over the vocabulary, the loss
+computed loss-parallel, the norms sequence-parallel when the line enables it; FSDP2 over a
+1-rank data-parallel mesh, as torchtitan always applies it).  Four gloo ranks
+(``mp.spawn``) each parse it with
 torchtitan's ``ConfigManager`` on ``llama3_debugmodel_ce_loss`` and build the run with
 torchtitan's own functions, as its ``Trainer`` does: ``ParallelDims.build_mesh``,
 ``pipeline_llm`` (which cuts the model by ``module_fqns_per_model_part``, runs
@@ -11,9 +16,11 @@ its debug model shrunk (4 layers, dim 32, vocabulary 64) with its maskless atten
 ``ScaledDotProductAttention``: FlexAttention needs a BlockMask per micro-batch and inductor),
 float32 throughout.  Each rank then copies one unsplit model's parameters into its part, runs
 ``schedule.step`` once as torch documents it (inputs on the first stage, targets and a
-``losses`` list on the last) and reports its per-micro-batch losses (torchtitan sums the loss
-over tokens) and its parameters' gradients, gathered whole, next to the unsplit model's on the
-same batch.  Writes a JSON list, one entry per rank, to OUT.
+``losses`` list on the last; the tensor-parallel ranks of a stage feed the same samples) and
+reports the degrees its parser read, its per-micro-batch losses (torchtitan sums the loss over
+tokens), where each parameter is split (mesh dimension and placement), and its parameters'
+gradients, gathered whole, next to the unsplit model's on the same batch.  Writes a JSON list,
+one entry per rank, to OUT.
 
 Settings of torchtitan's, not patches: ``--parallelism.spmd_backend partial_dtensor``, since
 its default ``spmd_types`` hands ``fully_shard`` annotated plain tensors that torch 2.13's
@@ -178,9 +185,10 @@ def _train(rank: int, line: str) -> dict[str, Any]:
     logits = whole(inputs).flatten(0, 1)
     want = torch.nn.functional.cross_entropy(logits, labels.flatten(), reduction="sum")
     want.backward()  # torchtitan sums the loss and the gradients (FSDP's divide factor 1)
-    batch = dims.get_mesh("batch")
-    d, share = batch.get_local_rank(), B // batch.size()
-    mine = slice(d * share, (d + 1) * share)
+    batch, tp = dims.get_optional_mesh("batch"), dims.get_optional_mesh("tp")
+    d = batch.get_local_rank() if batch is not None else 0
+    share = B // (batch.size() if batch is not None else 1)
+    mine = slice(d * share, (d + 1) * share)  # the tensor-parallel ranks feed the same samples
     losses: list[torch.Tensor] = []
     if first:
         schedule.step(inputs[mine])
@@ -196,6 +204,9 @@ def _train(rank: int, line: str) -> dict[str, Any]:
     return {
         "pp": dims.get_mesh("pp").get_local_rank(),
         "dp": d,
+        "tp": tp.get_local_rank() if tp is not None else 0,
+        "tp_degree": par.tensor_parallel_degree,
+        "sequence_parallel": par.enable_sequence_parallel,
         "first": first,
         "last": last,
         "parts": [sorted({_owner(n) for n, _ in p.named_parameters()}) for p in parts],
@@ -204,6 +215,16 @@ def _train(rank: int, line: str) -> dict[str, Any]:
             for p in parts
             for q in p.parameters()
         ),
+        "placements": {  # parameter -> (mesh dimension, placement) where it is split
+            n: [
+                [dim, str(pl)]
+                for dim, pl in zip(q.device_mesh.mesh_dim_names or (), q.placements)
+                if pl.is_shard()
+            ]
+            for p in parts
+            for n, q in p.named_parameters()
+            if isinstance(q, DTensor)
+        },
         "schedule": type(schedule).__name__,
         "microbatches": schedule._n_microbatches,
         "loss_sum": float(sum(x.detach() for x in losses)) if losses else None,
