@@ -103,6 +103,7 @@ def profile(
             "state (4 x params + activations) fits in half the available memory, else units."
         ),
     ] = "auto",
+    tensor_parallel: Annotated[int, typer.Option(min=1, help="Also time units split T ways.")] = 1,
 ) -> None:
     """Trace MODEL, group it into units and measure every unit at several micro-batch sizes.
 
@@ -142,6 +143,7 @@ def profile(
         threads=threads,
         rounds=rounds,
         max_stages=max_stages,
+        tensor_parallel=tensor_parallel,
     )
     api.save(prof, output)
     if prof.device.threads is not None and before is not None:
@@ -153,9 +155,11 @@ def profile(
         if warning is not None:
             err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     copied = sum(u.measured_as is not None for u in prof.units)
+    split = sum(tensor_parallel in u.tp_timings for u in prof.units)
     console.print(
         f"profiled {prof.model} ({prof.method}"
         + (f", {prof.n_units - copied} measured, {copied} copied" if prof.method == "units" else "")
+        + (f", {split} split {tensor_parallel} ways" if tensor_parallel > 1 else "")
         + f"): {prof.n_units} units ({prof.tracer}), "
         f"micro-batch sizes {list(prof.microbatch_sizes)} -> {output}"
     )
