@@ -335,14 +335,16 @@ def run(args: argparse.Namespace) -> None:
         device = torch.device("cpu")
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    replicas = plan.cluster.data_parallel
+    replicas, t = plan.cluster.data_parallel, plan.cluster.tensor_parallel
     p = plan.pipeline_ranks
-    if world != p * replicas:
+    if world != p * replicas * t:
         v = plan.stages_per_rank
         what = f"{p} stages" if v == 1 else f"{p} ranks of {v} stages"
+        tp = f" x {t} tensor-parallel ranks" if t > 1 else ""
         raise InvalidRequestError(
-            f"{args.plan} has {what} x {replicas} replicas but the world size is {world}; "
-            f"launch one rank per stage and replica (e.g. --nproc-per-node {p * replicas})"
+            f"{args.plan} has {what} x {replicas} replicas{tp} but the world size is {world}; "
+            f"launch one rank per stage, replica and tensor-parallel rank (e.g. "
+            f"--nproc-per-node {p * replicas * t})"
         )
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
