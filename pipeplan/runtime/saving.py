@@ -25,7 +25,10 @@ takes part in :meth:`~torch.distributed.tensor.DTensor.full_tensor`, replica 0 w
 training state holds its own shards (``DTensor.to_local()`` of Adam's moments, and the list of
 entries that were sharded), which :func:`restore` wraps back with ``DTensor.from_local`` onto
 the parameters' own mesh and placements.  The manifest covers every rank's file, as before.  A
-save resumes only on the mesh it was made on (:func:`check_mesh`: pp, dp and the dp mode).
+save resumes only on the mesh it was made on (:func:`check_mesh`: pp, dp and the dp mode, and
+tp).  A tensor-parallel plan (:mod:`pipeplan.runtime.mesh`) saves the same way: the t ranks of a
+stage gather each split weight whole and tp rank 0 of replica 0 writes the shard; each rank's
+training state holds its own slices.
 
 torch's ``get_optimizer_state_dict`` and ``set_optimizer_state_dict``
 (``torch.distributed.checkpoint.state_dict``) were weighed for this: with

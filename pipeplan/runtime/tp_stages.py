@@ -186,7 +186,10 @@ def _local_sizes(
 class _Localiser(Interpreter):
     """Runs the split body once, rewriting baked sizes where a tensor arrives smaller."""
 
+    current: Node | None = None
+
     def run_node(self, n: Node) -> Any:
+        self.current = n
         found = _shape_arg(n)
         if found is not None:
             kind, at, sizes = found
@@ -214,8 +217,17 @@ class _Localiser(Interpreter):
 
 def _localise_shapes(body: GraphModule, example_inputs: Sequence[Any]) -> None:
     body.recompile()
-    with torch.no_grad():
-        outs = _Localiser(body).run(*example_inputs)
+    localiser = _Localiser(body)
+    try:
+        with torch.no_grad():
+            outs = localiser.run(*example_inputs)
+    except RuntimeError as exc:  # a size baked where no view, reshape or expand says
+        at = localiser.current
+        what = f"node {at.name} ({at.target})" if at is not None else "the split stage"
+        raise InvalidRequestError(
+            f"tensor parallelism: {what} fails on one rank's share of the heads "
+            f"({' '.join(str(exc).split())[:200]}); plan --tensor-parallel 1 for this model"
+        ) from exc
     body.recompile()
     out_node = next(n for n in body.graph.nodes if n.op == "output")
     nodes, values = tree_flatten(out_node.args[0])[0], tree_flatten(outs)[0]
