@@ -16,6 +16,10 @@ A stage with ``recompute`` runs inside ``torch.utils.checkpoint(use_reentrant=Fa
 its inputs are kept per micro-batch and its forward is run again in the backward pass, with
 the RNG state restored and buffer updates (batch-norm statistics) of the rerun undone.
 
+With ``cluster.tensor_parallel`` t > 1 each stage runs on t ranks, its attention and MLP
+projections split over them by torch's ``parallelize_module``, and rank (r p + j) t + k runs
+replica r's position j (:mod:`pipeplan.runtime.mesh` says what runs where).
+
 A parameter held by stages on several ranks (tied embedding / LM head) gets its gradient
 summed over the ranks that hold it before the optimizer steps, and with d replicas every
 gradient is averaged over them (:mod:`pipeplan.runtime.gradsync`).
@@ -197,8 +201,10 @@ class PipelineRunner:
         self.owner = rank_of_stage(plan.schedule, p, v)
         self.mesh = plan_mesh(plan, device)
         self.tp_rank = self.mesh.tp_rank
+        """This rank's index k among its stage's t tensor-parallel ranks."""
         self.pp_group, self.dp_group = self.mesh.pp_group, self.mesh.dp_group
         self.sharded = plan.cluster.data_parallel_mode == "shard" and self.replicas > 1
+        """Whether FSDP2 shards the rank's stages over the dp group (:mod:`~pipeplan.runtime.mesh`)."""
         styles = tensor_parallel_styles(spec.module, t) if t > 1 else {}
         if t > 1 and plan.cluster.sequence_parallel and dist.get_rank() == 0:
             print(
@@ -207,7 +213,6 @@ class PipelineRunner:
                 file=sys.stderr,
                 flush=True,
             )
-        """Whether FSDP2 shards the rank's stages over the dp group (:mod:`~pipeplan.runtime.mesh`)."""
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
         module = cast_floating(spec.module, self.dtype)
@@ -289,7 +294,7 @@ class PipelineRunner:
             for stats in deferred:
                 stats.reset()
         if self.sharded:
-            self.names = shard_stage_modules(bodies, self.mesh, self.names)
+            self.names = shard_stage_modules(bodies, self.mesh, self.names, module)
         self.stages: list[MeasuredStage] = []
         for s, pr, body in zip(self.chunks, mine, bodies, strict=True):
             stage = MeasuredStage(

@@ -19,10 +19,11 @@ the pipeline).
   parallel).
 - **dp**: gradients are averaged over the dp dimension's group
   (:mod:`pipeplan.runtime.gradsync`), each tp rank with its own shard's replicas; or, with
-  ``Cluster.data_parallel_mode == "shard"`` (t = 1 only), each stage module (each chunk,
+  ``Cluster.data_parallel_mode == "shard"``, each stage module (each chunk,
   recomputing wrapper included) is wrapped in :func:`torch.distributed.fsdp.fully_shard` over
   the dp dimension with ``reshard_after_forward=False``: torchtitan's policy when it
-  pipelines.  torch's ``PipelineStage`` recognises the ``FSDPModule`` and accumulates
+  pipelines (with t > 1, over parameters that TP made DTensors on the tp dimension already:
+  FSDP2's own 2-D composition).  torch's ``PipelineStage`` recognises the ``FSDPModule`` and accumulates
   unsharded gradients over the micro-batches, then reduce-scatters (averaging over the d
   ranks) once, after the step's last backward (:mod:`pipeplan.planner.collectives` models
   exactly this).
@@ -72,15 +73,10 @@ class PlanMesh:
 def plan_mesh(plan: Plan, device: torch.device) -> PlanMesh:
     """The (dp, pp, tp) device mesh of ``plan`` (module docstring); collective: every rank
     calls it.  Raises :class:`InvalidRequestError` when the plan's layout is not the
-    runtime's, or FSDP2 is asked for with t > 1."""
+    runtime's."""
     d, p, t = plan.cluster.data_parallel, plan.pipeline_ranks, plan.cluster.tensor_parallel
     if d == 1 and t == 1:
         return PlanMesh()
-    if t > 1 and d > 1 and plan.cluster.data_parallel_mode == "shard":
-        raise InvalidRequestError(
-            f"the runtime does not shard (FSDP2) a plan with --tensor-parallel {t} yet; plan "
-            "--data-parallel replicate, or --tensor-parallel 1"
-        )
     expected = tuple(tuple((r * p + j) * t for j in range(p)) for r in range(d))
     if plan.layout and plan.layout != expected:
         raise InvalidRequestError(
@@ -141,32 +137,56 @@ def split_stage_modules(
     from pipeplan.runtime.batchnorm import preserved_buffers
     from pipeplan.runtime.tp_stages import split_stage_body
 
-    by_path = [
-        {path: names[id(prm)] for path, prm in module.named_parameters() if id(prm) in names}
-        for module in modules
-    ]
+    by_path = _paths(modules, names)
     for body, example in bodies:
         with preserved_buffers(body):  # the split runs the body once: leave no trace of it
             split_stage_body(body, styles, mesh.tp_mesh, example)
-    out = dict(names)
+    return {**names, **_renamed(modules, by_path, root)}
+
+
+def _paths(modules: Sequence[nn.Module], names: dict[int, str]) -> list[dict[str, str]]:
+    """Each module's parameters: path in the module -> the model's qualified name."""
+    return [
+        {path: names[id(prm)] for path, prm in module.named_parameters() if id(prm) in names}
+        for module in modules
+    ]
+
+
+def _renamed(
+    modules: Sequence[nn.Module], by_path: list[dict[str, str]], root: nn.Module | None
+) -> dict[int, str]:
+    """``id -> name`` of the parameters ``modules`` hold now (``by_path``: recorded before
+    torch replaced them), each also put in ``root`` under its name where ``root`` holds one
+    there: a save reads the rank's weights from the user's model
+    (:func:`pipeplan.runtime.weights.shard_tensors`), and an exported graph holds its own
+    reference to each parameter, not the model's module."""
+    out: dict[int, str] = {}
     for module, paths in zip(modules, by_path, strict=True):
         for path, prm in module.named_parameters():
-            if path in paths:
-                out[id(prm)] = paths[path]
-                owner, _, leaf = paths[path].rpartition(".")
-                holder = root.get_submodule(owner) if owner else root
-                if leaf in holder._parameters and holder._parameters[leaf] is not prm:
-                    holder._parameters[leaf] = prm
+            if path not in paths:
+                continue
+            out[id(prm)] = paths[path]
+            if root is None:
+                continue
+            owner, _, leaf = paths[path].rpartition(".")
+            holder = root.get_submodule(owner) if owner else root
+            if leaf in holder._parameters and holder._parameters[leaf] is not prm:
+                holder._parameters[leaf] = prm
     return out
 
 
 def shard_stage_modules(
-    modules: Sequence[nn.Module], mesh: PlanMesh, names: dict[int, str]
+    modules: Sequence[nn.Module],
+    mesh: PlanMesh,
+    names: dict[int, str],
+    root: nn.Module | None = None,
 ) -> dict[int, str]:
     """Wrap each of this rank's stage modules in ``fully_shard`` over ``mesh``'s dp dimension
     (module docstring).  ``fully_shard`` replaces every parameter by a sharded
     :class:`~torch.distributed.tensor.DTensor` parameter, so ``names`` (parameter id -> the
-    model's qualified name) is returned for the new parameters.
+    model's qualified name) is returned for the new parameters (put in ``root`` too, as
+    :func:`split_stage_modules` does).  On top of tensor parallelism this is FSDP2's 2-D
+    composition: ``fully_shard`` over dp of parameters that are DTensors over tp already.
 
     Raises :class:`InvalidRequestError` when two modules of the rank share a parameter (a
     tied embedding and head in a V's two chunks): FSDP2 manages a parameter in one module
@@ -182,18 +202,10 @@ def shard_stage_modules(
                     "which FSDP2 cannot shard; plan --data-parallel replicate, or a schedule "
                     "that puts the tied ends on different ranks"
                 )
-    by_path = [
-        {path: names[id(prm)] for path, prm in module.named_parameters() if id(prm) in names}
-        for module in modules
-    ]
+    by_path = _paths(modules, names)
     for module in modules:
         fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
-    out: dict[int, str] = {}
-    for module, paths in zip(modules, by_path, strict=True):
-        for path, prm in module.named_parameters():
-            if path in paths:
-                out[id(prm)] = paths[path]
-    return out
+    return _renamed(modules, by_path, root)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ launcher, one rank per stage, e.g. on each of two nodes::
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:29500 \\
         -m pipeplan.runtime.worker plan.json --steps 20 --report report.json
 
-Rank j runs stage j, or, for a plan of v chunks per rank (interleaved, looped, zero-bubble,
+Rank j runs stage j (rank (r p + j) t + k for replica r and tensor-parallel index k of a
+plan with replicas and tensor parallelism, :mod:`pipeplan.runtime.mesh`), or, for a plan of v chunks per rank (interleaved, looped, zero-bubble,
 V), the v stages :func:`pipeplan.planner.families.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
 and materializes only its stages' modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
 and each module's name, so the values do not depend on the split; or it reads them from

@@ -167,6 +167,31 @@ def test_tensor_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
         assert split == (7 * 2 * 2 if name == "llama" else 4 * 4 * 2), (name, split)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_replicas_equal_unsplit_model(tmp_path: Any) -> None:
+    """pp 2 x dp 2 x tp 2 on 8 ranks (oversubscribed: correctness only): replicated replicas of
+    the GPT, and replicas sharded by FSDP2 over tensor-parallel DTensors (its 2-D composition)
+    of the GPT and the Llama; the loss, every gradient and the parameters after 3 steps equal
+    the unsplit model's."""
+    llama_file = tmp_path / "llama.json"
+    llama_file.write_text(json.dumps(LLAMA_CONFIG))
+    llama = {"model": f"hf:{llama_file}", "kwargs": {"seq_len": 8}}
+    cases = {"replicate": (GPT, "replicate"), "shard": (GPT, "shard"),
+             "llama-shard": (llama, "shard")}  # fmt: skip
+    configs = [{**CONFIG, "key": name, "mode": mode, "checkpoint": "never"}
+               for name, (_, mode) in cases.items()]  # fmt: skip
+    models = [{"name": name, **model, "starts": [0, 3 if model is GPT else 2], "tp": 2,
+               "replicas": 2, "keys": [name]} for name, (model, _) in cases.items()]  # fmt: skip
+    job = {"models": models, "batch_size": 8, "microbatches": 2, "configs": configs}
+    out = launch_job(job, 8, tmp_path, timeout=900)
+    for name, (model, mode) in cases.items():
+        got = [ranks[name][name] for ranks in out]
+        assert [one["loss"] is not None for one in got] == [False, False, True, True] * 2
+        if mode == "shard":
+            assert {kind for one in got for kind in one["sharded"]} == {"DTensor"}, name
+        _assert_unsplit(model, got, TP_TOLERANCE, name)
+
+
 @pytest.mark.parametrize(
     ("zoo", "message"),
     [
