@@ -92,7 +92,7 @@ def preflight(
         raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        ranks = plan.pipeline_ranks * plan.cluster.data_parallel
+        ranks = plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel
         if have < ranks:
             raise InvalidRequestError(
                 f"the plan needs {ranks} ranks but this machine has {have} CUDA devices; "
@@ -103,6 +103,10 @@ def preflight(
     if model is None:
         check_source(plan)
     spec = load_model(model or plan.model, kwargs)
+    if plan.cluster.tensor_parallel > 1:  # the model must split t ways: one line, exit 2
+        from pipeplan.runtime.mesh import tensor_parallel_styles
+
+        tensor_parallel_styles(spec.module, plan.cluster.tensor_parallel)
     dtype = getattr(torch, plan.dtype)
     module = cast_floating(spec.module, dtype)
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
@@ -143,7 +147,7 @@ def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        str(plan.pipeline_ranks * plan.cluster.data_parallel),
+        str(plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel),
         "--monitor-interval",
         "0.1",
         "-m",
@@ -309,7 +313,7 @@ def launch(
     included).  ``save``: the run's ``--save`` folder, locked while the job runs; the partial
     save a stopped or failed job leaves there is removed.
     """
-    ranks = plan.pipeline_ranks * plan.cluster.data_parallel
+    ranks = plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel
     env = {**(os.environ if env is None else env), "PIPEPLAN_LAUNCHER": str(os.getpid())}
     env["PIPEPLAN_LAUNCHER_START"] = str(process_start(os.getpid()))  # the ranks' watchdog
     with hold(save), tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
