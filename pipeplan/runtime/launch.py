@@ -189,12 +189,15 @@ def failure(
     frozen: dict[int, float] | None = None,
     n_stages: int | None = None,
     chunks: list[list[int]] | None = None,
+    tensor_parallel: int = 1,
 ) -> StageFailedError:
     """The error to raise for a failed run: the stage that failed first and why.
 
-    ``n_stages``: the pipeline ranks (a rank's stage is its rank modulo them); ``chunks``: for
-    a plan of several stages per rank, each pipeline rank's stages, which the message names
-    (``rank 0 (stages 0 and 3)``) rather than one stage.
+    ``n_stages``: the pipeline ranks p; with ``tensor_parallel`` t, global rank g runs
+    pipeline rank (g // t) mod p (``Plan.layout``), which the message names with the global
+    rank where they differ (``stage 1 (rank 3)``); ``chunks``: for a plan of several stages
+    per rank, each pipeline rank's stages, which the message names (``rank 0 (stages 0 and
+    3)``) rather than one stage.
 
     In order: the earliest error a rank raised itself; else a rank that stopped beating
     (``frozen``: rank -> seconds without a heartbeat; stopped or frozen, its peers timed out
@@ -208,11 +211,15 @@ def failure(
     silent = sorted(set(range(n_ranks)) - {int(e["stage"]) for e in errors})
     died = [r for r in silent if not codes.get(r, "").startswith("-15")] or silent
 
+    t, p = tensor_parallel, n_stages or n_ranks
+
     def who(rank: int) -> str | None:
-        """``rank 0 (stages 0 and 3)`` for a rank holding several chunks, else ``None``."""
-        if not chunks:
-            return None
-        return rank_label(rank, chunks[rank % len(chunks)])
+        """``rank 0 (stages 0 and 3)`` for a rank holding several chunks, ``stage 1 (rank
+        3)`` where the global rank is not the stage, else ``None``."""
+        if chunks:
+            return rank_label(rank, chunks[(rank // t) % len(chunks)])
+        stage = (rank // t) % p
+        return None if stage == rank else f"stage {stage} (rank {rank})"
 
     def consequence(culprit: int) -> str:
         others = sorted({int(e["stage"]) for e in errors} - {culprit})
@@ -245,8 +252,7 @@ def failure(
         )
     if frozen:
         rank = min(frozen, key=lambda r: -frozen[r])  # the one silent longest
-        stage = rank % (n_stages or n_ranks)
-        name = who(rank) or f"stage {stage} (rank {rank})"
+        name = who(rank) or f"stage {rank} (rank {rank})"
         return StageFailedError(
             f"{name} stopped making progress: no heartbeat for "
             f"{frozen[rank]:.0f} s (the process is stopped or frozen); the job was stopped"
@@ -360,6 +366,7 @@ def launch(
                 outcome.frozen,
                 plan.pipeline_ranks,
                 _chunks(plan),
+                plan.cluster.tensor_parallel,
             )
 
 
