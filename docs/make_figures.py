@@ -1,7 +1,8 @@
 """Draws the README's tour figures from the demo's files, with pipeplan's own plotting code.
 
     make demo                                  # writes out/gpt.profile.json and out/gpt.plan.json
-    .venv/bin/python docs/make_figures.py      # writes docs/img/tour-compare.png, tour-gantt.png
+    .venv/bin/python docs/make_figures.py      # writes out/img/tour-compare.png, tour-gantt.png
+    .venv/bin/python docs/make_figures.py --update-docs   # replaces the tracked docs/img/ ones
 
 The demo's plan (`--schedule auto`) is compared with the `uniform` and `params` baselines at
 m = 4 on the same devices, as the README's tour plans them (each the faster of its GPipe and
@@ -23,7 +24,10 @@ from pipeplan.report.timeline_plots import gantt
 from pipeplan.solvers.choose import solve
 
 
-def main(out: Path = Path("out"), img: Path = Path(__file__).parent / "img") -> None:
+DOCS_IMG = Path(__file__).parent / "img"
+
+
+def main(out: Path = Path("out"), img: Path = Path("out") / "img") -> None:
     profile = load_profile(out / "gpt.profile.json")
     plan = load_plan(out / "gpt.plan.json")
     options = PlanOptions(
@@ -46,4 +50,4 @@ def main(out: Path = Path("out"), img: Path = Path(__file__).parent / "img") -> 
 
 
 if __name__ == "__main__":
-    main()
+    main(img=DOCS_IMG if "--update-docs" in sys.argv[1:] else Path("out") / "img")

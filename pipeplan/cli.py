@@ -27,8 +27,18 @@ from typing import Annotated
 
 import typer
 
-from pipeplan.cli_options import DEBUG, Output, Quiet, check_output, fail, parse_pins
+from pipeplan.cli_options import (
+    DEBUG,
+    USAGE_ERROR,
+    Output,
+    Quiet,
+    check_output,
+    fail,
+    parse_pins,
+    usage_line,
+)
 from pipeplan.cli_runtime import calibrate, run
+from pipeplan.cli_views import compare, show
 from pipeplan.planner.errors import PipeplanError
 
 __all__ = ["app", "main"]
@@ -93,6 +103,7 @@ def profile(
             "state (4 x params + activations) fits in half the available memory, else units."
         ),
     ] = "auto",
+    tensor_parallel: Annotated[int, typer.Option(min=1, help="Also time units split T ways.")] = 1,
 ) -> None:
     """Trace MODEL, group it into units and measure every unit at several micro-batch sizes.
 
@@ -132,6 +143,7 @@ def profile(
         threads=threads,
         rounds=rounds,
         max_stages=max_stages,
+        tensor_parallel=tensor_parallel,
     )
     api.save(prof, output)
     if prof.device.threads is not None and before is not None:
@@ -143,9 +155,11 @@ def profile(
         if warning is not None:
             err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     copied = sum(u.measured_as is not None for u in prof.units)
+    split = sum(tensor_parallel in u.tp_timings for u in prof.units)
     console.print(
         f"profiled {prof.model} ({prof.method}"
         + (f", {prof.n_units - copied} measured, {copied} copied" if prof.method == "units" else "")
+        + (f", {split} split {tensor_parallel} ways" if tensor_parallel > 1 else "")
         + f"): {prof.n_units} units ({prof.tracer}), "
         f"micro-batch sizes {list(prof.microbatch_sizes)} -> {output}"
     )
@@ -357,22 +371,7 @@ def plan(
 # --------------------------------------------------------------------------------------------
 
 
-@app.command()
-def show(
-    file: Annotated[Path, typer.Argument(help="A plan, profile, cluster or run report.")],
-) -> None:
-    """Print a plan or profile as a table."""
-    from pipeplan import api
-    from pipeplan.planner.types import Plan, Profile
-    from pipeplan.report.terminal import console, print_plan, print_profile
-
-    obj = api.load(file)
-    if isinstance(obj, Plan):
-        print_plan(obj)
-    elif isinstance(obj, Profile):
-        print_profile(obj)
-    else:
-        console.print_json(obj.model_dump_json(by_alias=True))
+app.command()(show)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,60 +386,7 @@ app.command()(run)
 # --------------------------------------------------------------------------------------------
 
 
-@app.command()
-def compare(
-    plan_files: Annotated[list[Path], typer.Argument(metavar="PLAN...", help="Plan JSON files.")],
-    fmt: Annotated[
-        str, typer.Option("--format", "-f", help="table, csv, json or markdown.")
-    ] = "table",
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="File to write (atomically).")
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(help="Also draw step times, stage times and memory (.png, .svg, .pdf)."),
-    ] = None,
-    stages: Annotated[
-        bool, typer.Option("--stages", help="Also print each plan's stages (--format table).")
-    ] = False,
-) -> None:
-    """Compare plans side by side: step time, ratio to the best, bubble, memory, samples/s."""
-    from pipeplan.planner.io import load_plan, write_text
-    from pipeplan.report.compare import FORMATS, compare_frame, render
-    from pipeplan.report.terminal import compare_table, console, err_console, stage_table
-
-    if fmt not in FORMATS:
-        fail(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
-    if stages and (fmt != "table" or output is not None):
-        fail("--stages prints a table per plan on the terminal: leave out --format and -o")
-    if output is not None:
-        check_output(output)
-    if plot is not None:
-        check_output(plot)
-        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-            fail(f"--plot {plot} must end in .png, .svg or .pdf")
-    plans = [load_plan(path) for path in plan_files]
-    names = [path.stem for path in plan_files]
-    df = compare_frame(plans, names)
-    if plot is not None:
-        from pipeplan.planner.io import write_atomic
-        from pipeplan.report.plots import compare_figure
-
-        figure = compare_figure(plans, names)
-        write_atomic(plot, lambda fh: figure.savefig(fh, dpi=120, format=plot.suffix[1:].lower()))
-        err_console.print(f"figure -> {plot}")
-    if output is not None:
-        write_text(output, render(df, fmt))
-        console.print(f"{len(plans)} plans -> {output}")
-    elif fmt == "table":
-        console.print(compare_table(df))
-        if stages:
-            for i in sorted(
-                range(len(plans)), key=lambda i: (not plans[i].feasible, df["step_ms"][i])
-            ):
-                console.print(stage_table(plans[i], names[i]))
-    else:
-        sys.stdout.write(render(df, fmt))
+app.command()(compare)
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,8 +453,8 @@ app.command()(calibrate)
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turning PipeplanErrors into one line.
 
-    Click runs standalone (usage errors exit 2 with its own message); errors pipeplan raises
-    print ``error: ...`` and exit 2.  ``--debug`` anywhere on the line, or ``PIPEPLAN_DEBUG=1``,
+    Usage errors (click's: a bad option value, a missing argument) and errors pipeplan raises
+    print one line, ``error: ...``, and exit 2.  ``--debug`` anywhere on the line, or ``PIPEPLAN_DEBUG=1``,
     also prints the error's traceback, with the user's exception it came from.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -516,7 +462,17 @@ def main(argv: list[str] | None = None) -> None:
     DEBUG[0] = debug
     args = [a for a in args if a != "--debug"]
     try:
-        app(args=args)
+        rc = app(args=args, standalone_mode=False)
+    except USAGE_ERROR as exc:
+        from pipeplan.report.terminal import err_console
+
+        err_console.print(f"[bold red]error:[/] {usage_line(exc)}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Abort:
+        from pipeplan.report.terminal import err_console
+
+        err_console.print("interrupted")
+        sys.exit(130)
     except PipeplanError as exc:
         from pipeplan.report.terminal import err_console
 
@@ -531,6 +487,8 @@ def main(argv: list[str] | None = None) -> None:
 
         err_console.print("interrupted")
         sys.exit(130)
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,41 @@ from typing import Annotated, NoReturn
 
 import typer
 
-__all__ = ["DEBUG", "Output", "Quiet", "check_output", "fail", "parse_pins"]
+__all__ = [
+    "DEBUG",
+    "USAGE_ERROR",
+    "Output",
+    "Quiet",
+    "check_output",
+    "fail",
+    "parse_pins",
+    "usage_line",
+]
 
 Output = Annotated[Path, typer.Option("-o", "--output", help="File to write (atomically).")]
 """The ``-o/--output`` option of the commands that write a file."""
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 """The ``-q/--quiet`` option of the commands that take long (profile, calibrate, run)."""
+
+
+#: click's UsageError (typer vendors click, and exports only its subclass BadParameter).
+USAGE_ERROR: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError"
+)
+
+
+def usage_line(exc: Exception) -> str:
+    """A usage error (a bad option value, a missing argument, an unknown option or command) in
+    one line, naming the command's help: ``Missing argument 'PROFILE'; see pipeplan plan
+    --help``."""
+    names, ctx = [], getattr(exc, "ctx", None)
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    where = " ".join(["pipeplan", *reversed(names)])
+    message = " ".join(getattr(exc, "format_message", exc.__str__)().split()).rstrip(".")
+    return f"{message}; see {where} --help"
 
 
 #: Whether the command line asked for tracebacks (``--debug`` or ``PIPEPLAN_DEBUG``; set by

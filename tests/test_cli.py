@@ -54,6 +54,29 @@ def test_plan_and_show(tmp_path: Path, profile_file: Path, cli) -> None:
     assert code == 0 and "unit11" in out
 
 
+def test_auto_prints_what_it_weighed_in_plan_and_show(tmp_path: Path, cli) -> None:
+    """A new user can tell why auto chose its plan: each family's best, with v, m, its step
+    and its ratio to the chosen plan, under the summary, in plan.json and again in show."""
+    profile_file = tmp_path / "profile.json"
+    prof = synthetic_profile(8, batch_size=8, seed=4)
+    split = prof.model_copy(update={"units": tuple(
+        u.model_copy(update={"timings": {b: t.model_copy(update={
+            "backward_input_s": 0.4 * t.backward_s, "backward_weight_s": 0.6 * t.backward_s})
+            for b, t in u.timings.items()}}) for u in prof.units)})  # fmt: skip
+    write_json(profile_file, split)
+    out_file = tmp_path / "plan.json"
+    code, out, _ = cli(cli_argv("plan", profile_file, out_file, "--stages 2 --memory 1GiB"))
+    assert code == 0, out
+    plan = load_plan(out_file)
+    assert len(plan.weighed) == 7
+    chosen = next(w for w in plan.weighed if w.family == plan.schedule)
+    for text in (out, cli(["show", str(out_file)])[1]):
+        assert "schedule auto weighed" in text
+        row = next(line for line in text.splitlines() if "(chosen)" in line)
+        assert plan.schedule in row and f" {chosen.microbatches} " in row and "1.00" in row
+        assert all(w.family in text for w in plan.weighed)
+
+
 def test_plan_for_devices_prints_the_frontier_and_writes_the_best(
     tmp_path: Path, profile_file: Path, cli
 ) -> None:
@@ -496,7 +519,9 @@ OUT = ["-o", "{tmp}/plan.json"]
         (["plan", "{profile}", "-p", "2", "--memory", "nonsense", *OUT], 2, "memory 'nonsense'"),
         (["plan", "{profile}", "-p", "2", "--memory", "1GiB", "--solver", "x", *OUT], 2, "'x'"),
         (["plan", "{profile}", "--microbatches", "many", *OUT], 2, "--microbatches 'many'"),
-        (["plan", "--no-such-option"], 2, "No such option"),
+        (["plan", "--no-such-option"], 2, "error: No such option: --no-such-option"),
+        (["plan"], 2, "error: Missing argument 'PROFILE'; see pipeplan plan --help"),
+        (["run", "{tmp}/plan.json", "--steps", "0"], 2, "'--steps': Input should be greater"),
         (["show", "{tmp}/missing.json"], 2, "no such file"),
     ],
 )
@@ -513,6 +538,7 @@ def test_help_and_bad_options_import_no_heavy_package(
     assert not _heavy(names), f"pipeplan {' '.join(argv)} imported {_heavy(names)[:5]}"
     if exit_code:
         assert says in err
+        assert len(err.strip().splitlines()) == 1, err  # one line, not click's boxed usage
     else:
         assert (
             says

@@ -36,6 +36,10 @@ wrapper's, is dropped).  Each target sees the model at its own granularity, a *k
 Schedules: torchtitan gets the plan's family by torch's name and its p v model parts; DeepSpeed
 runs only its own schedule, so plans of the other families are refused for it.
 
+Degrees: the plan's p x d x t ranks in each target's terms (torchtitan's and Megatron's tensor-
+and sequence-parallel settings, Megatron's rank order); DeepSpeed refuses t > 1, and a t the
+profile's split dimensions do not take is an error (:mod:`pipeplan.export.degrees`).
+
 A tied weight is named under the module torch names it after (GPT-2's ``transformer.wte``), not
 after the head that shares it (:func:`pipeplan.export.layout.owner_names`; the plan's profile
 tells which, without it a transformers decoder's tied embedding is ``model.embed_tokens``).  A
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from pipeplan.export.deepspeed import deepspeed_config, deepspeed_text, fqns_text
+from pipeplan.export.degrees import check_tensor_parallel, rank_order
 from pipeplan.export.layout import (
     TARGET_FAMILIES,
     TARGETS,
@@ -62,7 +67,12 @@ from pipeplan.export.layout import (
     owner_names,
     param_prefix,
 )
-from pipeplan.export.megatron import megatron_batch_args, megatron_layout, megatron_text
+from pipeplan.export.megatron import (
+    megatron_batch_args,
+    megatron_layout,
+    megatron_mesh_args,
+    megatron_text,
+)
 from pipeplan.export.snap import (
     Adjustment,
     closest_plan,
@@ -131,6 +141,7 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             f"megatron runs virtual stages in a loop (VPP), not {plan.schedule}'s V; plan with "
             "--schedule interleaved1f1b to export it there"
         )
+    mesh_notes = check_tensor_parallel(plan, target, profile)
     names = [n for s in plan.stages for n in s.unit_names]
     if profile is not None:
         shared = [(sp.name, sp.units) for sp in profile.shared_params]
@@ -153,7 +164,7 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
         adjustment = Adjustment(reason, nearest)
         starts = [0, *cuts]
     stage_keys = stage_keys_of(keys, starts)
-    notes = tied_notes(stage_keys, target)
+    notes = tied_notes(stage_keys, target) + mesh_notes
     if target == "megatron":
         block_starts = [
             min(u for u, ks in enumerate(keys) if k in ks)
@@ -163,9 +174,11 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
         text, more = megatron_text(
             stage_keys, block_starts, price, plan.step_time_s, plan.stages_per_rank
         )
-        batch = megatron_batch_args(plan)  # on each line: the alternative replaces the first
+        mesh, order_notes = megatron_mesh_args(plan, rank_order(plan))
+        batch = " ".join(filter(None, (megatron_batch_args(plan), mesh)))
+        # on each line: the alternative replaces the first
         text = "".join(f"{line} {batch}\n" if line else "\n" for line in text.splitlines())
-        notes += more
+        notes += more + order_notes
         out_keys = [
             (["E"] if j == 0 else [])
             + ["t"] * sum(k not in ("E", "L") for k in ks)
@@ -173,7 +186,7 @@ def export_plan(plan: Plan, target: Target, profile: Profile | None = None) -> E
             for j, ks in enumerate(stage_keys)
         ]
     elif target == "torchtitan":
-        text, out_keys, more = torchtitan_text(layout, stage_keys, plan)
+        text, out_keys, more = torchtitan_text(layout, stage_keys, plan, rank_order(plan))
         notes += more
         if profile is not None:
             bounds = [*starts, len(names)]

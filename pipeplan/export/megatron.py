@@ -2,16 +2,21 @@
 unit after the last block) as the ``--pipeline-model-parallel-layout`` string, and the
 ``--decoder-first/last-pipeline-num-layers`` pair when the middle stages hold equal counts, in a
 comment: Megatron refuses the two together ("cannot be set with other pipeline layout
-arguments"), so the file's one command line is the layout's."""
+arguments"), so the file's one command line is the layout's.  Each line ends in the batch
+arguments and, for a plan with t > 1, ``--tensor-model-parallel-size t`` and
+``--sequence-parallel`` where the plan has it (megatron-core's ``TransformerConfig`` checks t
+against the attention heads and query groups); ``--use-tp-pp-dp-mapping`` where the plan's
+layout puts the replicas outermost (:mod:`pipeplan.export.degrees`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
+from pipeplan.export.degrees import RankOrder
 from pipeplan.planner.types import Plan
 
-__all__ = ["megatron_batch_args", "megatron_layout", "megatron_text"]
+__all__ = ["megatron_batch_args", "megatron_layout", "megatron_mesh_args", "megatron_text"]
 
 
 def megatron_layout(counts: Sequence[tuple[bool, int, bool]]) -> str:
@@ -117,7 +122,7 @@ def megatron_text(
 def megatron_batch_args(plan: Plan) -> str:
     """The batch and data-parallel arguments each command line gets:
     ``--micro-batch-size b --global-batch-size B`` (B over every data-parallel rank; Megatron
-    derives m = B / (b d), and d from the world size: launch p d ranks), then
+    derives m = B / (b d), and d from the world size: launch p d t ranks), then
     ``--use-distributed-optimizer`` (ZeRO-1: optimizer states sharded over the d ranks) for a
     ``shard`` plan, whose memory the plan's model bounds from above (it also counts a 1 / d
     shard of the parameters beside the whole copy)."""
@@ -126,3 +131,35 @@ def megatron_batch_args(plan: Plan) -> str:
     if d > 1 and plan.cluster.data_parallel_mode == "shard":
         args += " --use-distributed-optimizer"
     return args
+
+
+def megatron_mesh_args(plan: Plan, order: RankOrder | None) -> tuple[str, list[str]]:
+    """The tensor-parallel arguments and the rank order, and a note where Megatron cannot
+    place the ranks as the plan does: ``--tensor-model-parallel-size t`` and, with the plan's
+    sequence parallelism, ``--sequence-parallel`` (megatron-core refuses it without t > 1)
+    when t > 1; ``--use-tp-pp-dp-mapping`` (order ``tp-cp-ep-pp-dp``: replicas outermost, as
+    ``Plan.layout``) where ``order`` (:func:`pipeplan.export.degrees.rank_order`) is
+    ``"dp,pp,tp"``; Megatron's default ``tp-cp-ep-dp-pp`` is ``"pp,dp,tp"``.
+
+    >>> from pipeplan.planner.types import Cluster
+    >>> c = Cluster.homogeneous(2, 2**30).model_copy(
+    ...     update={"tensor_parallel": 2, "sequence_parallel": True})
+    >>> megatron_mesh_args(Plan.model_construct(cluster=c), "pp,dp,tp")
+    ('--tensor-model-parallel-size 2 --sequence-parallel', [])
+    """
+    t = plan.cluster.tensor_parallel
+    args = []
+    if t > 1:
+        args.append(f"--tensor-model-parallel-size {t}")
+        if plan.cluster.sequence_parallel:
+            args.append("--sequence-parallel")
+    notes = []
+    if order == "dp,pp,tp":
+        args.append("--use-tp-pp-dp-mapping")
+    elif order is None:
+        notes.append(
+            f"megatron: the plan's layout {[list(r) for r in plan.layout]} is neither of "
+            f"Megatron's rank orders (tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with "
+            f"--use-tp-pp-dp-mapping); it places the ranks by its default"
+        )
+    return " ".join(args), notes

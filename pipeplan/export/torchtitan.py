@@ -15,13 +15,25 @@ argument each) and, in comments, the same settings for a config function:
 * the plan's recomputation as the ``activation_checkpoint`` policy, a tyro subcommand in 0.3.0
   (``activation_checkpoint:none`` or ``activation_checkpoint:full``; its default, selective
   activation checkpointing, crashes a zero-bubble schedule's split backward: "Trying to
-  backward an extra time").  ``none`` where no stage recomputes, ``full`` (each decoder block
-  recomputed in the backward) where every stage does.  0.3.0 applies one policy to every
-  stage, so a plan that recomputes some stages only gets ``full`` and a note: the memory the
-  plan counted on holds, the stages it kept pay a recomputation it did not predict;
+  backward an extra time").  ``none`` where no stage recomputes, ``full`` where every stage
+  does, and a comment naming the layers it covers: 0.3.0's ``FullAC`` wraps each decoder
+  block (the items of ``layers``) of every model part, and nothing else, so a recomputing
+  stage that also holds the embedding, the final norm or the head gets a note that those keep
+  their activations, more memory than the plan counted.  0.3.0 applies one policy to every
+  stage, so a plan that recomputes some stages only gets ``full`` and a note: the stages it
+  kept pay a recomputation it did not predict.  ``full`` runs under a zero-bubble schedule
+  (the suite trains a ZB-V step under it);
 * with d > 1 data-parallel ranks, ``--parallelism.data_parallel_shard_degree d`` (FSDP2,
   ``shard``) or ``--parallelism.data_parallel_replicate_degree d`` (``replicate``), the other
-  1 (``training.local_batch_size`` is then each rank's share).
+  1 (``training.local_batch_size`` is then each rank's share); both given whenever d > 1 or
+  t > 1, so that torchtitan checks p d t against the world size;
+* with t > 1 tensor-parallel ranks, ``--parallelism.tensor_parallel_degree t`` and the plan's
+  sequence parallelism as ``--parallelism.enable_sequence_parallel`` or
+  ``--parallelism.no_enable_sequence_parallel`` (torchtitan's default is on).  torchtitan
+  applies its own TP plan (projections column- then row-wise); 0.3.0 has no loss-parallel
+  setting: its head is always split over the vocabulary and its cross-entropy loss-parallel.
+  Its mesh is (pp, dp, tp), pipeline ranks outermost: a plan whose layout puts the replicas
+  outermost, on several nodes, gets a note (:mod:`pipeplan.export.degrees`).
 
 A transformers decoder (blocks in ``model.layers``) is named as 0.3.0's transformers backend
 flattens it (``HFTransformerModel.named_children``): ``tok_embeddings``, ``layers.N``, ``norm``,
@@ -38,6 +50,7 @@ from __future__ import annotations
 import shlex
 from typing import Final
 
+from pipeplan.export.degrees import RankOrder
 from pipeplan.export.layout import ModelLayout
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Plan
@@ -92,9 +105,13 @@ def check_torchtitan(layout: ModelLayout, names: list[list[str]]) -> None:
 
 
 def torchtitan_text(
-    layout: ModelLayout, stage_keys: list[list[str]], plan: Plan
+    layout: ModelLayout,
+    stage_keys: list[list[str]],
+    plan: Plan,
+    order: RankOrder | None = "pp,dp,tp",
 ) -> tuple[str, list[list[str]], list[str]]:
-    """The overrides line and its Python form, the names per stage, and notes."""
+    """The overrides line and its Python form, the names per stage, and notes (``order``: the
+    plan's rank order, :func:`pipeplan.export.degrees.rank_order`)."""
     check_torchtitan(layout, stage_keys)
     prefix = layout.wrapper + "." if layout.wrapper else ""
     names = [[k.removeprefix(prefix) for k in ks] for ks in stage_keys]
@@ -119,6 +136,22 @@ def torchtitan_text(
     ]
     recompute = [j for j, stage in enumerate(plan.stages) if stage.recompute]
     full = bool(recompute)
+    # FullAC wraps each item of the model part's ``layers``, nothing else (its ``apply``)
+    blocks = [
+        [n for k, n in zip(ks, ns) if layout.is_block(k)] for ks, ns in zip(stage_keys, names)
+    ]
+    kept = [
+        f"{', '.join(n for k, n in zip(stage_keys[j], names[j]) if not layout.is_block(k))} "
+        f"(stage {j})"
+        for j in recompute
+        if len(blocks[j]) < len(stage_keys[j])
+    ]
+    if kept:
+        notes.append(
+            f"torchtitan: {TORCHTITAN_VERSION}'s full activation checkpointing recomputes the "
+            f"decoder blocks only; {'; '.join(kept)} keep their activations, which the plan "
+            f"counted as recomputed (more memory than it predicts on those stages)"
+        )
     if recompute and len(recompute) < len(plan.stages):
         notes.append(
             f"torchtitan: the plan recomputes stage(s) {recompute} only, but torchtitan "
@@ -126,16 +159,38 @@ def torchtitan_text(
             f"exported activation_checkpoint:full (the memory the plan needs; the other stages "
             f"run slower than it predicts)"
         )
-    d = plan.cluster.data_parallel
-    if d > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
+    d, t = plan.cluster.data_parallel, plan.cluster.tensor_parallel
+    if d > 1 or t > 1:  # FSDP2 over the d ranks (shard), or DDP-like replicas (replicate)
         shard = plan.cluster.data_parallel_mode == "shard"
         settings += [
             ("parallelism", "data_parallel_shard_degree", d if shard else 1),
             ("parallelism", "data_parallel_replicate_degree", 1 if shard else d),
         ]
+    if t > 1:  # torchtitan's own TP plan; its head is always vocabulary-sharded (loss-parallel)
+        settings += [
+            ("parallelism", "tensor_parallel_degree", t),
+            ("parallelism", "enable_sequence_parallel", plan.cluster.sequence_parallel),
+        ]
+        if needs_layer_per_stage(layout) and not plan.cluster.sequence_parallel:
+            notes.append(
+                f"torchtitan: {TORCHTITAN_VERSION}'s transformers backend shards the norms "
+                f"sequence-parallel whenever t > 1 (it ignores enable_sequence_parallel), "
+                f"which the plan did not price: less activation memory than planned, a "
+                f"reduce-scatter and an all-gather for each all-reduce"
+            )
+    nodes = plan.cluster.devices_per_node
+    if order is None or (
+        order == "dp,pp,tp" and nodes is not None and plan.pipeline_ranks * d * t > nodes
+    ):
+        notes.append(
+            f"torchtitan: places the ranks pipeline-outermost (mesh pp, dp, tp: replica r's "
+            f"stage j on ranks (j d + r) t ..), not as the plan's layout "
+            f"{[list(r) for r in plan.layout]}; across nodes its pipeline transfers and "
+            f"data-parallel reductions cross other links than the plan priced"
+        )
     args: list[str] = []
     for section, field, value in settings:
-        args.append(f"--{section}.{field}")
+        args.append(f"--{section}.{'' if value is not False else 'no_'}{field}")
         if isinstance(value, list):
             args.extend(",".join(ns) for ns in value)
         elif not isinstance(value, bool):
@@ -147,9 +202,16 @@ def torchtitan_text(
         if full
         else "None"
     )
+    covers = ""
+    if full:
+        every = [n for ns in blocks for n in ns]
+        covers = (
+            f"# activation_checkpoint:full recomputes in the backward each decoder block of "
+            f"every model part: {', '.join(every) or 'none (no stage holds one)'}\n"
+        )
     text = (
         f"# torchtitan {TORCHTITAN_VERSION}: add to the launch's arguments after --module and "
-        f"--config\n{shlex.join(args)}\n"
+        f"--config\n{shlex.join(args)}\n{covers}"
         f"# or set the same in your config function (a config_registry entry):\n{python}\n"
     )
     return text, names, notes

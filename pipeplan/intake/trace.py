@@ -261,6 +261,7 @@ def trace_model(
 
     name = model_name(module)
     errors: list[str] = []
+    branches: list[str] = []  # where a tracer met control flow on a tensor's value
     gm: GraphModule | None = None
     used: TracerName = "fx"
     if tracer in ("auto", "fx"):
@@ -268,6 +269,8 @@ def trace_model(
             gm = _trace_fx(module, len(example_inputs))
         except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
             errors.append(f"torch.fx failed ({_one_line(exc)})")
+            if "control flow" in str(exc):
+                branches.append(user_location(exc, user_only=True) or "")
     if gm is None and tracer in ("auto", "export"):
         try:
             with _quiet_export():
@@ -275,8 +278,17 @@ def trace_model(
         except Exception as exc:  # noqa: BLE001 - any tracer failure is reported
             at = user_location(exc, user_only=True)
             errors.append(f"torch.export failed{f' at {at}' if at else ''} ({_one_line(exc)})")
+            if "DataDependent" in type(exc).__name__:
+                branches.append(at or "")
     if gm is None:
         run_eagerly(module, example_inputs)  # the user's forward itself may be what fails
+        if branches and len(branches) == (2 if tracer == "auto" else 1):
+            at = next((b for b in reversed(branches) if b), "")
+            raise TraceError(
+                f"cannot trace {name}: its forward branches on a tensor's value"
+                f"{f' at {at}' if at else ''}; compute that condition outside the model, or "
+                "use torch.where / torch.cond"
+            )
         hint = (
             "make forward() free of data-dependent Python control flow, or try --tracer export"
             if tracer == "fx"

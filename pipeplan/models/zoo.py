@@ -108,10 +108,28 @@ _TABLE = {
 }  # fmt: skip
 
 
-def _config(name: str, d_model: int, n_layers: int, seq_len: int, vocab: int) -> Any:
+#: Config keys that count attention heads, and those that count key-value heads.
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
+              "decoder_attention_heads")  # fmt: skip
+_KV_KEYS = ("num_key_value_heads",)
+
+
+def _config(
+    name: str, d_model: int, n_layers: int, seq_len: int, vocab: int, heads: int = 2,
+    kv_heads: int | None = None,
+) -> Any:  # fmt: skip
     config_cls, _, task, sizes, extra = _TABLE[name]
     kwargs = {k: v for k, v in {**sizes(d_model, n_layers, seq_len), **extra}.items()
               if v is not None or k.endswith("token_id")}  # fmt: skip
+    if heads != 2 or kv_heads is not None:
+        for key in _HEAD_KEYS:
+            if key in kwargs:
+                kwargs[key] = heads
+        for key in _KV_KEYS:
+            if key in kwargs:
+                kwargs[key] = kv_heads or kwargs[key]
+        if "d_kv" in kwargs:  # T5: the head size is its own key
+            kwargs["d_kv"] = d_model // heads
     if task != "image":
         kwargs["vocab_size"] = vocab
     return no_dropout(getattr(_transformers(), config_cls)(**kwargs))
@@ -153,19 +171,28 @@ def build(
     vocab: int = 128,
     seq_len: int = 16,
     seed: int = 0,
+    heads: int = 2,
+    kv_heads: int | None = None,
 ) -> ModelSpec:
     """Zoo model ``name``: the unwrapped model, named-input batches, a loss on its output.
 
-    ``seq_len`` is the image side for ``vit`` (patches of 4 x 4, 5 classes).
+    ``seq_len`` is the image side for ``vit`` (patches of 4 x 4, 5 classes).  ``heads``
+    attention heads (2 by default), and ``kv_heads`` key-value heads for the models with
+    grouped-query attention (Llama, Mistral, Qwen2, Gemma, Mixtral: 1 by default): a model
+    tensor parallelism splits t ways needs t to divide both.
     """
     if name not in _TABLE:
         raise ValueError(f"zoo model {name!r} is not one of {', '.join(_TABLE)}")
     positive(n_layers=n_layers, d_model=d_model, vocab=vocab, seq_len=seq_len, seed=seed + 1)
-    if d_model % 4:
+    positive(heads=heads, kv_heads=kv_heads or 1)
+    if d_model % (2 * heads):
         raise ValueError(
-            f"d_model must be a multiple of 4 (2 heads, even head size), got {d_model}"
+            f"d_model must be a multiple of 2 x heads ({heads} heads, even head size), got "
+            f"{d_model}"
         )
-    config = _config(name, d_model, n_layers, seq_len, vocab)
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"kv_heads {kv_heads} must divide heads {heads}")
+    config = _config(name, d_model, n_layers, seq_len, vocab, heads, kv_heads)
     model = build_seeded(seed, lambda: getattr(_transformers(), _TABLE[name][1])(config))
     return ModelSpec(model, _batches(_TABLE[name][2], vocab, seq_len, 5, seed), _loss)
 

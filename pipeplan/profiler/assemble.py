@@ -28,6 +28,7 @@ from pipeplan.planner.types import (
 )
 from pipeplan.profiler.device import device_info
 from pipeplan.profiler.measure import value_bytes
+from pipeplan.profiler.tp_annotate import annotate_traced
 from pipeplan.profiler.unit_modules import UnitModule, split_units
 
 __all__ = [
@@ -210,10 +211,11 @@ def assemble_profile(
     """The Profile of ``recipe`` from what either method measured: ``timings[k]`` unit k's by
     micro-batch size (``measured_as[k]`` the unit measured for it, when not itself), ``values``
     the graph's values at the largest size (the inputs and the cuts' tensors by node name),
-    ``module`` the model (for its batch-dependent layers)."""
+    ``module`` the model (for its batch-dependent layers and its tensor-parallel layout: the
+    units are annotated by :func:`pipeplan.profiler.tp_annotate.annotate_traced`)."""
     r, traced = recipe, split.traced
     b_max = max(r.sizes)
-    return Profile(
+    profile = Profile(
         model=r.model,
         model_kwargs=r.model_kwargs,
         tracer=traced.tracer,
@@ -254,3 +256,5 @@ def assemble_profile(
         grouping=split.grouping,
         method=method,
     )
+    example = [values[n] for n in split.placeholders]
+    return annotate_traced(profile, module, traced, example)

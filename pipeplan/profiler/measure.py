@@ -9,8 +9,9 @@ spreads are interquartile ranges.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,9 @@ def value_bytes(value: Any) -> int:
 
 
 def storage(t: Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of ``t``'s storage; a DTensor's is its local shard's."""
+    local = getattr(t, "_local_tensor", None)
+    t = local if isinstance(local, Tensor) else t
     try:
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
@@ -42,6 +46,22 @@ def storage(t: Tensor) -> tuple[int, int] | None:
 def storage_keys(tensors: Sequence[Tensor]) -> set[int]:
     """Data pointers of the tensors' storages (to exclude parameters from saved bytes)."""
     return {key[0] for t in tensors if (key := storage(t)) is not None}
+
+
+@contextlib.contextmanager
+def saved_storages(exclude: set[int]) -> Iterator[dict[int, int]]:
+    """Inside the block, the distinct storages autograd saves for backward (data pointer ->
+    bytes), except those in ``exclude`` (the parameters')."""
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = storage(t)
+        if key is not None and key[0] not in exclude:
+            seen[key[0]] = max(seen.get(key[0], 0), key[1])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 def differentiable(outputs: Any) -> list[Tensor]:

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeplan.planner.types import Timing
 from pipeplan.profiler.device import Clock
-from pipeplan.profiler.measure import differentiable, median_iqr, storage, value_bytes
+from pipeplan.profiler.measure import differentiable, median_iqr, saved_storages, value_bytes
 from pipeplan.profiler.unit_modules import UnitModule
 
 __all__: list[str] = []
@@ -168,15 +168,7 @@ def _counted(
 ) -> tuple[Any, float]:
     """A plain forward that records the distinct storages autograd saves (except
     ``exclude``'s) in ``samples.saved``; timed, though the hooks make it a warm-up only."""
-    seen: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        key = storage(t)
-        if key is not None and key[0] not in exclude:
-            seen[key[0]] = max(seen.get(key[0], 0), key[1])
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(exclude) as seen:
         out, f = clock.time(lambda: module(*args))
     samples.saved = sum(seen.values())
     return out, f

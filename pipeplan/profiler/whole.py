@@ -150,6 +150,7 @@ def profile_model(
     rounds: int = 1,
     max_stages: int = DEFAULT_MAX_STAGES,
     method: str = "auto",
+    tensor_parallel: int = 1,
 ) -> Profile:
     """Measure ``model`` (``package.module:callable``) unit by unit; see the module docstring.
 
@@ -167,7 +168,20 @@ def profile_model(
     during it) is outvoted instead of landing on one unit.  ``max_stages`` is the largest stage
     count the ``auto`` units are refined for (:mod:`pipeplan.intake.refine`): no unit heavier than
     1 / max_stages of the model where it can be split, and at least max_stages units.
+    ``tensor_parallel`` t > 1 also measures every splittable unit split t ways on t ranks,
+    ``threads`` each (:mod:`pipeplan.profiler.tp_measure`: ``Unit.tp_timings[t]``); the
+    model's layout and t are checked before anything is measured.
     """
+    if tensor_parallel < 1:
+        raise InvalidRequestError(f"--tensor-parallel {tensor_parallel} must be at least 1")
+    if tensor_parallel > 1:
+        from pipeplan.intake.tensor_parallel import check_degree
+        from pipeplan.profiler.tp_annotate import model_layout
+
+        layout = model_layout(load_model(model, model_kwargs, meta=True).module)
+        if isinstance(layout, str):
+            raise InvalidRequestError(f"--tensor-parallel {tensor_parallel}: {layout}")
+        check_degree(layout, tensor_parallel)
     if rounds < 1:
         raise InvalidRequestError(f"rounds {rounds} must be at least 1")
     if max_stages < 1:
@@ -179,7 +193,7 @@ def profile_model(
     if threads is None and resolve_device(device).type == "cpu":
         threads = threads_per_rank(PROFILE_RANKS)
     with _threads(threads):
-        return _profile(
+        prof = _profile(
             model,
             batch_size,
             model_kwargs,
@@ -195,6 +209,13 @@ def profile_model(
             max_stages,
             method,
         )
+    if tensor_parallel > 1:
+        from pipeplan.profiler.tp_measure import measure_tensor_parallel
+
+        prof = measure_tensor_parallel(
+            prof, tensor_parallel, warmup=warmup, repeats=repeats * rounds, threads=threads
+        )
+    return prof
 
 
 def auto_method(param_bytes: int, activation_bytes: int, available: int) -> str:

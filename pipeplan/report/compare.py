@@ -27,7 +27,16 @@ from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.io import format_bytes
 from pipeplan.planner.types import Plan
 
-__all__ = ["FORMATS", "Format", "compare_frame", "format_cell", "human", "render", "to_markdown"]
+__all__ = [
+    "FORMATS",
+    "Format",
+    "compare_frame",
+    "format_cell",
+    "human",
+    "render",
+    "to_markdown",
+    "unlike_work",
+]
 
 Format = Literal["table", "csv", "json", "markdown"]
 FORMATS: tuple[str, ...] = ("table", "csv", "json", "markdown")
@@ -99,6 +108,21 @@ def compare_frame(plans: Sequence[Plan], names: Sequence[str] | None = None) -> 
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def unlike_work(plans: Sequence[Plan]) -> str | None:
+    """One line when ``plans`` are of different models or global batch sizes (their ratios
+    then compare unlike work), else ``None``."""
+    for what, values in (
+        ("models", [p.model for p in plans]),
+        ("global batch sizes", [str(p.batch_size * p.cluster.data_parallel) for p in plans]),
+    ):
+        if len(set(values)) > 1:
+            return (
+                f"these plans are of different {what} ({', '.join(dict.fromkeys(values))}): "
+                "their ratios compare unlike work"
+            )
+    return None
 
 
 def format_cell(value: object) -> str:

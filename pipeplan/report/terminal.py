@@ -148,6 +148,8 @@ def print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    if p.weighed:
+        console.print(weighed_table(p))
     if p.rank_peak_bytes:
         from pipeplan.planner.families import stages_of_rank
 
@@ -188,6 +190,32 @@ def print_plan(p: Plan) -> None:
             f"tied gradients: stages {stages} sum {format_bytes(sync.bytes)} after their last "
             f"backward, {sync.seconds * 1e3:.3f} ms, before updating"
         )
+
+
+def weighed_table(p: Plan) -> Table:
+    """What ``--schedule auto`` weighed: each family's best plan found (v, m, its replayed step
+    and its ratio to the chosen plan's), or the lower bound that ruled it out."""
+    chosen = p.simulated_step_time_s or p.step_time_s
+    table = Table(
+        title="schedule auto weighed (each family's best plan found)", title_justify="left"
+    )
+    for col in ("family", "v", "m", "step ms", "x chosen"):
+        table.add_column(col, justify="left" if col == "family" else "right", no_wrap=True)
+    for w in sorted(p.weighed, key=lambda w: (w.step_time_s is None, w.step_time_s or 0.0)):
+        if w.step_time_s is None:
+            why = "no fit" if w.lower_bound_s < chosen else f"bound {w.lower_bound_s * 1e3:.1f}"
+            table.add_row(w.family, str(w.stages_per_rank), str(w.microbatches), why, "-")
+            continue
+        mark = " (chosen)" if (w.family, w.microbatches, w.stages_per_rank) == (
+            p.schedule, p.microbatches, p.stages_per_rank) else ""  # fmt: skip
+        table.add_row(
+            w.family,
+            str(w.stages_per_rank),
+            str(w.microbatches),
+            f"{w.step_time_s * 1e3:.3f}",
+            f"{w.step_time_s / chosen:.2f}{mark}",
+        )
+    return table
 
 
 def print_profile(p: Profile) -> None:
@@ -257,28 +285,21 @@ def _memory_pair(used: float, limit: float) -> str:
     return f"{_short(u)} {uu}/{_short(v)} {vu}"
 
 
-def compare_table(df: pd.DataFrame) -> Table:
-    """The summary of :func:`pipeplan.report.compare.compare_frame`'s rows that fits 80
+def compare_table(df: pd.DataFrame, width: int = 80) -> Table:
+    """The summary of :func:`pipeplan.report.compare.compare_frame`'s rows that fits ``width``
     columns: fastest first (infeasible plans last), the best's ratio written ``best``.
 
     Columns: plan, solver, status, m, p×d (stages × data-parallel replicas), step ms, ratio
     (step over the best feasible plan's; ``-`` for a plan that does not fit), bubble, memory
     (the fullest stage against its device's limit, red when over) and samples/s of all
-    replicas.  Long plan and solver names fold; the numbers never do."""
+    replicas.  The plan's name gets what the other columns leave (at least 8 characters, the
+    solver's name giving way next) and ends in an ellipsis where longer, so no row wraps."""
+    from rich.cells import cell_len
+
     order = sorted(range(len(df)), key=lambda i: (not df["feasible"][i], df["step_ms"][i]))
-    table = Table(
-        title=f"{len(df)} plans, fastest first",
-        caption="ratio: step over the best plan's; memory: the fullest device against its limit",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 0),
-        pad_edge=False,
-        show_edge=False,
-    )
-    table.add_column("plan", overflow="fold", min_width=8)
-    table.add_column("solver", overflow="fold")
-    table.add_column("status", no_wrap=True)
-    for col in ("m", "p×d", "step ms", "ratio", "bubble", "memory", "samples/s"):
-        table.add_column(col, justify="right", no_wrap=True)
+    heads = ("plan", "solver", "status", "m", "p×d", "step ms", "ratio", "bubble", "memory",
+             "samples/s")  # fmt: skip
+    rows: list[tuple[str, ...]] = []
     best = True
     for i in order:
         r = df.iloc[i]
@@ -289,8 +310,7 @@ def compare_table(df: pd.DataFrame) -> Table:
             ratio_text, best = "best", False
         else:
             ratio_text = f"{ratio:.2f}×"
-        memory = _memory_pair(float(r["peak_mem"]), float(r["mem_limit"]))
-        table.add_row(
+        rows.append((
             str(r["name"]),
             str(r["solver"]),
             str(r["status"]),
@@ -299,32 +319,73 @@ def compare_table(df: pd.DataFrame) -> Table:
             f"{float(r['step_ms']):.1f}",
             ratio_text,
             f"{float(r['bubble']):.0%}",
-            memory if bool(r["feasible"]) else f"[red]{memory}[/red]",
+            _memory_pair(float(r["peak_mem"]), float(r["mem_limit"])),
             f"{float(r['samples_s']):.1f}",
-            style="bold" if ratio_text == "best" else None,
-        )
-    return table
-
-
-def stage_table(p: Plan, name: str) -> Table:
-    """Plan ``p``'s stages within 80 columns, one row per stage: its units, F, B and C per
-    micro-batch, t_j (``*`` marks the slowest), m·t_j (its busy time per step, which compares
-    plans of different m) and its memory against its device's limit."""
+        ))  # fmt: skip
+    natural = [
+        max(cell_len(x) for x in (h, *(row[k] for row in rows))) for k, h in enumerate(heads)
+    ]
+    widths = list(natural)
+    room = width - sum(natural[1:]) - (len(heads) - 1)
+    widths[0] = min(natural[0], max(8, room))
+    if room < 8:  # the solver's name gives way next, down to 6 characters
+        widths[1] = max(6, natural[1] - (8 - room))
     table = Table(
-        title=f"{name}: {p.n_stages} stages, m = {p.microbatches} ({p.solver})",
+        title=f"{len(df)} plans, fastest first",
+        caption="ratio: step over the best plan's; memory: the fullest device against its limit",
         box=box.SIMPLE_HEAD,
         padding=(0, 0),
         pad_edge=False,
         show_edge=False,
     )
-    table.add_column("stage", justify="right")
-    table.add_column("units", overflow="fold", min_width=8)
+    for k, head in enumerate(heads):
+        table.add_column(
+            head,
+            justify="left" if k < 3 else "right",
+            no_wrap=True,
+            overflow="ellipsis",
+            width=widths[k],
+        )
+    for i, row in zip(order, rows, strict=True):
+        feasible = bool(df["feasible"][i])
+        memory = row[8] if feasible else f"[red]{row[8]}[/red]"
+        table.add_row(*row[:8], memory, row[9], style="bold" if row[6] == "best" else None)
+    return table
+
+
+def stage_table(p: Plan, name: str) -> Table:
+    """Plan ``p``'s stages within 80 columns, one row per stage (per chunk, with the rank that
+    runs it, for a multi-chunk plan): its units, F, B and C per
+    micro-batch, t_j (``*`` marks the slowest), m·t_j (its busy time per step, which compares
+    plans of different m) and its memory against its device's limit."""
+    v = p.stages_per_rank
+    layout = (
+        f"{p.n_stages} stages"
+        if v == 1
+        else f"{p.pipeline_ranks} ranks x {v} chunks ({p.schedule})"
+    )
+    table = Table(
+        title=f"{name}: {layout}, m = {p.microbatches} ({p.solver})",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0),
+        pad_edge=False,
+        show_edge=False,
+    )
+    owner: tuple[int, ...] = ()
+    if v > 1:  # which rank runs each chunk
+        from pipeplan.planner.families import rank_of_stage
+
+        owner = tuple(rank_of_stage(p.schedule, p.pipeline_ranks, v))
+        table.add_column("rank", justify="right")
+    table.add_column("stage" if v == 1 else "chunk", justify="right")
+    table.add_column("units", overflow="ellipsis", no_wrap=True, min_width=8)
     for col in ("F ms", "B ms", "C ms", "t ms", "m·t ms", "memory"):
         table.add_column(col, justify="right", no_wrap=True)
     slowest = max(s.time_s for s in p.stages)
     for s in p.stages:
         memory = _memory_pair(s.memory.total, s.memory_limit)
         table.add_row(
+            *([str(owner[s.index])] if owner else []),
             str(s.index),
             f"{s.first_unit}-{s.last_unit} {s.unit_names[0]}..{s.unit_names[-1]}"
             + (" (recompute)" if s.recompute else ""),

@@ -156,5 +156,6 @@ def solve(
             "gap": None if optimal else (max(0.0, (T - bound) / T) if T > 0 else 0.0),
             "lower_bound_s": bound,
             "solve_time_s": (best.solve_time_s or 0.0) + (sched.solve_time_s or 0.0),
+            "weighed": sched.weighed,
         }
     )

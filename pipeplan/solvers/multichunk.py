@@ -55,6 +55,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from math import comb
+from typing import cast
 
 import numpy as np
 
@@ -68,7 +69,14 @@ from pipeplan.planner.errors import (
 from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.request import ResolvedRequest
-from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
+from pipeplan.planner.types import (
+    Cluster,
+    Plan,
+    PlanOptions,
+    Profile,
+    ScheduleName,
+    WeighedFamily,
+)
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.chunk_plan import chunk_plan
 from pipeplan.solvers.exact_plan import Candidate, prove_candidates
@@ -90,6 +98,7 @@ __all__ = [
     "recompute_to_fit",
     "schedule_floor",
     "solve_schedule",
+    "weighed",
 ]
 
 #: Actions the local search may replay, summed over its replays (step 3 of the module
@@ -486,7 +495,7 @@ def solve_schedule(
     exact = exact or (
         exact_time > 0 and all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
     )
-    return chunk_plan(
+    plan = chunk_plan(
         plans[best_c],
         starts, rc, rep,
         solver="schedules",
@@ -495,6 +504,36 @@ def solve_schedule(
         bound=bound,
         solve_time_s=time.perf_counter() - t0,
     )  # fmt: skip
+    if options.schedule != "auto":
+        return plan
+    return plan.model_copy(update={"weighed": weighed(requested, searches, bound_of)})
+
+
+def weighed(
+    requested: Sequence[Candidate],
+    searches: dict[Candidate, _Search],
+    bound_of: dict[Candidate, float],
+) -> tuple[WeighedFamily, ...]:
+    """Each requested family's best plan found, or its closest bound (in the order of
+    :data:`~pipeplan.planner.families.FAMILIES`)."""
+    out: list[WeighedFamily] = []
+    for fam in dict.fromkeys(f for f, _, _ in requested):
+        mine = [c for c in requested if c[0] == fam]
+        found = [
+            (sr.best()[1][0], c)
+            for c in mine
+            if (sr := searches.get(c)) is not None and sr.seen and np.isfinite(sr.best()[1][0])
+        ]
+        low = min(bound_of[c] for c in mine)
+        if found:
+            step, c = min(found)
+            out.append(WeighedFamily(family=cast(ScheduleName, fam), stages_per_rank=c[1], microbatches=c[2],
+                                     step_time_s=float(step), lower_bound_s=low))  # fmt: skip
+        else:
+            c = min(mine, key=bound_of.__getitem__)
+            out.append(WeighedFamily(family=cast(ScheduleName, fam), stages_per_rank=c[1], microbatches=c[2],
+                                     lower_bound_s=low))  # fmt: skip
+    return tuple(out)
 
 
 def schedule_floor(profile: Profile, cluster: Cluster, options: PlanOptions) -> float:

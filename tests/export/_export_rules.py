@@ -106,7 +106,12 @@ def megatron_args(line: str) -> dict[str, str]:
         assert line.startswith("# or, replacing the line above"), line
         line = line.split(":", 1)[1]
     words = shlex.split(line)
-    return dict(zip(words[::2], words[1::2]))
+    flags: dict[str, str] = {}
+    for i, word in enumerate(words):
+        if word.startswith("--"):  # a switch (--sequence-parallel) has no value: ""
+            value = words[i + 1] if i + 1 < len(words) else ""
+            flags[word] = "" if value.startswith("--") else value
+    return flags
 
 
 def megatron_core_layers(text: str) -> list[list[int]]:
@@ -312,3 +317,18 @@ T5_NAMES = [
     "decoder.block.1",
     "decoder.final_layer_norm+lm_head",
 ]
+
+
+def meshed(plan: Plan, t: int, sp: bool = False, d: int = 1, replicas_outer: bool = True) -> Plan:
+    """``plan`` on t tensor-parallel ranks (and d replicas) by hand, as the planner will make
+    it: the layout puts replica r's pipeline rank j on ranks (r p + j) t (``Plan.layout``), or,
+    with ``replicas_outer`` False, on (j d + r) t."""
+    p = plan.pipeline_ranks
+    update = {"tensor_parallel": t, "sequence_parallel": sp, "data_parallel": d}
+    layout = tuple(
+        tuple(((r * p + j) if replicas_outer else (j * d + r)) * t for j in range(p))
+        for r in range(d)
+    )
+    return plan.model_copy(
+        update={"cluster": plan.cluster.model_copy(update=update), "layout": layout}
+    )

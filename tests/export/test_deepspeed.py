@@ -1,6 +1,6 @@
 """DeepSpeed's ``parts`` and layer list (:mod:`pipeplan.export.deepspeed`), and DeepSpeed 0.19.8's
 own PipelineModule building every model's export on two gloo ranks, and the exported CONFIG as
-DeepSpeed's ZeRO config parses it."""
+DeepSpeed's ZeRO config parses it; a plan with tensor parallelism refused in one line."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from _export_rules import (
     GiB,
     ds_fields,
     export_cli,
+    meshed,
     named_profile,
     plan_of,
     user_model,
@@ -137,3 +138,31 @@ def test_deepspeed_config_carries_the_batch_and_zero_stage(mode: str, stage: int
     assert config["gradient_accumulation_steps"] == plan.microbatches == 4
     assert config["train_batch_size"] == plan.batch_size * 4
     assert zero_config.DeepSpeedZeroConfig(**config["zero_optimization"]).stage == stage
+
+
+def test_deepspeed_refuses_tensor_parallelism_in_one_line(tmp_path: Path, cli) -> None:
+    """DeepSpeed 0.19's PipelineEngine has no tensor parallelism of its own: AutoTP's mesh is
+    (data_parallel, tensor_parallel), the world over t, with no pipeline axis (the signature
+    pins it: if a later DeepSpeed adds one, this test says so).  A plan with t = 2 is one line
+    naming the fix, exit 2, and no file; the same plan with t = 1 exports."""
+    groups = pytest.importorskip("deepspeed.utils.groups")
+    import inspect
+
+    assert list(inspect.signature(groups._init_tp_mesh_device).parameters) == [
+        "tensor_model_parallel_size",
+        "data_parallel_size",
+    ]
+    plan = plan_of(named_profile(["embed", "blocks.0", "blocks.1", "head"]), [0, 2])
+    for t in (2, 1):
+        plan_file = tmp_path / f"plan{t}.json"
+        write_json(plan_file, meshed(plan, t))
+        code, text, err = export_cli(cli, plan_file, "deepspeed", tmp_path)
+        if t == 2:
+            assert (code, text, err.count("\n")) == (2, "", 1)
+            assert err.startswith("error: deepspeed: its PipelineEngine has no tensor parallelism")
+            assert err.endswith(
+                "cannot run the plan's tensor-parallel degree 2; export --to megatron or "
+                "torchtitan, or plan with tensor parallelism 1\n"
+            )
+        else:
+            assert code == 0 and "PARTS = [0, 2, 4]" in text

@@ -1,10 +1,11 @@
 """Megatron's two forms, the layout and the first/last pair (:mod:`pipeplan.export.megatron`),
 and megatron-core's own ``TransformerConfig`` parsing both (the ``targets`` extra) and building
-the plan's layers per stage."""
+the plan's layers per stage; with tensor parallelism, the same config taking the degree and
+sequence parallelism beside the layout, and megatron-core's ``RankGenerator`` placing the
+ranks as the plan's layout does."""
 
 from __future__ import annotations
 
-import shlex
 from itertools import pairwise
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from _export_rules import (
     megatron_parse,
     megatron_uneven,
     megatron_validate,
+    meshed,
     named_profile,
     plan_of,
 )
@@ -126,7 +128,7 @@ def test_megatron_core_reads_the_export(llama) -> None:
         result = export_plan(plan, "megatron", prof)
         layers = [ks.count("t") for ks in result.stage_keys]
         lines = result.text.splitlines()
-        args = dict(zip(shlex.split(lines[0])[::2], shlex.split(lines[0])[1::2]))
+        args = megatron_args(lines[0])
         common = {
             "num_layers": int(args["--num-layers"]),
             "hidden_size": 32,
@@ -140,8 +142,7 @@ def test_megatron_core_reads_the_export(llama) -> None:
         assert [built.get_num_layers_to_build(pp_rank=j) for j in range(p)] == layers
         if len(lines) > 1:
             assert lines[1].startswith("# or, replacing the line above")
-            alt = shlex.split(lines[1].split(":", 1)[1])
-            flags = dict(zip(alt[::2], alt[1::2]))
+            flags = megatron_args(lines[1])
             pair = {
                 "num_layers_in_first_pipeline_stage": int(
                     flags["--decoder-first-pipeline-num-layers"]
@@ -156,3 +157,69 @@ def test_megatron_core_reads_the_export(llama) -> None:
                 config_mod.TransformerConfig(
                     **common, **pair, pipeline_model_parallel_layout=layout
                 )
+
+
+def test_megatron_core_takes_a_tensor_parallel_export(llama) -> None:
+    """Issue 44: a 2-stage plan of the Llama on 2 tensor-parallel ranks with sequence
+    parallelism, and on 2 replicas (made by hand from the solver's plan, as the planner will
+    make it).  megatron-core's TransformerConfig takes the exported degree and
+    ``--sequence-parallel`` with the layout, and builds the plan's layers per stage; it would
+    refuse them with 3 heads, or without t > 1 (the checks the export's line meets).  Its
+    RankGenerator, in the order the line selects, puts each (replica, stage) on the plan's
+    ranks: ``--use-tp-pp-dp-mapping`` for the plan's replicas-outermost layout, the default
+    for a pipeline-outermost one."""
+    torch = pytest.importorskip("torch")
+    config_mod = pytest.importorskip("megatron.core.transformer.transformer_config")
+    from megatron.core.parallel_state import RankGenerator
+
+    _, prof = llama
+    options = PlanOptions(allowed_cuts=target_allowed_cuts(prof, "megatron"))
+    solved = SOLVERS["dp"](prof, Cluster.homogeneous(2, GiB), options)
+    for replicas_outer in (True, False):
+        plan = meshed(solved, 2, sp=True, d=2, replicas_outer=replicas_outer)
+        result = export_plan(plan, "megatron")  # the profile has no TP annotations to check
+        assert not result.notes
+        flags = megatron_args(result.text.splitlines()[0])
+        t = int(flags["--tensor-model-parallel-size"])
+        p = int(flags["--pipeline-model-parallel-size"])
+        assert (t, flags["--sequence-parallel"]) == (2, "")
+        assert ("--use-tp-pp-dp-mapping" in flags) == replicas_outer
+        common = {
+            "num_layers": int(flags["--num-layers"]),
+            "hidden_size": 32,
+            "pipeline_model_parallel_size": p,
+            "pipeline_dtype": torch.float32,
+            "pipeline_model_parallel_layout": flags["--pipeline-model-parallel-layout"],
+        }
+        tp = {"tensor_model_parallel_size": t, "sequence_parallel": "--sequence-parallel" in flags}
+        config = config_mod.TransformerConfig(**common, **tp, num_attention_heads=4)
+        assert (config.tensor_model_parallel_size, config.sequence_parallel) == (2, True)
+        built = config.pipeline_model_parallel_layout
+        layers = [ks.count("t") for ks in result.stage_keys]
+        assert [built.get_num_layers_to_build(pp_rank=j) for j in range(p)] == layers
+        with pytest.raises(ValueError, match="num_attention_heads"):
+            config_mod.TransformerConfig(**common, **tp, num_attention_heads=3)
+        with pytest.raises(ValueError, match="sequence parall"):
+            config_mod.TransformerConfig(
+                **common, num_attention_heads=4, tensor_model_parallel_size=1,
+                sequence_parallel=True,
+            )  # fmt: skip
+        # Megatron-LM's --use-tp-pp-dp-mapping selects this order (its default: tp-cp-ep-dp-pp)
+        order = "tp-cp-ep-pp-dp" if "--use-tp-pp-dp-mapping" in flags else "tp-cp-ep-dp-pp"
+        d = plan.cluster.data_parallel
+        ranks = RankGenerator(tp=t, ep=1, dp=d, pp=p, cp=1, order=order)
+        want_pp = sorted(
+            [plan.layout[r][j] + k for j in range(p)] for r in range(d) for k in range(t)
+        )
+        want_tp = sorted(
+            [plan.layout[r][j] + k for k in range(t)] for r in range(d) for j in range(p)
+        )
+        assert sorted(ranks.get_ranks("pp")) == want_pp
+        assert sorted(ranks.get_ranks("tp")) == want_tp
+    # A layout that is neither order: a note, and the default order
+    odd = solved.model_copy(
+        update={"cluster": plan.cluster, "layout": ((0, 6), (2, 4))}
+    )  # fmt: skip
+    result = export_plan(odd, "megatron")
+    assert "--use-tp-pp-dp-mapping" not in result.text
+    assert len(result.notes) == 1 and "is neither of Megatron's rank orders" in result.notes[0]

@@ -6,7 +6,9 @@ count to 2) and its ``pipeline_module_split`` cuts a Llama and a Gemma by it, ev
 on one stage (Gemma's tied head keeps a copy on the last), the chained stages equal to the whole
 model (``titan_split.py``, in its own process); and a plan for 2 stages x 2 FSDP2 ranks trains
 a step in torchtitan's own llama3 pipeline and FSDP code, with the unsplit model's loss and
-gradients (``titan_train.py``, four gloo ranks)."""
+gradients (``titan_train.py``, four gloo ranks), as do a plan for 2 stages x 2 tensor-parallel
+ranks and, on two ranks under torchtitan's own defaults plus the line, a ZB-V plan with and
+without recomputation."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from _export_rules import (
     named_profile,
     titan_config,
 )
+from _export_rules import meshed as tensor_meshed
 
 import pipeplan
 from pipeplan.api import target_allowed_cuts
@@ -104,6 +107,24 @@ def run_titan_split(jobs: list[str], port: int) -> list[dict]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def run_titan_train(
+    lines: list[str], port: int, tmp_path: Path, world: int = 4, defaults: bool = False
+) -> list[list[dict]]:
+    """Per line, per rank, what ``titan_train.py`` reports of one torchtitan training step
+    (``defaults``: the line alone on torchtitan's config, none of the harness's settings)."""
+    out = tmp_path / "ranks.json"
+    run = subprocess.run(
+        [sys.executable, str(HERE / "titan_train.py"), str(port), str(out), *lines,
+         "--world", str(world), *(["--defaults"] if defaults else [])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_torchtitan_reads_the_export(llama) -> None:
     """A 3-stage plan ``--for torchtitan``: torchtitan 0.3.0 parses the override line, its
     transformers backend splits a 4-layer Llama by it, every parameter lands on exactly one
@@ -174,14 +195,29 @@ def test_torchtitan_reads_the_export(llama) -> None:
         )
         for name, which in (("every", (0, 1, 2)), ("some", (0, 1)))
     }  # fmt: skip
-    assert not recomputing["every"].notes
+    (kept,) = recomputing["every"].notes  # torchtitan's FullAC wraps the decoder blocks only
+    assert (
+        "recomputes the decoder blocks only; tok_embeddings (stage 0); norm, lm_head (stage 2) "
+        in kept
+    )
+    assert "decoder block of every model part: layers.0, layers.1, layers.2, layers.3\n" in (
+        recomputing["some"].text
+    )
     assert any("recomputes stage(s) [0, 1] only" in n for n in recomputing["some"].notes)
-    got, got_bad, got_gemma, got_shard, got_rep, got_every, got_some = run_titan_split(
+    # The same plan on 2 tensor-parallel ranks without sequence parallelism (torchtitan's
+    # default is with it); the profile has no TP annotations to check against
+    tp_line = export_plan(tensor_meshed(plan, 2), "torchtitan").text.splitlines()[1]
+    got, got_bad, got_gemma, got_shard, got_rep, got_every, got_some, got_tp = run_titan_split(
         [f"llama:4 {lines[0]}", f"llama:4 {bad_line}", f"gemma:3 {gemma_line}",
          f"llama:4 {meshed['shard']}", f"llama:4 {meshed['replicate']}",
-         *(f"llama:4 {r.text.splitlines()[1]}" for r in recomputing.values())],
+         *(f"llama:4 {r.text.splitlines()[1]}" for r in recomputing.values()),
+         f"llama:4 {tp_line}"],
         29541,
     )  # fmt: skip
+    assert (got_tp["tp"], got_tp["sequence_parallel"]) == (2, False)
+    assert (got["tp"], got["sequence_parallel"]) == (1, True)  # torchtitan's defaults
+    assert (got_tp["dp_shard"], got_tp["dp_replicate"]) == (1, 1)  # p t = the world
+    assert got_tp["parts"] == got["parts"]
     # torchtitan builds the layers the config names, and reads the plan's recomputation
     assert [g["n_layers"] for g in (got, got_gemma)] == [4, 3]
     assert not any(s.recompute for s in plan.stages)
@@ -252,16 +288,7 @@ def test_torchtitan_trains_a_step_of_the_export(tmp_path: Path) -> None:
     assert (plan.cluster.data_parallel, plan.cluster.data_parallel_mode) == (2, "shard")
     result = export_plan(plan, "torchtitan")
     line = next(ln for ln in result.text.splitlines() if not ln.startswith("#"))
-    out = tmp_path / "ranks.json"
-    run = subprocess.run(
-        [sys.executable, str(HERE / "titan_train.py"), "29543", str(out), line],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    ranks = json.loads(out.read_text())
+    (ranks,) = run_titan_train([line], 29543, tmp_path)
     # torchtitan's mesh: ranks 0, 1 hold stage 0 and 2, 3 stage 1, each a data-parallel pair
     assert [(r["pp"], r["dp"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in ranks:
@@ -273,3 +300,155 @@ def test_torchtitan_trains_a_step_of_the_export(tmp_path: Path) -> None:
     assert got == pytest.approx(whole, rel=1e-5)
     for r in ranks:
         assert r["grad_difference"] <= 1e-5 * r["grad_max"]
+
+
+@pytest.mark.multirank
+def test_torchtitan_trains_a_step_of_a_tensor_parallel_export(tmp_path: Path) -> None:
+    """Issue 44: a plan for 2 stages x 2 tensor-parallel ranks with sequence parallelism (the
+    solver's 2-stage plan, its cluster given t = 2 by hand), exported, trains one step in
+    torchtitan's own code (``titan_train.py``, four gloo ranks): its parser reads the degrees,
+    ``pipeline_llm`` cuts its Llama3Model by the plan and ``parallelize_llama`` applies
+    torchtitan's own TP plan to each part.  The step's loss is the unsplit model's, and every
+    gradient, gathered whole, too (float32)."""
+    pytest.importorskip("torchtitan")
+    names = ["tok_embeddings", *(f"layers.{i}" for i in range(4)), "norm+lm_head"]
+    solved = pipeplan.plan(
+        named_profile(names),
+        stages=2,
+        memory=GiB,
+        target="torchtitan",
+        schedule="1f1b",
+        microbatches=2,
+    )
+    cluster = solved.cluster.model_copy(update={"tensor_parallel": 2, "sequence_parallel": True})
+    plan = solved.model_copy(update={"cluster": cluster})
+    result = export_plan(plan, "torchtitan")
+    line = next(ln for ln in result.text.splitlines() if not ln.startswith("#"))
+    assert "--parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel" in line
+    (ranks,) = run_titan_train([line], 29547, tmp_path)
+    # torchtitan's mesh (pp, tp), tp innermost: ranks 0, 1 hold stage 0 and 2, 3 stage 1
+    assert [(r["pp"], r["dp"], r["tp"]) for r in ranks] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+    ]
+    for r in ranks:
+        assert (r["tp_degree"], r["sequence_parallel"]) == (2, True)
+        assert r["parts"] == [sorted(result.stage_keys[r["pp"]])]
+        assert r["schedule"] == "Schedule1F1B" and r["microbatches"] == plan.microbatches
+        # torchtitan's TP plan, not pipeplan's: where it split each weight over the tp ranks
+        split = {n: [p for dim, p in where if dim == "tp"] for n, where in r["placements"].items()}
+        want: dict[str, list[str]] = {}
+        for key in result.stage_keys[r["pp"]]:
+            if key.startswith("layers."):  # column-wise, then row-wise; norms replicated
+                for w, p in (("attention.qkv_linear.wqkv", "S(0)"), ("attention.wo", "S(1)"),
+                             ("feed_forward.w1", "S(0)"), ("feed_forward.w3", "S(0)"),
+                             ("feed_forward.w2", "S(1)")):  # fmt: skip
+                    want[f"{key}.{w}.weight"] = [p]
+                want[f"{key}.attention_norm.weight"] = want[f"{key}.ffn_norm.weight"] = []
+            elif key in ("tok_embeddings", "lm_head"):  # over the vocabulary: loss-parallel
+                want[f"{key}.weight"] = ["S(0)"]
+            else:
+                want[f"{key}.weight"] = []
+        assert split == want
+    whole = ranks[0]["whole_loss_sum"] / ranks[0]["tokens"]
+    last = [r["loss_sum"] for r in ranks if r["last"]]  # each tp rank holds the whole loss
+    assert len(last) == 2 and last[0] == pytest.approx(last[1], rel=1e-6)
+    assert last[0] / ranks[0]["tokens"] == pytest.approx(whole, rel=1e-5)
+    for r in ranks:
+        assert r["grad_difference"] <= 1e-5 * r["grad_max"]
+
+
+@pytest.mark.multirank
+def test_torchtitan_trains_a_step_of_a_zbv_export(tmp_path: Path) -> None:
+    """Issue 45: the solver's ZB-V plans (p = 2, v = 2) of torchtitan's llama3 names, one that
+    keeps every activation and one that recomputes every chunk, exported, each train one step
+    on two gloo ranks in torchtitan's own code (``titan_train.py --defaults``) under its
+    ``llama3_debugmodel_ce_loss`` config plus the export's line and nothing else: its
+    ``ZBVZeroBubble`` with the V's chunks (rank 0 holds chunks 0 and 3), the plan's local batch
+    and micro-batches, and the activation-checkpoint policy the line names (``none``: its
+    default, selective, crashes the split backward; ``full``: each decoder block wrapped).
+    torchtitan's default parameter dtype is bfloat16 (FSDP2's mixed precision, applied over a
+    1-rank data-parallel mesh), so the loss is the unsplit float32 model's within 1e-3
+    (relative) and each gradient within 2 % of the largest; the same line with
+    ``--training.mixed_precision_param float32`` gives the loss within 1e-5 and the gradients
+    within 1e-5 of the largest."""
+    pytest.importorskip("torchtitan")
+    names = ["tok_embeddings", *(f"layers.{i}" for i in range(4)), "norm+lm_head"]
+    prof = named_profile(names)
+    units = tuple(  # I and W as a profiler that measured them would give
+        u.model_copy(update={"timings": {b: t.model_copy(update={
+            "backward_input_s": 0.4 * t.backward_s, "backward_weight_s": 0.6 * t.backward_s})
+            for b, t in u.timings.items()}})
+        for u in prof.units)  # fmt: skip
+    split = prof.model_copy(update={"units": units})
+    plans = [
+        pipeplan.plan(split, stages=2, memory=GiB, target="torchtitan", schedule="zbv",
+                      microbatches=4, checkpoint=checkpoint)
+        for checkpoint in ("never", "always")
+    ]  # fmt: skip
+    assert [[s.recompute for s in p.stages] for p in plans] == [[False] * 4, [True] * 4]
+    results = [export_plan(p, "torchtitan") for p in plans]
+    lines = [next(ln for ln in r.text.splitlines() if not ln.startswith("#")) for r in results]
+    assert lines[0].endswith(" activation_checkpoint:none") and not results[0].notes
+    assert lines[1].endswith(" activation_checkpoint:full")
+    assert "each decoder block of every model part: layers.0, layers.1, layers.2, layers.3\n" in (
+        results[1].text
+    )
+    (note,) = results[1].notes
+    assert note == (
+        "torchtitan: 0.3.0's full activation checkpointing recomputes the decoder blocks only; "
+        "tok_embeddings (stage 0); norm, lm_head (stage 3) keep their activations, which the "
+        "plan counted as recomputed (more memory than it predicts on those stages)"
+    )
+    fp32 = f"--training.mixed_precision_param float32 {lines[0]}"
+    got = run_titan_train([*lines, fp32], 29551, tmp_path, world=2, defaults=True)
+    for ranks, plan, result, (loss_tol, grad_tol) in zip(
+        got, [*plans, plans[0]], [*results, results[0]], [(1e-3, 2e-2)] * 2 + [(1e-5, 1e-5)]
+    ):
+        keys = [sorted(k) for k in result.stage_keys]
+        assert [r["parts"] for r in ranks] == [[keys[0], keys[3]], [keys[1], keys[2]]]  # a V
+        assert [(r["first"], r["last"]) for r in ranks] == [(True, True), (False, False)]
+        for r in ranks:
+            assert r["schedule"] == "ScheduleZBVZeroBubble"
+            assert (r["local_batch_size"], r["microbatches"]) == (plan.batch_size, 4)
+            blocks = [[k for k in ks if k.startswith("layers.")] for ks in r["parts"]]
+            assert r["checkpointed"] == (blocks if plan.stages[0].recompute else [[], []])
+            assert r["activation_checkpoint"] == (
+                "FullAC.Config" if plan.stages[0].recompute else "NoneType"
+            )
+        whole = ranks[0]["whole_loss_sum"]
+        assert ranks[0]["loss_sum"] == pytest.approx(whole, rel=loss_tol)
+        for r in ranks:
+            assert r["grad_difference"] <= grad_tol * r["grad_max"]
+    # the bfloat16 default does differ from float32: the looser bounds are needed, not slack
+    assert got[0][0]["loss_sum"] != got[2][0]["loss_sum"]
+
+
+def test_torchtitan_tensor_parallel_settings_and_notes() -> None:
+    """The degrees and sequence parallelism on the line and in the Python fragment; a note
+    where torchtitan 0.3.0's transformers backend shards sequence-parallel anyway (it ignores
+    the setting), and where its pipeline-outermost mesh places the replicas of a plan that
+    spans nodes other than the plan's layout does."""
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm+lm_head"]
+    plan = SOLVERS["dp"](
+        named_profile(names), Cluster.homogeneous(2, GiB), PlanOptions(microbatches=2)
+    )
+    for sp in (False, True):
+        result = export_plan(tensor_meshed(plan, 2, sp=sp), "torchtitan")
+        line = result.text.splitlines()[1]
+        flag = "enable_sequence_parallel" if sp else "no_enable_sequence_parallel"
+        assert f"--parallelism.tensor_parallel_degree 2 --parallelism.{flag} " in line
+        assert "--parallelism.data_parallel_shard_degree 1" in line
+        assert f"#   config.parallelism.enable_sequence_parallel = {sp}" in result.text
+        backend = [n for n in result.notes if "transformers backend shards the norms" in n]
+        assert len(backend) == (not sp)
+    wide = tensor_meshed(plan, 2, sp=True, d=2)  # 8 ranks, replicas outermost
+    assert not export_plan(wide, "torchtitan").notes  # one node: the order costs nothing
+    nodes = wide.cluster.model_copy(update={"devices_per_node": 4})
+    notes = export_plan(wide.model_copy(update={"cluster": nodes}), "torchtitan").notes
+    assert len(notes) == 1 and "places the ranks pipeline-outermost" in notes[0]
+    assert "[[0, 2], [4, 6]]" in notes[0]
+    pp_outer = tensor_meshed(plan, 2, sp=True, d=2, replicas_outer=False)
+    assert not export_plan(pp_outer.model_copy(update={"cluster": nodes}), "torchtitan").notes

@@ -117,6 +117,8 @@ def _split(arch: str, args: list[str]) -> dict[str, Any]:
         "whole": [n for n, _ in model.named_parameters()],
         "dp_shard": par.data_parallel_shard_degree,
         "dp_replicate": par.data_parallel_replicate_degree,
+        "tp": par.tensor_parallel_degree,
+        "sequence_parallel": par.enable_sequence_parallel,
         "n_layers": len({m.group(1) for n, _ in model.named_parameters()
                          if (m := re.search(r"layers\.(\d+)\.", n))}),
         "activation_checkpoint": type(config.activation_checkpoint).__qualname__,

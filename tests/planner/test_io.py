@@ -90,8 +90,13 @@ def test_sizes() -> None:
     assert parse_bytes("1e9") == 10**9
     assert parse_rate("10GB/s") == 1e10
     assert parse_rate("8Gbit/s") == 1e9
-    for bad in ("-5GB", "0", "lots", "5XB"):
-        with pytest.raises(InvalidRequestError):
+    for bad, says in (
+        ("-5GiB", "must be positive"),
+        ("0", "must be positive"),
+        ("lots", "is not a size"),
+        ("5XB", "is not a size"),
+    ):
+        with pytest.raises(InvalidRequestError, match=says):
             parse_bytes(bad)
 
 

@@ -231,7 +231,8 @@ def _rendered(table: object, width: int = 80) -> list[str]:
 
 def test_compare_table_fits_80_columns_with_whole_headers(plans: list[Plan]) -> None:
     """Every header reads whole, the ratio shows, plans run fastest first and the best is
-    marked; a long name folds instead of pushing columns off the right edge."""
+    marked; a long name ends in an ellipsis instead of wrapping or pushing columns off the
+    right edge (one line per plan)."""
     from pipeplan.report.terminal import compare_table
 
     names = [f"{s}-{'very-long-plan-file-name' * (s == 'params')}" for s in SOLVER_NAMES]
@@ -248,8 +249,10 @@ def test_compare_table_fits_80_columns_with_whole_headers(plans: list[Plan]) -> 
     assert [r[6] for r in rows] == ["best"] + [
         f"{plans[i].step_time_s / best:.2f}×" for i in order[1:]
     ]
-    column = "".join(line[:8].strip() for line in lines)  # the long name folds, whole
-    assert "params-very-long-plan-file-name" in column
+    assert len(rows) == len(plans)  # no row wraps
+    assert any(r[0].startswith("params-") and r[0].endswith("…") for r in rows)
+    wide = _rendered(compare_table(df, width=120), width=120)
+    assert any("params-very-long-plan-file-name" in line for line in wide)
     peak = max(plans[0].stages, key=lambda s: s.memory.total).memory.total
     assert df["peak_mem"][0] == peak and df["mem_limit"][0] == 2**40
 
@@ -300,3 +303,39 @@ def test_a_multi_chunk_plan_counts_ranks_and_their_peaks() -> None:
     row = compare_frame([loop]).iloc[0]
     assert row["stages"] == 2
     assert row["peak_mem"] == max(loop.rank_peak_bytes) > max(s.memory.total for s in loop.stages)
+
+
+def test_compare_fits_80_columns_with_a_schedule_plan_and_a_30_character_name(
+    plans: list[Plan],
+) -> None:
+    """Issue 46's measure: the README's plans plus one of the schedule solver's and a
+    30-character name print no line wider than 80 characters."""
+    from pipeplan.report.terminal import compare_table, stage_table
+    from pipeplan.solvers.multichunk import solve_schedule
+
+    prof = synthetic_profile(8, batch_size=8, seed=2)
+    interleaved = solve_schedule(
+        prof, Cluster.homogeneous(2, 2**40), PlanOptions(schedule="interleaved1f1b")
+    )
+    names = [*SOLVER_NAMES, "gpt.uniform", "x" * 30][: len(plans)]
+    df = compare_frame([*plans, interleaved], [*names, "a-30-character-plan-name-here!"])
+    lines = _rendered(compare_table(df))
+    assert max(map(len, lines)) <= 80, "\n".join(lines)
+    chunks = _rendered(stage_table(interleaved, "il"))
+    assert max(map(len, chunks)) <= 80
+    assert "il: 2 ranks x 2 chunks (interleaved1f1b)" in chunks[0]
+    assert chunks[1].split()[:2] == ["rank", "chunk"]
+    rows = [line.split() for line in chunks if line.split() and line.split()[0].isdigit()]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(0, 0), (1, 1), (0, 2), (1, 3)]
+
+
+def test_compare_warns_when_the_plans_are_of_different_models(
+    plan_files: list[Path], tmp_path: Path, cli
+) -> None:
+    other = tmp_path / "other.json"
+    plan = load_plan(plan_files[0])
+    write_json(other, plan.model_copy(update={"model": "some.other:model"}))
+    code, _, err = cli(["compare", str(plan_files[0]), str(other)])
+    assert code == 0 and "warning: these plans are of different models" in err
+    code, _, err = cli(["compare", *map(str, plan_files[:2])])
+    assert code == 0 and "warning" not in err

@@ -36,6 +36,10 @@ def test_auto_is_the_fastest_of_every_family_and_optimal_where_every_one_was(
     assert plan.simulated_step_time_s == pytest.approx(best, rel=1e-12)
     assert all(p.status == "optimal" for p in each.values())  # small: every one enumerated
     assert plan.status == "optimal"
+    # what auto weighed travels with the winner, whichever solver's plan it is
+    assert {w.family for w in plan.weighed} == set(FAMILIES)
+    for w in plan.weighed:
+        assert w.step_time_s is None or w.step_time_s >= best * (1 - 1e-12)
 
 
 def test_families_restrict_auto(prof: Profile) -> None:

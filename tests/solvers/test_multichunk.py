@@ -303,3 +303,21 @@ def test_torchtitan_cuts_leave_a_layer_on_every_chunk() -> None:
         assert all(any(".layers." in n for n in s.unit_names) for s in plan.stages), [
             s.unit_names for s in plan.stages
         ]
+
+
+def test_auto_records_what_it_weighed_against_brute_force(small: Profile) -> None:
+    """Every family appears once; its recorded best is a real plan of that family (no faster
+    than the family's brute-force optimum), its bound no higher, and the chosen plan's own
+    entry is the plan's step."""
+    cluster = Cluster.homogeneous(2, 10**9)
+    plan = solve_schedule(small, cluster, PlanOptions(schedule="auto"))
+    assert [w.family for w in plan.weighed] == list(FAMILIES)
+    for w in plan.weighed:
+        best = _brute(small, cluster, PlanOptions(schedule=w.family))
+        assert w.lower_bound_s <= best * (1 + 1e-12)
+        if w.step_time_s is not None:
+            assert w.step_time_s >= best * (1 - 1e-12)
+            assert w.step_time_s >= plan.step_time_s * (1 - 1e-12)
+    mine = next(w for w in plan.weighed if w.family == plan.schedule)
+    assert mine.step_time_s == pytest.approx(plan.step_time_s, rel=1e-12)
+    assert solve_schedule(small, cluster, PlanOptions(schedule="zbv")).weighed == ()

@@ -32,7 +32,14 @@ from pipeplan.planner.types.base import (
     ScheduleName,
 )
 from pipeplan.planner.types.cluster import Cluster, Device, Link
-from pipeplan.planner.types.plan import MemoryBreakdown, Plan, PlanOptions, Stage, TiedSync
+from pipeplan.planner.types.plan import (
+    MemoryBreakdown,
+    Plan,
+    PlanOptions,
+    Stage,
+    TiedSync,
+    WeighedFamily,
+)
 from pipeplan.planner.types.profile import (
     Cut,
     CutTensor,
@@ -77,4 +84,5 @@ __all__ = [
     "Timing",
     "Unit",
     "UnitTensorParallel",
+    "WeighedFamily",
 ]

@@ -21,7 +21,7 @@ from pipeplan.planner.types.cluster import Cluster
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["MemoryBreakdown", "Plan", "PlanOptions", "Stage", "TiedSync"]
+__all__ = ["MemoryBreakdown", "Plan", "PlanOptions", "Stage", "TiedSync", "WeighedFamily"]
 
 
 class PlanOptions(FrozenModel):
@@ -136,6 +136,21 @@ class TiedSync(FrozenModel):
     seconds: float = Field(ge=0)
 
 
+class WeighedFamily(FrozenModel):
+    """What ``schedule="auto"`` found for one family: its best plan's v, m and step, or, where
+    it searched none, the candidate whose lower bound came closest."""
+
+    family: ScheduleName
+    stages_per_rank: int = Field(ge=1)
+    microbatches: int = Field(ge=1)
+    step_time_s: float | None = None
+    """The replayed step of the family's best plan found (``None``: no plan of it fits, or its
+    bound could not beat the chosen plan, so it was not searched)."""
+    lower_bound_s: float
+    """The family's lowest bound over its candidates
+    (:func:`pipeplan.solvers.schedule_bounds.family_bound`)."""
+
+
 class Plan(FrozenModel):
     """A partition of a profile's units into stages plus the micro-batch count, evaluated."""
 
@@ -187,6 +202,9 @@ class Plan(FrozenModel):
     ``layout[r][j]`` .. ``layout[r][j] + t - 1``, which is (r p + j) t: the device mesh
     (dp, pp, tp), tensor-parallel ranks consecutive within a node); empty for one pipeline on
     ranks 0..p-1."""
+    weighed: tuple[WeighedFamily, ...] = ()
+    """Under ``schedule="auto"``: each family the solver weighed, with its best plan found
+    (``pipeplan plan`` and ``show`` print them beside the chosen plan); empty otherwise."""
     solver: str
     status: Literal["optimal", "feasible", "infeasible", "unknown", "heuristic"]
     gap: float | None = None
