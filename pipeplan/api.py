@@ -570,10 +570,11 @@ def _annotate(profile: Profile) -> Profile:
     ``meta``; a model that cannot be built here gets a ``tensor_parallel_note`` saying so."""
     from pipeplan.intake.model import load_model
     from pipeplan.planner.errors import PipeplanError
-    from pipeplan.profiler.tp_annotate import annotate_profile
 
     try:
         spec = load_model(profile.model, dict(profile.model_kwargs), meta=True)
+        from pipeplan.profiler.tp_annotate import annotate_profile
+
         return annotate_profile(profile, spec)
     except PipeplanError as exc:
         why = str(exc).split(";")[0].splitlines()[0]

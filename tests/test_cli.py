@@ -569,3 +569,111 @@ def test_prove_runs_the_exact_model_on_the_schedule_solvers_plan(tmp_path: Path,
     assert plain.status == "feasible" and plain.gap is not None and plain.gap > 0.01
     assert proved.status == "optimal" and proved.gap is None
     assert proved.simulated_step_time_s <= plain.simulated_step_time_s * (1 + 1e-9)  # type: ignore[operator]
+
+
+@pytest.fixture
+def split_profile_file(tmp_path: Path) -> Path:
+    """A profile whose 10 middle units split over t ranks (heads 8, KV heads 4)."""
+    from pipeplan.planner.types import UnitTensorParallel
+
+    prof = synthetic_profile(12, batch_size=16, heavy_ends=True, seed=4)
+    units = tuple(
+        u if u.index in (0, 11) else u.model_copy(update={"tensor_parallel": UnitTensorParallel(
+            styles={"q": "colwise", "o": "rowwise"}, divisors={"heads": 8, "kv_heads": 4},
+            sharded_param_bytes=int(0.9 * u.param_bytes), sharded_flop_fraction=0.9,
+            sharded_saved_fraction=0.6, allreduces=2, allreduce_bytes_per_sample=2048)})
+        for u in prof.units
+    )  # fmt: skip
+    path = tmp_path / "split.json"
+    write_json(path, prof.model_copy(update={"units": units}))
+    return path
+
+
+def test_plan_for_devices_searches_the_tensor_parallel_degree(
+    tmp_path: Path, split_profile_file: Path, cli
+) -> None:
+    """--devices-per-node weighs every t dividing it: the frontier shows the best plan per
+    (pp, tp), the plan file carries t and the mesh's layout, and the output says how the
+    per-rank times were made."""
+    out_file = tmp_path / "plan.json"
+    options = ("--devices 8 --devices-per-node 4 --memory 16MiB --bandwidth 1GB/s "
+               "--latency 20us --intra-bandwidth 8GB/s --intra-latency 2us")  # fmt: skip
+    code, out, err = cli(cli_argv("plan", split_profile_file, out_file, options))
+    assert code == 0, err
+    plan = load_plan(out_file)
+    t, d, p = plan.cluster.tensor_parallel, plan.cluster.data_parallel, plan.pipeline_ranks
+    assert p * d * t == 8 and plan.cluster.devices_per_node == 4
+    assert plan.cluster.intra_node_link is not None
+    assert plan.cluster.intra_node_link.bandwidth_Bps == 8e9
+    assert plan.layout == tuple(tuple((r * p + j) * t for j in range(p)) for r in range(d))
+    header = next(line for line in out.splitlines() if "pp" in line and "tp" in line)
+    assert [c.strip() for c in header.split("┃")[1:4]] == ["pp", "tp", "dp"]
+    frontier = out.split("└")[0].splitlines()  # the first table
+    rows = [line.split("│") for line in frontier if line.count("│") == 11]
+    pairs = [(r[1].strip(), r[2].strip()) for r in rows if r[1].strip()]
+    assert len(pairs) == len(set(pairs))  # one row per (pp, tp)
+    assert {tp for _, tp in pairs} == {"1", "2", "4"}
+    assert t > 1  # at 16 MiB, splitting the blocks beats the deeper pipeline
+    assert f"tensor parallel {t}: 10 units split (0 measured at t = {t}, 10 modelled" in out
+    assert f"{t} tensor-parallel ranks per pipeline rank" in out
+
+
+def test_plan_with_a_fixed_tensor_parallel_degree(
+    tmp_path: Path, split_profile_file: Path, cli
+) -> None:
+    out_file = tmp_path / "plan.json"
+    options = "--stages 2 --tensor-parallel 2 --sequence-parallel --memory 1GiB"
+    code, out, err = cli(cli_argv("plan", split_profile_file, out_file, options))
+    assert code == 0, err
+    plan = load_plan(out_file)
+    assert (plan.pipeline_ranks, plan.cluster.tensor_parallel, plan.cluster.data_parallel) == (
+        2,
+        2,
+        1,
+    )
+    assert plan.cluster.sequence_parallel and plan.layout == ((0, 2),)
+    assert "2 tensor-parallel ranks per pipeline rank (sequence parallel)" in out
+
+
+def test_a_profile_without_split_plans_tensor_parallel_1_and_says_why(
+    tmp_path: Path, profile_file: Path, cli
+) -> None:
+    out_file = tmp_path / "plan.json"
+    options = "--devices 4 --devices-per-node 4 --memory 1GiB"
+    code, out, err = cli(cli_argv("plan", profile_file, out_file, options))
+    assert code == 0, err
+    assert load_plan(out_file).cluster.tensor_parallel == 1
+    note = [line for line in err.splitlines() if "tensor parallel 1 only" in line]
+    assert len(note) == 1 and "synthetic:n12-seed4 could not be annotated here" in note[0]
+    assert "│ tp │" not in out
+
+
+TP_BAD = [
+    (["--devices", "16", "--devices-per-node", "4", "--tensor-parallel", "8"],
+     ("--tensor-parallel 8 is larger than --devices-per-node 4: tensor-parallel groups stay "
+      "inside a node; give a divisor of 4")),
+    (["--devices", "16", "--devices-per-node", "8", "--tensor-parallel", "8"],
+     "--tensor-parallel 8 does not divide the model's kv_heads (4, unit unit1); give a divisor of 4"),
+    (["--devices", "6", "--tensor-parallel", "4"],
+     "--devices 6 is not a multiple of --tensor-parallel 4; give a multiple of 4"),
+    (["--devices", "12", "--devices-per-node", "8", "--tensor-parallel", "3"],
+     "--tensor-parallel 3 does not divide --devices-per-node 8"),
+    (["--stages", "2", "--tensor-parallel", "0"], "--tensor-parallel 0 must be at least 1"),
+    (["--stages", "2", "--sequence-parallel"], "--sequence-parallel needs --tensor-parallel above 1"),
+    (["--devices", "4", "--devices-per-node", "0"], "--devices-per-node 0 must be at least 1"),
+    (["--devices", "4", "--intra-bandwidth", "fast"], "bandwidth 'fast'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra, message", TP_BAD)
+def test_bad_tensor_parallel_input(
+    tmp_path: Path, split_profile_file: Path, cli, extra, message
+) -> None:
+    out_file = tmp_path / "plan.json"
+    code, _, err = cli(
+        cli_argv("plan", split_profile_file, out_file, args=[*extra, "--memory", "1GiB"])
+    )
+    assert code == 2, err
+    assert message in " ".join(err.split()), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out_file.exists()

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeplan.planner.io import format_bytes
-from pipeplan.planner.types import Cluster, Plan, Profile
+from pipeplan.planner.types import Cluster, Link, Plan, Profile
 
 if TYPE_CHECKING:  # compare_table's frame; the error line of the command line needs no pandas
     import pandas as pd
@@ -34,6 +34,7 @@ __all__ = [
     "print_plan",
     "print_profile",
     "stage_table",
+    "tensor_parallel_note",
     "uncalibrated_note",
 ]
 
@@ -107,7 +108,35 @@ def data_parallel_note(p: Plan) -> str:
     return (
         f"{d} data-parallel ranks per stage ({c.data_parallel_mode}), {p.batch_size} samples "
         f"each (global batch {p.batch_size * d}, {p.throughput * d:.1f} samples/s): {what}; "
-        f"replica r's rank j is global rank r * {ranks} + j"
+        + (
+            f"replica r's rank j is global rank r * {ranks} + j"
+            if c.tensor_parallel == 1
+            else f"replica r's rank j is global ranks (r * {ranks} + j) * {c.tensor_parallel} "
+            f"+ 0..{c.tensor_parallel - 1}"
+        )
+    )
+
+
+def tensor_parallel_note(p: Plan) -> str:
+    """One line on a plan's tensor-parallel axis: t, sequence parallelism, and the links each
+    axis is priced on (:func:`pipeplan.solvers.devices.axis_links`)."""
+    c = p.cluster
+    intra = c.intra_node_link or c.link
+
+    def rate(link: Link) -> str:
+        bw = link.bandwidth_Bps
+        return "free" if bw is None else f"{bw / 1e9:.3g} GB/s"
+
+    return (
+        f"{c.tensor_parallel} tensor-parallel ranks per pipeline rank"
+        + (" (sequence parallel)" if c.sequence_parallel else "")
+        + f": blocks split Megatron-style, their collectives on the intra-node link "
+        f"({rate(intra)}); pipeline transfers at {rate(c.link)}"
+        + (
+            f", data-parallel collectives at {rate(c.replica_link or c.link)}"
+            if c.data_parallel > 1
+            else ""
+        )
     )
 
 
@@ -165,6 +194,8 @@ def print_plan(p: Plan) -> None:
             highlight=False,
         )
     d = p.cluster.data_parallel
+    if p.cluster.tensor_parallel > 1:
+        console.print(tensor_parallel_note(p), highlight=False)
     if d > 1:
         console.print(data_parallel_note(p), highlight=False)
     if p.batch_dependent_layers:

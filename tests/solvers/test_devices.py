@@ -224,3 +224,113 @@ def test_refine_with_as_many_pairs_searches_each_once() -> None:
     got = plan_devices(prof, 2, clus, options, counted, replicas=2, refine=2)
     assert works == [5_000, 5_000]  # one depth, two modes: each searched once, fully
     assert [c.plan is not None for c in got] == [True, True]
+
+
+def _split(prof: Profile) -> Profile:
+    """Every unit but the first split over t ranks (heads 4: t in 1, 2, 4)."""
+    from pipeplan.planner.types import UnitTensorParallel
+
+    units = tuple(
+        u if u.index == 0 else u.model_copy(update={"tensor_parallel": UnitTensorParallel(
+            styles={"q": "colwise", "o": "rowwise"}, divisors={"heads": 4},
+            sharded_param_bytes=int(0.9 * u.param_bytes), sharded_flop_fraction=0.8,
+            sharded_saved_fraction=0.5, allreduces=2, allreduce_bytes_per_sample=4000)})
+        for u in prof.units
+    )  # fmt: skip
+    return prof.model_copy(update={"units": units})
+
+
+INTRA = Link(bandwidth_Bps=2e9, latency_s=2e-5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("squeeze", [None, 0.5])
+def test_the_best_mesh_is_the_brute_force_optimum(seed: int, squeeze: float | None) -> None:
+    """8 devices, 4 per node: every (p, t, d, mode), partition and m, each on the per-rank
+    profile and the links of its layout, against plan_devices' best."""
+    from pipeplan.planner.tensor_parallel import tp_profile
+    from pipeplan.solvers.devices import axis_links, tensor_degrees
+
+    prof = _split(synthetic_profile(5, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=seed))
+    one = solve_dp(prof, Cluster.homogeneous(1, 2**40))
+    memory = 2**40 if squeeze is None else int(one.stages[0].memory.total * squeeze)
+    base = Cluster.homogeneous(1, memory, LINK).model_copy(
+        update={"devices_per_node": 4, "intra_node_link": INTRA}
+    )
+    degrees, skipped = tensor_degrees(prof, 8, base)
+    assert degrees == (1, 2, 4) and skipped == ()
+    options = PlanOptions()
+    best, where = 0.0, None
+    for t in degrees:
+        per = tp_profile(prof, base.model_copy(update={"tensor_parallel": t}))
+        for p in (p for p in range(1, 8 // t + 1) if (8 // t) % p == 0 and p <= prof.n_units):
+            d = 8 // (t * p)
+            share = replica_profile(per, d)
+            for mode in ("replicate", "shard"):
+                clus = axis_links(base, p, t, d).model_copy(update={
+                    "devices": Cluster.homogeneous(p, memory).devices, "data_parallel": d,
+                    "data_parallel_mode": mode, "tensor_parallel": t})  # fmt: skip
+                for m in microbatch_choices(share, options, p):
+                    for cuts in itertools.combinations(range(1, prof.n_units), p - 1):
+                        plan = evaluate(share, clus, options, cuts, m, solver="brute")
+                        if plan.feasible and plan.throughput * d > best:
+                            best, where = plan.throughput * d, (p, t, d)
+    choices = plan_devices(prof, 8, base, options, solve_dp, tensor_parallels=degrees)
+    assert {c.tensor_parallel for c in choices} == {1, 2, 4}
+    top = choices[0]
+    assert top.plan is not None and where is not None
+    assert top.throughput == pytest.approx(best, rel=1e-9)
+    t = top.tensor_parallel
+    assert top.plan.cluster.tensor_parallel == t
+    assert top.plan.layout == layout(top.stages, top.replicas, t)
+    assert top.stages * top.replicas * t == 8
+    if squeeze is not None:  # splitting the parameters is what fits the shallow pipelines
+        assert t > 1
+
+
+def test_each_axis_uses_the_link_its_peers_share() -> None:
+    from pipeplan.solvers.devices import axis_links
+
+    inter = Link(bandwidth_Bps=1e9)
+    dp_link = Link(bandwidth_Bps=5e8)
+    c = Cluster.homogeneous(1, 2**30, inter).model_copy(
+        update={"devices_per_node": 8, "intra_node_link": INTRA, "replica_link": dp_link}
+    )
+    # (p, t, d) -> (pipeline link, data-parallel link): the pipeline's p t ranks fill whole
+    # nodes (p t divides 8) or cross them; the replicas share a node only when N <= 8
+    cases = {(2, 4, 1): (INTRA, INTRA), (2, 2, 2): (INTRA, INTRA), (4, 2, 2): (INTRA, dp_link),
+             (3, 2, 1): (inter, INTRA), (8, 2, 1): (inter, dp_link), (1, 8, 4): (INTRA, dp_link)}  # fmt: skip
+    for (p, t, d), (pp, dp) in cases.items():
+        got = axis_links(c, p, t, d)
+        assert (got.link, got.replica_link) == (pp, dp), (p, t, d)
+    no_nodes = c.model_copy(update={"devices_per_node": None})
+    assert axis_links(no_nodes, 4, 4, 4).link == INTRA  # one node holds every device
+    plain = c.model_copy(update={"intra_node_link": None})
+    assert axis_links(plain, 2, 2, 2) is plain
+
+
+def test_tensor_degrees_and_their_bad_values() -> None:
+    from pipeplan.solvers.devices import tensor_degrees
+
+    prof = _split(synthetic_profile(5, batch_size=8, microbatch_sizes=[1, 2], seed=0))
+    c = Cluster.homogeneous(1, 2**30).model_copy(update={"devices_per_node": 8})
+    degrees, skipped = tensor_degrees(prof, 16, c)
+    assert degrees == (1, 2, 4)
+    assert skipped == (
+        (8, "--tensor-parallel 8 does not divide the model's heads (4, unit unit1)"),
+    )
+    assert tensor_degrees(prof, 16, c, 2) == ((2,), ())
+    for t, devices, message in (
+        (16, 32, "--tensor-parallel 16 is larger than --devices-per-node 8"),
+        (3, 24, "--tensor-parallel 3 does not divide --devices-per-node 8"),
+        (4, 6, "--devices 6 is not a multiple of --tensor-parallel 4"),
+        (8, 16, r"--tensor-parallel 8 does not divide the model's heads \(4"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            tensor_degrees(prof, devices, c, t)
+    plain = synthetic_profile(5, batch_size=8, microbatch_sizes=[1, 2], seed=0)
+    assert tensor_degrees(plain, 16, c) == ((1,), ())  # nothing splits: t = 1 alone
+    choices = plan_devices(prof, 16, c, PlanOptions(), solve_dp, tensor_parallels=degrees,
+                           skipped=skipped)  # fmt: skip
+    row = next(x for x in choices if x.tensor_parallel == 8)
+    assert (row.stages, row.plan) == (0, None) and "heads" in row.reason

@@ -1,0 +1,133 @@
+"""The per-rank profile of t-way tensor parallelism, checked by hand against its formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeplan.planner.collectives import ring_cost
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.planner.tensor_parallel import (
+    check_tensor_parallel,
+    collective_s,
+    source_note,
+    tp_profile,
+)
+from pipeplan.planner.types import Cluster, Link, Profile, Timing, UnitTensorParallel
+from pipeplan.profiler.synthetic import synthetic_profile
+
+INTRA = Link(bandwidth_Bps=1e9, latency_s=1e-5)
+
+ANN = UnitTensorParallel(
+    styles={"attn.q": "colwise", "attn.o": "rowwise"},
+    divisors={"heads": 8, "kv_heads": 4},
+    sharded_param_bytes=0,  # set per unit below
+    sharded_flop_fraction=0.9,
+    sharded_saved_fraction=0.6,
+    allreduces=2,
+    allreduce_bytes_per_sample=1000,
+)
+
+
+def annotated(prof: Profile, units: tuple[int, ...] = (1, 2)) -> Profile:
+    """``prof`` with ``units`` split (80 % of their parameters) and I/W measured."""
+    out = []
+    for u in prof.units:
+        timings = {b: t.model_copy(update={"backward_input_s": 0.4 * t.backward_s,
+                                           "backward_weight_s": 0.6 * t.backward_s,
+                                           "weight_held_bytes": t.saved_bytes // 2})
+                   for b, t in u.timings.items()}  # fmt: skip
+        update: dict[str, object] = {"timings": timings}
+        if u.index in units:
+            share = int(0.8 * u.param_bytes)
+            update["tensor_parallel"] = ANN.model_copy(update={"sharded_param_bytes": share})
+            update["largest_param_bytes"] = share // 2
+        out.append(u.model_copy(update=update))
+    return prof.model_copy(update={"units": tuple(out)})
+
+
+def _cluster(t: int, sp: bool = False) -> Cluster:
+    return Cluster.homogeneous(1, 2**40).model_copy(
+        update={"tensor_parallel": t, "intra_node_link": INTRA, "sequence_parallel": sp}
+    )
+
+
+def test_a_split_unit_by_hand() -> None:
+    prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2, 4], seed=3))
+    per = tp_profile(prof, _cluster(4))
+    u, v = prof.units[1], per.units[1]
+    t, s = 4, 1 - 0.9 + 0.9 / 4
+    for b in (2, 4):
+        # two all-reduces of 1000 b bytes in all, a ring over 4 ranks: 2 (3/4) bytes / bw + 2 (3) a
+        c = 2 * 3 / 4 * 1000 * b / 1e9 + 2 * 2 * 3 * 1e-5
+        assert collective_s(_cluster(4), 1000 * b, 2) == pytest.approx(c)
+        one, got = u.timings[b], v.timings[b]
+        assert got.forward_s == pytest.approx(one.forward_s * s + c)
+        assert got.backward_s == pytest.approx(one.backward_s * s + c)
+        assert got.backward_input_s == pytest.approx(one.backward_input_s * s + c)  # type: ignore[operator]
+        assert got.backward_weight_s == pytest.approx(one.backward_weight_s * s)  # type: ignore[operator]
+        assert got.saved_bytes == round(one.saved_bytes * (0.4 + 0.6 / 4))
+        assert got.weight_held_bytes == round(one.weight_held_bytes * (0.4 + 0.6 / 4))  # type: ignore[operator]
+        assert got.output_bytes == one.output_bytes
+    whole = u.param_bytes - int(0.8 * u.param_bytes)
+    assert v.param_bytes == whole + round(int(0.8 * u.param_bytes) / t)
+    assert v.largest_param_bytes == max(round(u.largest_param_bytes / t), whole)
+    # units without a split, the cuts, the loss: as they were
+    assert per.units[0] == prof.units[0] and per.units[3] == prof.units[3]
+    assert per.cuts == prof.cuts and per.loss == prof.loss
+    assert tp_profile(prof, _cluster(1)) is prof
+
+
+def test_sequence_parallel_splits_the_rest_and_the_cuts() -> None:
+    """Reduce-scatter + all-gather cost what the all-reduce does on a ring; the saved bytes,
+    the outputs and the cuts after a split unit are divided by t."""
+    prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3))
+    plain, sp = tp_profile(prof, _cluster(2)), tp_profile(prof, _cluster(2, sp=True))
+    (a_ar, b_ar) = ring_cost(INTRA, 2, "all_reduce")
+    (a_rs, b_rs), (a_ag, b_ag) = (
+        ring_cost(INTRA, 2, "reduce_scatter"),
+        ring_cost(INTRA, 2, "all_gather"),
+    )
+    assert (a_rs + a_ag, b_rs + b_ag) == pytest.approx((a_ar, b_ar))
+    one, got = prof.units[1].timings[2], sp.units[1].timings[2]
+    assert got.forward_s == pytest.approx(plain.units[1].timings[2].forward_s)
+    assert got.saved_bytes == round(one.saved_bytes / 2)
+    assert got.output_bytes == round(one.output_bytes / 2)
+    assert sp.cuts[1].bytes_per_sample == round(prof.cuts[1].bytes_per_sample / 2)
+    assert sp.cuts[0] == prof.cuts[0]  # unit 0 is whole: its output is too
+
+
+def test_measured_timings_are_used_as_they_stand() -> None:
+    prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2, 4], seed=3))
+    measured = Timing(forward_s=0.5, backward_s=0.75, saved_bytes=7, output_bytes=9)
+    units = list(prof.units)
+    units[1] = units[1].model_copy(update={"tp_timings": {2: {2: measured}}})
+    prof = prof.model_copy(update={"units": tuple(units)})
+    per = tp_profile(prof, _cluster(2))
+    assert per.units[1].timings[2] == measured
+    assert per.units[1].timings[4].forward_s != units[1].timings[4].forward_s  # modelled
+    assert source_note(prof, 2) == (
+        "tensor parallel 2: 2 units split (0 measured at t = 2, 2 modelled from the unsharded "
+        "times), 2 run whole"
+    )
+    full = {2: {b: measured for b in (2, 4)}}
+    units[2] = units[2].model_copy(update={"tp_timings": full})
+    units[1] = units[1].model_copy(update={"tp_timings": full})
+    assert "(2 measured at t = 2, 0 modelled" in source_note(
+        prof.model_copy(update={"units": tuple(units)}), 2
+    )
+
+
+def test_bad_degrees_name_the_dimension() -> None:
+    prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3))
+    check_tensor_parallel(prof, 4)
+    with pytest.raises(
+        InvalidRequestError, match=r"--tensor-parallel 8 does not divide the model's kv_heads \(4"
+    ):
+        tp_profile(prof, _cluster(8))
+    with pytest.raises(InvalidRequestError, match="does not divide the model's heads"):
+        check_tensor_parallel(prof, 3)
+    plain = synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3).model_copy(
+        update={"tensor_parallel_note": "no attention or MLP projections recognised"}
+    )
+    with pytest.raises(InvalidRequestError, match="no attention or MLP projections recognised"):
+        tp_profile(plain, _cluster(2))
