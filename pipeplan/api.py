@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from pipeplan.api_mesh import resolve_degrees, single_degree_note, with_nodes
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.io import (
     calibration_file,
@@ -221,14 +220,26 @@ class PlanRequest:
     replicas: int | None = None
     """d fixed (``--dp``); ``None``: every divisor of ``devices``."""
     tensor_parallels: tuple[int, ...] = (1,)
-    """The degrees t the frontier plans (:func:`pipeplan.solvers.devices.tensor_degrees`)."""
+    """The tensor-parallel degrees t the frontier plans
+    (:func:`pipeplan.solvers.devices.tensor_degrees`)."""
     skipped_tensor_parallels: tuple[tuple[int, str], ...] = ()
-    """Degrees left out, with why."""
+    """Degrees left out, with why (t does not divide a split dimension)."""
 
     @property
     def tensor_parallel_note(self) -> str | None:
-        """:func:`pipeplan.api_mesh.single_degree_note` of this request."""
-        return single_degree_note(self.profile, self.cluster, self.devices, self.tensor_parallels)
+        """One line when the search would weigh t > 1 (``devices_per_node`` given) but the
+        profile's units do not split: the profile's reason."""
+        from pipeplan.planner.tensor_parallel import is_annotated
+
+        if (
+            self.devices is None
+            or self.cluster.devices_per_node is None
+            or self.tensor_parallels != (1,)
+            or is_annotated(self.profile)
+        ):
+            return None
+        why = self.profile.tensor_parallel_note or "no unit of the profile has a split"
+        return f"tensor parallel 1 only: {why}"
 
     def solve(self) -> Plan:
         """The best plan: :func:`pipeplan.solvers.choose.solve` on the cluster, or with
@@ -364,10 +375,14 @@ def plan_request(
     ``replicate``, ``shard`` (FSDP2) or ``auto`` (both weighed); ``dp`` fixes d (with
     ``stages`` p, the plan runs p x d devices).
 
-    Tensor parallelism (:mod:`pipeplan.planner.tp_costs`): ``devices_per_node`` K with
-    ``devices`` weighs every degree t dividing K; ``tensor_parallel`` fixes t (with ``stages``
-    p: p x t devices); ``intra_bandwidth``, ``intra_latency``: the intra-node link
-    (:mod:`pipeplan.api_mesh`, which annotates a profile without splits).  Raises
+    Tensor parallelism (:mod:`pipeplan.planner.tensor_parallel`): ``devices_per_node`` K
+    (default: the cluster file's) with ``devices`` weighs every tensor-parallel degree t
+    dividing K as well (:func:`pipeplan.solvers.devices.tensor_degrees`); ``tensor_parallel``
+    fixes t (with ``stages`` p alone, the plan runs p x t devices); ``sequence_parallel``
+    splits the norms' sequence too.  ``intra_bandwidth`` and ``intra_latency`` are the
+    intra-node link's (default: the cluster file's ``intra_node_link``, else ``bandwidth`` and
+    ``latency``).  A profile whose units carry no split is annotated first
+    (:func:`_annotated`), when its model can be built.  Raises
     :class:`~pipeplan.planner.errors.InvalidRequestError` for a request no solver plans.
     """
     from pipeplan.solvers.choose import check_solver
@@ -411,8 +426,19 @@ def plan_request(
         cluster=cluster,
         calibrated=found[0] if found else None,
     )
-    clus = with_nodes(clus, devices_per_node, sequence_parallel, intra_bandwidth, intra_latency)
-    prof, degrees, skipped = resolve_degrees(prof, clus, devices, t_fixed)
+    clus = _with_nodes(clus, devices_per_node, sequence_parallel, intra_bandwidth, intra_latency)
+    degrees: tuple[int, ...] = (1,)
+    skipped: tuple[tuple[int, str], ...] = ()
+    if devices is None and sequence_parallel:
+        raise InvalidRequestError("--sequence-parallel needs --tensor-parallel above 1")
+    if devices is not None:
+        from pipeplan.solvers.devices import tensor_degrees
+
+        if (t_fixed or 1) > 1 or (t_fixed is None and clus.devices_per_node is not None):
+            prof = _annotated(prof)
+        degrees, skipped = tensor_degrees(prof, devices, clus, t_fixed)
+        if sequence_parallel and max(degrees) == 1:
+            raise InvalidRequestError("--sequence-parallel needs --tensor-parallel above 1")
     return PlanRequest(
         prof,
         clus,
@@ -426,6 +452,51 @@ def plan_request(
         tensor_parallels=degrees,
         skipped_tensor_parallels=skipped,
     )
+
+
+def _with_nodes(
+    cluster: Cluster,
+    devices_per_node: int | None,
+    sequence_parallel: bool,
+    intra_bandwidth: float | str | None,
+    intra_latency: float | str | None,
+) -> Cluster:
+    """``cluster`` with the request's node size, intra-node link and sequence parallelism
+    (each option overriding the cluster file's field)."""
+    update: dict[str, Any] = {"sequence_parallel": sequence_parallel or cluster.sequence_parallel}
+    if devices_per_node is not None:
+        update["devices_per_node"] = devices_per_node
+    if intra_bandwidth is not None or intra_latency is not None:
+        base = cluster.intra_node_link or cluster.link
+        update["intra_node_link"] = Link(
+            bandwidth_Bps=(
+                parse_rate(intra_bandwidth)
+                if isinstance(intra_bandwidth, str)
+                else intra_bandwidth
+                if intra_bandwidth is not None
+                else base.bandwidth_Bps
+            ),
+            latency_s=(
+                parse_duration(intra_latency)
+                if isinstance(intra_latency, str)
+                else intra_latency
+                if intra_latency is not None
+                else base.latency_s
+            ),
+        )
+    return cluster.model_copy(update=update)
+
+
+def _annotated(profile: Profile) -> Profile:
+    """``profile`` with each unit's tensor-parallel split, when none has one yet and nothing
+    was said about it (``tensor_parallel_note``): its model built on ``meta`` and annotated
+    by :func:`pipeplan.profiler.tp_annotate.annotate_profile`.  A model that cannot be built
+    here plans t = 1, and the note says why."""
+    from pipeplan.planner.tensor_parallel import is_annotated
+
+    if is_annotated(profile) or profile.tensor_parallel_note is not None:
+        return profile
+    return _annotate(profile)
 
 
 def plan(profile: Profile | PathLike, **request: Any) -> Plan:
@@ -492,3 +563,20 @@ def _load_plan(path: PathLike) -> Plan:
     from pipeplan.planner.io import load_plan
 
     return load_plan(path)
+
+
+def _annotate(profile: Profile) -> Profile:
+    """:func:`pipeplan.profiler.tp_annotate.annotate_profile` on the profile's model, built on
+    ``meta``; a model that cannot be built here gets a ``tensor_parallel_note`` saying so."""
+    from pipeplan.intake.model import load_model
+    from pipeplan.planner.errors import PipeplanError
+
+    try:
+        spec = load_model(profile.model, dict(profile.model_kwargs), meta=True)
+        from pipeplan.profiler.tp_annotate import annotate_profile
+
+        return annotate_profile(profile, spec)
+    except PipeplanError as exc:
+        why = str(exc).split(";")[0].splitlines()[0]
+        note = f"the model {profile.model} could not be annotated here ({why})"
+        return profile.model_copy(update={"tensor_parallel_note": note})

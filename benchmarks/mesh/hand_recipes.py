@@ -50,7 +50,7 @@ from pipeplan import api
 from pipeplan.planner.chunks import score
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import load_profile
-from pipeplan.planner.tp_costs import tp_profile
+from pipeplan.planner.tensor_parallel import tp_profile
 from pipeplan.planner.types import (
     Cluster,
     Device,

@@ -6,7 +6,7 @@ import pytest
 
 from pipeplan.planner.collectives import ring_cost
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.tp_costs import (
+from pipeplan.planner.tensor_parallel import (
     check_tensor_parallel,
     collective_s,
     source_note,
