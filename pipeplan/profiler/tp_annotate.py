@@ -2,7 +2,7 @@
 
 :func:`annotate_profile` fills ``Unit.tensor_parallel`` (a
 :class:`~pipeplan.planner.types.UnitTensorParallel`) for every unit holding a projection that
-:func:`pipeplan.intake.tensor_parallel.find_layout` splits, and ``Profile.tensor_parallel_note``
+:func:`pipeplan.intake.tp_layout.find_layout` splits, and ``Profile.tensor_parallel_note``
 for a model with none.  Every new profile is annotated (:mod:`pipeplan.profiler.assemble`); it
 costs one run of the traced graph on ``meta`` (:class:`~pipeplan.intake.meta.MetaInterpreter`),
 no memory and no measurement.
@@ -53,7 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeplan.intake.graph import _module_info
 from pipeplan.intake.meta import MetaInterpreter, trace_meta
 from pipeplan.intake.spec import ModelSpec, NamedInputs, cast_floating
-from pipeplan.intake.tensor_parallel import Layout, find_layout, unit_styles
+from pipeplan.intake.tp_layout import Layout, find_layout, unit_styles
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError
 from pipeplan.planner.types import Profile, UnitTensorParallel
@@ -75,7 +75,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def model_layout(module: nn.Module) -> Layout | str:
-    """:func:`~pipeplan.intake.tensor_parallel.find_layout` of ``module``, its names as the
+    """:func:`~pipeplan.intake.tp_layout.find_layout` of ``module``, its names as the
     traced graph gives them: a :class:`~pipeplan.intake.spec.NamedInputs` wrapper (what
     pipeplan makes of a ``transformers`` model) is looked through, so the model's own
     ``config`` is read, and its names gain the wrapper's ``model.`` prefix."""

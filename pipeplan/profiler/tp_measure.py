@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from pipeplan.intake.meta import materialize
 from pipeplan.intake.model import load_model
 from pipeplan.intake.spec import cast_floating
-from pipeplan.intake.tensor_parallel import Layout, check_degree
+from pipeplan.intake.tp_layout import Layout, check_degree
 from pipeplan.planner.errors import InvalidRequestError, UnitMeasureError
 from pipeplan.planner.types import Profile, Timing, Unit
 from pipeplan.profiler.measure import saved_storages, storage_keys
