@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ from pipeplan.planner.types import Profile, Timing, Unit
 from pipeplan.profiler.measure import saved_storages, storage_keys
 from pipeplan.profiler.tp_annotate import model_layout
 
-__all__ = ["HEAD_ATTRS", "RankMeasure", "measure_tensor_parallel", "unit_module"]
+__all__ = ["HEAD_ATTRS", "RankMeasure", "measure_split", "measure_tensor_parallel", "unit_module"]
 
 #: Attributes of an attention module that count its heads (or their total width); a split
 #: module's parent has each one it holds divided by t.
@@ -316,10 +316,11 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
                 ]
                 materialize(module, owned, torch.device("cpu"), seed=request["seed"])
                 mod = module.get_submodule(name)
-                _split(mod, styles, name, t, mesh)
                 gen = torch.Generator().manual_seed(request["seed"] * 1009 + k * 31 + b)
                 args, kwargs = _realize(calls[k], gen)
-                args, kwargs = _slice_heads(mod, args, kwargs, t, rank)
+                if t > 1:
+                    _split(mod, styles, name, t, mesh)
+                    args, kwargs = _slice_heads(mod, args, kwargs, t, rank)
                 results[str(k)][str(b)] = _time_unit(
                     mod, args, kwargs, request["warmup"], request["repeats"]
                 )
@@ -403,7 +404,7 @@ def _merge(per_rank: Sequence[Mapping[str, Any]]) -> RankMeasure | None:
     return RankMeasure(timings, first["param_bytes"]) if first else None
 
 
-def measure_tensor_parallel(
+def measure_split(
     profile: Profile,
     t: int,
     *,
@@ -411,16 +412,12 @@ def measure_tensor_parallel(
     repeats: int = 5,
     threads: int | None = None,
     seed: int = 0,
-    on_measured: Callable[[int, RankMeasure], None] | None = None,
     timeout_s: float = 1800.0,
-) -> Profile:
-    """``profile`` with ``Unit.tp_timings[t]`` measured on ``t`` ranks (module docstring) for
-    every splittable unit that is one module; copies (``Unit.measured_as``) take their
-    original's.  ``threads`` per rank defaults to the cores divided among the ranks.
-    ``on_measured(unit index, measure)`` is called for each unit measured (the benchmark reads
-    the per-rank parameter bytes from it)."""
-    if t < 2:
-        raise InvalidRequestError(f"--tensor-parallel {t} measures nothing; give 2 or more")
+) -> dict[int, RankMeasure]:
+    """Each distinct splittable unit of ``profile`` that is one module, measured split ``t``
+    ways on ``t`` ranks (module docstring), by unit index.  ``t`` = 1 runs the unsplit module
+    in the same harness (a baseline).  ``threads`` per rank defaults to the cores divided
+    among the ranks."""
     spec = load_model(profile.model, profile.model_kwargs, meta=True)
     layout = model_layout(spec.module)
     if not isinstance(layout, Layout):
@@ -434,7 +431,7 @@ def measure_tensor_parallel(
         if name is not None:
             units.append((u.index, name, u.tensor_parallel.styles))
     if not units:
-        return profile
+        return {}
     request = {
         "t": t,
         "threads": threads or max(1, (os.cpu_count() or 1) // t),
@@ -462,14 +459,21 @@ def measure_tensor_parallel(
         m = _merge([r[str(k)] for r in ranks])
         if m is not None:
             measured[k] = m
-            if on_measured is not None:
-                on_measured(k, m)
+    return measured
+
+
+def measure_tensor_parallel(profile: Profile, t: int, **options: Any) -> Profile:
+    """``profile`` with ``Unit.tp_timings[t]`` measured (:func:`measure_split`, whose
+    ``options`` these are) for every splittable unit that is one module; copies
+    (``Unit.measured_as``) take their original's."""
+    if t < 2:
+        raise InvalidRequestError(f"--tensor-parallel {t} measures nothing; give 2 or more")
+    measured = measure_split(profile, t, **options)
     out = []
     for u in profile.units:
         rep = u.index if u.measured_as is None else u.measured_as
         if rep in measured:
-            tp = {**u.tp_timings, t: measured[rep].timings}
-            u = u.model_copy(update={"tp_timings": tp})
+            u = u.model_copy(update={"tp_timings": {**u.tp_timings, t: measured[rep].timings}})
         out.append(u)
     return profile.model_copy(update={"units": tuple(out)})
 
