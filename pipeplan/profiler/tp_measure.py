@@ -63,7 +63,7 @@ from pipeplan.intake.tensor_parallel import Layout, check_degree
 from pipeplan.planner.errors import InvalidRequestError, UnitMeasureError
 from pipeplan.planner.types import Profile, Timing, Unit
 from pipeplan.profiler.measure import saved_storages, storage_keys
-from pipeplan.profiler.tp_annotate import model_layout
+from pipeplan.profiler.tp_annotate import head_tables, model_layout
 
 __all__ = ["HEAD_ATTRS", "RankMeasure", "measure_split", "measure_tensor_parallel", "unit_module"]
 
@@ -207,10 +207,9 @@ def _split(mod: nn.Module, styles: Mapping[str, str], prefix: str, t: int, mesh:
             value = getattr(owner, attr, None)
             if isinstance(value, int) and not isinstance(value, bool) and value % t == 0:
                 setattr(owner, attr, value // t)
-        for name, sub in owner.named_children():
-            if isinstance(sub, nn.Embedding) and "bias" in name:  # T5's relative position table
-                key = f"{parent}.{name}" if parent else name
-                plan[key] = ColwiseParallel(output_layouts=Shard(-1))
+        for name in head_tables(owner):
+            key = f"{parent}.{name}" if parent else name
+            plan[key] = ColwiseParallel(output_layouts=Shard(-1))
     parallelize_module(mod, mesh, plan)
 
 
