@@ -294,32 +294,50 @@ def main() -> None:
     ap.add_argument("--microbatch", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("-o", "--output", default=str(HERE / "results.json"))
+    ap.add_argument(
+        "--from-rows", action="store_true", help="summarise out/rows.json again, measure nothing"
+    )
     args = ap.parse_args()
     started = time.time()
-    env = machine()
-    ar = allreduce_fit()
-    rows: list[dict[str, Any]] = []
-    failed: dict[str, str] = {}
-    for r in range(args.rounds):
-        for name in args.models:
-            if name in failed:
-                continue
-            print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
-            try:
-                rows += one_round(name, args.d_model, args.seq_len, args.microbatch, args.repeats)
-            except (PipeplanError, RuntimeError) as exc:  # the harness cannot split it: go on
-                failed[name] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    raw = HERE / "out" / "rows.json"
+    if args.from_rows:  # the measurements of an earlier run, modelled again
+        saved = json.loads(raw.read_text())
+        env, ar, rows, failed = saved["machine"], saved["allreduce"], saved["rows"], saved["failed"]
+        args = argparse.Namespace(**{**saved["args"], "output": args.output})
+    else:
+        env = machine()
+        ar = allreduce_fit()
+        rows = []
+        failed = {}
+        for r in range(args.rounds):
+            for name in args.models:
+                if name in failed:
+                    continue
+                print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
+                try:
+                    rows += one_round(
+                        name, args.d_model, args.seq_len, args.microbatch, args.repeats
+                    )
+                except (PipeplanError, RuntimeError) as exc:  # the harness cannot split it
+                    failed[name] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        env["uptime_after"] = machine()["uptime"]
+        raw.parent.mkdir(exist_ok=True)
+        kept = {k: v for k, v in vars(args).items() if k not in ("output", "from_rows")}
+        raw.write_text(
+            json.dumps(
+                {"machine": env, "allreduce": ar, "rows": rows, "failed": failed, "args": kept}
+            )
+        )
     units = summarise(rows, ar["alpha_s_per_byte"], ar["beta_s"], args.microbatch)
     keys = ("time_err_profile", "time_err_t1", "params_err", "saved_err_profile", "saved_err_t1")
     summary = {
         key: (statistics.median(u[key] for u in units), max(u[key] for u in units))
         for key in (*keys, "t2_spread")
     }
-    env["uptime_after"] = machine()["uptime"]
     result = {
         "command": "python -m benchmarks.tp_units.main " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if k != "output"
+            for k, v in vars(args).items() if k not in ("output", "from_rows")
         ),
         "machine": env, "model": MODEL, "allreduce": ar, "failed": failed, "units": units,
         "summary": summary,

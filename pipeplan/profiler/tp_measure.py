@@ -332,40 +332,43 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
 
 def _launch(request: str, t: int, timeout_s: float) -> None:
     """Run the ``t`` ranks (``python -m pipeplan.profiler.tp_measure REQUEST RANK``) and wait;
-    a rank that fails or outlives ``timeout_s`` stops them all with its last error line."""
+    a rank that fails or outlives ``timeout_s`` stops them all with its last error line.  Each
+    rank's error output goes to a file beside the request (a pipe could fill and stall it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "pipeplan.profiler.tp_measure", request, str(r)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(t)
-    ]
+    logs = [os.path.join(os.path.dirname(request), f"rank{r}.err") for r in range(t)]
+    procs = []
+    for r, log in enumerate(logs):
+        with open(log, "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "pipeplan.profiler.tp_measure", request, str(r)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    env=env,
+                )
+            )
+
+    def last_line(r: int) -> str:
+        with open(logs[r]) as fh:
+            lines = fh.read().strip().splitlines()
+        return lines[-1] if lines else f"rank {r} exited with {procs[r].returncode}"
+
     deadline = time.monotonic() + timeout_s
     failed: str | None = None
     try:
-        while any(p.poll() is None for p in procs) and failed is None:
+        while failed is None and any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 failed = f"the ranks ran past {timeout_s:.0f} s"
-            for p in procs:
-                if p.poll() not in (None, 0):
-                    lines = (p.stderr.read() if p.stderr else "").strip().splitlines()
-                    failed = lines[-1] if lines else f"a rank exited with {p.returncode}"
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            failed = last_line(bad[0]) if bad else failed
             time.sleep(0.05)
-        for p in procs:
-            if failed is None and p.returncode not in (None, 0):
-                lines = (p.stderr.read() if p.stderr else "").strip().splitlines()
-                failed = lines[-1] if lines else f"a rank exited with {p.returncode}"
+        bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        failed = failed or (last_line(bad[0]) if bad else None)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-            if p.stderr:
-                p.stderr.close()
     if failed is not None:
         raise UnitMeasureError(
             f"measuring the units split {t} ways failed: {failed}; profile without "
