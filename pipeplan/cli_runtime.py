@@ -129,7 +129,9 @@ def run(
         from pipeplan.planner.host import threads_mismatch
         from pipeplan.runtime.worker import default_threads
 
-        per_rank = threads or default_threads(p.pipeline_ranks * p.cluster.data_parallel)
+        per_rank = threads or default_threads(
+            p.pipeline_ranks * p.cluster.data_parallel * p.cluster.tensor_parallel
+        )
         if (warning := threads_mismatch(p.profiled_threads, per_rank)) is not None:
             err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if optimizer is not None and optimizer != p.optimizer:

@@ -15,10 +15,14 @@ argument each) and, in comments, the same settings for a config function:
 * the plan's recomputation as the ``activation_checkpoint`` policy, a tyro subcommand in 0.3.0
   (``activation_checkpoint:none`` or ``activation_checkpoint:full``; its default, selective
   activation checkpointing, crashes a zero-bubble schedule's split backward: "Trying to
-  backward an extra time").  ``none`` where no stage recomputes, ``full`` (each decoder block
-  recomputed in the backward) where every stage does.  0.3.0 applies one policy to every
-  stage, so a plan that recomputes some stages only gets ``full`` and a note: the memory the
-  plan counted on holds, the stages it kept pay a recomputation it did not predict;
+  backward an extra time").  ``none`` where no stage recomputes, ``full`` where every stage
+  does, and a comment naming the layers it covers: 0.3.0's ``FullAC`` wraps each decoder
+  block (the items of ``layers``) of every model part, and nothing else, so a recomputing
+  stage that also holds the embedding, the final norm or the head gets a note that those keep
+  their activations, more memory than the plan counted.  0.3.0 applies one policy to every
+  stage, so a plan that recomputes some stages only gets ``full`` and a note: the stages it
+  kept pay a recomputation it did not predict.  ``full`` runs under a zero-bubble schedule
+  (the suite trains a ZB-V step under it);
 * with d > 1 data-parallel ranks, ``--parallelism.data_parallel_shard_degree d`` (FSDP2,
   ``shard``) or ``--parallelism.data_parallel_replicate_degree d`` (``replicate``), the other
   1 (``training.local_batch_size`` is then each rank's share); both given whenever d > 1 or
@@ -132,6 +136,22 @@ def torchtitan_text(
     ]
     recompute = [j for j, stage in enumerate(plan.stages) if stage.recompute]
     full = bool(recompute)
+    # FullAC wraps each item of the model part's ``layers``, nothing else (its ``apply``)
+    blocks = [
+        [n for k, n in zip(ks, ns) if layout.is_block(k)] for ks, ns in zip(stage_keys, names)
+    ]
+    kept = [
+        f"{', '.join(n for k, n in zip(stage_keys[j], names[j]) if not layout.is_block(k))} "
+        f"(stage {j})"
+        for j in recompute
+        if len(blocks[j]) < len(stage_keys[j])
+    ]
+    if kept:
+        notes.append(
+            f"torchtitan: {TORCHTITAN_VERSION}'s full activation checkpointing recomputes the "
+            f"decoder blocks only; {'; '.join(kept)} keep their activations, which the plan "
+            f"counted as recomputed (more memory than it predicts on those stages)"
+        )
     if recompute and len(recompute) < len(plan.stages):
         notes.append(
             f"torchtitan: the plan recomputes stage(s) {recompute} only, but torchtitan "
@@ -182,9 +202,16 @@ def torchtitan_text(
         if full
         else "None"
     )
+    covers = ""
+    if full:
+        every = [n for ns in blocks for n in ns]
+        covers = (
+            f"# activation_checkpoint:full recomputes in the backward each decoder block of "
+            f"every model part: {', '.join(every) or 'none (no stage holds one)'}\n"
+        )
     text = (
         f"# torchtitan {TORCHTITAN_VERSION}: add to the launch's arguments after --module and "
-        f"--config\n{shlex.join(args)}\n"
+        f"--config\n{shlex.join(args)}\n{covers}"
         f"# or set the same in your config function (a config_registry entry):\n{python}\n"
     )
     return text, names, notes

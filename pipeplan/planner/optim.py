@@ -36,9 +36,12 @@ def make_optimizer(name: str, params: Sequence[Tensor], lr: float) -> torch.opti
     >>> make_optimizer("adam", [], 0.1).param_groups[0]["params"]
     []
     """
-    # One group, possibly empty: a stage without parameters (a lone activation) still steps
-    # (torch refuses a bare empty list: "optimizer got an empty parameter list").
-    groups = [{"params": list(params)}]
+    # One group per kind of tensor, possibly empty: a stage without parameters (a lone
+    # activation) still steps (torch refuses a bare empty list: "optimizer got an empty
+    # parameter list"); a tensor-parallel stage's DTensor parameters apart from its plain ones,
+    # since the fused and foreach kernels take one kind per call.
+    kinds = dict.fromkeys(type(p) for p in params)
+    groups = [{"params": [p for p in params if type(p) is k]} for k in kinds] or [{"params": []}]
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
     if name == "momentum":

@@ -39,7 +39,9 @@ __all__ = [
 #: when it arrives and ends when the last member's work does.
 COLLECTIVES = ("tied",)
 
-EVENT_COLUMNS = ["stage", "microbatch", "kind", "start_s", "end_s", "duration_s"]
+EVENT_COLUMNS = ["stage", "microbatch", "kind", "start_s", "end_s", "chunk", "duration_s"]
+"""``stage`` is the row: the rank (device) that ran the event; ``chunk`` the plan's stage it
+belongs to (equal to ``stage`` for one chunk per rank; -1 for a rank-wide event)."""
 
 _KIND_BY_INITIAL = {"F": "forward", "B": "backward", "R": "recompute", "S": "send"}
 
@@ -51,9 +53,9 @@ def timeline_frame(replay: Replay) -> pd.DataFrame:
     >>> from pipeplan.planner.replay import ChunkCosts, replay
     >>> costs = ChunkCosts([1.0, 1.0], [2.0, 2.0], [0.0, 0.0])
     >>> timeline_frame(replay("gpipe", 2, 1, 2, costs)).shape
-    (8, 6)
+    (8, 7)
     """
-    rows = [(e.rank, e.microbatch, e.kind, e.start_s, e.end_s) for e in replay.events]
+    rows = [(e.rank, e.microbatch, e.kind, e.start_s, e.end_s, e.stage) for e in replay.events]
     return _finish(pd.DataFrame(rows, columns=EVENT_COLUMNS[:-1]))
 
 
@@ -74,6 +76,7 @@ def events_frame(report: RunReport) -> pd.DataFrame:
                 kind,
                 float(e["start_s"]),
                 float(e["end_s"]),
+                int(e.get("chunk", e["stage"])),
             )
         )
     return _finish(pd.DataFrame(rows, columns=EVENT_COLUMNS[:-1]))

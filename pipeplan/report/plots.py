@@ -52,7 +52,7 @@ _MEMORY_PARTS = [
     ("activations", "activations", "#55A868"),
     ("gradient_buffers", "gradient buffers", "#937860"),
     ("outputs", "outputs", "#DA8BC3"),
-    ("transient", "working gradients", "#C44E52"),
+    ("transient", "working gradients", "#F1CE63"),  # not the limit line's red
 ]
 _BALANCE = "perfect balance"  # a plan's mean t_j: what an even split of its work would give
 _PLAN_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860", "#DA8BC3"]
@@ -152,8 +152,11 @@ def _byte_scale(n: float) -> tuple[float, str]:
 def _draw_stage_memory(axes: Sequence[Axes], plans: Sequence[Plan], names: list[str]) -> None:
     top_total = max(s.memory.total for p in plans for s in p.stages)
     top_limit = max(s.memory_limit for p in plans for s in p.stages)
-    scale, unit = _byte_scale(max(top_total, min(top_limit, 3 * top_total)))
-    ymax = max(top_total, min(top_limit, 3 * top_total)) * 1.12 / scale
+    # scaled to the data: the limit joins the axis only when it is near the tallest stack
+    # (else it is written at the top edge with an arrow)
+    shown = max(top_total, top_limit if top_limit <= 1.5 * top_total else 0)
+    scale, unit = _byte_scale(shown)
+    ymax = shown * 1.12 / scale
     # one limit for every stage: the legend says it; limits that differ are written per stage
     distinct = sorted({s.memory_limit for p in plans for s in p.stages})
     limit_label = f"limit {format_bytes(distinct[0])}" if len(distinct) == 1 else "device limit"
@@ -290,9 +293,13 @@ def _draw_stage_busy(ax: Axes, plans: Sequence[Plan], names: list[str]) -> None:
 def compare_figure(plans: Sequence[Plan], names: Sequence[str] | None = None) -> Figure:
     """Plans compared: step time per plan with its ratio to the fastest (top), each stage's busy
     time per step m·t_j against the plan's step (middle; plans of different m compare), and
-    one memory panel per plan (bottom)."""
+    one memory panel per plan (bottom); every panel takes the plans fastest first, each in
+    one colour throughout."""
     _check_plans(plans)
     labels = plan_names(plans, names)
+    # one order in every panel: the step panel's, fastest feasible plan first
+    order = sorted(range(len(plans)), key=lambda i: (not plans[i].feasible, plans[i].step_time_s))
+    plans, labels = [plans[i] for i in order], [labels[i] for i in order]
     k = len(plans)
     fig = new_figure((max(10.0, 3.0 * k + 1.5), 8.0 + 0.25 * k))
     grid = fig.add_gridspec(3, k, height_ratios=[0.6 + 0.25 * k, 3.0, 3.0])

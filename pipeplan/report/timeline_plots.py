@@ -52,6 +52,7 @@ _LABELLED = {"forward", "backward", "backward_input", "backward_weight", "loss"}
 def _draw_schedule(ax: Axes, events: pd.DataFrame, p: int, xmax_s: float) -> None:
     """Draw events (a frame of :data:`pipeplan.report.frames.EVENT_COLUMNS`) as rows of rectangles."""
     ms = 1e3
+    chunks = "chunk" in events and bool((events["chunk"] != events["stage"]).any())
     for e in events.itertuples(index=False):
         color, hatch = KIND_STYLE.get(e.kind, ("#999999", "xx"))
         # a white edge separates neighbouring blocks but would hide a sliver: draw those solid
@@ -71,7 +72,7 @@ def _draw_schedule(ax: Axes, events: pd.DataFrame, p: int, xmax_s: float) -> Non
             ax.text(
                 (e.start_s + e.duration_s / 2) * ms,
                 e.stage,
-                str(e.microbatch),
+                f"c{e.chunk}:{e.microbatch}" if chunks else str(e.microbatch),
                 ha="center",
                 va="center",
                 fontsize=7,
@@ -133,8 +134,8 @@ def gantt(
 ) -> Figure:
     """The simulated schedule of a plan's step (or of a ready replay), one row per device.
 
-    Forward and backward of every micro-batch are blocks labelled with the micro-batch number,
-    recompute is hatched light blue, transfers dotted grey; a stage waiting at the tied
+    Forward and backward of every micro-batch are blocks labelled with the micro-batch number
+    (``c2:3``, chunk 2's micro-batch 3, where a rank runs several chunks), recompute is hatched light blue, transfers dotted grey; a stage waiting at the tied
     gradients' all-reduce for the others is light grey, hatched; white is idle time (the bubble).
     The title gives the step time and the bubble fraction (waiting counted as idle).
     """

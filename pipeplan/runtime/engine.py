@@ -16,6 +16,10 @@ A stage with ``recompute`` runs inside ``torch.utils.checkpoint(use_reentrant=Fa
 its inputs are kept per micro-batch and its forward is run again in the backward pass, with
 the RNG state restored and buffer updates (batch-norm statistics) of the rerun undone.
 
+With ``cluster.tensor_parallel`` t > 1 each stage runs on t ranks, its attention and MLP
+projections split over them by torch's ``parallelize_module``, and rank (r p + j) t + k runs
+replica r's position j (:mod:`pipeplan.runtime.mesh` says what runs where).
+
 A parameter held by stages on several ranks (tied embedding / LM head) gets its gradient
 summed over the ranks that hold it before the optimizer steps, and with d replicas every
 gradient is averaged over them (:mod:`pipeplan.runtime.gradsync`).
@@ -68,7 +72,12 @@ from pipeplan.runtime.gradsync import (
 from pipeplan.runtime.loss import StageLoss
 from pipeplan.runtime.measured_stage import FaultHook, MeasuredStage
 from pipeplan.runtime.memory import TensorPeak, held_bytes
-from pipeplan.runtime.mesh import plan_mesh, shard_stage_modules
+from pipeplan.runtime.mesh import (
+    plan_mesh,
+    shard_stage_modules,
+    split_stage_modules,
+    tensor_parallel_styles,
+)
 from pipeplan.runtime.records import RankRecord
 from pipeplan.runtime.stages import (
     build_stages,
@@ -175,24 +184,35 @@ class PipelineRunner:
         seed: int = 0,
         weights: str | None = None,
     ) -> None:
-        p, v = plan.pipeline_ranks, plan.stages_per_rank
-        world, ranks = dist.get_world_size(), p * plan.cluster.data_parallel
+        p, v, t = plan.pipeline_ranks, plan.stages_per_rank, plan.cluster.tensor_parallel
+        world, ranks = dist.get_world_size(), p * plan.cluster.data_parallel * t
         if world != ranks:
+            tp = f" x {t} tensor-parallel" if t > 1 else ""
             raise InvalidRequestError(
-                f"plan has {p} ranks x {plan.cluster.data_parallel} replicas but the world "
-                f"size is {world}; launch one rank per stage and replica "
-                f"(--nproc-per-node {ranks})"
+                f"plan has {p} ranks x {plan.cluster.data_parallel} replicas{tp} but the world "
+                f"size is {world}; launch one rank per stage, replica and tensor-parallel "
+                f"rank (--nproc-per-node {ranks})"
             )
         check_schedule(plan)
-        self.replicas, self.ranks = plan.cluster.data_parallel, p
-        self.replica, rank = divmod(dist.get_rank(), p)  # rank r p + j
+        self.replicas, self.ranks, self.tensor_parallel = plan.cluster.data_parallel, p, t
+        self.replica, rank = divmod(dist.get_rank() // t, p)  # rank (r p + j) t + k
         self.chunks = stages_of_rank(plan.schedule, p, v, rank)
         """The stages (chunks) this rank runs, in the order torch's schedule takes them."""
         self.owner = rank_of_stage(plan.schedule, p, v)
         self.mesh = plan_mesh(plan, device)
+        self.tp_rank = self.mesh.tp_rank
+        """This rank's index k among its stage's t tensor-parallel ranks."""
         self.pp_group, self.dp_group = self.mesh.pp_group, self.mesh.dp_group
         self.sharded = plan.cluster.data_parallel_mode == "shard" and self.replicas > 1
         """Whether FSDP2 shards the rank's stages over the dp group (:mod:`~pipeplan.runtime.mesh`)."""
+        styles = tensor_parallel_styles(spec.module, t) if t > 1 else {}
+        if t > 1 and plan.cluster.sequence_parallel and dist.get_rank() == 0:
+            print(
+                "warning: the runtime does not run sequence parallelism yet; the norms run "
+                "replicated on the tensor-parallel ranks (the same values, more memory)",
+                file=sys.stderr,
+                flush=True,
+            )
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
         module = cast_floating(spec.module, self.dtype)
@@ -264,8 +284,17 @@ class PipelineRunner:
             Recompute(body) if plan.stages[s].recompute else body
             for s, body in zip(self.chunks, self.chunk_modules, strict=True)
         ]
+        if t > 1:  # the split runs the bodies once: before the deferred statistics reset
+            examples = [
+                (pr.module.body, pr.module.body_inputs(*to_dev(pr.example_inputs))) for pr in mine
+            ]
+            self.names = split_stage_modules(
+                examples, self.chunk_modules, self.mesh, styles, self.names, module
+            )
+            for stats in deferred:
+                stats.reset()
         if self.sharded:
-            self.names = shard_stage_modules(bodies, self.mesh, self.names)
+            self.names = shard_stage_modules(bodies, self.mesh, self.names, module)
         self.stages: list[MeasuredStage] = []
         for s, pr, body in zip(self.chunks, mine, bodies, strict=True):
             stage = MeasuredStage(
@@ -300,6 +329,8 @@ class PipelineRunner:
         )
         self.params = list(dict.fromkeys(p for m in self.chunk_modules for p in m.parameters()))
         self.optimizer = make_optimizer(optimizer, self.params, lr)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        """The rank's parameters in the optimizer's order (its state's indices)."""
         self.tied_groups = tied_groups(
             self.tied,
             self.named_parameters(),
@@ -308,6 +339,8 @@ class PipelineRunner:
             ranks=p,
             replica=self.replica,
             replicas=self.replicas,
+            tensor_parallel=t,
+            tp_rank=self.tp_rank,
         )
         """This rank's process groups of the ranks holding its tied parameters."""
 

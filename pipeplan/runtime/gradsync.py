@@ -59,20 +59,26 @@ def tied_groups(
     ranks: int,
     replica: int,
     replicas: int,
+    tensor_parallel: int = 1,
+    tp_rank: int = 0,
 ) -> list[TiedGroup]:
     """One process group per distinct set of ranks holding ``tied`` parameters (stage s on rank
-    ``owner[s]``), for each replica: the groups this rank (position ``rank`` of ``ranks``,
-    replica ``replica`` of ``replicas``) belongs to, with its parameters (``params``: by
-    name).  Collective: every rank creates every group."""
+    ``owner[s]``), for each replica and tensor-parallel index: the groups this rank (position
+    ``rank`` of ``ranks``, replica ``replica`` of ``replicas``, tp index ``tp_rank`` of
+    ``tensor_parallel``: global rank (replica ranks + rank) tensor_parallel + tp_rank) belongs
+    to, with its parameters (``params``: by name).  Collective: every rank creates every
+    group."""
     owners: dict[tuple[int, ...], list[TiedParameter]] = {}
     for t in tied:
         owners.setdefault(tuple(sorted({owner[s] for s in t.stages})), []).append(t)
     groups = []
+    tp = tensor_parallel
     for held_by, shared in sorted(owners.items()):
         for r in range(replicas):  # every rank creates every replica's group
-            group = dist.new_group([r * ranks + j for j in held_by])
-            if r == replica and rank in held_by:
-                groups.append((group, [params[t.name] for t in shared]))
+            for k in range(tp):
+                group = dist.new_group([(r * ranks + j) * tp + k for j in held_by])
+                if r == replica and k == tp_rank and rank in held_by:
+                    groups.append((group, [params[t.name] for t in shared]))
     return groups
 
 
@@ -94,8 +100,8 @@ def average_replicas(params: Sequence[nn.Parameter], group: Any, replicas: int) 
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        bucket.append(p.grad)
-        size += p.grad.numel() * p.grad.element_size()
+        bucket.append(local(p.grad))  # a tensor-parallel gradient: this rank's shard
+        size += bucket[-1].numel() * bucket[-1].element_size()
         if size >= _BUCKET_BYTES:
             _all_reduce(bucket, group, replicas)
             bucket, size = [], 0

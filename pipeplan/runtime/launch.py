@@ -92,7 +92,7 @@ def preflight(
         raise InvalidRequestError(f"--device {device!r} is not cpu or cuda")
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        ranks = plan.pipeline_ranks * plan.cluster.data_parallel
+        ranks = plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel
         if have < ranks:
             raise InvalidRequestError(
                 f"the plan needs {ranks} ranks but this machine has {have} CUDA devices; "
@@ -103,6 +103,10 @@ def preflight(
     if model is None:
         check_source(plan)
     spec = load_model(model or plan.model, kwargs)
+    if plan.cluster.tensor_parallel > 1:  # the model must split t ways: one line, exit 2
+        from pipeplan.runtime.mesh import tensor_parallel_styles
+
+        tensor_parallel_styles(spec.module, plan.cluster.tensor_parallel)
     dtype = getattr(torch, plan.dtype)
     module = cast_floating(spec.module, dtype)
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
@@ -143,7 +147,7 @@ def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        str(plan.pipeline_ranks * plan.cluster.data_parallel),
+        str(plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel),
         "--monitor-interval",
         "0.1",
         "-m",
@@ -185,12 +189,15 @@ def failure(
     frozen: dict[int, float] | None = None,
     n_stages: int | None = None,
     chunks: list[list[int]] | None = None,
+    tensor_parallel: int = 1,
 ) -> StageFailedError:
     """The error to raise for a failed run: the stage that failed first and why.
 
-    ``n_stages``: the pipeline ranks (a rank's stage is its rank modulo them); ``chunks``: for
-    a plan of several stages per rank, each pipeline rank's stages, which the message names
-    (``rank 0 (stages 0 and 3)``) rather than one stage.
+    ``n_stages``: the pipeline ranks p; with ``tensor_parallel`` t, global rank g runs
+    pipeline rank (g // t) mod p (``Plan.layout``), which the message names with the global
+    rank where they differ (``stage 1 (rank 3)``); ``chunks``: for a plan of several stages
+    per rank, each pipeline rank's stages, which the message names (``rank 0 (stages 0 and
+    3)``) rather than one stage.
 
     In order: the earliest error a rank raised itself; else a rank that stopped beating
     (``frozen``: rank -> seconds without a heartbeat; stopped or frozen, its peers timed out
@@ -204,11 +211,15 @@ def failure(
     silent = sorted(set(range(n_ranks)) - {int(e["stage"]) for e in errors})
     died = [r for r in silent if not codes.get(r, "").startswith("-15")] or silent
 
+    t, p = tensor_parallel, n_stages or n_ranks
+
     def who(rank: int) -> str | None:
-        """``rank 0 (stages 0 and 3)`` for a rank holding several chunks, else ``None``."""
-        if not chunks:
-            return None
-        return rank_label(rank, chunks[rank % len(chunks)])
+        """``rank 0 (stages 0 and 3)`` for a rank holding several chunks, ``stage 1 (rank
+        3)`` where the global rank is not the stage, else ``None``."""
+        if chunks:
+            return rank_label(rank, chunks[(rank // t) % len(chunks)])
+        stage = (rank // t) % p
+        return None if stage == rank else f"stage {stage} (rank {rank})"
 
     def consequence(culprit: int) -> str:
         others = sorted({int(e["stage"]) for e in errors} - {culprit})
@@ -241,8 +252,7 @@ def failure(
         )
     if frozen:
         rank = min(frozen, key=lambda r: -frozen[r])  # the one silent longest
-        stage = rank % (n_stages or n_ranks)
-        name = who(rank) or f"stage {stage} (rank {rank})"
+        name = who(rank) or f"stage {rank} (rank {rank})"
         return StageFailedError(
             f"{name} stopped making progress: no heartbeat for "
             f"{frozen[rank]:.0f} s (the process is stopped or frozen); the job was stopped"
@@ -309,7 +319,7 @@ def launch(
     included).  ``save``: the run's ``--save`` folder, locked while the job runs; the partial
     save a stopped or failed job leaves there is removed.
     """
-    ranks = plan.pipeline_ranks * plan.cluster.data_parallel
+    ranks = plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel
     env = {**(os.environ if env is None else env), "PIPEPLAN_LAUNCHER": str(os.getpid())}
     env["PIPEPLAN_LAUNCHER_START"] = str(process_start(os.getpid()))  # the ranks' watchdog
     with hold(save), tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
@@ -356,6 +366,7 @@ def launch(
                 outcome.frozen,
                 plan.pipeline_ranks,
                 _chunks(plan),
+                plan.cluster.tensor_parallel,
             )
 
 

@@ -165,14 +165,15 @@ def gather_report(
     plan: Plan, record: RankRecord, *, backend: str, warmup_steps: int
 ) -> RunReport | None:
     """Gather every rank's record on rank 0 and build the report there (``None`` elsewhere):
-    the first replica's ranks (0..p-1), whose losses are the global batch's."""
+    the first replica's ranks (tp index 0: ranks j t), whose losses are the global batch's."""
     import torch.distributed as dist
 
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(record, gathered, dst=0)
     if gathered is None:
         return None
-    first = gathered[: plan.pipeline_ranks]
+    t = plan.cluster.tensor_parallel
+    first = gathered[: plan.pipeline_ranks * t : t]
     return build_report(plan, first, backend=backend, warmup_steps=warmup_steps)
 
 

@@ -25,7 +25,10 @@ takes part in :meth:`~torch.distributed.tensor.DTensor.full_tensor`, replica 0 w
 training state holds its own shards (``DTensor.to_local()`` of Adam's moments, and the list of
 entries that were sharded), which :func:`restore` wraps back with ``DTensor.from_local`` onto
 the parameters' own mesh and placements.  The manifest covers every rank's file, as before.  A
-save resumes only on the mesh it was made on (:func:`check_mesh`: pp, dp and the dp mode).
+save resumes only on the mesh it was made on (:func:`check_mesh`: pp, dp and the dp mode, and
+tp).  A tensor-parallel plan (:mod:`pipeplan.runtime.mesh`) saves the same way: the t ranks of a
+stage gather each split weight whole and tp rank 0 of replica 0 writes the shard; each rank's
+training state holds its own slices.
 
 torch's ``get_optimizer_state_dict`` and ``set_optimizer_state_dict``
 (``torch.distributed.checkpoint.state_dict``) were weighed for this: with
@@ -103,13 +106,17 @@ class PeerFailedError(RuntimeError):
 
 def mesh_record(plan: Plan) -> dict[str, Any]:
     """The mesh a save is made on, as the manifest records it: pipeline ranks, data-parallel
-    ranks and how they hold the weights (``replicate`` for one replica, whatever the plan says)."""
-    d = plan.cluster.data_parallel
-    return {
+    ranks and how they hold the weights (``replicate`` for one replica, whatever the plan says),
+    and tensor-parallel ranks (``tp``, recorded where t > 1)."""
+    d, t = plan.cluster.data_parallel, plan.cluster.tensor_parallel
+    mesh: dict[str, Any] = {
         "pp": plan.pipeline_ranks,
         "dp": d,
         "dp_mode": plan.cluster.data_parallel_mode if d > 1 else "replicate",
     }
+    if t > 1:
+        mesh["tp"] = t
+    return mesh
 
 
 def check_mesh(folder: Path, manifest: dict[str, Any], mesh: dict[str, Any]) -> None:
@@ -119,7 +126,11 @@ def check_mesh(folder: Path, manifest: dict[str, Any], mesh: dict[str, Any]) -> 
     and its files' names."""
     saved = manifest.get("mesh") or {**mesh, "dp": manifest.get("replicas"), "dp_mode": "replicate"}
     if saved != mesh:
-        have, want = (f"pp {m['pp']} x dp {m['dp']} ({m['dp_mode']})" for m in (saved, mesh))
+        have, want = (
+            f"pp {m['pp']} x dp {m['dp']} ({m['dp_mode']})"
+            + (f" x tp {m['tp']}" if "tp" in m else "")
+            for m in (saved, mesh)
+        )
         raise InvalidRequestError(
             f"--resume {folder}: the save was made on the mesh {have} but this plan runs "
             f"{want}; resume with the plan that was saved, or start a new run from its "
@@ -172,11 +183,12 @@ def _train_state(runner: PipelineRunner, step: int) -> dict[str, Any]:
 
 def _full_tensors(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     """This stage's tensors by checkpoint key, whole: FSDP2's shards all-gathered over the dp
-    group (collective: every replica of the stage calls it, in the same order)."""
+    group, tensor-parallel shards over the tp group (collective: every replica and tp rank of
+    the stage calls it, in the same order)."""
     from torch.distributed.tensor import DTensor
 
     tensors = runner.shard_tensors()
-    if not runner.sharded:
+    if not runner.sharded and runner.tensor_parallel == 1:
         return tensors
     with torch.no_grad():
         return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()}
@@ -206,7 +218,7 @@ def save(
     records, keys, size, error = [], [], 0, None
     tensors = _full_tensors(runner)
     try:
-        if runner.replica == 0:  # the replicas hold the same weights
+        if runner.replica == 0 and runner.tp_rank == 0:  # the others hold the same weights
             meta = {"save_id": save_id, "step": str(step)}
             size = write_shard(tmp, runner.rank, runner.ranks, tensors, meta)
             keys = sorted(tensors)
@@ -225,7 +237,11 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         r, why = failed[0]
-        held = [s for s, owner in enumerate(runner.owner) if owner == r % runner.ranks]
+        held = [
+            s
+            for s, owner in enumerate(runner.owner)
+            if owner == r // runner.tensor_parallel % runner.ranks
+        ]
         message = (
             f"{rank_label(r, held)} could not write its part of the save of step {step} "
             f"into {tmp}: {why}; the last complete save in {root} is kept"
@@ -233,7 +249,8 @@ def save(
         raise CheckpointWriteError(message) if r == rank else PeerFailedError(message)
     if rank == 0:
         try:
-            shards = [g[2] for g in gathered[: runner.ranks]]  # replica 0's ranks
+            t = runner.tensor_parallel
+            shards = [g[2] for g in gathered[: runner.ranks * t : t]]  # replica 0's, tp 0's
             write_index(tmp, shards, sum(g[3] for g in gathered))
             files = [rec for g in gathered for rec in g[1]] + [file_record(tmp / INDEX)]
             commit(root, step, save_id, files, info)

@@ -112,24 +112,26 @@ def split(
 ) -> StageSplit:
     """This rank's stage of ``plan`` for ``spec``'s model, as :class:`StageSplit`.
 
-    Needs an initialised process group of ``plan.pipeline_ranks * plan.cluster.data_parallel``
-    ranks (torchrun).  ``stage`` defaults to this rank's position (``rank % p``) and, when
-    given, must be it.  ``device`` defaults to ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
+    Needs an initialised process group of ``plan.pipeline_ranks * plan.cluster.data_parallel
+    * plan.cluster.tensor_parallel`` ranks (torchrun).  ``stage`` defaults to this rank's
+    position (``rank // t % p``) and, when given, must be it.  ``device`` defaults to ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
     A model built on ``meta`` gets only this stage's tensors, initialised with ``seed`` as the
     unsplit model would be, or read from the checkpoint ``weights`` (safetensors, a torch
     state dict, or a sharded folder with its index).
     """
+    t = plan.cluster.tensor_parallel
     if not dist.is_initialized():
         raise InvalidRequestError(
             "pipeplan.split needs a process group: call torch.distributed.init_process_group() "
-            f"first, under torchrun with {plan.pipeline_ranks * plan.cluster.data_parallel} ranks"
+            f"first, under torchrun with {plan.pipeline_ranks * plan.cluster.data_parallel * t} "
+            "ranks"
         )
     p = plan.pipeline_ranks
-    mine = dist.get_rank() % p
+    mine = dist.get_rank() // t % p
     if stage is not None and stage != mine:
         raise InvalidRequestError(
             f"rank {dist.get_rank()} runs position {mine} of the plan's {p} (replica r's "
-            f"position j is rank r * {p} + j); pass stage={mine} or leave it out"
+            f"position j is ranks (r * {p} + j) * {t} + k); pass stage={mine} or leave it out"
         )
     if device is None:
         if torch.cuda.is_available():

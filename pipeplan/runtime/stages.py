@@ -129,13 +129,18 @@ class StageModule(nn.Module):
         self._out_spec: TreeSpec | None = None
         self._out_consts: dict[int, Any] = {}
 
-    def forward(self, *args: Any) -> Any:
+    def body_inputs(self, *args: Any) -> list[Any]:
+        """What ``body`` takes for the stage's received ``args``: every value live across
+        the input cut, the constants put in."""
         if self._first:
             args = tuple(self._root_graph.process_inputs(*args))
         else:
             args = tuple(_ContiguousGrad.apply(a) if _needs_grad(a) else a for a in args)
         received = iter(args)
-        full = [next(received) if s is None else s.value for s in self._slots]
+        return [next(received) if s is None else s.value for s in self._slots]
+
+    def forward(self, *args: Any) -> Any:
+        full = self.body_inputs(*args)
         try:
             outs = self.body(*full)
         except _PASS_THROUGH:  # checkpoint's early stop of a recomputation: control flow

@@ -6,7 +6,8 @@ launcher, one rank per stage, e.g. on each of two nodes::
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:29500 \\
         -m pipeplan.runtime.worker plan.json --steps 20 --report report.json
 
-Rank j runs stage j, or, for a plan of v chunks per rank (interleaved, looped, zero-bubble,
+Rank j runs stage j (rank (r p + j) t + k for replica r and tensor-parallel index k of a
+plan with replicas and tensor parallelism, :mod:`pipeplan.runtime.mesh`), or, for a plan of v chunks per rank (interleaved, looped, zero-bubble,
 V), the v stages :func:`pipeplan.planner.families.stages_of_rank` names.  By default (``--init stage``) every rank builds the model on ``meta``
 and materializes only its stages' modules (:mod:`pipeplan.intake.meta`), initialised from ``--seed``
 and each module's name, so the values do not depend on the split; or it reads them from
@@ -335,14 +336,16 @@ def run(args: argparse.Namespace) -> None:
         device = torch.device("cpu")
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    replicas = plan.cluster.data_parallel
+    replicas, t = plan.cluster.data_parallel, plan.cluster.tensor_parallel
     p = plan.pipeline_ranks
-    if world != p * replicas:
+    if world != p * replicas * t:
         v = plan.stages_per_rank
         what = f"{p} stages" if v == 1 else f"{p} ranks of {v} stages"
+        tp = f" x {t} tensor-parallel ranks" if t > 1 else ""
         raise InvalidRequestError(
-            f"{args.plan} has {what} x {replicas} replicas but the world size is {world}; "
-            f"launch one rank per stage and replica (e.g. --nproc-per-node {p * replicas})"
+            f"{args.plan} has {what} x {replicas} replicas{tp} but the world size is {world}; "
+            f"launch one rank per stage, replica and tensor-parallel rank (e.g. "
+            f"--nproc-per-node {p * replicas * t})"
         )
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
@@ -383,6 +386,7 @@ def run(args: argparse.Namespace) -> None:
 
     def after_step(done: int) -> None:
         if args.save and args.save_every > 0 and done % args.save_every == 0:
+            _progress["step"] = done  # a failure now is the save of step-<done>'s
             saving.save(runner, args.save, done, info, save_fault, args.keep)
             saved[0] = done
 
@@ -405,6 +409,7 @@ def run(args: argparse.Namespace) -> None:
         record.resident_growth_bytes = resident.growth()
     done = start + args.warmup + args.steps
     if args.save and saved[0] != done:
+        _progress["step"] = done
         saving.save(runner, args.save, done, info, save_fault, args.keep)
     if args.weights and args.run_dir:  # what this rank read, for the tests
         write_text(Path(args.run_dir) / f"weights-{rank}.json", json.dumps(runner.checkpoint_reads))

@@ -1,31 +1,37 @@
 """torchtitan 0.3's own code trains one step of a pipeplan export (run by test_torchtitan.py).
 
-``python titan_train.py PORT OUT LINE``: LINE is torchtitan's export of a plan of 2 stages x
-2 data-parallel ranks (``shard``), or of 2 stages x 2 tensor-parallel ranks (torchtitan's own
-TP plan for its Llama: ``parallelize_llama`` calls the model's ``parallelize``, projections
-column- then row-wise, the embedding and the head split over the vocabulary, the loss
-computed loss-parallel, the norms sequence-parallel when the line enables it; FSDP2 over a
-1-rank data-parallel mesh, as torchtitan always applies it).  Four gloo ranks
-(``mp.spawn``) each parse it with
-torchtitan's ``ConfigManager`` on ``llama3_debugmodel_ce_loss`` and build the run with
-torchtitan's own functions, as its ``Trainer`` does: ``ParallelDims.build_mesh``,
-``pipeline_llm`` (which cuts the model by ``module_fqns_per_model_part``, runs
-``parallelize_llama`` on each part, FSDP2 over the data-parallel ranks, and builds the
+``python titan_train.py PORT OUT LINE [LINE ...] [--world N] [--defaults]``: each LINE is
+torchtitan's export of a plan: 2 stages x 2 data-parallel ranks (``shard``); 2 stages x 2
+tensor-parallel ranks (torchtitan's own TP plan for its Llama: ``parallelize_llama`` calls the
+model's ``parallelize``, projections column- then row-wise, the embedding and the head split
+over the vocabulary, the loss computed loss-parallel, the norms sequence-parallel when the line
+enables it; FSDP2 over a 1-rank data-parallel mesh, as torchtitan always applies it); or a
+ZB-V plan of 2 ranks x 2 chunks (``--world 2``).  N gloo ranks (``mp.spawn``, default 4) run
+the lines one after the other: each rank parses the line with torchtitan's ``ConfigManager``
+on ``llama3_debugmodel_ce_loss`` and builds the run with torchtitan's own functions, as its
+``Trainer`` does: ``ParallelDims.build_mesh``, ``pipeline_llm`` (which cuts the model by
+``module_fqns_per_model_part``, runs ``parallelize_llama`` on each part, the
+activation-checkpoint policy and FSDP2 over the data-parallel ranks included, and builds the
 schedule), then ``to_empty`` and ``init_weights``.  The model is torchtitan's ``Llama3Model``,
-its debug model shrunk (4 layers, dim 32, vocabulary 64) with its maskless attention (causal
-``ScaledDotProductAttention``: FlexAttention needs a BlockMask per micro-batch and inductor),
-float32 throughout.  Each rank then copies one unsplit model's parameters into its part, runs
-``schedule.step`` once as torch documents it (inputs on the first stage, targets and a
-``losses`` list on the last; the tensor-parallel ranks of a stage feed the same samples) and
-reports the degrees its parser read, its per-micro-batch losses (torchtitan sums the loss over
-tokens), where each parameter is split (mesh dimension and placement), and its parameters'
-gradients, gathered whole, next to the unsplit model's on the same batch.  Writes a JSON list,
-one entry per rank, to OUT.
+its debug model shrunk (4 layers, dim 32, vocabulary 64; RoPE tables for the config's 2048
+tokens) with its maskless attention (causal ``ScaledDotProductAttention``: FlexAttention needs
+a BlockMask per micro-batch and inductor).  Each rank then copies one unsplit float32 model's
+parameters into its parts, runs ``schedule.step`` once as torch documents it (inputs where it
+holds the first stage, targets and a ``losses`` list where it holds the last: a V holds both
+on rank 0; the tensor-parallel ranks of a stage feed the same samples) and reports the degrees,
+batch, schedule and activation-checkpoint policy its parser read, the blocks that policy
+wrapped, its per-micro-batch losses (torchtitan sums the loss over tokens), where each
+parameter is split (mesh dimension and placement), and its parameters' gradients, gathered
+whole, next to the unsplit model's on the same batch.  Writes to OUT a JSON list per LINE of
+one entry per rank.
 
-Settings of torchtitan's, not patches: ``--parallelism.spmd_backend partial_dtensor``, since
+Settings of torchtitan's, not patches, that the harness puts before each line unless
+``--defaults`` (``HARNESS_SETTINGS``): ``--parallelism.spmd_backend partial_dtensor``, since
 its default ``spmd_types`` hands ``fully_shard`` annotated plain tensors that torch 2.13's
 refuses ("When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD
-mesh"), and ``--training.mixed_precision_param float32``.
+mesh"; a 1-rank data-parallel mesh runs under the default), ``--training.mixed_precision_param
+float32`` (the default, bfloat16, rounds the parameters FSDP2 gathers) and
+``--training.seq_len 8``.  With ``--defaults`` the line alone is laid on torchtitan's config.
 
 Environment only, never the code under test: the stand-ins of ``titan_split.py`` for imports
 that need a GPU library or a large package; torchtitan's device type set to ``cpu``
@@ -51,6 +57,16 @@ import torch
 
 B, T, V = 8, 8, 64  # the whole step's samples, tokens per sample, vocabulary
 
+#: What this harness adds to torchtitan's config before the export's line, unless --defaults.
+HARNESS_SETTINGS = [
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.seq_len",
+    str(T),
+    "--parallelism.spmd_backend",  # see the module's docstring
+    "partial_dtensor",
+]
+
 
 def _tiny_llama() -> Any:
     """torchtitan's llama3 debug model, shrunk, with its maskless (causal SDPA) attention."""
@@ -70,7 +86,7 @@ def _tiny_llama() -> Any:
         dim=dim,
         n_heads=heads,
         hidden_dim=64,
-        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=64, theta=500000, scaling="llama"),
+        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=2048, theta=500000, scaling="llama"),
         attn_backend="flex",
     )
     for layer in layers:  # flex needs a BlockMask per micro-batch and inductor; SDPA neither
@@ -88,29 +104,32 @@ def _tiny_llama() -> Any:
     )
 
 
-def _rank(rank: int, port: int, out: str, line: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, lines: list[str], defaults: bool) -> None:
     from titan_split import _install_stand_ins
 
     _install_stand_ins()
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # four ranks on a few cores
+    torch.set_num_threads(1)  # several ranks on a few cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = _train(rank, line)
-        results: list[Any] = [None] * 4
-        dist.all_gather_object(results, result)
+        jobs = []
+        for line in lines:  # one after the other, each its own torchtitan run
+            results: list[Any] = [None] * world
+            dist.all_gather_object(results, _train(world, line, defaults))
+            jobs.append(results)
         if rank == 0:
             with open(out, "w") as f:
-                json.dump(results, f)
+                json.dump(jobs, f)
         dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, line: str) -> dict[str, Any]:
+def _train(world: int, line: str, defaults: bool) -> dict[str, Any]:
     import torchtitan.distributed.parallel_dims as titan_dims
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.config.manager import ConfigManager
@@ -128,18 +147,13 @@ def _train(rank: int, line: str) -> dict[str, Any]:
             "llama3_debugmodel_ce_loss",
             # this harness's settings first: the export's line may end in a tyro subcommand
             # (activation_checkpoint:none), after which only that subcommand's options parse
-            "--training.mixed_precision_param",
-            "float32",
-            "--training.seq_len",
-            str(T),
-            "--parallelism.spmd_backend",  # see the module's docstring
-            "partial_dtensor",
+            *([] if defaults else HARNESS_SETTINGS),
             *shlex.split(line),
         ]
     )
     par = config.parallelism
     dist_utils.set_spmd_backend(par.spmd_backend)  # as torchtitan's Trainer does
-    dims = ParallelDims.from_config(par, 4)
+    dims = ParallelDims.from_config(par, world)
     dims.build_mesh()
     model_config = _tiny_llama()
     config.model_spec.model = model_config
@@ -190,10 +204,12 @@ def _train(rank: int, line: str) -> dict[str, Any]:
     share = B // (batch.size() if batch is not None else 1)
     mine = slice(d * share, (d + 1) * share)  # the tensor-parallel ranks feed the same samples
     losses: list[torch.Tensor] = []
-    if first:
-        schedule.step(inputs[mine])
-    else:
-        schedule.step(target=labels[mine], losses=losses)
+    # a V schedule holds the first and the last stage on rank 0: inputs and targets both
+    schedule.step(
+        *([inputs[mine]] if first else []),
+        target=labels[mine] if last else None,
+        losses=losses if last else None,
+    )
     grad_diff, grad_max = 0.0, 0.0
     for part in parts:
         for name, param in part.named_parameters():
@@ -227,6 +243,12 @@ def _train(rank: int, line: str) -> dict[str, Any]:
         },
         "schedule": type(schedule).__name__,
         "microbatches": schedule._n_microbatches,
+        "local_batch_size": config.training.local_batch_size,
+        "activation_checkpoint": type(config.activation_checkpoint).__qualname__,
+        "checkpointed": [  # the blocks torchtitan's activation checkpointing wrapped, per part
+            sorted(n for n, m in p.named_modules() if isinstance(m, CheckpointWrapper))
+            for p in parts
+        ],
         "loss_sum": float(sum(x.detach() for x in losses)) if losses else None,
         "whole_loss_sum": want.item(),
         "tokens": B * T,
@@ -242,7 +264,16 @@ def _owner(name: str) -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
     import torch.multiprocessing as mp
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("out")
+    parser.add_argument("lines", nargs="+")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--defaults", action="store_true")
+    a = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    mp.spawn(_rank, args=(int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=4)
+    mp.spawn(_rank, args=(a.world, a.port, a.out, a.lines, a.defaults), nprocs=a.world)

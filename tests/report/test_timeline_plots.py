@@ -165,3 +165,17 @@ def test_split_waits_leaves_events_without_collectives_alone():
     timeline = replay("gpipe", 2, 1, 2, ChunkCosts([1e-3, 2e-3], [2e-3, 4e-3], [0.0, 0.0]))
     df = frames.timeline_frame(timeline)
     assert frames.split_waits(df).equals(df)
+
+
+def test_gantt_labels_each_block_with_its_chunk_where_a_rank_runs_several():
+    """A V (ZB-V, p = 2, v = 2): rank 0 runs chunks 0 and 3, so its blocks read ``c0:k`` and
+    ``c3:k``; a one-chunk plan's read the micro-batch alone."""
+    costs = ChunkCosts([1.0] * 4, [2.0] * 4, [0.0] * 4, [1.0] * 4, [1.0] * 4)
+    labels = {
+        t.get_text() for t in timeline_plots.gantt(replay("zbv", 2, 2, 2, costs)).axes[0].texts
+    }
+    assert {"c0:0", "c3:0", "c1:1", "c2:1"} <= labels
+    one = ChunkCosts([1.0, 1.0], [2.0, 2.0], [0.0, 0.0])
+    assert {
+        t.get_text() for t in timeline_plots.gantt(replay("gpipe", 2, 1, 2, one)).axes[0].texts
+    } == {"0", "1"}

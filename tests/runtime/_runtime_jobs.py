@@ -134,6 +134,9 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         )
         if "ranks" in cfg:  # the stages as the chunks of a multi-chunk family on that many ranks
             plan = chunked(plan, cfg["schedule"], cfg["ranks"])
+        if "tp" in model:  # the stages split over that many tensor-parallel ranks
+            cluster = plan.cluster.model_copy(update={"tensor_parallel": model["tp"]})
+            plan = plan.model_copy(update={"cluster": cluster})
         if "mode" in cfg:  # replicate or shard (FSDP2) over the replicas
             plan = plan.model_copy(
                 update={

@@ -6,11 +6,17 @@ parameters after a few steps match the unsplit model's; the loss is the global b
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 import torch
-from _runtime_jobs import launch_job, reference
+from _runtime_jobs import launch_job, make_plan, reference
+
+from pipeplan.cli import main
+from pipeplan.intake.model import load_model
+from pipeplan.intake.trace import trace_model
+from pipeplan.planner.io import write_json
 
 pytestmark = pytest.mark.multirank
 
@@ -86,21 +92,129 @@ def test_sharded_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
     }
     ranks_out = launch_job(job, 4, tmp_path, timeout=600)
     for fam, (model, _, _) in SHARDED.items():
-        ref_loss, ref_grads, ref_params, ref_losses = reference(model, 8, "momentum", 0.1, 3)
-        seen: set[str] = set()
-        for r, out in enumerate(ranks_out):
-            got = out[fam][fam]
-            assert set(got["sharded"]) == {"DTensor"}, (fam, r)  # FSDP2 holds every parameter
-            if got["loss"] is not None:
-                assert got["loss"] == pytest.approx(ref_loss, rel=1e-12), (fam, r)
-                assert got["losses"] == pytest.approx(ref_losses, rel=1e-9), (fam, r)
-            for pname, grad in got["grads"].items():
-                torch.testing.assert_close(
-                    grad, ref_grads[pname], **TIGHT, msg=f"{fam} {r} {pname}"
-                )
-            for pname, value in got["params"].items():
-                torch.testing.assert_close(
-                    value, ref_params[pname], **TIGHT, msg=f"{fam} {r} {pname}"
-                )
-            seen |= set(got["grads"])
-        assert seen == set(ref_grads), fam
+        got = [out[fam][fam] for out in ranks_out]
+        for r, one in enumerate(got):
+            assert set(one["sharded"]) == {"DTensor"}, (fam, r)  # FSDP2 holds every parameter
+        _assert_unsplit(model, got, TIGHT, fam)
+
+
+def _assert_unsplit(
+    model: dict[str, Any], got: list[dict[str, Any]], tolerance: dict[str, float], what: str
+) -> None:
+    """Each rank's loss (where it has one), gradients and parameters after 3 steps (``got``,
+    one per rank) are the unsplit model's, and the ranks hold every gradient between them."""
+    ref_loss, ref_grads, ref_params, ref_losses = reference(model, 8, "momentum", 0.1, 3)
+    seen: set[str] = set()
+    for r, one in enumerate(got):
+        if one["loss"] is not None:
+            assert one["loss"] == pytest.approx(ref_loss, rel=1e-12), (what, r)
+            assert one["losses"] == pytest.approx(ref_losses, rel=1e-9), (what, r)
+        for pname, grad in one["grads"].items():
+            torch.testing.assert_close(
+                grad, ref_grads[pname], **tolerance, msg=f"{what} {r} {pname}"
+            )
+        for pname, value in one["params"].items():
+            torch.testing.assert_close(
+                value, ref_params[pname], **tolerance, msg=f"{what} {r} {pname}"
+            )
+        seen |= set(one["grads"])
+    assert seen == set(ref_grads), what
+
+
+#: A transformers Llama whose 4 heads and 2 KV heads split over t = 2 (the zoo's has 1 KV head).
+LLAMA_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 16,
+    "use_cache": False,
+}  # fmt: skip
+#: Sums over the tp ranks (the row-wise all-reduce, forward; the column-wise input's gradient,
+#: backward) reorder the float64 additions of a dot product: a few ulps of the largest term
+#: (measured: at most 1.0e-15 of a gradient's largest entry, GPT; 6.4e-16, Llama).
+TP_TOLERANCE = {"rtol": 1e-12, "atol": 1e-13}
+
+
+def test_tensor_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
+    """pp 2 x tp 2 on 4 ranks (device mesh (dp, pp, tp), tp innermost): each stage's attention
+    and MLP projections split column- then row-wise by torch's parallelize_module.  The loss
+    and every gradient (gathered from the shards) equal the unsplit model's in float64, and so
+    do the parameters after 3 momentum steps, for the bundled GPT (fx graph, MLP split, tied
+    embedding and head summed over the tp index's pipeline ranks; stage 0 recomputed) and a
+    transformers Llama with grouped KV heads (export graph, whose baked head counts the split
+    rewrites); and the GPT as interleaved 1F1B and ZB-V plans of 2 ranks x 2 chunks."""
+    llama_file = tmp_path / "llama.json"
+    llama_file.write_text(json.dumps(LLAMA_CONFIG))
+    llama = {"model": f"hf:{llama_file}", "kwargs": {"seq_len": 8}}
+    chunked = {"checkpoint": "never", "ranks": 2}
+    cases = {
+        "gpt": (GPT, [0, 3], CONFIG),
+        "llama": (llama, [0, 2], CONFIG),
+        "interleaved": (GPT, [0, 2, 3, 5], {**CONFIG, **chunked, "schedule": "interleaved1f1b"}),
+        "zbv": (GPT, [0, 2, 3, 5], {**CONFIG, **chunked, "schedule": "zbv"}),
+    }
+    configs = [{**cfg, "key": name} for name, (_, _, cfg) in cases.items()]
+    models = [{"name": name, **model, "starts": starts, "tp": 2, "keys": [name]}
+              for name, (model, starts, _) in cases.items()]  # fmt: skip
+    job = {"models": models, "batch_size": 8, "microbatches": 2, "configs": configs}
+    out = launch_job(job, 4, tmp_path, timeout=600)
+    for name, (model, _, _) in cases.items():
+        got = [ranks[name][name] for ranks in out]
+        has_loss = [one["loss"] is not None for one in got]  # both tp ranks of the last stage
+        assert has_loss == ([True] * 2 + [False] * 2 if name == "zbv" else [False] * 2 + [True] * 2)
+        _assert_unsplit(model, got, TP_TOLERANCE, name)
+        # every block's 4 split tensors (GPT) or every layer's 7 (Llama) on its 2 tp ranks
+        split = sum(one["sharded"].count("DTensor") for one in got)
+        assert split == (7 * 2 * 2 if name == "llama" else 4 * 4 * 2), (name, split)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_replicas_equal_unsplit_model(tmp_path: Any) -> None:
+    """pp 2 x dp 2 x tp 2 on 8 ranks (oversubscribed: correctness only): replicated replicas of
+    the GPT, and replicas sharded by FSDP2 over tensor-parallel DTensors (its 2-D composition)
+    of the GPT and the Llama; the loss, every gradient and the parameters after 3 steps equal
+    the unsplit model's."""
+    llama_file = tmp_path / "llama.json"
+    llama_file.write_text(json.dumps(LLAMA_CONFIG))
+    llama = {"model": f"hf:{llama_file}", "kwargs": {"seq_len": 8}}
+    cases = {"replicate": (GPT, "replicate"), "shard": (GPT, "shard"),
+             "llama-shard": (llama, "shard")}  # fmt: skip
+    configs = [{**CONFIG, "key": name, "mode": mode, "checkpoint": "never"}
+               for name, (_, mode) in cases.items()]  # fmt: skip
+    models = [{"name": name, **model, "starts": [0, 3 if model is GPT else 2], "tp": 2,
+               "replicas": 2, "keys": [name]} for name, (model, _) in cases.items()]  # fmt: skip
+    job = {"models": models, "batch_size": 8, "microbatches": 2, "configs": configs}
+    out = launch_job(job, 8, tmp_path, timeout=900)
+    for name, (model, mode) in cases.items():
+        got = [ranks[name][name] for ranks in out]
+        assert [one["loss"] is not None for one in got] == [False, False, True, True] * 2
+        if mode == "shard":
+            assert {kind for one in got for kind in one["sharded"]} == {"DTensor"}, name
+        _assert_unsplit(model, got, TP_TOLERANCE, name)
+
+
+@pytest.mark.parametrize(
+    ("zoo", "message"),
+    [
+        ("llama", "--tensor-parallel 2 does not divide the model's kv_heads (1)"),
+        ("gpt2", "GPT2LMHeadModel has no tensor-parallel layout"),
+    ],
+)
+def test_a_plan_whose_model_cannot_split_t_ways_is_refused_in_one_line(
+    zoo: str, message: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The zoo's Llama has 1 KV head (t = 2 cannot split it); GPT-2's projections are fused
+    Conv1D layers (no layout): ``pipeplan run`` refuses either plan before it starts a rank,
+    in one line, with status 2."""
+    model = (f"pipeplan.models.zoo:{zoo}", {"n_layers": 1, "d_model": 16, "vocab": 32,
+                                             "seq_len": 8})  # fmt: skip
+    spec = load_model(*model)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan = make_plan(*model, traced, starts=[0], batch_size=4, microbatches=2, dtype="float32")
+    path = tmp_path / "plan.json"
+    write_json(path, plan.model_copy(update={
+        "cluster": plan.cluster.model_copy(update={"tensor_parallel": 2})}))  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(path), "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and len(err.strip().splitlines()) == 1, err

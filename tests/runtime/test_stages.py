@@ -404,6 +404,17 @@ def test_a_rank_of_several_chunks_is_named_with_every_chunk(tmp_path: Path) -> N
     assert msg.startswith("rank 1 (stages 1 and 2) stopped making progress: no heartbeat for 7 s")
 
 
+def test_a_tensor_parallel_rank_is_named_with_its_stage(tmp_path: Path) -> None:
+    """pp 2 x tp 2: global rank 3 runs stage 1 (tp rank 1), rank 1 stage 0; a V's chunks
+    follow the pipeline rank, not the global one."""
+    _error(tmp_path, 3, "boom", False, 1.0)
+    _error(tmp_path, 1, "Connection reset by peer", True, 2.0)
+    msg = str(failure(tmp_path, 4, 1, SUMMARY, None, 2, None, 2))
+    assert msg.startswith("stage 1 (rank 3) failed at step 1: RuntimeError: boom"), msg
+    msg = str(failure(tmp_path, 4, 1, SUMMARY, None, 2, [[0, 3], [1, 2]], 2))
+    assert msg.startswith("rank 3 (stages 1 and 2) failed at step 1"), msg
+
+
 def test_a_rank_that_aborts_in_native_code_shows_why(tmp_path: Path) -> None:
     native = "terminate called after throwing an instance of 'gloo::IoException'\n"
     native += "  what():  [pair.cc:589] Connection closed by peer [127.0.0.1]:1234\n"

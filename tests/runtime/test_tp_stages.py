@@ -1,0 +1,39 @@
+"""The sizes a traced view, reshape or expand takes on one of t tensor-parallel ranks
+(:func:`pipeplan.runtime.tp_stages._local_sizes`); the split itself is tested on 4 ranks in
+``test_mesh.py`` (the loss and every gradient of a pp 2 x tp 2 run equal the unsplit model's)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.runtime.tp_stages import _local_sizes
+
+
+def test_a_split_feature_dimension_shrinks_its_outermost_piece() -> None:
+    """q_proj's 32 output features, sharded 2 ways, viewed as 4 heads of 8: 2 heads a rank."""
+    assert _local_sizes("reshape", (3, 8, 32), (3, 8, 16), (3, 8, 4, 8)) == [3, 8, 2, 8]
+
+
+def test_merged_dimensions_shrink_where_the_sharded_one_lands() -> None:
+    """Llama's repeat_kv under export: (B, kv 2, rep 2, T, D) -> (B, heads 4, T, D)."""
+    assert _local_sizes("reshape", (3, 2, 2, 8, 16), (3, 1, 2, 8, 16), (3, 4, 8, 16)) == [
+        3, 2, 8, 16,
+    ]  # fmt: skip
+    assert _local_sizes("reshape", (3, 8, 2, 8), (3, 8, 1, 8), (3, 8, 16)) == [3, 8, 8]
+
+
+def test_an_expand_keeps_the_local_size_of_a_dimension_it_does_not_broadcast() -> None:
+    assert _local_sizes("expand", (3, 2, 1, 8, 16), (3, 1, 1, 8, 16), (3, 2, 2, 8, 16)) == [
+        3, 1, 2, 8, 16,
+    ]  # fmt: skip
+    assert _local_sizes("expand", (2, 1), (1, 1), (5, 2, 4)) == [5, 1, 4]
+
+
+def test_unsplit_inputs_keep_their_sizes() -> None:
+    assert _local_sizes("reshape", (3, 8, 32), (3, 8, 32), (3, 8, 4, 8)) == [3, 8, 4, 8]
+
+
+def test_a_shard_that_does_not_divide_the_output_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="cannot hold 1/2 of dimension 1"):
+        _local_sizes("reshape", (3, 6, 5), (3, 3, 5), (3, 5, 6))
