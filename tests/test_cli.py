@@ -388,6 +388,14 @@ BAD_PROFILE = [
     (["pipeplan.models.mlp:mlp", "-b", "8", "--model-arg", "width"], "KEY=VALUE"),
     (["pipeplan.models.mlp:mlp", "-b", "8", "--model-arg", "colour=3"], "check --model-arg"),
     (["pipeplan.models.mlp:mlp", "-b", "8", "--dtype", "int3"], "int3"),
+    (
+        ["pipeplan.models.zoo:llama", "-b", "2", "--tensor-parallel", "2"],
+        "--tensor-parallel 2 does not divide the model's kv_heads (1)",
+    ),
+    (
+        ["pipeplan.models.mlp:mlp", "-b", "8", "--tensor-parallel", "2"],
+        "tensor parallelism stays 1",
+    ),
 ]
 
 

@@ -2,7 +2,7 @@
 
 :func:`annotate_profile` fills ``Unit.tensor_parallel`` (a
 :class:`~pipeplan.planner.types.UnitTensorParallel`) for every unit holding a projection that
-:func:`pipeplan.intake.tensor_parallel.find_layout` splits, and ``Profile.tensor_parallel_note``
+:func:`pipeplan.intake.tp_layout.find_layout` splits, and ``Profile.tensor_parallel_note``
 for a model with none.  Every new profile is annotated (:mod:`pipeplan.profiler.assemble`); it
 costs one run of the traced graph on ``meta`` (:class:`~pipeplan.intake.meta.MetaInterpreter`),
 no memory and no measurement.
@@ -22,7 +22,9 @@ projection's.
   layout's sizes t must divide that concern them (their split features, and the heads where
   the unit holds an attention projection).
 - ``sharded_param_bytes``: the split projections' weights, and the biases of the column-wise
-  ones, in the profile's dtype (a row-wise bias is added after the all-reduce, whole).
+  ones, in the profile's dtype (a row-wise bias is added after the all-reduce, whole), and
+  the per-head tables of their attention modules (:func:`head_tables`: T5's relative-position
+  bias).
 - ``sharded_flop_fraction``: F_s / F, forward FLOPs (``torch.utils.flop_counter``, on
   ``meta``) of the split projections and of the sharded nodes (the attention between them),
   over the unit's forward FLOPs.
@@ -53,12 +55,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeplan.intake.graph import _module_info
 from pipeplan.intake.meta import MetaInterpreter, trace_meta
 from pipeplan.intake.spec import ModelSpec, NamedInputs, cast_floating
-from pipeplan.intake.tensor_parallel import Layout, find_layout, unit_styles
+from pipeplan.intake.tp_layout import Layout, find_layout, unit_styles
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError
 from pipeplan.planner.types import Profile, UnitTensorParallel
 
-__all__ = ["annotate_profile", "annotate_traced", "model_layout"]
+__all__ = ["annotate_profile", "annotate_traced", "head_tables", "model_layout"]
 
 #: Leaf names of attention projections: a unit holding one of them also depends on the heads.
 _ATTENTION = frozenset(
@@ -75,7 +77,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def model_layout(module: nn.Module) -> Layout | str:
-    """:func:`~pipeplan.intake.tensor_parallel.find_layout` of ``module``, its names as the
+    """:func:`~pipeplan.intake.tp_layout.find_layout` of ``module``, its names as the
     traced graph gives them: a :class:`~pipeplan.intake.spec.NamedInputs` wrapper (what
     pipeplan makes of a ``transformers`` model) is looked through, so the model's own
     ``config`` is read, and its names gain the wrapper's ``model.`` prefix."""
@@ -88,6 +90,17 @@ def model_layout(module: nn.Module) -> Layout | str:
         }
         return Layout({f"model.{k}": v for k, v in inner.styles.items()}, divisors, inner.source)
     return find_layout(module)
+
+
+def head_tables(attention: nn.Module) -> list[str]:
+    """The children of an attention module (the parent of column-wise projections) that hold
+    one column per head and so split with them: T5's relative-position bias table (an
+    ``nn.Embedding`` whose name says ``bias``)."""
+    return [
+        name
+        for name, sub in attention.named_children()
+        if isinstance(sub, nn.Embedding) and "bias" in name
+    ]
 
 
 @dataclass
@@ -166,20 +179,28 @@ def _unit_entry(
     nodes: Sequence[str],
     stats: Mapping[str, _NodeStats],
     path_of: Mapping[str, str],
-    linears: Mapping[str, nn.Module],
+    modules: Mapping[str, nn.Module],
     elem: int,
     batch: int,
 ) -> UnitTensorParallel | None:
     styles = unit_styles(layout, params)
     if not styles:
         return None
-    sharded_params = 0
+    split_tensors: list[Any] = []
     for name, style in styles.items():
-        lin = linears[name]
-        weight, bias = getattr(lin, "weight", None), getattr(lin, "bias", None)
-        for t in (weight, bias if style == "colwise" else None):
-            if isinstance(t, Tensor):
-                sharded_params += t.numel() * (elem if t.is_floating_point() else t.element_size())
+        lin = modules[name]
+        split_tensors += [getattr(lin, "weight", None)]
+        split_tensors += [getattr(lin, "bias", None) if style == "colwise" else None]
+    wanted = set(params)
+    for parent in {n.rsplit(".", 1)[0] for n, st in styles.items() if st == "colwise" and "." in n}:
+        for child in head_tables(modules[parent]):
+            if f"{parent}.{child}.weight" in wanted:
+                split_tensors.append(getattr(modules[f"{parent}.{child}"], "weight", None))
+    sharded_params = sum(
+        t.numel() * (elem if t.is_floating_point() else t.element_size())
+        for t in split_tensors
+        if isinstance(t, Tensor)
+    )
     total = split = 0
     saved: dict[int, tuple[int, bool]] = {}
     for name in nodes:
@@ -235,9 +256,7 @@ def annotate_traced(
             f"the traced graph has no node {missing[0]!r} of the profile's units; annotate the "
             f"profile with the model it was made from"
         )
-    linears = {k: v for k, v in gm.named_modules() if k in layout.styles}
-    if len(linears) < len(layout.styles):  # export graphs keep no submodules: the model's own
-        linears = {k: v for k, v in module.named_modules() if k in layout.styles}
+    modules = dict(module.named_modules())
     stats = _Walk(traced, layout.styles).walk(example)
     path_of = {name: ".".join(_module_info(gm, n)[0]) for name, n in nodes.items()}
     elem = torch.empty((), dtype=_DTYPES.get(profile.dtype, torch.float32)).element_size()
@@ -246,7 +265,7 @@ def annotate_traced(
         u.model_copy(
             update={
                 "tensor_parallel": _unit_entry(
-                    layout, u.params, u.nodes, stats, path_of, linears, elem, batch
+                    layout, u.params, u.nodes, stats, path_of, modules, elem, batch
                 )
             }
         )

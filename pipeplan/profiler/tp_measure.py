@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,13 +59,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 from pipeplan.intake.meta import materialize
 from pipeplan.intake.model import load_model
 from pipeplan.intake.spec import cast_floating
-from pipeplan.intake.tensor_parallel import Layout, check_degree
+from pipeplan.intake.tp_layout import Layout, check_degree
 from pipeplan.planner.errors import InvalidRequestError, UnitMeasureError
 from pipeplan.planner.types import Profile, Timing, Unit
 from pipeplan.profiler.measure import saved_storages, storage_keys
-from pipeplan.profiler.tp_annotate import model_layout
+from pipeplan.profiler.tp_annotate import head_tables, model_layout
 
-__all__ = ["HEAD_ATTRS", "RankMeasure", "measure_tensor_parallel", "unit_module"]
+__all__ = ["HEAD_ATTRS", "RankMeasure", "measure_split", "measure_tensor_parallel", "unit_module"]
 
 #: Attributes of an attention module that count its heads (or their total width); a split
 #: module's parent has each one it holds divided by t.
@@ -207,10 +207,9 @@ def _split(mod: nn.Module, styles: Mapping[str, str], prefix: str, t: int, mesh:
             value = getattr(owner, attr, None)
             if isinstance(value, int) and not isinstance(value, bool) and value % t == 0:
                 setattr(owner, attr, value // t)
-        for name, sub in owner.named_children():
-            if isinstance(sub, nn.Embedding) and "bias" in name:  # T5's relative position table
-                key = f"{parent}.{name}" if parent else name
-                plan[key] = ColwiseParallel(output_layouts=Shard(-1))
+        for name in head_tables(owner):
+            key = f"{parent}.{name}" if parent else name
+            plan[key] = ColwiseParallel(output_layouts=Shard(-1))
     parallelize_module(mod, mesh, plan)
 
 
@@ -316,10 +315,11 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
                 ]
                 materialize(module, owned, torch.device("cpu"), seed=request["seed"])
                 mod = module.get_submodule(name)
-                _split(mod, styles, name, t, mesh)
                 gen = torch.Generator().manual_seed(request["seed"] * 1009 + k * 31 + b)
                 args, kwargs = _realize(calls[k], gen)
-                args, kwargs = _slice_heads(mod, args, kwargs, t, rank)
+                if t > 1:
+                    _split(mod, styles, name, t, mesh)
+                    args, kwargs = _slice_heads(mod, args, kwargs, t, rank)
                 results[str(k)][str(b)] = _time_unit(
                     mod, args, kwargs, request["warmup"], request["repeats"]
                 )
@@ -332,40 +332,43 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
 
 def _launch(request: str, t: int, timeout_s: float) -> None:
     """Run the ``t`` ranks (``python -m pipeplan.profiler.tp_measure REQUEST RANK``) and wait;
-    a rank that fails or outlives ``timeout_s`` stops them all with its last error line."""
+    a rank that fails or outlives ``timeout_s`` stops them all with its last error line.  Each
+    rank's error output goes to a file beside the request (a pipe could fill and stall it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "pipeplan.profiler.tp_measure", request, str(r)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(t)
-    ]
+    logs = [os.path.join(os.path.dirname(request), f"rank{r}.err") for r in range(t)]
+    procs = []
+    for r, log in enumerate(logs):
+        with open(log, "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "pipeplan.profiler.tp_measure", request, str(r)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    env=env,
+                )
+            )
+
+    def last_line(r: int) -> str:
+        with open(logs[r]) as fh:
+            lines = fh.read().strip().splitlines()
+        return lines[-1] if lines else f"rank {r} exited with {procs[r].returncode}"
+
     deadline = time.monotonic() + timeout_s
     failed: str | None = None
     try:
-        while any(p.poll() is None for p in procs) and failed is None:
+        while failed is None and any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 failed = f"the ranks ran past {timeout_s:.0f} s"
-            for p in procs:
-                if p.poll() not in (None, 0):
-                    lines = (p.stderr.read() if p.stderr else "").strip().splitlines()
-                    failed = lines[-1] if lines else f"a rank exited with {p.returncode}"
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            failed = last_line(bad[0]) if bad else failed
             time.sleep(0.05)
-        for p in procs:
-            if failed is None and p.returncode not in (None, 0):
-                lines = (p.stderr.read() if p.stderr else "").strip().splitlines()
-                failed = lines[-1] if lines else f"a rank exited with {p.returncode}"
+        bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        failed = failed or (last_line(bad[0]) if bad else None)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-            if p.stderr:
-                p.stderr.close()
     if failed is not None:
         raise UnitMeasureError(
             f"measuring the units split {t} ways failed: {failed}; profile without "
@@ -403,7 +406,7 @@ def _merge(per_rank: Sequence[Mapping[str, Any]]) -> RankMeasure | None:
     return RankMeasure(timings, first["param_bytes"]) if first else None
 
 
-def measure_tensor_parallel(
+def measure_split(
     profile: Profile,
     t: int,
     *,
@@ -411,16 +414,12 @@ def measure_tensor_parallel(
     repeats: int = 5,
     threads: int | None = None,
     seed: int = 0,
-    on_measured: Callable[[int, RankMeasure], None] | None = None,
     timeout_s: float = 1800.0,
-) -> Profile:
-    """``profile`` with ``Unit.tp_timings[t]`` measured on ``t`` ranks (module docstring) for
-    every splittable unit that is one module; copies (``Unit.measured_as``) take their
-    original's.  ``threads`` per rank defaults to the cores divided among the ranks.
-    ``on_measured(unit index, measure)`` is called for each unit measured (the benchmark reads
-    the per-rank parameter bytes from it)."""
-    if t < 2:
-        raise InvalidRequestError(f"--tensor-parallel {t} measures nothing; give 2 or more")
+) -> dict[int, RankMeasure]:
+    """Each distinct splittable unit of ``profile`` that is one module, measured split ``t``
+    ways on ``t`` ranks (module docstring), by unit index.  ``t`` = 1 runs the unsplit module
+    in the same harness (a baseline).  ``threads`` per rank defaults to the cores divided
+    among the ranks."""
     spec = load_model(profile.model, profile.model_kwargs, meta=True)
     layout = model_layout(spec.module)
     if not isinstance(layout, Layout):
@@ -434,7 +433,7 @@ def measure_tensor_parallel(
         if name is not None:
             units.append((u.index, name, u.tensor_parallel.styles))
     if not units:
-        return profile
+        return {}
     request = {
         "t": t,
         "threads": threads or max(1, (os.cpu_count() or 1) // t),
@@ -462,14 +461,21 @@ def measure_tensor_parallel(
         m = _merge([r[str(k)] for r in ranks])
         if m is not None:
             measured[k] = m
-            if on_measured is not None:
-                on_measured(k, m)
+    return measured
+
+
+def measure_tensor_parallel(profile: Profile, t: int, **options: Any) -> Profile:
+    """``profile`` with ``Unit.tp_timings[t]`` measured (:func:`measure_split`, whose
+    ``options`` these are) for every splittable unit that is one module; copies
+    (``Unit.measured_as``) take their original's."""
+    if t < 2:
+        raise InvalidRequestError(f"--tensor-parallel {t} measures nothing; give 2 or more")
+    measured = measure_split(profile, t, **options)
     out = []
     for u in profile.units:
         rep = u.index if u.measured_as is None else u.measured_as
         if rep in measured:
-            tp = {**u.tp_timings, t: measured[rep].timings}
-            u = u.model_copy(update={"tp_timings": tp})
+            u = u.model_copy(update={"tp_timings": {**u.tp_timings, t: measured[rep].timings}})
         out.append(u)
     return profile.model_copy(update={"units": tuple(out)})
 

@@ -175,7 +175,7 @@ def profile_model(
     if tensor_parallel < 1:
         raise InvalidRequestError(f"--tensor-parallel {tensor_parallel} must be at least 1")
     if tensor_parallel > 1:
-        from pipeplan.intake.tensor_parallel import check_degree
+        from pipeplan.intake.tp_layout import check_degree
         from pipeplan.profiler.tp_annotate import model_layout
 
         layout = model_layout(load_model(model, model_kwargs, meta=True).module)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from pipeplan.intake.tensor_parallel import Style
+from pipeplan.intake.tp_layout import Style
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Plan
 
@@ -100,12 +100,12 @@ def plan_mesh(plan: Plan, device: torch.device) -> PlanMesh:
 
 def tensor_parallel_styles(module: nn.Module, t: int) -> dict[str, Style]:
     """The tensor-parallel styles of ``module``'s linears by their qualified names in
-    ``module`` (:func:`pipeplan.intake.tensor_parallel.find_layout`, looking inside
+    ``module`` (:func:`pipeplan.intake.tp_layout.find_layout`, looking inside
     pipeplan's ``NamedInputs`` wrapper for the model's config).  Raises
     :class:`InvalidRequestError` in one line when the model has no layout, or ``t`` does not
     divide its heads, KV heads or split features (:func:`check_degree`)."""
     from pipeplan.intake.spec import NamedInputs
-    from pipeplan.intake.tensor_parallel import check_degree, find_layout
+    from pipeplan.intake.tp_layout import check_degree, find_layout
 
     inner, prefix = (module.model, "model.") if isinstance(module, NamedInputs) else (module, "")
     layout = find_layout(inner)

@@ -3,7 +3,7 @@
 A stage body is a :class:`~torch.fx.GraphModule` cut from the traced model
 (:mod:`pipeplan.runtime.stages`).  :func:`split_stage_body` splits it over the tp dimension of
 the plan's mesh with torch's :func:`~torch.distributed.tensor.parallel.parallelize_module`:
-every ``nn.Linear`` the layout (:func:`pipeplan.intake.tensor_parallel.find_layout`) calls
+every ``nn.Linear`` the layout (:func:`pipeplan.intake.tp_layout.find_layout`) calls
 ``colwise`` gets :class:`~torch.distributed.tensor.parallel.ColwiseParallel`, every ``rowwise``
 one :class:`~torch.distributed.tensor.parallel.RowwiseParallel`, with torch's defaults:
 
@@ -49,7 +49,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
-from pipeplan.intake.tensor_parallel import Style
+from pipeplan.intake.tp_layout import Style
 from pipeplan.planner.errors import InvalidRequestError
 
 __all__ = ["split_stage_body"]

@@ -9,7 +9,7 @@ import pytest
 
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.profiler import profile_model
-from pipeplan.profiler.tp_measure import RankMeasure, measure_tensor_parallel
+from pipeplan.profiler.tp_measure import measure_split, measure_tensor_parallel
 
 FAST: dict[str, Any] = {"warmup": 0, "repeats": 1, "progress": False, "microbatch_sizes": (2,)}
 LLAMA = {"n_layers": 2, "d_model": 32, "heads": 4, "kv_heads": 2}
@@ -19,10 +19,8 @@ def test_a_llama_layer_is_measured_split_on_two_ranks() -> None:
     model = "pipeplan.models.zoo:llama"
     options = {"method": "units", "max_stages": 1, "threads": 1, **FAST}
     profile = profile_model(model, batch_size=2, model_kwargs=LLAMA, **options)
-    got: dict[int, RankMeasure] = {}
-    split = measure_tensor_parallel(
-        profile, 2, warmup=0, repeats=2, threads=1, on_measured=got.__setitem__
-    )
+    split = measure_tensor_parallel(profile, 2, warmup=0, repeats=2, threads=1)
+    got = measure_split(profile, 2, warmup=0, repeats=1, threads=1)
     layers = [u for u in split.units if u.tensor_parallel is not None]
     assert len(layers) == 2 and layers[1].measured_as == layers[0].index
     assert list(got) == [layers[0].index]  # measured once, copied to the identical layer

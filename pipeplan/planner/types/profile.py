@@ -87,7 +87,7 @@ TensorParallelStyle = Literal["colwise", "rowwise"]
 
 
 class UnitTensorParallel(FrozenModel):
-    """How one unit splits over t tensor-parallel ranks (``pipeplan.intake.tensor_parallel``
+    """How one unit splits over t tensor-parallel ranks (``pipeplan.intake.tp_layout``
     finds it, ``pipeplan.profiler`` measures it; :mod:`pipeplan.planner.tensor_parallel`
     prices it).
 

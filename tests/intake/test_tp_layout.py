@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from pipeplan.intake.tensor_parallel import Layout, check_degree, find_layout, unit_styles
+from pipeplan.intake.tp_layout import Layout, check_degree, find_layout, unit_styles
 from pipeplan.models.gpt import gpt
 from pipeplan.models.zoo import build
 from pipeplan.planner.errors import InvalidRequestError
