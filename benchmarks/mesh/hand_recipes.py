@@ -14,13 +14,11 @@ per GPU (one 400 Gb/s InfiniBand NDR port per GPU, as in NVIDIA's DGX H100), int
 400 GB/s and 1 us: exactly 8x the inter-node, as the issue asks (NVLink 4 gives an H100
 about 450 GB/s per direction, 9x).
 
-Tensor-parallel annotation: WRITTEN HERE from the model's config (``annotate``), since
-``pipeplan.profiler.tp_annotate`` had not landed on main when this ran: every decoder layer
-splits its q, k, v, o, gate, up and down projections (all its parameters but its two norms),
-the sharded FLOP share is the projections' and the attention's over those plus the norms', the
-sharded activation share is Korthikanti et al.'s (24 + 5 a s / h) / (34 + 5 a s / h), two
-all-reduces of s h values per sample; the embedding (row-wise over the vocabulary) and the
-head (column-wise, loss-parallel) split their weight with one all-reduce of s h values each.
+Tensor-parallel split: :func:`pipeplan.profiler.tp_annotate.annotate_profile` on the model of
+``llama70b.json`` built on ``meta`` (what ``pipeplan plan --devices-per-node`` does to a profile
+without splits; timed apart from the planning): every decoder layer splits its projections
+(sharded FLOP share 1.0, activations 76 %, two all-reduces of 8 MiB per sample); the embedding
+and the norm + head are not split, so every tensor-parallel rank runs them whole.
 
 Rows:
   pipeplan        ``pipeplan.plan(devices=512, devices_per_node=8, ...)``: every (pp, tp, dp,
@@ -47,6 +45,7 @@ from typing import Any
 
 from benchmarks.common import machine
 from pipeplan import api
+from pipeplan.intake.model import load_model
 from pipeplan.planner.chunks import score
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import load_profile
@@ -58,54 +57,23 @@ from pipeplan.planner.types import (
     Plan,
     PlanOptions,
     Profile,
-    UnitTensorParallel,
 )
+from pipeplan.profiler.tp_annotate import annotate_profile
 from pipeplan.solvers.devices import axis_links, layout, replica_profile
 
 HERE = Path(__file__).parent
 PROFILE = HERE / "out/llama70b.profile.json"
-CONFIG = json.loads((HERE / "llama70b.json").read_text())
 DEVICES, PER_NODE, BATCH, SEQ = 512, 8, 1024, 128
 INTER = Link(bandwidth_Bps=50e9, latency_s=5e-6)
 INTRA = Link(bandwidth_Bps=400e9, latency_s=1e-6)
 SUSTAINED_FLOPS = 400e12
 
 
-def annotate(profile: Profile) -> Profile:
-    """The Llama's Megatron split, from its config (module docstring)."""
-    h, a, s = CONFIG["hidden_size"], CONFIG["num_attention_heads"], SEQ
-    divisors = {
-        "heads": a,
-        "kv_heads": CONFIG["num_key_value_heads"],
-        "hidden": h,
-        "intermediate": CONFIG["intermediate_size"],
-    }
-    act = 4 * s * h  # one float32 (s, h) tensor per sample
-    sigma = (24 + 5 * a * s / h) / (34 + 5 * a * s / h)
-    units = []
-    for u in profile.units:
-        norms = 2 * h * 4 if u.name.startswith("model.layers.") else 0
-        if u.name.startswith("model.layers."):
-            proj = 2 * (u.param_bytes - norms) / 4  # FLOPs per token
-            attn = 4 * s * h
-            phi = (proj + attn) / (proj + attn + 10 * h)
-            ann = UnitTensorParallel(
-                styles={"self_attn.q_proj": "colwise", "self_attn.o_proj": "rowwise",
-                        "mlp.gate_proj": "colwise", "mlp.down_proj": "rowwise"},
-                divisors=divisors, sharded_param_bytes=u.param_bytes - norms,
-                sharded_flop_fraction=phi, sharded_saved_fraction=sigma,
-                allreduces=2, allreduce_bytes_per_sample=2 * act,
-            )  # fmt: skip
-        else:  # the embedding (row-wise) and the norm + head (column-wise, loss-parallel)
-            big = u.largest_param_bytes
-            ann = UnitTensorParallel(
-                styles={u.name: "rowwise" if "embed" in u.name else "colwise"},
-                divisors={"vocab": CONFIG["vocab_size"]}, sharded_param_bytes=big,
-                sharded_flop_fraction=0.99, sharded_saved_fraction=0.0,
-                allreduces=1, allreduce_bytes_per_sample=act,
-            )  # fmt: skip
-        units.append(u.model_copy(update={"tensor_parallel": ann}))
-    return profile.model_copy(update={"units": tuple(units)})
+def annotate(profile: Profile) -> tuple[Profile, float]:
+    """The profile split by the profiler's annotation, and the seconds it took."""
+    t0 = time.perf_counter()
+    spec = load_model(profile.model, dict(profile.model_kwargs), meta=True)
+    return annotate_profile(profile, spec), time.perf_counter() - t0
 
 
 def cluster(profile: Profile) -> Cluster:
@@ -187,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-o", "--output", default=str(HERE / "results-tp.json"))
     args = ap.parse_args(argv)
-    prof = annotate(load_profile(PROFILE))
+    prof, annotate_s = annotate(load_profile(PROFILE))
     clus = cluster(prof)
     rows = []
     for name, t in (("pipeplan", None), ("pipeplan tp=1", 1)):
@@ -223,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {
         "machine": machine(),
         "speed": clus.devices[0].speed,
+        "annotate_wall_s": annotate_s,
         "links": {"inter": INTER.model_dump(), "intra": INTRA.model_dump()},
         "rows": rows,
     }
