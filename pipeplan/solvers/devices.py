@@ -45,7 +45,7 @@ from typing import Literal
 
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.tensor_parallel import check_tensor_parallel, is_annotated, tp_profile
-from pipeplan.planner.types import Cluster, Device, Plan, PlanOptions, Profile
+from pipeplan.planner.types import OPTIMIZER_STATES, Cluster, Device, Plan, PlanOptions, Profile
 
 __all__ = [
     "MODES",
@@ -236,6 +236,10 @@ def plan_devices(
     frontier, or none; the best triple is the same as without ``floor``.  The floors are per
     rank of the per-rank profile, so they bound every t alike.
 
+    In the mesh search (any t > 1 asked), a ``replicate`` triple is not planned where
+    ``shard`` dominates it (:func:`_shard_dominates`: modelled collectives, an optimizer with
+    states): its best plan can only be slower, so the best triple is the same.
+
     With ``refine`` = r > 0 (for the schedule solver, whose local search is what costs), the
     search is spent where it can matter.  First every triple is planned from the search's seeds
     alone (``options.search_work`` = 0: the DP's plans, the balanced and min-max cuts, every
@@ -267,6 +271,7 @@ def plan_devices(
     device = cluster.devices[0]
     out: list[DeviceChoice] = [DeviceChoice(0, 0, None, why, "replicate", t) for t, why in skipped]
     todo: list[tuple[float, int, int, Profile, Cluster, Mode]] = []
+    mesh = tuple(tensor_parallels) != (1,)
     for t in tensor_parallels:
         per_rank = tp_profile(profile, cluster.model_copy(update={"tensor_parallel": t}))
         n = devices // t
@@ -276,6 +281,14 @@ def plan_devices(
         for p in depths:
             d = n // p
             for mode in modes if d > 1 else modes[:1]:
+                if (
+                    mesh
+                    and mode == "replicate"
+                    and "shard" in modes
+                    and _shard_dominates(cluster, options, d)
+                ):
+                    out.append(DeviceChoice(p, d, None, _DOMINATED, mode, t))
+                    continue
                 got = _request(per_rank, p, t, d, mode, device, cluster, options, global_batch)
                 if isinstance(got, str):
                     out.append(DeviceChoice(p, d, None, got, mode, t))
@@ -314,6 +327,17 @@ def plan_devices(
             c.tensor_parallel,
         ),
     )
+
+
+_DOMINATED = "not searched: shard holds less and its collectives cost no more"
+
+
+def _shard_dominates(cluster: Cluster, options: PlanOptions, d: int) -> bool:
+    """Whether ``shard`` is never slower and never holds more than ``replicate`` for every
+    plan of d > 1 ranks: the collectives are the modelled rings (RS + AG cost what AR does,
+    and U(w / d) <= U(w)), and the optimizer keeps s >= 1 states per parameter, so that
+    1 + 1/d + 1 + s/d <= 2 + s (:func:`pipeplan.planner.collectives.state_factors`)."""
+    return d > 1 and not cluster.collectives and OPTIMIZER_STATES[options.optimizer] >= 1
 
 
 def _step(plan: Plan) -> float:
