@@ -321,6 +321,7 @@ def plan_devices(
         out,
         key=lambda c: (
             c.plan is None,
+            c.reason == _DOMINATED,  # a pair's other reason says more
             -c.throughput,
             order[c.mode],
             c.stages,
