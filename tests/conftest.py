@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,18 @@ CliRunner = Callable[[list[str]], tuple[int, str, str]]
 # The runtime's job helpers (tests/runtime/_*.py) import one another by name; so does
 # tests/test_cli_runtime.py, which runs ``pipeplan run`` end to end.
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker (``make test`` runs two) computes on one thread: two workers with a
+    thread per core each, beside the ranks they launch, oversubscribe CI's two cores, and
+    OpenMP's waiting threads then spin.  The unsplit MobileNetV3's float64 reference of
+    tests/zoo/test_vision_sweep.py took 77 s on two threads and 0.5 s on one on a busy host.
+    Whatever measures sets its own threads (``profile_model``, the ranks), so no check moves."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -29,12 +29,16 @@ CASES = {
     "llama": ["pipeplan.models.zoo:llama", "--model-arg", "d_model=16", "--model-arg", "seq_len=8"],
     # issue 31: a bare class_token, which only --init auto (the default) builds
     "vision-vit": ["pipeplan.models.vision:vit", "--model-arg", "image=32", *FAST],
+    # bfloat16 through the profiler and across gloo; the "llama" case has the default timing
     "llama-bfloat16": [
         "pipeplan.models.zoo:llama",
         "--model-arg",
         "d_model=16",
+        "--model-arg",
+        "seq_len=8",
         "--dtype",
         "bfloat16",
+        *FAST,
     ],
 }
 

@@ -1,9 +1,11 @@
 """A sweep computed once per test session, whichever xdist worker asks first.
 
 A module-scoped fixture is rebuilt whenever pytest tears it down between two of its module's
-tests (an xdist worker whose queue ran dry does), and the zoo's sweeps take minutes each: the
-first build is pickled under the session's temporary root (the one its xdist workers share,
-never an earlier session's), behind a file lock, and every later build reads it back.
+tests (an xdist worker whose queue ran dry does), and a session-scoped one once per xdist
+worker; the zoo's sweeps take minutes each, and the export tests' profiles are read by test
+files that ``--dist loadfile`` sends to different workers: the first build is pickled under the
+session's temporary root (the one its xdist workers share, never an earlier session's), behind
+a file lock, and every later build reads it back.
 """
 
 from __future__ import annotations
