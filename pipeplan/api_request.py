@@ -403,22 +403,17 @@ def _with_nodes(
     if intra_bandwidth is not None or intra_latency is not None:
         base = cluster.intra_node_link or cluster.link
         update["intra_node_link"] = Link(
-            bandwidth_Bps=(
-                parse_rate(intra_bandwidth)
-                if isinstance(intra_bandwidth, str)
-                else intra_bandwidth
-                if intra_bandwidth is not None
-                else base.bandwidth_Bps
-            ),
-            latency_s=(
-                parse_duration(intra_latency)
-                if isinstance(intra_latency, str)
-                else intra_latency
-                if intra_latency is not None
-                else base.latency_s
-            ),
+            bandwidth_Bps=_given(intra_bandwidth, parse_rate, base.bandwidth_Bps),
+            latency_s=_given(intra_latency, parse_duration, base.latency_s),
         )
     return cluster.model_copy(update=update)
+
+
+def _given(value: float | str | None, parse: Any, default: Any) -> Any:
+    """``value`` parsed where it is text, as it is where a number, ``default`` where absent."""
+    if value is None:
+        return default
+    return parse(value) if isinstance(value, str) else value
 
 
 def _annotated(profile: Profile) -> Profile:
