@@ -15,7 +15,8 @@ compared with the measured F + B, and C reported beside it.
 Per stage: ``measured_s`` (the median over ``repeats`` steps of the step's forwards and
 backwards, divided by m: a micro-batch's F + B), ``predicted_s`` (the plan's F + B),
 ``peak_bytes`` (CUDA's ``max_memory_allocated`` over a measured step, after a warm-up step
-that created the optimizer's state; on CPU the live tensors at its start plus the peak of its
+that created the optimizer's state, less what the process held on the GPU before the stage was
+materialized, ``held_before_bytes``; on CPU the live tensors at its start plus the peak of its
 tracked allocations, as ``pipeplan run`` counts them) and ``predicted_bytes`` (the plan's M_j).
 The stage is put back on ``meta`` before the next one is built.
 """
@@ -32,6 +33,7 @@ from torch import Tensor
 from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import dematerialize, materialize, trace_meta
 from pipeplan.intake.model import load_model
+from pipeplan.intake.spec import cast_floating
 from pipeplan.planner.families import action_order
 from pipeplan.planner.optim import make_optimizer
 from pipeplan.planner.types import Plan
@@ -64,7 +66,7 @@ def measure_stages(
     module docstring)."""
     dtype = _DTYPES[plan.dtype]
     spec = load_model(plan.model, dict(plan.model_kwargs), meta=True)
-    module = spec.module.to(dtype=dtype)
+    module = cast_floating(spec.module, dtype)
     b, m = plan.microbatch_size, plan.microbatches
     torch.manual_seed(seed)
     inputs, target = cast_batch(*spec.batch(b), dtype, torch.device("cpu"))
@@ -76,8 +78,12 @@ def measure_stages(
     records = []
     for j, prog in enumerate(programs):
         wanted = [names[id(t)] for t in [*prog.module.parameters(), *prog.module.buffers()]]
+        # what the process holds on the GPU already (a stage before this one that failed and
+        # left its tensors) is not this stage's: the peak is counted from here
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         mods = materialize(module, wanted, device, seed=seed, init_weights=spec.init_weights)
         busy, peak = _measure(plan, j, prog, spec, inputs, target, device, repeats)
+        peak -= before
         s = plan.stages[j]
         records.append(
             {
@@ -87,6 +93,7 @@ def measure_stages(
                 "comm_s": s.comm_s,
                 "peak_bytes": peak,
                 "predicted_bytes": s.memory.total,
+                "held_before_bytes": before,
             }
         )
         dematerialize(module, mods, prog.module)

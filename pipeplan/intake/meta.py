@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.fx import Interpreter
+from torch.fx import GraphModule, Interpreter
 from torch.utils._pytree import tree_map
 
 from pipeplan.planner.errors import ModelLoadError
@@ -175,11 +175,22 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+def _meta_arg(value: Any) -> Any:
+    """:func:`_to_meta`, and a graph passed to a higher-order operator
+    (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``: what ``torch.export`` makes of a
+    ``no_grad`` or ``autocast`` region) run by a :class:`MetaInterpreter` of its own, so that
+    the device arguments inside it (``.to(x.device)``, baked in at the trace) go to ``meta``
+    too."""
+    if isinstance(value, GraphModule):
+        return lambda *args: MetaInterpreter(value).run(*args)
+    return _to_meta(value)
+
+
 class MetaInterpreter(Interpreter):
     """Runs a graph with every tensor on ``meta``: real inputs, parameters and buffers are
     replaced by meta tensors of the same shape, dtype and ``requires_grad``, and device
-    arguments (``arange(..., device=cpu)``) by ``meta``.  A node that needs values (``.item()``,
-    ``nonzero``) raises."""
+    arguments (``arange(..., device=cpu)``) by ``meta``, inside the graphs of higher-order
+    operators too.  A node that needs values (``.item()``, ``nonzero``) raises."""
 
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
         return tree_map(_to_meta, super().placeholder(target, args, kwargs))
@@ -188,7 +199,7 @@ class MetaInterpreter(Interpreter):
         return tree_map(_to_meta, super().get_attr(target, args, kwargs))
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        return super().call_function(target, tree_map(_to_meta, args), tree_map(_to_meta, kwargs))
+        return super().call_function(target, tree_map(_meta_arg, args), tree_map(_meta_arg, kwargs))
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
         return super().call_method(target, tree_map(_to_meta, args), tree_map(_to_meta, kwargs))

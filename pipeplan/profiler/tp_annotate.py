@@ -42,7 +42,8 @@ A unit with no split module gets ``None``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,10 +164,27 @@ class _Walk(MetaInterpreter):
         with (
             torch.enable_grad(),
             self.counter,
-            torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t),
+            torch.autograd.graph.saved_tensors_hooks(_weak_pack(self), lambda t: t),
         ):
-            self.run(*example)
+            try:
+                self.run(*example)
+            finally:
+                self.keep.clear()
         return self.stats
+
+
+def _weak_pack(walk: _Walk) -> Callable[[Tensor], Tensor]:
+    """``walk.pack`` through a weak reference.  Autograd keeps a pack hook in C++, where the
+    garbage collector cannot see it; a bound method there kept the walk, its traced graph and
+    the model's real weights alive for good (measured: 709 MiB held on a GPU after profiling
+    a 1B model in-process)."""
+    ref = weakref.ref(walk)
+
+    def pack(t: Tensor) -> Tensor:
+        w = ref()
+        return t if w is None else w.pack(t)
+
+    return pack
 
 
 def _base(t: Tensor) -> Tensor:

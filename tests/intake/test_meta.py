@@ -202,6 +202,36 @@ def test_meta_interpreter_gives_the_real_shapes_without_values() -> None:
     assert real == meta
 
 
+class _NoGradTable(nn.Module):
+    """HF's rotary embedding in small: a ``no_grad`` region that moves a buffer to the input's
+    device, which ``torch.export`` makes a ``wrap_with_set_grad_enabled`` holding a graph
+    with the device baked in (``cuda`` on a GPU: what failed there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.table[None].float().to(x.device) * 2
+        return self.lin(x) * scale
+
+
+def test_meta_interpreter_runs_the_graphs_of_higher_order_operators_on_meta() -> None:
+    x = torch.randn(2, 4)
+    traced = trace_model(_NoGradTable().train(), (x,), "export")
+    hops = [
+        n
+        for n in traced.gm.graph.nodes
+        if n.target is torch.ops.higher_order.wrap_with_set_grad_enabled
+    ]
+    assert hops  # the region is a higher-order operator whose graph holds `device=cpu`
+    out = MetaInterpreter(traced.gm).run(x)
+    assert all(t.is_meta for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    assert _shapes(out) == _shapes(traced.gm(x))
+
+
 def test_module_seeds_depend_on_the_seed_and_the_name() -> None:
     assert module_seed(0, "a") == module_seed(0, "a")
     assert len({module_seed(0, "a"), module_seed(1, "a"), module_seed(0, "b")}) == 3
