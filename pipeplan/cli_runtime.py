@@ -126,10 +126,9 @@ def run(
         save=save,
     )
     if device == "cpu":
-        from pipeplan.planner.host import threads_mismatch
-        from pipeplan.runtime.worker import default_threads
+        from pipeplan.planner.host import threads_mismatch, threads_per_rank
 
-        per_rank = threads or default_threads(
+        per_rank = threads or threads_per_rank(
             p.pipeline_ranks * p.cluster.data_parallel * p.cluster.tensor_parallel
         )
         if (warning := threads_mismatch(p.profiled_threads, per_rank)) is not None:

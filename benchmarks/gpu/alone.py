@@ -33,11 +33,11 @@ from torch import Tensor
 from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import dematerialize, materialize, trace_meta
 from pipeplan.intake.model import load_model
-from pipeplan.intake.spec import cast_floating
+from pipeplan.intake.spec import cast_batch, cast_floating
 from pipeplan.planner.families import action_order
 from pipeplan.planner.optim import make_optimizer
 from pipeplan.planner.types import Plan
-from pipeplan.runtime.engine import Recompute, cast_batch
+from pipeplan.runtime.engine import Recompute
 from pipeplan.runtime.memory import TensorPeak, live_bytes
 from pipeplan.runtime.stages import build_stages
 

@@ -21,6 +21,7 @@ __all__ = [
     "ModelSpec",
     "NamedInputs",
     "as_tuple",
+    "cast_batch",
     "cast_floating",
     "is_transformers_model",
 ]
@@ -121,3 +122,14 @@ def is_transformers_model(module: nn.Module) -> bool:
         c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
         for c in type(module).__mro__
     )
+
+
+def cast_batch(
+    inputs: tuple[torch.Tensor, ...], target: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Move a batch to ``device``; floating-point tensors take the plan's ``dtype``."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    return tuple(cast(t) for t in inputs), cast(target)

@@ -11,8 +11,29 @@ writes the run report and a Chrome trace (:mod:`pipeplan.runtime.records`).  In 
 
 from __future__ import annotations
 
-from pipeplan.runtime.engine import PipelineRunner
-from pipeplan.runtime.launch import launch, preflight
-from pipeplan.runtime.stages import build_stages, check_plan
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PipelineRunner", "build_stages", "check_plan", "launch", "preflight"]
+if TYPE_CHECKING:
+    from pipeplan.runtime.engine import PipelineRunner
+    from pipeplan.runtime.launch import preflight
+    from pipeplan.runtime.stages import build_stages, check_plan
+
+__all__ = ["PipelineRunner", "build_stages", "check_plan", "preflight"]
+
+#: Where each export lives, imported on first use: the launcher (``pipeplan run``) needs
+#: :mod:`~pipeplan.runtime.launch` alone (its ``launch``, which a package attribute would
+#: confuse with the module), and the engine imports torch's pipelining (about 2 s), which
+#: only the ranks use.
+_HOME = {
+    "PipelineRunner": "engine",
+    "build_stages": "stages",
+    "check_plan": "stages",
+    "preflight": "launch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pipeplan.runtime.{_HOME[name]}"), name)

@@ -50,10 +50,10 @@ from torch.utils.checkpoint import checkpoint
 from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import has_meta, trace_meta
 from pipeplan.intake.model import ModelSpec
-from pipeplan.intake.spec import cast_floating
+from pipeplan.intake.spec import cast_batch, cast_floating
 from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.families import FAMILIES, check, rank_of_stage, stages_of_rank
+from pipeplan.planner.families import FAMILIES, rank_of_stage, stages_of_rank
 from pipeplan.planner.optim import make_optimizer
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.batchnorm import (
@@ -81,6 +81,7 @@ from pipeplan.runtime.mesh import (
 from pipeplan.runtime.records import RankRecord
 from pipeplan.runtime.stages import (
     build_stages,
+    check_schedule,
     parameter_names,
     tied_parameters,
 )
@@ -90,8 +91,6 @@ from pipeplan.runtime.weights import materialize_chunks, shard_tensors
 __all__ = [
     "PipelineRunner",
     "Recompute",
-    "cast_batch",
-    "check_schedule",
 ]
 
 
@@ -118,40 +117,6 @@ def _recompute_context(inner: nn.Module) -> Iterator[None]:
     """A recomputed forward: buffers restored afterwards, batch-norm statistics not tracked."""
     with preserved_buffers(inner), recomputing():
         yield
-
-
-def cast_batch(
-    inputs: tuple[Tensor, ...], target: Tensor, dtype: torch.dtype, device: torch.device
-) -> tuple[tuple[Tensor, ...], Tensor]:
-    """Move a batch to ``device``; floating-point tensors take the plan's ``dtype``."""
-
-    def cast(t: Tensor) -> Tensor:
-        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-
-    return tuple(cast(t) for t in inputs), cast(target)
-
-
-def check_schedule(plan: Plan) -> None:
-    """Reject micro-batch counts the schedule cannot run, naming the fix."""
-    if plan.microbatch_size * plan.microbatches != plan.batch_size:
-        raise InvalidRequestError(
-            f"plan splits batch {plan.batch_size} into {plan.microbatches} micro-batches of "
-            f"{plan.microbatch_size}; make the plan again"
-        )
-    p, v = plan.pipeline_ranks, plan.stages_per_rank
-    if p * v != plan.n_stages:
-        raise InvalidRequestError(
-            f"plan has {plan.n_stages} stages, not a multiple of its {v} chunks per rank; "
-            "make the plan again"
-        )
-    why = check(plan.schedule, p, v, plan.microbatches) if v > 1 else None
-    if why is not None:
-        raise InvalidRequestError(f"torch refuses the plan's schedule: {why}; plan again")
-    if plan.schedule == "1f1b" and plan.microbatches < plan.n_stages:
-        raise InvalidRequestError(
-            f"1F1B needs at least as many micro-batches as stages ({plan.microbatches} < "
-            f"{plan.n_stages}); plan with --schedule gpipe or --microbatches {plan.n_stages}"
-        )
 
 
 def _dtype(name: str) -> torch.dtype:

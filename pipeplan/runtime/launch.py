@@ -66,10 +66,9 @@ def preflight(
 
     from pipeplan.intake.graph import group_units
     from pipeplan.intake.model import load_model, parse_model_args
-    from pipeplan.intake.spec import cast_floating
+    from pipeplan.intake.spec import cast_batch, cast_floating
     from pipeplan.intake.trace import trace_model
-    from pipeplan.runtime.engine import cast_batch, check_schedule
-    from pipeplan.runtime.stages import check_plan
+    from pipeplan.runtime.stages import check_plan, check_schedule
 
     plan = load_plan(plan_path)
     check_schedule(plan)

@@ -43,7 +43,7 @@ from torch.utils._pytree import (
 from pipeplan.intake.graph import UnitSpec, cut_tensors, subgraph_module
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError, InvalidRequestError
-from pipeplan.planner.families import FAMILIES
+from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.types import Plan
 from pipeplan.runtime.probe import probe
 from pipeplan.runtime.stage_errors import (
@@ -59,6 +59,7 @@ __all__ = [
     "TiedParameter",
     "build_stages",
     "check_plan",
+    "check_schedule",
     "parameter_names",
     "retarget_devices",
     "tied_parameters",
@@ -432,3 +433,26 @@ def tied_parameters(
         (TiedParameter(names[pid], tuple(js)) for pid, js in owners.items() if len(js) > 1),
         key=lambda t: (t.stages, t.name),
     )
+
+
+def check_schedule(plan: Plan) -> None:
+    """Reject micro-batch counts the schedule cannot run, naming the fix."""
+    if plan.microbatch_size * plan.microbatches != plan.batch_size:
+        raise InvalidRequestError(
+            f"plan splits batch {plan.batch_size} into {plan.microbatches} micro-batches of "
+            f"{plan.microbatch_size}; make the plan again"
+        )
+    p, v = plan.pipeline_ranks, plan.stages_per_rank
+    if p * v != plan.n_stages:
+        raise InvalidRequestError(
+            f"plan has {plan.n_stages} stages, not a multiple of its {v} chunks per rank; "
+            "make the plan again"
+        )
+    why = check(plan.schedule, p, v, plan.microbatches) if v > 1 else None
+    if why is not None:
+        raise InvalidRequestError(f"torch refuses the plan's schedule: {why}; plan again")
+    if plan.schedule == "1f1b" and plan.microbatches < plan.n_stages:
+        raise InvalidRequestError(
+            f"1F1B needs at least as many micro-batches as stages ({plan.microbatches} < "
+            f"{plan.n_stages}); plan with --schedule gpipe or --microbatches {plan.n_stages}"
+        )

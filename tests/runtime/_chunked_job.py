@@ -22,8 +22,8 @@ from _chunked import chunked_step
 
 import pipeplan
 from pipeplan.intake.model import ModelSpec, load_model
+from pipeplan.intake.spec import cast_batch
 from pipeplan.intake.trace import TracedModel, trace_model
-from pipeplan.runtime.engine import cast_batch
 
 
 def main(batch_file: str, out: str, *plans: str) -> None:
