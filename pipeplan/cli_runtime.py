@@ -124,6 +124,7 @@ def run(
         outputs=[report, trace],
         resume=resume,
         save=save,
+        weights=weights,
     )
     if device == "cpu":
         from pipeplan.planner.host import threads_mismatch, threads_per_rank

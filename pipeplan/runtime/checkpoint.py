@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "INDEX",
     "CheckpointReader",
     "load_checkpoint",
+    "match",
     "shard_name",
     "write_index",
     "write_shard",
@@ -178,37 +179,44 @@ class _TorchFile:
         return self._tensors[key]
 
 
+def match(reader: CheckpointReader, keys: Sequence[str], t: Tensor) -> str:
+    """The first of ``keys`` (a tensor's aliases) that the checkpoint holds, with ``t``'s shape
+    and dtype, read from the checkpoint's header alone.
+
+    Raises :class:`~pipeplan.planner.errors.ModelLoadError` naming the tensor the checkpoint
+    lacks or holds with another shape or dtype, and the fix.
+    """
+    key = next((k for k in keys if k in reader), None)
+    if key is None:
+        raise ModelLoadError(
+            f"checkpoint {reader.path} lacks tensor {keys[0]!r} (shape {tuple(t.shape)}, "
+            f"{str(t.dtype).removeprefix('torch.')}); pass the checkpoint of this model"
+        )
+    shape, dtype = reader.info(key)
+    if shape != tuple(t.shape):
+        raise ModelLoadError(
+            f"checkpoint {reader.path}: tensor {key!r} has shape {shape} but the model's "
+            f"has {tuple(t.shape)}; pass the checkpoint of this model and configuration"
+        )
+    if dtype != t.dtype:
+        have, want = (str(d).removeprefix("torch.") for d in (dtype, t.dtype))
+        raise ModelLoadError(
+            f"checkpoint {reader.path}: tensor {key!r} is {have} but the plan runs {want}; "
+            f"convert the checkpoint, or profile and plan with --dtype {have}"
+        )
+    return key
+
+
 def load_checkpoint(
     reader: CheckpointReader,
     targets: Mapping[str, list[str]],
     tensors: Mapping[str, Tensor],
 ) -> None:
     """Copy into each of ``tensors`` (by the model's name) the checkpoint tensor under the
-    first of its keys ``targets[name]`` (its aliases) that the checkpoint holds.
-
-    Raises :class:`~pipeplan.planner.errors.ModelLoadError` naming the first tensor the checkpoint
-    lacks or holds with another shape or dtype.
-    """
+    first of its keys ``targets[name]`` (its aliases) that the checkpoint holds (:func:`match`,
+    which raises for a tensor it lacks or holds with another shape or dtype)."""
     for name, t in tensors.items():
-        keys = targets[name]
-        key = next((k for k in keys if k in reader), None)
-        if key is None:
-            raise ModelLoadError(
-                f"checkpoint {reader.path} lacks tensor {keys[0]!r} (shape {tuple(t.shape)}, "
-                f"{str(t.dtype).removeprefix('torch.')}); pass the checkpoint of this model"
-            )
-        shape, dtype = reader.info(key)
-        if shape != tuple(t.shape):
-            raise ModelLoadError(
-                f"checkpoint {reader.path}: tensor {key!r} has shape {shape} but the model's "
-                f"has {tuple(t.shape)}; pass the checkpoint of this model and configuration"
-            )
-        if dtype != t.dtype:
-            have, want = (str(d).removeprefix("torch.") for d in (dtype, t.dtype))
-            raise ModelLoadError(
-                f"checkpoint {reader.path}: tensor {key!r} is {have} but the plan runs {want}; "
-                f"convert the checkpoint, or profile and plan with --dtype {have}"
-            )
+        key = match(reader, targets[name], t)
         with torch.no_grad():
             t.copy_(reader.read(key))
 

@@ -58,10 +58,13 @@ def preflight(
     outputs: Sequence[str | os.PathLike[str] | None] = (),
     resume: str | os.PathLike[str] | None = None,
     save: str | os.PathLike[str] | None = None,
+    weights: str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Everything that can be checked before launching; raises a PipeplanError naming the fix.
     ``resume``: the save the run continues, which must have been made on the plan's mesh;
-    ``save``: the folder it saves into; neither may be one a live job still writes."""
+    ``save``: the folder it saves into; neither may be one a live job still writes;
+    ``weights``: a checkpoint that must hold every tensor of the model, shape and dtype as the
+    plan runs it (read from its header)."""
     import torch
 
     from pipeplan.intake.graph import group_units
@@ -111,6 +114,10 @@ def preflight(
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
     traced = trace_model(module, inputs, tracer=plan.tracer)
     check_plan(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions))
+    if weights is not None:
+        from pipeplan.runtime.weights import check_weights
+
+        check_weights(Path(weights), module)
     return plan
 
 

@@ -15,16 +15,17 @@ its names and any plan of the model reads any save.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from pipeplan.intake.meta import materialize
 from pipeplan.intake.model import NamedInputs
-from pipeplan.runtime.checkpoint import CheckpointReader, load_checkpoint
+from pipeplan.runtime.checkpoint import CheckpointReader, load_checkpoint, match
 from pipeplan.runtime.stages import TiedParameter
 
-__all__ = ["materialize_chunks", "shard_tensors", "tensor_aliases"]
+__all__ = ["check_weights", "materialize_chunks", "shard_tensors", "tensor_aliases"]
 
 
 def _prefix(module: nn.Module) -> str:
@@ -74,6 +75,19 @@ def materialize_chunks(
         load_checkpoint(reader, targets, owned)
         reads = sorted(reader.read_keys)
     return mods, reads
+
+
+def check_weights(weights: str | Path, module: nn.Module) -> None:
+    """Check, from the checkpoint's header alone, that ``weights`` holds every parameter and
+    persistent buffer of ``module`` with its shape and dtype (:func:`~pipeplan.runtime.
+    checkpoint.match`): what each rank would find reading its stage's share, found before
+    any rank starts."""
+    aliases = tensor_aliases(module)
+    mods = [name for name, _ in module.named_modules(remove_duplicate=False)]
+    targets, owned = _state(module, mods, aliases, persistent_only=True)
+    reader = CheckpointReader(weights)
+    for name, t in owned.items():
+        match(reader, targets[name], t)
 
 
 def _state(

@@ -143,6 +143,7 @@ def test_a_checkpoint_that_does_not_match_stops_the_run_with_one_line(
     assert proc.returncode == 2, proc.stderr
     assert "lacks tensor 'blocks.3.fc.weight'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert "stage" not in proc.stderr  # found from the header before any rank started
     wrong = tmp_path / "float64.safetensors"
     save_file({k: v.double() for k, v in state.items() if k != "head.proj.weight"}, str(wrong))
     proc = _run([str(plan), "--steps", "1", "--weights", str(wrong)])
