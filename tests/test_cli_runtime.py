@@ -152,6 +152,8 @@ def test_run_a_replicated_plan(tmp_path: Path) -> None:
     assert code == 0, err
     rep = load_report(report)
     assert len(rep.stages) == 1 and len(rep.losses) == 3
+    assert rep.world_size == 2 and len(rep.ranks) == 1  # the run's ranks; the first replica's
+    assert "(gloo, 2 ranks," in out
     whole = load_model(*GPT, meta=True).module
     from pipeplan.intake.meta import materialize
 

@@ -28,7 +28,14 @@ from pipeplan.planner.replay import Replay, replay_plan
 from pipeplan.planner.types import Plan, RankMeasurement, RunReport, StageMeasurement
 from pipeplan.runtime.timing import Span
 
-__all__ = ["RankRecord", "build_report", "chrome_trace", "measured_bubble", "print_comparison"]
+__all__ = [
+    "RankRecord",
+    "build_report",
+    "chrome_trace",
+    "measured_bubble",
+    "pipeline_ranks",
+    "print_comparison",
+]
 
 #: Span kind -> the letter of the schedule's action (F, B, I, W).
 _LETTERS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
@@ -148,7 +155,7 @@ def build_report(
         plan_fingerprint=plan.fingerprint,
         model=plan.model,
         backend=backend,
-        world_size=len(records),
+        world_size=plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel,
         steps=n_steps,
         warmup_steps=warmup_steps,
         step_times_s=step_times,
@@ -177,11 +184,17 @@ def gather_report(
     return build_report(plan, first, backend=backend, warmup_steps=warmup_steps)
 
 
+def pipeline_ranks(report: RunReport) -> int:
+    """The ranks the report measured: one pipeline, the first replica's (every rank of the
+    run before reports had ``ranks``)."""
+    return len(report.ranks) or report.world_size
+
+
 def measured_bubble(report: RunReport) -> float | None:
     """1 - mean busy time per rank / step time, on the last measured step."""
     if not report.events or not report.step_times_s:
         return None
-    busy = [0.0] * report.world_size
+    busy = [0.0] * pipeline_ranks(report)
     for e in report.events:
         if e["kind"] in _COMPUTE:
             busy[int(e["stage"])] += float(e["end_s"]) - float(e["start_s"])
@@ -198,7 +211,7 @@ def chrome_trace(report: RunReport, plan: Plan | None = None) -> dict[str, Any]:
     """
     events: list[dict[str, Any]] = []
     chunks: dict[int, list[int]] = {r.rank: list(r.stages) for r in report.ranks}
-    for j in range(report.world_size):
+    for j in range(pipeline_ranks(report)):
         mine = chunks.get(j, [j])
         label = f"stage {j}" if mine == [j] else f"rank {j}"
         events.append({"ph": "M", "name": "process_name", "pid": j, "args": {"name": label}})

@@ -56,6 +56,8 @@ class RunReport(FrozenModel):
     model: str
     backend: str
     world_size: int
+    """Every rank of the run: pipeline ranks x data-parallel x tensor-parallel degrees (the
+    stages and ranks below are the first replica's, tp index 0)."""
     steps: int
     warmup_steps: int
     step_times_s: tuple[float, ...]
