@@ -1,6 +1,8 @@
 """The ``pipeplan`` commands that read files and print them: ``show`` and ``compare``.
 
     pipeplan show FILE                       # a plan, profile, cluster or run report as tables
+    pipeplan show PLAN --critical-path       # the chain of actions that sets the step
+    pipeplan show PLAN --timeline            # each rank's actions: rank 0: F0 F1 B0 B1
     pipeplan compare PLAN... [--stages] [--format F] [-o FILE] [--plot FIG]
 
 ``pipeplan.cli`` registers them on its app; they import what they use inside their functions,
@@ -28,6 +30,18 @@ def show(
             "--plan", help="With a run report: the plan that ran (measured vs predicted)."
         ),
     ] = None,
+    critical_path: Annotated[
+        bool,
+        typer.Option(
+            "--critical-path",
+            help="With a plan: the chain of actions that sets its step, and the stage that "
+            "sets the pace.",
+        ),
+    ] = False,
+    timeline: Annotated[
+        bool,
+        typer.Option("--timeline", help="With a plan: each rank's actions, in order, as text."),
+    ] = False,
 ) -> None:
     """Print a plan, profile, cluster or run report as tables."""
     from pipeplan import api
@@ -38,7 +52,17 @@ def show(
     obj = api.load(file)
     if plan_file is not None and not isinstance(obj, RunReport):
         fail(f"--plan goes with a run report; {file} is not one")
-    if isinstance(obj, Plan):
+    if (critical_path or timeline) and not isinstance(obj, Plan):
+        flag = "--critical-path" if critical_path else "--timeline"
+        fail(f"{flag} goes with a plan; {file} is not one")
+    if isinstance(obj, Plan) and (critical_path or timeline):
+        from pipeplan.report import critical_path as cp
+
+        if critical_path:
+            console.print(cp.path_table(cp.critical_path(obj)), highlight=False)
+        if timeline:
+            console.print("\n".join(cp.rank_lines(obj)), highlight=False, soft_wrap=True)
+    elif isinstance(obj, Plan):
         print_plan(obj)
     elif isinstance(obj, Profile):
         print_profile(obj)
