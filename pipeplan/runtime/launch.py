@@ -68,6 +68,7 @@ def preflight(
     import torch
 
     from pipeplan.intake.graph import group_units
+    from pipeplan.intake.meta import trace_meta
     from pipeplan.intake.model import load_model, parse_model_args
     from pipeplan.intake.spec import cast_batch, cast_floating
     from pipeplan.intake.trace import trace_model
@@ -104,7 +105,11 @@ def preflight(
     kwargs.update(parse_model_args(list(model_args)))
     if model is None:
         check_source(plan)
-    spec = load_model(model or plan.model, kwargs)
+    # a model of more than REAL_BUILD_BYTES of parameters is built and traced on meta, so
+    # that the launcher holds none of its weights (a 70B model is 280 GB in float32); a
+    # smaller one is built for real, which traces faster than fake tensors do
+    on_meta = _param_bytes(plan) > REAL_BUILD_BYTES
+    spec = load_model(model or plan.model, kwargs, meta=on_meta)
     if plan.cluster.tensor_parallel > 1:  # the model must split t ways: one line, exit 2
         from pipeplan.runtime.mesh import tensor_parallel_styles
 
@@ -112,13 +117,28 @@ def preflight(
     dtype = getattr(torch, plan.dtype)
     module = cast_floating(spec.module, dtype)
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))
-    traced = trace_model(module, inputs, tracer=plan.tracer)
+    traced = (trace_meta if on_meta else trace_model)(module, inputs, tracer=plan.tracer)
     check_plan(plan, traced, group_units(traced, plan.granularity, plan.unit_expansions))
     if weights is not None:
         from pipeplan.runtime.weights import check_weights
 
         check_weights(Path(weights), module)
     return plan
+
+
+#: The parameter bytes up to which ``preflight`` builds the model for real.
+REAL_BUILD_BYTES = 2 << 30
+
+
+def _param_bytes(plan: Plan) -> float:
+    """The model's parameter bytes, from the plan's per-rank memory: each stage's parameters
+    over the data-parallel mode's factor (:func:`~pipeplan.planner.collectives.state_factors`),
+    times the tensor-parallel degree (an upper bound where TP leaves a part whole)."""
+    from pipeplan.planner.collectives import state_factors
+
+    factor = state_factors(plan.optimizer, plan.cluster).params
+    per_rank = sum(s.memory.params for s in plan.stages) / factor
+    return per_rank * plan.cluster.tensor_parallel
 
 
 def _ranks(plan: Plan) -> str:

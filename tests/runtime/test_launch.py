@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 
 def _imported(code: str) -> set[str]:
@@ -39,3 +43,39 @@ def test_the_runtime_package_still_exports_the_engine() -> None:
 
     assert runtime.PipelineRunner is PipelineRunner
     assert sorted(runtime.__all__) == sorted(runtime._HOME)
+
+
+GPT = (
+    "pipeplan.models.gpt:gpt",
+    {"vocab": 32, "d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8},
+)
+
+
+@pytest.mark.parametrize("limit", [0, 2 << 30])
+def test_preflight_builds_a_large_model_on_meta_and_a_small_one_for_real(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """Above ``REAL_BUILD_BYTES`` of planned parameters the launcher holds no weights: the
+    model is built and traced on meta, to the same graph, so the plan still checks."""
+    import pipeplan
+    from pipeplan.intake import model as model_module
+    from pipeplan.planner.io import write_json
+    from pipeplan.runtime import launch
+
+    prof = pipeplan.profile(GPT[0], batch_size=8, model_kwargs=GPT[1], microbatch_sizes=[2],
+                            warmup=0, repeats=1, progress=False)  # fmt: skip
+    plan = pipeplan.plan(prof, stages=2, memory="1GiB", microbatches=4, calibrated=False)
+    path = tmp_path / "plan.json"
+    write_json(path, plan)
+    assert 0 < launch._param_bytes(plan) < 2 << 30
+    builds: list[bool] = []
+    real_load = model_module.load_model
+
+    def spy(*args: Any, meta: bool = False, **kwargs: Any) -> Any:
+        builds.append(meta)
+        return real_load(*args, meta=meta, **kwargs)
+
+    monkeypatch.setattr(model_module, "load_model", spy)
+    monkeypatch.setattr(launch, "REAL_BUILD_BYTES", limit)
+    assert launch.preflight(path).fingerprint == plan.fingerprint
+    assert builds[0] is (limit == 0)  # (a meta build calls load_model again, inside)
