@@ -48,6 +48,18 @@ Memory at the stage's peak, per byte of the stage's parameters (:func:`state_fac
 
     replicate:  params 1,           grads 1,  optimizer s
     shard:      params 1 / d + 1,   grads 1,  optimizer s / d
+
+and, sharded, the step's reduction can set a later peak: FSDP2's ``post_backward`` (torch
+2.13) frees the unsharded parameters, copies the unsharded gradients into one flat input
+(w), frees them, and reduce-scatters into an output (w / d), so the stage then holds
+
+    1 / d + max(2,  1 + 1 / d + g)     per parameter byte, beside s / d and the buffers,
+
+g = 1 on gloo, whose reduce-scatter is an all-reduce of the whole input with a full-size
+temporary (measured: an MLP stage of w = 32 MiB over d = 2 peaked at 128.8 MiB, this form
+128.5), 0 on nccl, where it never exceeds the backward's peak.  The activations are all gone
+by then, so it sets the peak of a stage whose w / d exceeds its activations (a
+parameter-heavy stage, :func:`pipeplan.planner.costmodel.memory_parts`).
 """
 
 from __future__ import annotations
@@ -82,6 +94,8 @@ class StateFactors:
     params: float
     grads: float
     optimizer: float
+    shard: float = 0.0
+    """1 / d where FSDP shards the stage over d ranks, else 0: the share each rank keeps."""
 
     @property
     def total(self) -> float:
@@ -97,12 +111,12 @@ def state_factors(optimizer: str, cluster: Cluster) -> StateFactors:
     StateFactors(params=1.0, grads=1.0, optimizer=2.0)
     >>> state_factors("adam", c.model_copy(update={"data_parallel": 4,
     ...                                            "data_parallel_mode": "shard"}))
-    StateFactors(params=1.25, grads=1.0, optimizer=0.5)
+    StateFactors(params=1.25, grads=1.0, optimizer=0.5, shard=0.25)
     """
     s = float(OPTIMIZER_STATES[optimizer])
     d = cluster.data_parallel
     if cluster.data_parallel_mode == "shard" and d > 1:
-        return StateFactors(params=1.0 + 1.0 / d, grads=1.0, optimizer=s / d)
+        return StateFactors(params=1.0 + 1.0 / d, grads=1.0, optimizer=s / d, shard=1.0 / d)
     return StateFactors(params=1.0, grads=1.0, optimizer=s)
 
 

@@ -270,7 +270,7 @@ def memory_parts(
     second = state.grads * w_arr + later * (held_acts + held_out) + np.maximum(remade, temp)
     at_first = first >= second
     n_held = np.where(at_first, q, later)
-    return {
+    parts = {
         "params": state.params * w_arr + 0.0 * acts,
         "grads": np.where(at_first, 0.0, state.grads * w_arr),
         "optimizer": state.optimizer * w_arr + 0.0 * acts,
@@ -282,6 +282,13 @@ def memory_parts(
         + (2 * costs.out if last else 0.0)
         + np.where(at_first | (remade >= temp), 0.0, temp),
     }
+    if state.shard > 0:  # FSDP's reduction after the last backward (collectives docstring)
+        d_inv, gloo = state.shard, float(costs.gloo)
+        reduce = (d_inv + max(2.0, 1.0 + d_inv + gloo) + state.optimizer) * w_arr
+        reduce = reduce + m * x_in + m * x_out
+        peak = sum(parts.values())
+        parts["transient"] = parts["transient"] + np.maximum(reduce - peak, 0.0)
+    return parts
 
 
 def stage_memory(

@@ -93,6 +93,10 @@ class UnitCosts:
     big: np.ndarray | None = None
     """Sparse table of the units' largest parameters: ``big[i][u]`` is the largest over units
     u .. u + 2^i - 1 (:meth:`largest_param`)."""
+    gloo: bool = False
+    """The profile was measured on a CPU, whose ranks communicate over gloo (a sharded
+    stage's reduce-scatter holds one more full-size buffer there:
+    :func:`pipeplan.planner.costmodel.memory_parts`)."""
 
     def largest_param(self, l: np.ndarray | int, r: np.ndarray | int) -> np.ndarray:
         """Bytes of the largest parameter units l..r use (arrays broadcast; 0 where l > r)."""
@@ -248,6 +252,7 @@ def _build_unit_costs(profile: Profile, m: int) -> UnitCosts:
         loss_a=float(loss.saved_bytes) if loss else 0.0,
         out=float(timings[-1].output_bytes),
         big=_sparse_max(np.array([u.largest_param_bytes for u in profile.units], dtype=np.float64)),
+        gloo=profile.device.kind == "cpu",
     )
     for value in (*(getattr(out, f.name) for f in fields(out)), *(u for _, u in shared)):
         if isinstance(value, np.ndarray):

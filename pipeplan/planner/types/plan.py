@@ -94,7 +94,8 @@ class MemoryBreakdown(FrozenModel):
     transient: int = 0
     """Working gradients at the peak: the input's, on the last stage the loss's and the
     output's, and the largest parameter's where it sets the peak (made before it is added to
-    the held one)."""
+    the held one); for a sharded stage whose reduction sets a later peak, what that adds
+    (:mod:`pipeplan.planner.collectives`)."""
     total: int
 
 
