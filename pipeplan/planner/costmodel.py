@@ -282,12 +282,12 @@ def memory_parts(
         + (2 * costs.out if last else 0.0)
         + np.where(at_first | (remade >= temp), 0.0, temp),
     }
-    if state.shard > 0:  # FSDP's reduction after the last backward (collectives docstring)
-        d_inv, gloo = state.shard, float(costs.gloo)
-        reduce = (d_inv + max(2.0, 1.0 + d_inv + gloo) + state.optimizer) * w_arr
-        reduce = reduce + m * x_in + m * x_out
-        peak = sum(parts.values())
-        parts["transient"] = parts["transient"] + np.maximum(reduce - peak, 0.0)
+    if state.shard > 0 and costs.gloo:  # FSDP's reduction on gloo (collectives docstring):
+        # it holds (2 + 2/d) w beside the optimizer and the buffers, where the backward held
+        # (1 + 1/d) w of parameters, its gradients, activations, outputs and transients
+        held = parts["grads"] + parts["activations"] + parts["outputs"] + parts["transient"]
+        excess = (1.0 + state.shard) * w_arr - held
+        parts["transient"] = parts["transient"] + np.maximum(excess, 0.0)
     return parts
 
 
