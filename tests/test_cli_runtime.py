@@ -177,7 +177,8 @@ def test_a_stage_that_raises_stops_every_rank(plans: dict[int, Path], tmp_path: 
     write_json(adam, load_plan(plans[3]).model_copy(update={"optimizer": "adam"}))
     code, _, err, took = _run([str(adam), "--steps", "3"], {"PIPEPLAN_FAIL": "1:2"})
     assert code == 1 and took < 60
-    assert "error: stage 1 failed at step 2: RuntimeError: injected failure" in err
+    # PIPEPLAN_FAIL's step is 0-based: the third step, numbered as its save would be
+    assert "error: stage 1 failed at step 3: RuntimeError: injected failure" in err
     assert "Traceback" not in err
     assert "the plan was made for" not in err
 
@@ -190,7 +191,7 @@ def test_debug_shows_the_failing_rank_traceback(plans: dict[int, Path]) -> None:
                            {"PIPEPLAN_FAIL": "1:1", "PIPEPLAN_DEBUG": "1"})  # fmt: skip
     assert code == 1
     assert "Traceback (most recent call last)" in err and "worker.py" in err
-    assert "error: stage 1 failed at step 1: RuntimeError: injected failure" in err
+    assert "error: stage 1 failed at step 2: RuntimeError: injected failure" in err
 
 
 @pytest.mark.multirank

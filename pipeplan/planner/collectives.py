@@ -108,7 +108,7 @@ def state_factors(optimizer: str, cluster: Cluster) -> StateFactors:
     >>> from pipeplan.planner.types import Cluster
     >>> c = Cluster.homogeneous(2, 2**30)
     >>> state_factors("adam", c)
-    StateFactors(params=1.0, grads=1.0, optimizer=2.0)
+    StateFactors(params=1.0, grads=1.0, optimizer=2.0, shard=0.0)
     >>> state_factors("adam", c.model_copy(update={"data_parallel": 4,
     ...                                            "data_parallel_mode": "shard"}))
     StateFactors(params=1.25, grads=1.0, optimizer=0.5, shard=0.25)

@@ -379,7 +379,7 @@ def launch(
             raise StageFailedError(f"torchrun ended by {name}; every rank ended")
         if outcome.signal is not None:
             name = signal.Signals(outcome.signal).name
-            at = f" at step {outcome.step}" if outcome.step is not None else " before step 0"
+            at = f" at step {outcome.step}" if outcome.step is not None else " before step 1"
             raise StageFailedError(
                 f"stopped by {name}{at}: torchrun and every rank ended", signal=outcome.signal
             )

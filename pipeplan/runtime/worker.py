@@ -33,6 +33,10 @@ within half a second of losing its launcher: when its parent (torchrun) changes,
 heartbeat there (``beat-<rank>``: pid, step, time, rewritten every 0.5 s by a thread), from
 which ``pipeplan run`` tells a stopped or frozen rank from one waiting on it.
 
+Messages number steps as the save folders do: "at step N" is the N-th step (counting those a
+resumed run restored), whose save would be ``step-N``; a failure during a save names the
+folder being written.
+
 For tests, ``PIPEPLAN_FAIL=STAGE:STEP[:MODE]`` makes stage STAGE fail before its first forward
 of step STEP (0-based, warm-up included): MODE ``raise`` (default) raises a RuntimeError,
 ``exit`` calls ``os._exit(3)``, ``kill`` sends itself SIGKILL; at the save after step STEP
@@ -393,7 +397,7 @@ def run(args: argparse.Namespace) -> None:
     def on_step(step: int) -> None:
         if cuda and step == start + args.warmup:
             torch.cuda.reset_peak_memory_stats(device)
-        _progress["step"] = step
+        _progress["step"] = step + 1  # the step under way, numbered as its save's folder
         beat()
         if rank == 0 and args.run_dir:  # the launcher's progress bar reads it
             (Path(args.run_dir) / "progress").write_text(str(step - start))
