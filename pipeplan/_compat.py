@@ -2,7 +2,8 @@
 
 The modules that loaded and traced models, drew plans and exported them lived in
 ``pipeplan.planner`` until 0.1; they now live in :mod:`pipeplan.intake`, :mod:`pipeplan.report`
-and :mod:`pipeplan.export` (and the synthetic profiles in :mod:`pipeplan.profiler.synthetic`).
+and :mod:`pipeplan.export` (and the synthetic profiles in :mod:`pipeplan.profiler.synthetic`; the
+solvers' resolved request, chunk costs and tensor-parallel profile in :mod:`pipeplan.solvers`).
 Importing an old path gives the new module itself (the same object, so ``isinstance`` and
 monkeypatching agree) and a :class:`DeprecationWarning` naming the new path.  The aliases are served by an import hook installed by ``import pipeplan``; the ground
 floor itself holds no upward import.
@@ -22,6 +23,7 @@ from typing import Final
 __all__ = ["MOVED", "install"]
 
 _INTAKE = ("model", "hf_source", "meta", "usercode", "trace", "graph", "refine")
+_SOLVERS = ("request", "chunks", "tensor_parallel")
 _REPORT = ("plots", "timeline_plots", "frames", "terminal", "compare", "canvas", "progress")
 
 #: Old module path -> new module path.
@@ -30,6 +32,7 @@ MOVED: Final[dict[str, str]] = {
     **{f"pipeplan.planner.{m}": f"pipeplan.report.{m}" for m in _REPORT},
     "pipeplan.planner.export": "pipeplan.export",
     "pipeplan.planner.synthetic": "pipeplan.profiler.synthetic",
+    **{f"pipeplan.planner.{m}": f"pipeplan.solvers.{m}" for m in _SOLVERS},
 }
 
 

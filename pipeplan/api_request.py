@@ -163,7 +163,7 @@ class PlanRequest:
     def tensor_parallel_note(self) -> str | None:
         """One line when the search would weigh t > 1 (``devices_per_node`` given) but the
         profile's units do not split: the profile's reason."""
-        from pipeplan.planner.tensor_parallel import is_annotated
+        from pipeplan.solvers.tensor_parallel import is_annotated
 
         if (
             self.devices is None
@@ -309,7 +309,7 @@ def plan_request(
     ``replicate``, ``shard`` (FSDP2) or ``auto`` (both weighed); ``dp`` fixes d (with
     ``stages`` p, the plan runs p x d devices).
 
-    Tensor parallelism (:mod:`pipeplan.planner.tensor_parallel`): ``devices_per_node`` K
+    Tensor parallelism (:mod:`pipeplan.solvers.tensor_parallel`): ``devices_per_node`` K
     (default: the cluster file's) with ``devices`` weighs every tensor-parallel degree t
     dividing K as well (:func:`pipeplan.solvers.devices.tensor_degrees`); ``tensor_parallel``
     fixes t (with ``stages`` p alone, the plan runs p x t devices); ``sequence_parallel``
@@ -421,7 +421,7 @@ def _annotated(profile: Profile) -> Profile:
     was said about it (``tensor_parallel_note``): its model built on ``meta`` and annotated
     by :func:`pipeplan.profiler.tp_annotate.annotate_profile`.  A model that cannot be built
     here plans t = 1, and the note says why."""
-    from pipeplan.planner.tensor_parallel import is_annotated
+    from pipeplan.solvers.tensor_parallel import is_annotated
 
     if is_annotated(profile) or profile.tensor_parallel_note is not None:
         return profile

@@ -347,7 +347,7 @@ def plan(
         console.print(frontier_table(request.devices, batch, choices))
         result = request.best(choices)
     if result.cluster.tensor_parallel > 1:
-        from pipeplan.planner.tensor_parallel import source_note
+        from pipeplan.solvers.tensor_parallel import source_note
 
         console.print(source_note(request.profile, result.cluster.tensor_parallel), highlight=False)
     if not record_solve_time:

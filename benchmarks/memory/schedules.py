@@ -10,7 +10,7 @@ always) plan p = 2 ranks x v = 2 chunks with m = 4 and unlimited memory
 gives (``RunReport.ranks``): the bytes of its live tensors at the start of the tracked
 warm-up step plus the peak of that step's allocations (``pipeplan.runtime.memory``).  The
 prediction is ``Plan.rank_peak_bytes`` (the walk of torch's action list,
-:mod:`pipeplan.planner.chunks`).  Prints one JSON line per rank and the Markdown table, and
+:mod:`pipeplan.solvers.chunks`).  Prints one JSON line per rank and the Markdown table, and
 writes ``results-schedules.json``.
 """
 

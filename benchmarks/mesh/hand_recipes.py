@@ -46,10 +46,8 @@ from typing import Any
 from benchmarks.common import machine
 from pipeplan import api
 from pipeplan.intake.model import load_model
-from pipeplan.planner.chunks import score
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import load_profile
-from pipeplan.planner.tensor_parallel import tp_profile
 from pipeplan.planner.types import (
     Cluster,
     Device,
@@ -59,7 +57,9 @@ from pipeplan.planner.types import (
     Profile,
 )
 from pipeplan.profiler.tp_annotate import annotate_profile
+from pipeplan.solvers.chunks import score
 from pipeplan.solvers.devices import axis_links, layout, replica_profile
+from pipeplan.solvers.tensor_parallel import tp_profile
 
 HERE = Path(__file__).parent
 PROFILE = HERE / "out/llama70b.profile.json"

@@ -33,15 +33,15 @@ from typing import Any
 
 from benchmarks.common import machine
 from pipeplan.export.snap import target_cuts
-from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import PipeplanError
 from pipeplan.planner.families import FAMILIES
 from pipeplan.planner.io import load_profile
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Timing
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.baselines import uniform_partition
+from pipeplan.solvers.chunks import ChunkPlan
 from pipeplan.solvers.multichunk import recompute_to_fit, solve_schedule
+from pipeplan.solvers.request import ResolvedRequest
 
 HERE = Path(__file__).parent
 LINK = Link(bandwidth_Bps=1e10, latency_s=1e-5)

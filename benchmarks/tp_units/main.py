@@ -18,7 +18,7 @@ per rank, in interleaved rounds (each round profiles every model once, then the 
 3. **t = 2 measured**: the module split by ``parallelize_module`` on 2 gloo ranks, the
    all-reduces included (``pipeplan profile --tensor-parallel 2``).
 
-The model (:func:`pipeplan.planner.tensor_parallel.tp_profile`, from a profile whose
+The model (:func:`pipeplan.solvers.tensor_parallel.tp_profile`, from a profile whose
 ``tp_timings`` are removed so that every unit is modelled) predicts (3) from (1), and, as a
 check of the model's formulas alone, from (2), with phi, sigma, k, X of the annotation:
 
@@ -57,9 +57,9 @@ MODELS = (*ZOO, "gpt")
 AR_SIZES = tuple(4096 * 4**i for i in range(6))
 
 try:  # the planner's model (issue 44, part 3), else its formulas written out in predict()
-    import pipeplan.planner.tensor_parallel  # noqa: F401
+    import pipeplan.solvers.tensor_parallel  # noqa: F401
 
-    MODEL = "pipeplan.planner.tensor_parallel"
+    MODEL = "pipeplan.solvers.tensor_parallel"
 except ImportError:
     MODEL = "benchmarks.tp_units.main.predict"
 
@@ -127,12 +127,12 @@ def predict(
 ) -> tuple[float, float, int, int]:
     """Unit k's per-rank (forward s, backward s, parameter bytes, saved bytes) at t = 2,
     modelled from ``timing`` (its unsharded Timing at size b): by
-    :func:`pipeplan.planner.tensor_parallel.tp_profile` where it exists, else by the same
+    :func:`pipeplan.solvers.tensor_parallel.tp_profile` where it exists, else by the same
     formulas here (:data:`MODEL` says which)."""
     unit = profile.units[k].model_copy(update={"timings": {b: timing}, "tp_timings": {}})
     tp = unit.tensor_parallel
-    if MODEL == "pipeplan.planner.tensor_parallel":
-        from pipeplan.planner.tensor_parallel import tp_profile
+    if MODEL == "pipeplan.solvers.tensor_parallel":
+        from pipeplan.solvers.tensor_parallel import tp_profile
 
         units = tuple(unit if u.index == k else u for u in profile.units)
         got = tp_profile(profile.model_copy(update={"units": units}), cluster(alpha, beta))

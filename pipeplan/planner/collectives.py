@@ -124,7 +124,7 @@ def ring_cost(link: Link, ranks: int, kind: Collective) -> tuple[float, float]:
     """(alpha, beta): ``kind`` of w > 0 bytes as a ring over ``ranks`` ranks on ``link`` takes
     alpha w + beta seconds (the module docstring's formulas, d = ``ranks``); (0, 0) for one
     rank.  The data-parallel axis (:func:`collective_cost`) and the tensor-parallel one
-    (:mod:`pipeplan.planner.tensor_parallel`) both price their rings here.
+    (:mod:`pipeplan.solvers.tensor_parallel`) both price their rings here.
 
     >>> from pipeplan.planner.types import Link
     >>> a, b = ring_cost(Link(bandwidth_Bps=1e9, latency_s=1e-6), 4, "all_reduce")

@@ -267,7 +267,7 @@ def _split(
         full backward, as on torch's first stage; so is one whose graph torch cannot split (I = 0, W
     the full backward, retimed).  The bytes held are the intermediate gradients
         ``stage_backward_input`` keeps for W plus the unit's weights' saved inputs (bounded by what
-        it saved in the forward; :mod:`pipeplan.planner.chunks` caps it so)."""
+        it saved in the forward; :mod:`pipeplan.solvers.chunks` caps it so)."""
     from torch.distributed.pipelining._backward import (
         stage_backward_input,
         stage_backward_weight,

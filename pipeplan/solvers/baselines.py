@@ -48,9 +48,9 @@ import numpy as np
 
 from pipeplan.planner.errors import UnsupportedConstraintError
 from pipeplan.planner.evaluate import evaluate
-from pipeplan.planner.request import ResolvedRequest, resolve_request
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import unit_costs
+from pipeplan.solvers.request import ResolvedRequest, resolve_request
 
 __all__ = [
     "baseline_microbatches",

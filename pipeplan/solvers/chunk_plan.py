@@ -5,12 +5,12 @@ both return it."""
 
 from __future__ import annotations
 
-from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.evaluate import profile_fields, stage_record
 from pipeplan.planner.families import action_order
 from pipeplan.planner.replay import Replay
 from pipeplan.planner.types import MemoryBreakdown, Plan
+from pipeplan.solvers.chunks import ChunkPlan
 
 __all__ = ["chunk_plan"]
 

@@ -48,12 +48,12 @@ from ortools.sat.python import cp_model
 from pipeplan.planner.errors import InfeasiblePlanError
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import format_bytes
-from pipeplan.planner.request import ResolvedRequest, resolve_request
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.solvers.bounds import Bounds
 from pipeplan.solvers.cpsat_model import CpsatModel
 from pipeplan.solvers.cpsat_scale import STAGE_ERR_TICKS, TICKS, err_ticks, reference_time
+from pipeplan.solvers.request import ResolvedRequest, resolve_request
 
 __all__ = ["CpsatResult", "error_bound_s", "partition_cpsat", "solve_cpsat"]
 

@@ -52,12 +52,12 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from pipeplan.planner.costmodel import contention, in_flight, recomputes
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster
 from pipeplan.planner.unitcosts import UnitCosts
 from pipeplan.planner.updates import UpdateCost
 from pipeplan.solvers.bounds import stage_backward, stage_compute, stage_offsets
 from pipeplan.solvers.cpsat_scale import cut_times, to_ticks
+from pipeplan.solvers.request import ResolvedRequest
 
 #: Distinct parameter sizes the largest-parameter charge tells apart (:meth:`CpsatModel._largest_param`).
 _SIZE_LEVELS = 32

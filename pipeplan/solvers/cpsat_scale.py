@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from pipeplan.planner.costmodel import stage_time
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.planner.unitcosts import UnitCosts, unit_costs
 from pipeplan.solvers.bounds import stage_offsets
+from pipeplan.solvers.request import ResolvedRequest
 
 __all__ = ["STAGE_ERR_TICKS", "TICKS", "cut_times", "err_ticks", "reference_time", "to_ticks"]
 

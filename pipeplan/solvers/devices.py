@@ -9,7 +9,7 @@ every data-parallel mode (``replicate``: whole copies; ``shard``: FSDP2,
 :mod:`pipeplan.planner.collectives`), the d = N / (p t) ranks of each stage take B / d of the
 batch each; the family, v, m, the cuts and the recomputation are chosen for that share by a
 solver (:func:`pipeplan.solvers.choose.solve`, every schedule family under ``auto``) on the
-per-rank profile of t-way tensor parallelism (:func:`pipeplan.planner.tensor_parallel.tp_profile`,
+per-rank profile of t-way tensor parallelism (:func:`pipeplan.solvers.tensor_parallel.tp_profile`,
 made once per t) and a cluster whose ``tensor_parallel`` is t and ``data_parallel`` d in that
 mode.  The profile's per-micro-batch measurements are reused: m = B / (d b) for a profiled
 micro-batch size b that divides B / d.  The replicas run at once and the gradient collectives
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
-from pipeplan.planner.tensor_parallel import check_tensor_parallel, is_annotated, tp_profile
 from pipeplan.planner.types import OPTIMIZER_STATES, Cluster, Device, Plan, PlanOptions, Profile
+from pipeplan.solvers.tensor_parallel import check_tensor_parallel, is_annotated, tp_profile
 
 __all__ = [
     "MODES",
@@ -226,7 +226,7 @@ def plan_devices(
     ``cluster`` describes one device (its first) and the links: each triple gets p copies of
     that device, ``tensor_parallel`` t, ``data_parallel`` d in the mode, the links of
     :func:`axis_links`, and the cluster's engine terms; the profile is the per-rank one of
-    :func:`pipeplan.planner.tensor_parallel.tp_profile`, made once per t.
+    :func:`pipeplan.solvers.tensor_parallel.tp_profile`, made once per t.
 
     With ``floor`` (a lower bound on the step of every plan ``solver`` could return, e.g.
     :func:`pipeplan.solvers.multichunk.schedule_floor`), the triples are solved in increasing

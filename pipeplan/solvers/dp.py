@@ -64,11 +64,11 @@ import numpy as np
 from pipeplan.planner.errors import InfeasiblePlanError, UnsupportedConstraintError
 from pipeplan.planner.evaluate import evaluate
 from pipeplan.planner.io import format_bytes
-from pipeplan.planner.request import ResolvedRequest, resolve_request
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.solvers.dp_tables import INF, Instance, TailNode
 from pipeplan.solvers.dp_threshold import Incumbent, Start, floor, prepare, search
+from pipeplan.solvers.request import ResolvedRequest, resolve_request
 
 __all__ = ["partition_dp", "solve_dp"]
 

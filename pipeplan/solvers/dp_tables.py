@@ -69,10 +69,10 @@ from pipeplan.planner.costmodel import (
     step_time,
     tied_syncs,
 )
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import PlanOptions
 from pipeplan.planner.unitcosts import UnitCosts, holds_user
 from pipeplan.planner.updates import update_tail
+from pipeplan.solvers.request import ResolvedRequest
 
 __all__: list[str] = []
 

@@ -2,7 +2,7 @@
 each rank's walk of :func:`pipeplan.planner.replay.peak_memory`, linear in the cuts and flags.
 
 Per chunk s, with y, e and rho the model's variables and the tables of
-:mod:`pipeplan.planner.chunks` summed over the segments it holds (bytes, integers):
+:mod:`pipeplan.solvers.chunks` summed over the segments it holds (bytes, integers):
 
     A_s   = sum_g y[s][g] a_g                           its activations per micro-batch
     R_s   = rho_s A_s                                   what a recomputing chunk remakes
@@ -32,8 +32,8 @@ from typing import Protocol
 import numpy as np
 from ortools.sat.python import cp_model
 
-from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.families import Action, action_order
+from pipeplan.solvers.chunks import ChunkPlan
 
 __all__ = ["BYTES", "Expr", "Model", "Var", "add_memory", "walk_points"]
 

@@ -17,7 +17,7 @@ split the units into segments g = [P_g, P_{g+1}).  For k = p v chunks:
     rho_s in {0, 1}     chunk s recomputes (free under ``--checkpoint auto``, else the policy's)
     t_x >= 0            the start of every action x; T the step
 
-Durations (integer ticks, every table entry floored; :mod:`pipeplan.planner.chunks`):
+Durations (integer ticks, every table entry floored; :mod:`pipeplan.solvers.chunks`):
 
     F_s = sum_g y[s][g] (rho_s ? fc_g : f_g) / v_q + o (+ c_F rho_s, + the loss's forward)
     B_s, and for the split families I_s and W_s alike; a recomputing chunk's I is its whole
@@ -64,10 +64,10 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from pipeplan.planner.chunks import ChunkPlan, fixed_flags
 from pipeplan.planner.errors import UnsupportedConstraintError
 from pipeplan.planner.families import action_order
 from pipeplan.planner.replay import Replay
+from pipeplan.solvers.chunks import ChunkPlan, fixed_flags
 from pipeplan.solvers.exact_memory import BYTES, Expr, Var, add_memory
 from pipeplan.solvers.schedule_search import Cuts, require
 

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import InfeasiblePlanError, UnsupportedConstraintError
 from pipeplan.planner.io import format_bytes
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Plan, PlanOptions, Profile
 from pipeplan.solvers.chunk_plan import chunk_plan
+from pipeplan.solvers.chunks import ChunkPlan
 from pipeplan.solvers.exact_order import ExactOrder, ExactResult
+from pipeplan.solvers.request import ResolvedRequest
 
 __all__ = ["Proof", "prove_candidates", "solve_exact_order"]
 

@@ -5,7 +5,7 @@ order.
 Formulation.  For every candidate (family, v, m) that torch's class accepts
 (:func:`pipeplan.planner.families.check`) the step time of a partition into k = p v chunks
 starting at ``starts`` with recompute flags rho is the replay's makespan
-T(family, v, m, starts, rho) (:mod:`pipeplan.planner.chunks`), feasible when every rank's peak
+T(family, v, m, starts, rho) (:mod:`pipeplan.solvers.chunks`), feasible when every rank's peak
 walked along the same order fits its device.  We minimise T over all of them.
 
 Algorithm.
@@ -59,7 +59,6 @@ from typing import cast
 
 import numpy as np
 
-from pipeplan.planner.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.planner.errors import (
     InfeasiblePlanError,
     InvalidRequestError,
@@ -68,7 +67,6 @@ from pipeplan.planner.errors import (
 )
 from pipeplan.planner.families import FAMILIES, action_order, check
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import (
     Cluster,
     Plan,
@@ -79,7 +77,9 @@ from pipeplan.planner.types import (
 )
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.chunk_plan import chunk_plan
+from pipeplan.solvers.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.solvers.exact_plan import Candidate, prove_candidates
+from pipeplan.solvers.request import ResolvedRequest
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
     Cuts,

@@ -4,7 +4,7 @@
 :func:`family_bound` for every partition of one (family, v, m).  The schedule solver
 (:mod:`pipeplan.solvers.multichunk`) visits candidates in the order of their bound, skips those
 whose bound cannot beat its best step, and reports its gap to the least of them.  Both read
-the chunk costs of :mod:`pipeplan.planner.chunks` and hold for the replay of
+the chunk costs of :mod:`pipeplan.solvers.chunks` and hold for the replay of
 :mod:`pipeplan.planner.replay` (proofs in each docstring).
 """
 
@@ -14,11 +14,11 @@ import itertools
 
 import numpy as np
 
-from pipeplan.planner.chunks import has_split_backward
 from pipeplan.planner.families import rank_of_stage
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
 from pipeplan.planner.updates import update_cost
+from pipeplan.solvers.chunks import has_split_backward
 
 __all__ = ["family_bound", "work_bound"]
 

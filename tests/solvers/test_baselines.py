@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.planner.errors import UnsupportedConstraintError
-from pipeplan.planner.request import resolve_request
 from pipeplan.planner.types import Cluster, Link, PlanOptions
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.profiler.synthetic import synthetic_profile
@@ -24,6 +23,7 @@ from pipeplan.solvers.baselines import (
     uniform_partition,
 )
 from pipeplan.solvers.dp import partition_dp, solve_dp
+from pipeplan.solvers.request import resolve_request
 
 BASELINES = ("uniform", "params", "torchgpipe")
 

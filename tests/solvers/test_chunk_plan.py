@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.families import rank_of_stage
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.chunk_plan import chunk_plan
+from pipeplan.solvers.chunks import ChunkPlan
+from pipeplan.solvers.request import ResolvedRequest
 
 
 @pytest.mark.parametrize("family", ["interleaved1f1b", "loopedbfs"])

@@ -248,8 +248,8 @@ INTRA = Link(bandwidth_Bps=2e9, latency_s=2e-5)
 def test_the_best_mesh_is_the_brute_force_optimum(seed: int, squeeze: float | None) -> None:
     """8 devices, 4 per node: every (p, t, d, mode), partition and m, each on the per-rank
     profile and the links of its layout, against plan_devices' best."""
-    from pipeplan.planner.tensor_parallel import tp_profile
     from pipeplan.solvers.devices import axis_links, tensor_degrees
+    from pipeplan.solvers.tensor_parallel import tp_profile
 
     prof = _split(synthetic_profile(5, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=seed))
     one = solve_dp(prof, Cluster.homogeneous(1, 2**40))

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.dp_tables import Instance, longest_sums
+from pipeplan.solvers.request import ResolvedRequest
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

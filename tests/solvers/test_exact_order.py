@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 from _solver_strategies import with_split
 
-from pipeplan.planner.chunks import ChunkPlan
 from pipeplan.planner.errors import InfeasiblePlanError, UnsupportedConstraintError
 from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.replay import replay_plan
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
 from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers.chunks import ChunkPlan
 from pipeplan.solvers.exact_order import ExactOrder
 from pipeplan.solvers.exact_plan import solve_exact_order
 from pipeplan.solvers.multichunk import solve_schedule
+from pipeplan.solvers.request import ResolvedRequest
 
 MULTI = [name for name, fam in FAMILIES.items() if 1 not in fam.v]
 ADAM = PlanOptions(optimizer="adam")

@@ -9,11 +9,11 @@ from itertools import combinations, product
 import pytest
 from _solver_strategies import with_split
 
-from pipeplan.planner.chunks import score
 from pipeplan.planner.errors import InfeasiblePlanError, InvalidRequestError
 from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
 from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers.chunks import score
 from pipeplan.solvers.multichunk import solve_schedule
 from pipeplan.solvers.schedule_bounds import family_bound, work_bound
 

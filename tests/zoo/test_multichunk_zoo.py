@@ -2,7 +2,7 @@
 embedding and head; I and W measured), profiled once, on 2 and 4 ranks over a finite link.
 
 For ``auto`` and each fixed family, :func:`pipeplan.solvers.multichunk.solve_schedule` returns
-a plan whose ``step_time_s`` is the replay (:func:`pipeplan.planner.chunks.score`, which runs
+a plan whose ``step_time_s`` is the replay (:func:`pipeplan.solvers.chunks.score`, which runs
 :func:`pipeplan.planner.replay.replay`) of its own family, v, m, cuts and recompute flags, with
 p v contiguous chunks and every rank's replayed peak within its memory.  Where the family can
 hold the closed-form DP's plan (``auto`` both GPipe's and 1F1B's, ``gpipe`` and ``1f1b`` their
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeplan.planner.chunks import score
 from pipeplan.planner.families import FAMILIES, check
 from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile
 from pipeplan.profiler.whole import profile_model
+from pipeplan.solvers.chunks import score
 from pipeplan.solvers.dp import solve_dp
 from pipeplan.solvers.multichunk import solve_schedule
 

@@ -123,7 +123,7 @@ class Cluster(FrozenModel):
 
     tensor_parallel: int = Field(default=1, ge=1)
     """t: the ranks each stage's (chunk's) transformer blocks are split over, Megatron-style
-    (attention and MLP projections column-wise, then row-wise; :mod:`pipeplan.planner.tensor_parallel`).
+    (attention and MLP projections column-wise, then row-wise; :mod:`pipeplan.solvers.tensor_parallel`).
     A stage runs on t d ranks; its t tensor-parallel ranks lie in one node."""
     sequence_parallel: bool = False
     """With t > 1: the norms and residuals between the blocks' projections run on 1 / t of the

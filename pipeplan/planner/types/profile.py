@@ -88,7 +88,7 @@ TensorParallelStyle = Literal["colwise", "rowwise"]
 
 class UnitTensorParallel(FrozenModel):
     """How one unit splits over t tensor-parallel ranks (``pipeplan.intake.tp_layout``
-    finds it, ``pipeplan.profiler`` measures it; :mod:`pipeplan.planner.tensor_parallel`
+    finds it, ``pipeplan.profiler`` measures it; :mod:`pipeplan.solvers.tensor_parallel`
     prices it).
 
     Megatron's split of a transformer block: the projections that open a sub-block (query,
@@ -143,7 +143,7 @@ class Unit(FrozenModel):
     tp_timings: dict[int, dict[int, Timing]] = {}
     """Measured per-rank timings with the unit split t ways on t ranks, collectives included:
     t -> micro-batch size -> Timing (``pipeplan profile --tensor-parallel``); a t absent here is
-    modelled from ``timings`` (:mod:`pipeplan.planner.tensor_parallel`)."""
+    modelled from ``timings`` (:mod:`pipeplan.solvers.tensor_parallel`)."""
 
 
 class CutTensor(FrozenModel):

@@ -6,14 +6,14 @@ import pytest
 
 from pipeplan.planner.collectives import ring_cost
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.tensor_parallel import (
+from pipeplan.planner.types import Cluster, Link, Profile, Timing, UnitTensorParallel
+from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers.tensor_parallel import (
     check_tensor_parallel,
     collective_s,
     source_note,
     tp_profile,
 )
-from pipeplan.planner.types import Cluster, Link, Profile, Timing, UnitTensorParallel
-from pipeplan.profiler.synthetic import synthetic_profile
 
 INTRA = Link(bandwidth_Bps=1e9, latency_s=1e-5)
 

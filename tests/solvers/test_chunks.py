@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pipeplan.planner.chunks import ChunkPlan
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers.chunks import ChunkPlan
+from pipeplan.solvers.request import ResolvedRequest
 
 
 def test_a_weight_two_chunks_of_one_rank_share_counts_once() -> None:

@@ -46,9 +46,9 @@ from pipeplan.planner.costmodel import stage_params, tied_syncs
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.families import FAMILIES, rank_of_stage
 from pipeplan.planner.replay import ChunkCosts, Replay, replay
-from pipeplan.planner.request import ResolvedRequest
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import tables, unit_costs
+from pipeplan.solvers.request import ResolvedRequest
 
 __all__ = [
     "ChunkPlan",

@@ -1,4 +1,4 @@
-"""pipeplan.planner.request: a request checked once and its tables built once, on first use."""
+"""pipeplan.solvers.request: a request checked once and its tables built once, on first use."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.evaluate import allowed_starts
-from pipeplan.planner.request import ResolvedRequest, resolve_request
 from pipeplan.planner.types import Cluster, PlanOptions
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.planner.updates import update_cost
 from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers.request import ResolvedRequest, resolve_request
 
 
 def test_the_tables_are_the_ones_each_solver_built_and_are_built_once() -> None:

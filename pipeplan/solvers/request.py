@@ -9,7 +9,7 @@ may start.  :func:`resolve_request` does that once and the solver starts from th
 and its models).  The multi-chunk solver, whose families :func:`check_request
 <pipeplan.planner.evaluate.check_request>` does not plan, makes one ``ResolvedRequest(profile,
 cluster, options)`` per solve and each candidate's chunk costs
-(:class:`pipeplan.planner.chunks.ChunkPlan`) read it.
+(:class:`pipeplan.solvers.chunks.ChunkPlan`) read it.
 
 Each table is built the first time it is read, then kept: a solver that never reads one (a
 baseline given m never lists the choices) neither pays for it nor meets its error.
