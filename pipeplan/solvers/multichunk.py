@@ -19,7 +19,8 @@ Algorithm.
      flags of :func:`recompute_to_fit` (none; then, while a rank is over its memory, the chunk
      of that rank with the most held bytes recomputes).
   2. If the candidates' cut combinations over the allowed cuts number at most
-     ``exhaustive_limit``, enumerate every cut and every minimal fitting recompute mask, a
+     ``exhaustive_limit``, enumerate every cut and every recompute mask (in the fused
+     families only the minimal fitting ones: there recomputing never shortens an action), a
      partition skipped where its busiest rank's compute (:class:`_Floor`) reaches the
      incumbent and a candidate where L_c does; a budget of 8 ``exhaustive_limit`` partitions
      and masks (a count, not a clock) bounds it.  Finished, the answer is ``optimal`` under the
@@ -30,7 +31,10 @@ Algorithm.
      actions summed, which is what a replay costs: the same request gives the same plan on
      any machine; a share left unused passes on; ``options.time_limit_s``, when given, also
      stops it by the clock, which does not), the flags re-fitted after each
-     move, and the plan is
+     move.  In the split families recomputation is also a speed choice (a recomputing
+     chunk runs its backward fused, B_rc against I + W): each searched candidate's flags are
+     then flipped one at a time while the replayed step falls, and its cuts searched again
+     under them (:func:`_speed_flags`, ``SEARCH_WORK // SPEED_SHARE`` more actions).  The plan is
      ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
      every family, v, partition and mask (proof in :func:`family_bound`).
   4. With ``exact_time`` > 0 (off by default), each candidate whose bound is below the best
@@ -51,7 +55,7 @@ replay itself runs whole).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from math import comb
@@ -106,6 +110,10 @@ __all__ = [
 #: m = 16), 2 s on the benchmarks' 2-core host (k = 0; about 5 times that with a compute
 #: contention k > 0, whose replay steps from event to event).
 SEARCH_WORK = 2_000_000
+
+#: The split families' recompute-for-speed step (:func:`_speed_flags`) replays up to
+#: ``SEARCH_WORK // SPEED_SHARE`` more actions, over the candidates the search kept.
+SPEED_SHARE = 4
 
 Scored = tuple[float, list[int], list[bool], Replay]
 
@@ -256,14 +264,39 @@ class _Floor:
 
 def _exhaustive(
     cp: ChunkPlan, k: int, cuts: Cuts, incumbent: float, budget: list[int]
-) -> tuple[Scored | None, bool]:
+) -> tuple[Scored | None, bool, bool]:
     """Every allowed cut and every recompute mask, pruned by bounds only: a partition whose
-    busiest rank (:func:`_busy_floor`) cannot beat ``incumbent`` is skipped, and so is a
-    mask that is a superset of one that fits (a fixed-order schedule's makespan never falls
-    when an action grows, and recomputing never makes an action shorter), memory (the walk
-    alone) checked before any replay.  Returns the best found below ``incumbent`` and whether
-    the enumeration finished within ``budget[0]`` partitions and masks looked at (spent from
-    it: a count, not a clock, so that whether a plan is proven does not depend on the load)."""
+    busiest rank (:class:`_Floor`) cannot beat ``incumbent`` is skipped, and, in the fused
+    families, so is a mask that is a superset of one that fits (a fixed-order schedule's
+    makespan never falls when an action grows, and there recomputing never makes an action
+    shorter: :func:`pipeplan.planner.unitcosts.unit_costs` clips fc >= f and r >= g).  In the
+    split families it can: a recomputing chunk runs its backward fused, as one I of B_rc
+    seconds and no W, which is shorter than I + W where the split backward costs more than the
+    fused one.  There the minimal masks are enumerated first (an incumbent), then every mask,
+    when the cut combinations times 2^k fit what is left of the budget.  Memory (the walk
+    alone) is checked before any replay.
+
+    Returns the best found below ``incumbent``, whether the enumeration ended within
+    ``budget[0]`` partitions and masks looked at (spent from it: a count, not a clock, so that
+    whether a plan is proven does not depend on the load), and whether it proved the
+    candidate (every mask looked at)."""
+    best, done = _enumerate(cp, k, cuts, incumbent, budget, every_mask=False)
+    fixed = fixed_flags(cp.options, k) is not None
+    if not done or not cp.split or fixed:
+        return best, done, done
+    if comb(len(cuts.positions) - 2, k - 1) << k > budget[0]:
+        return best, True, False  # too many masks to prove: the local search takes over
+    more, done = _enumerate(
+        cp, k, cuts, min(incumbent, best[0] if best else np.inf), budget, every_mask=True
+    )
+    return more or best, done, done
+
+
+def _enumerate(
+    cp: ChunkPlan, k: int, cuts: Cuts, incumbent: float, budget: list[int], every_mask: bool
+) -> tuple[Scored | None, bool]:
+    """:func:`_exhaustive`'s enumeration: the minimal fitting masks of each partition, or
+    (``every_mask``) all of them."""
     best: Scored | None = None
     order = action_order(cp.family, cp.p, cp.v, cp.m)
     fixed = fixed_flags(cp.options, k)
@@ -283,9 +316,13 @@ def _exhaustive(
             budget[0] -= 1
             if budget[0] < 0:
                 return best, False
-            if any(all(r or not f for r, f in zip(rc, fit, strict=True)) for fit in fitting):
-                continue  # a superset of a mask that fits: never faster
+            if not every_mask and any(
+                all(r or not f for r, f in zip(rc, fit, strict=True)) for fit in fitting
+            ):
+                continue  # a superset of a mask that fits: never faster (fused families)
             costs = cp.costs_of(starts, rc)
+            if every_mask and _busiest(cp, costs) >= min(incumbent, best[0] if best else np.inf):
+                continue
             if any(
                 pk > lim for pk, lim in zip(peak_memory(order, costs, cp.p), limits, strict=True)
             ):
@@ -294,9 +331,43 @@ def _exhaustive(
             cand = _scored(cp, starts, list(rc))
             if cand[0] < min(incumbent, best[0] if best else np.inf):
                 best = cand
-            if not any(rc):
+            if not any(rc) and not every_mask:
                 break  # no chunk recomputes and it fits: every other mask is a superset
     return best, True
+
+
+def _speed_flags(sr: _Search, cuts: Cuts, stop: Callable[[], bool]) -> None:
+    """Recompute flags chosen for speed on the search's best partition: flip one chunk's flag
+    at a time (either way), keeping a flip while the replayed step falls and memory fits,
+    until no flip helps; then the cuts are searched again under those flags
+    (:func:`~pipeplan.solvers.schedule_search.local_search`).  Everything is scored into
+    ``sr``, whose best is the plan."""
+    starts, now, rc, _ = sr.best()
+    improved = True
+    while improved and not stop():
+        improved = False
+        for j in range(len(rc)):
+            flipped = [not f if t == j else f for t, f in enumerate(rc)]
+            got = sr.score(starts, flipped)
+            if got[:2] < now[:2]:
+                rc, now, improved = flipped, got, True
+            if stop():
+                break
+    if any(rc):
+        local_search(starts, lambda st: sr.score(st, rc), sr.cp.owner, cuts, stop, now)
+
+
+def _busiest(cp: ChunkPlan, costs: ChunkCosts) -> float:
+    """The busiest rank's actions under these chunk costs, m of each of its chunks' F and the
+    lesser of B and I + W, after the step overhead: a lower bound on this partition and mask's replay
+    (every rank runs its actions one at a time)."""
+    back = np.asarray(costs.backward_s)
+    i, w = costs.backward_input_s, costs.backward_weight_s
+    if i is not None and w is not None:  # the first chunk may run B whole: the least of the two
+        back = np.minimum(back, np.add(i, w))
+    per = np.asarray(costs.forward_s) + back
+    busy = np.bincount(cp.owner, weights=per, minlength=cp.p)
+    return float(cp.m * busy.max()) + cp.cluster.step_overhead_s
 
 
 def _masks(k: int) -> Iterator[tuple[bool, ...]]:
@@ -441,8 +512,8 @@ def solve_schedule(
         for c in sorted(cands, key=bound_of.__getitem__):
             if bound_of[c] >= incumbent:
                 continue
-            found, done = _exhaustive(plans[c], p * c[1], cuts, incumbent, budget)
-            exact = exact and done
+            found, done, proven_c = _exhaustive(plans[c], p * c[1], cuts, incumbent, budget)
+            exact = exact and proven_c
             if found is not None:
                 searches[c].score(found[1], found[2])
                 live[c] = searches[c]
@@ -470,6 +541,23 @@ def solve_schedule(
 
             starts, score, _, _ = sr.best()
             local_search(starts, sr.score, plans[c].owner, cuts, stop, score)
+        # recomputation as a speed choice, where it can be one (split families, module docstring)
+        # (a candidate whose bound, which holds under any flags, reaches the best step is left)
+        now = min((live[c].best()[1][0] for c in ranked), default=np.inf)
+        faster = [
+            c for c in ranked
+            if plans[c].split and fixed_flags(options, p * c[1]) is None and bound_of[c] < now
+        ]  # fmt: skip
+        start = work.done
+        for i, c in enumerate(faster):
+            share = start + search_work // SPEED_SHARE * (i + 1) // len(faster)
+
+            def stop(share: int = share) -> bool:
+                return work.done >= share or (
+                    deadline is not None and time.perf_counter() >= deadline
+                )
+
+            _speed_flags(live[c], cuts, stop)
     proven: set[Candidate] = set()
     if exact_time > 0 and not exact:  # step 4, warm-started from each search's best
         best = {c: (b[0], b[2], b[1][0]) for c, sr in searches.items() if sr.seen
@@ -484,11 +572,15 @@ def solve_schedule(
     starts, score, rc, rep = live[best_c].best()
     T = score[0]
     if not np.isfinite(T):
-        least = min(max(sr.best()[3].peak_bytes) for sr in live.values())
+        c = min(live, key=lambda c: max(live[c].best()[3].peak_bytes))
+        peaks = live[c].best()[3].peak_bytes
+        q = max(range(p), key=lambda r: peaks[r] / cluster.devices[r].memory_bytes)
         raise InfeasiblePlanError(
             f"no schedule, cuts or recomputation fits the devices' memory; the least peak "
-            f"found needs {least / 2**30:.2f} GiB per device",
-            min_memory_bytes=int(least),
+            f"found needs {max(peaks) / 2**30:.2f} GiB per device ({c[0]}, v = {c[1]}, "
+            f"m = {c[2]}: rank {q} needs {peaks[q] / 2**30:.2f} GiB of its "
+            f"{cluster.devices[q].memory_bytes / 2**30:.2f} GiB)",
+            min_memory_bytes=int(max(peaks)),
         )
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
