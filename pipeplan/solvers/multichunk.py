@@ -70,6 +70,7 @@ from pipeplan.planner.errors import (
     UnsupportedConstraintError,
 )
 from pipeplan.planner.families import FAMILIES, action_order, check
+from pipeplan.planner.io import format_bytes
 from pipeplan.planner.replay import ChunkCosts, Replay, peak_memory
 from pipeplan.planner.types import (
     Cluster,
@@ -577,9 +578,9 @@ def solve_schedule(
         q = max(range(p), key=lambda r: peaks[r] / cluster.devices[r].memory_bytes)
         raise InfeasiblePlanError(
             f"no schedule, cuts or recomputation fits the devices' memory; the least peak "
-            f"found needs {max(peaks) / 2**30:.2f} GiB per device ({c[0]}, v = {c[1]}, "
-            f"m = {c[2]}: rank {q} needs {peaks[q] / 2**30:.2f} GiB of its "
-            f"{cluster.devices[q].memory_bytes / 2**30:.2f} GiB)",
+            f"found needs {format_bytes(max(peaks))} per device ({c[0]}, v = {c[1]}, "
+            f"m = {c[2]}: rank {q} needs {format_bytes(peaks[q])} of its "
+            f"{format_bytes(cluster.devices[q].memory_bytes)})",
             min_memory_bytes=int(max(peaks)),
         )
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
