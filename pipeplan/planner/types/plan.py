@@ -31,8 +31,9 @@ class PlanOptions(FrozenModel):
     """m, or ``None`` to choose it among the profiled micro-batch sizes."""
     checkpoint: CheckpointPolicy = "auto"
     """Which stages recompute their forward in the backward: ``auto`` (each stage keeps its
-    activations where that fits its device, and only where it does not recomputes: never
-    slower than any fixed policy), ``always``, ``except_last`` (torchgpipe's) or ``never``."""
+    activations where that fits its device and recomputes where it does not, or, in the
+    zero-bubble families, where its fused backward beats the split I + W: never slower than
+    any fixed policy), ``always``, ``except_last`` (torchgpipe's) or ``never``."""
     schedule: ScheduleChoice = "gpipe"
     """A schedule family (:mod:`pipeplan.planner.families`) or ``auto``: every family, its
     chunks per rank, cuts, m and recomputation chosen together
