@@ -85,11 +85,22 @@ def hold(folder: str | os.PathLike[str] | None) -> Iterator[None]:
         )
     )
     os.replace(tmp, lock)
-    for stale in root.glob(".partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_partials(root)
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
             if json.loads(lock.read_text()).get("pid") == os.getpid():
+                _remove_partials(root)  # the job's ranks are gone: what a killed save left
                 lock.unlink()
+
+
+def _remove_partials(root: Path) -> None:
+    """Remove what a save cut short leaves in ``root``: its ``.partial-`` folders and the
+    pointer it had not yet renamed to ``latest`` (:func:`pipeplan.runtime.snapshots.commit`);
+    a complete save, ``latest`` and the ``.old-`` copy a repeated step's save renames away
+    are kept."""
+    for stale in root.glob(".partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (root / ".latest.tmp").unlink(missing_ok=True)

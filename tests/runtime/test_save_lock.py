@@ -51,3 +51,24 @@ def test_a_lock_from_another_host_is_taken_as_live(tmp_path: Path) -> None:
     _lock(tmp_path, 1, None, host="elsewhere")
     with pytest.raises(InvalidRequestError, match=r"\(pid 1 on host elsewhere\); .* remove "):
         check_free("--save", tmp_path)
+
+
+def test_what_a_killed_save_left_goes_when_the_job_ends(tmp_path: Path) -> None:
+    """A rank killed inside a save (a SIGHUP to ``pipeplan run`` between the pointer's write
+    and its rename, seen in CI) leaves ``.latest.tmp`` and perhaps a ``.partial-`` folder:
+    the launcher removes them once its ranks are gone, and a dead job's at the next start.
+    The complete saves, ``latest`` and a repeated step's ``.old-`` copy stay."""
+    root = tmp_path / "save"
+    (root / ".partial-step-000001-a").mkdir(parents=True)
+    (root / ".latest.tmp").write_text("step-000001\n")
+    with hold(root):
+        assert not (root / ".partial-step-000001-a").exists()
+        assert not (root / ".latest.tmp").exists()
+        (root / "step-000001").mkdir()
+        (root / "latest").write_text("step-000001\n")
+        (root / ".old-step-000001-b").mkdir()
+        (root / ".partial-step-000002-c").mkdir()
+        (root / ".latest.tmp").write_text("step-000002\n")  # killed before the rename
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".old-step-000001-b", "latest", "step-000001"
+    ]  # fmt: skip
