@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -371,9 +370,6 @@ def launch(
 
             if outcome.code == 0:
                 bar.update(task, completed=steps)
-        if outcome.code != 0 and save is not None:  # every rank has ended
-            for partial in Path(save).glob(".partial-*"):
-                shutil.rmtree(partial, ignore_errors=True)
         if outcome.agent_killed and outcome.code is not None:
             name = signal.Signals(-outcome.code).name
             raise StageFailedError(f"torchrun ended by {name}; every rank ended")

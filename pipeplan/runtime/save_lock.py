@@ -9,8 +9,9 @@ pid now belongs to another process (its start time differs).  Until the ranks of
 launcher have ended too (within a second: :mod:`pipeplan.runtime.worker`'s watchdog), their
 ``--save=DIR`` command lines keep the folder busy.
 
-Taking the lock also removes the ``.partial-step-N`` folders a dead job left: no live job
-writes into the folder then.
+Taking the lock also removes what a dead job's cut-short save left (the ``.partial-step-N``
+folders and the unrenamed ``latest`` pointer, :func:`pipeplan.runtime.snapshots.remove_partials`):
+no live job writes into the folder then; so does releasing it, once the job's ranks have ended.
 
 A lock written on another host cannot be checked from here; it is taken as live, and the
 message says to remove it once that job has ended.
@@ -21,12 +22,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.runtime.snapshots import remove_partials
 from pipeplan.runtime.supervise import live_processes, process_start
 
 __all__ = ["LOCK", "check_free", "hold"]
@@ -71,7 +72,7 @@ def check_free(option: str, path: str | os.PathLike[str]) -> None:
 @contextlib.contextmanager
 def hold(folder: str | os.PathLike[str] | None) -> Iterator[None]:
     """Hold ``folder``'s lock while the job runs (nothing for ``None``); refuses a folder a
-    live job holds, removes the partial folders a dead job left."""
+    live job holds, removes what a cut-short save left, on taking it and on release."""
     if folder is None:
         yield
         return
@@ -85,22 +86,11 @@ def hold(folder: str | os.PathLike[str] | None) -> Iterator[None]:
         )
     )
     os.replace(tmp, lock)
-    _remove_partials(root)
+    remove_partials(root)
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
             if json.loads(lock.read_text()).get("pid") == os.getpid():
-                _remove_partials(root)  # the job's ranks are gone: what a killed save left
+                remove_partials(root)  # the job's ranks are gone: what a killed save left
                 lock.unlink()
-
-
-def _remove_partials(root: Path) -> None:
-    """Remove what a save cut short leaves in ``root``: its ``.partial-`` folders and the
-    pointer it had not yet renamed to ``latest`` (:func:`pipeplan.runtime.snapshots.commit`);
-    a complete save, ``latest`` and the ``.old-`` copy a repeated step's save renames away
-    are kept."""
-    for stale in root.glob(".partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        (root / ".latest.tmp").unlink(missing_ok=True)

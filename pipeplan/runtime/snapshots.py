@@ -39,6 +39,7 @@ names the file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -63,6 +64,7 @@ __all__ = [
     "partial_dir",
     "prune",
     "read_manifest",
+    "remove_partials",
     "resolve",
     "step_name",
     "train_state_name",
@@ -83,9 +85,25 @@ def train_state_name(rank: int, world: int) -> str:
     return f"train-{rank:05d}-of-{world:05d}.pt"
 
 
+_PARTIAL = ".partial-"
+_POINTER = f".{LATEST}.tmp"  # written, then renamed to LATEST
+
+
 def partial_dir(root: str | Path, step: int) -> Path:
     """The folder a save of ``step`` is written into before :func:`commit` renames it."""
-    return Path(root) / f".partial-{step_name(step)}"
+    return Path(root) / f"{_PARTIAL}{step_name(step)}"
+
+
+def remove_partials(root: str | Path) -> None:
+    """Remove what a save cut short leaves in ``root`` (a rank killed inside :func:`commit`):
+    its partial folders and the pointer not yet renamed to ``latest``.  The complete saves,
+    ``latest`` and the ``.old-`` copy a repeated step's save renames away are kept.  Only
+    when no rank writes ``root`` (:mod:`pipeplan.runtime.save_lock`)."""
+    root = Path(root)
+    for stale in root.glob(f"{_PARTIAL}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (root / _POINTER).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -153,7 +171,7 @@ def commit(
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
+    pointer = root / _POINTER
     _write_synced(pointer, step_name(step) + "\n")
     os.replace(pointer, root / LATEST)
     fsync_dir(root)
