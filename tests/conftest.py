@@ -24,8 +24,12 @@ def pytest_configure(config: pytest.Config) -> None:
     thread per core each, beside the ranks they launch, oversubscribe CI's two cores, and
     OpenMP's waiting threads then spin.  The unsplit MobileNetV3's float64 reference of
     tests/zoo/test_vision_sweep.py took 77 s on two threads and 0.5 s on one on a busy host.
-    Whatever measures sets its own threads (``profile_model``, the ranks), so no check moves."""
+    Whatever measures sets its own threads (``profile_model``, the ranks), so no check moves.
+    The processes the tests start (DeepSpeed's and torchtitan's ranks, notebook kernels, the
+    command line) inherit one OpenMP thread too: DeepSpeed's build of every export, whose two
+    ranks took two threads each, ran 100 s in the suite and 15 s with one (23 s alone)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
 
         torch.set_num_threads(1)
