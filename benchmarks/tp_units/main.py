@@ -22,12 +22,17 @@ The model (:func:`pipeplan.solvers.tensor_parallel.tp_profile`, from a profile w
 ``tp_timings`` are removed so that every unit is modelled) predicts (3) from (1), and, as a
 check of the model's formulas alone, from (2), with phi, sigma, k, X of the annotation:
 
-    per rank:  f s + c,  g s + c,   s = 1 - phi + phi / 2,   c = k AR(X b)
+    per rank:  f s + c_F,  g s + c_B,   s = 1 - phi + phi / 2,
+               c_F = k AR(X b / k) + n o_tp,   c_B = k_c AR(X b / k) + n o_tp
     params:    w - w_s / 2;   saved: a (1 - sigma / 2)
 
-AR is the 2-rank gloo all-reduce of this host, measured here (``time_allreduce`` of
-:mod:`pipeplan.runtime.linkbench` from 4 KiB to 4 MiB, an affine fit) and given to the model
-as ``Cluster.intra_node_link`` (the ring's w / b + 2 a at 2 ranks).  Errors are
+(k row-wise and k_c column-wise projections, n = k + k_c.)  AR is the 2-rank gloo all-reduce
+of this host, measured here (``time_allreduce`` of :mod:`pipeplan.runtime.linkbench` from
+4 KiB to 4 MiB, an affine fit) and given to the model as ``Cluster.intra_node_link`` (the
+ring's w / b + 2 a at 2 ranks); o_tp is what ``pipeplan calibrate`` measures
+(:mod:`pipeplan.runtime.tp_overhead`: an MLP whole and split over the same 2 ranks), given as
+``Cluster.tp_op_overhead_s``.  Both are measured at the start of every round, and the model
+takes their medians over the rounds, as calibrate takes the median over its launches.  Errors are
 |predicted - measured| / measured of f + g per rank, of the parameter bytes on a rank and of
 the saved bytes on a rank; medians over units, with the spread over rounds of the measured
 time (min-max over rounds of each round's median, relative).
@@ -56,12 +61,7 @@ ZOO = (*GQA, "phi", "gpt_neox", "bert", "roberta", "electra", "t5", "bart")
 MODELS = (*ZOO, "gpt")
 AR_SIZES = tuple(4096 * 4**i for i in range(6))
 
-try:  # the planner's model (issue 44, part 3), else its formulas written out in predict()
-    import pipeplan.solvers.tensor_parallel  # noqa: F401
-
-    MODEL = "pipeplan.solvers.tensor_parallel"
-except ImportError:
-    MODEL = "benchmarks.tp_units.main.predict"
+MODEL = "pipeplan.solvers.tensor_parallel"
 
 
 def model_args(name: str, d: int, seq: int) -> tuple[str, dict[str, Any]]:
@@ -80,20 +80,23 @@ def _allreduce_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from pipeplan.runtime.linkbench import time_allreduce
+    from pipeplan.runtime.tp_overhead import measure_tp_overhead
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         points = time_allreduce(list(AR_SIZES), 30, "cpu")
+        tp = measure_tp_overhead("cpu", 30)
         if rank == 0:
-            Path(out).write_text(json.dumps(points))
+            Path(out).write_text(json.dumps({"points": points, "tp": tp}))
     finally:
         dist.destroy_process_group()
 
 
 def allreduce_fit() -> dict[str, Any]:
-    """The 2-rank gloo all-reduce of this host: its points and (seconds per byte, seconds)."""
+    """The 2-rank gloo all-reduce of this host: its points and (seconds per byte, seconds);
+    and o_tp, from the calibration MLP measured on the same 2 ranks."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -106,48 +109,42 @@ def allreduce_fit() -> dict[str, Any]:
         mp.start_processes(
             _allreduce_rank, args=(_free_port(), out), nprocs=2, start_method="spawn"
         )
-        points = [tuple(p) for p in json.loads(Path(out).read_text())]
+        got = json.loads(Path(out).read_text())
+    from pipeplan.runtime.tp_overhead import tp_overhead
+
+    points = [tuple(p) for p in got["points"]]
     alpha, beta = fit_affine(points)  # type: ignore[arg-type]
-    return {"points": points, "alpha_s_per_byte": alpha, "beta_s": beta}
+    o_tp = tp_overhead(got["tp"], cluster(alpha, beta).link)
+    return {"points": points, "alpha_s_per_byte": alpha, "beta_s": beta, "tp": got["tp"],
+            "o_tp_s": o_tp}  # fmt: skip
 
 
-def cluster(alpha: float, beta: float) -> Any:
-    """A 2-device node whose tensor-parallel ring all-reduce at 2 ranks is alpha w + beta."""
+def cluster(alpha: float, beta: float, o_tp: float = 0.0) -> Any:
+    """A 2-device node whose tensor-parallel ring all-reduce at 2 ranks is alpha w + beta, and
+    whose split projections cost o_tp of host work per pass."""
     from pipeplan.planner.types import Cluster, Link
 
     link = Link(bandwidth_Bps=1.0 / alpha, latency_s=beta / 2)  # ring at 2: w / b + 2 a
     base = Cluster.homogeneous(2, 64 << 30, link=link)
     return base.model_copy(
-        update={"tensor_parallel": 2, "intra_node_link": link, "devices_per_node": 2}
-    )
+        update={"tensor_parallel": 2, "intra_node_link": link, "devices_per_node": 2,
+                "tp_op_overhead_s": o_tp}
+    )  # fmt: skip
 
 
 def predict(
-    profile: Any, k: int, timing: Any, alpha: float, beta: float, b: int
+    profile: Any, k: int, timing: Any, alpha: float, beta: float, b: int, o_tp: float = 0.0
 ) -> tuple[float, float, int, int]:
     """Unit k's per-rank (forward s, backward s, parameter bytes, saved bytes) at t = 2,
-    modelled from ``timing`` (its unsharded Timing at size b): by
-    :func:`pipeplan.solvers.tensor_parallel.tp_profile` where it exists, else by the same
-    formulas here (:data:`MODEL` says which)."""
-    unit = profile.units[k].model_copy(update={"timings": {b: timing}, "tp_timings": {}})
-    tp = unit.tensor_parallel
-    if MODEL == "pipeplan.solvers.tensor_parallel":
-        from pipeplan.solvers.tensor_parallel import tp_profile
+    modelled from ``timing`` (its unsharded Timing at size b) by
+    :func:`pipeplan.solvers.tensor_parallel.tp_profile`."""
+    from pipeplan.solvers.tensor_parallel import tp_profile
 
-        units = tuple(unit if u.index == k else u for u in profile.units)
-        got = tp_profile(profile.model_copy(update={"units": units}), cluster(alpha, beta))
-        m = got.units[k]
-        return (
-            m.timings[b].forward_s,
-            m.timings[b].backward_s,
-            m.param_bytes,
-            m.timings[b].saved_bytes,
-        )
-    s = 1 - tp.sharded_flop_fraction / 2
-    c = alpha * tp.allreduce_bytes_per_sample * b + beta * tp.allreduces
-    params = unit.param_bytes - tp.sharded_param_bytes + round(tp.sharded_param_bytes / 2)
-    saved = round(timing.saved_bytes * (1 - tp.sharded_saved_fraction / 2))
-    return timing.forward_s * s + c, timing.backward_s * s + c, params, saved
+    unit = profile.units[k].model_copy(update={"timings": {b: timing}, "tp_timings": {}})
+    units = tuple(unit if u.index == k else u for u in profile.units)
+    got = tp_profile(profile.model_copy(update={"units": units}), cluster(alpha, beta, o_tp))
+    m = got.units[k]
+    return m.timings[b].forward_s, m.timings[b].backward_s, m.param_bytes, m.timings[b].saved_bytes
 
 
 def one_round(name: str, d: int, seq: int, b: int, repeats: int) -> list[dict[str, Any]]:
@@ -182,7 +179,7 @@ def _err(pred: float, meas: float) -> float:
 
 
 def summarise(
-    rows: list[dict[str, Any]], alpha: float, beta: float, b: int
+    rows: list[dict[str, Any]], alpha: float, beta: float, b: int, o_tp: float = 0.0
 ) -> list[dict[str, Any]]:
     """Per unit, medians over rounds and the model's errors (module docstring)."""
     from pipeplan.planner.types import Profile, Timing
@@ -214,13 +211,14 @@ def summarise(
             saved_bytes=int(med(r["t1"]["saved_bytes"] for r in rs)),
             output_bytes=rs[0]["t1"]["output_bytes"],
         )
-        pf, pg, _, p_saved = predict(profile, k, base, alpha, beta, b)
-        qf, qg, q_params, q_saved = predict(profile, k, t1, alpha, beta, b)
+        pf, pg, _, p_saved = predict(profile, k, base, alpha, beta, b, o_tp)
+        qf, qg, q_params, q_saved = predict(profile, k, t1, alpha, beta, b, o_tp)
         per_round = [r["t2"]["forward_s"] + r["t2"]["backward_s"] for r in rs]
         meas = med(per_round)
         meas_saved = med(r["t2"]["saved_bytes"] for r in rs)
         meas_params = rs[0]["t2_params"]
-        c = alpha * tp.allreduce_bytes_per_sample * b + beta * tp.allreduces
+        # c_F + c_B: what the model adds to the split share of t = 1's compute
+        c = qf + qg - (t1.forward_s + t1.backward_s) * (1 - tp.sharded_flop_fraction / 2)
         out.append(
             {
                 "model": model, "unit": unit, "rounds": len(rs),
@@ -247,7 +245,7 @@ def tables(result: dict[str, Any]) -> str:
     units = result["units"]
     lines = [
         (
-            "| model | unit | phi | sigma | AR c ms | profile f+g ms | t=1 ms | t=2 measured ms "
+            "| model | unit | phi | sigma | c_F + c_B ms | profile f+g ms | t=1 ms | t=2 measured ms "
             "(spread) | predicted from profile ms (err) | predicted from t=1 ms (err) |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -306,10 +304,11 @@ def main() -> None:
         args = argparse.Namespace(**{**saved["args"], "output": args.output})
     else:
         env = machine()
-        ar = allreduce_fit()
+        fits = []
         rows = []
         failed = {}
         for r in range(args.rounds):
+            fits.append(allreduce_fit())  # each round, beside its units: the host drifts
             for name in args.models:
                 if name in failed:
                     continue
@@ -321,6 +320,13 @@ def main() -> None:
                 except (PipeplanError, RuntimeError) as exc:  # the harness cannot split it
                     failed[name] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         env["uptime_after"] = machine()["uptime"]
+        ar = {
+            "rounds": fits,
+            **{
+                k: statistics.median(f[k] for f in fits)
+                for k in ("alpha_s_per_byte", "beta_s", "o_tp_s")
+            },
+        }
         raw.parent.mkdir(exist_ok=True)
         kept = {k: v for k, v in vars(args).items() if k not in ("output", "from_rows")}
         raw.write_text(
@@ -328,7 +334,9 @@ def main() -> None:
                 {"machine": env, "allreduce": ar, "rows": rows, "failed": failed, "args": kept}
             )
         )
-    units = summarise(rows, ar["alpha_s_per_byte"], ar["beta_s"], args.microbatch)
+    units = summarise(
+        rows, ar["alpha_s_per_byte"], ar["beta_s"], args.microbatch, ar.get("o_tp_s", 0.0)
+    )
     keys = ("time_err_profile", "time_err_t1", "params_err", "saved_err_profile", "saved_err_t1")
     summary = {
         key: (statistics.median(u[key] for u in units), max(u[key] for u in units))

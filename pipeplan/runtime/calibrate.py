@@ -8,7 +8,10 @@ order, each with a module of its own that states what it times and the formulas 
    the runtime's tied-gradient all-reduce at the same sizes (:mod:`pipeplan.runtime.linkbench`);
 2. the optimizer-update contention kappa_u: Adam steps on ranks 0 and 1 alone and at once
    (:mod:`pipeplan.runtime.update_contention`);
-3. the schedule engine: a real :class:`pipeplan.runtime.engine.PipelineRunner` pipeline of computing
+3. the host cost of tensor parallelism per split projection o_tp: pairs of ranks time an MLP
+   whole and split with torch's ``parallelize_module`` (:mod:`pipeplan.runtime.tp_overhead`;
+   an even number of ranks);
+4. the schedule engine: a real :class:`pipeplan.runtime.engine.PipelineRunner` pipeline of computing
    stages at several widths and micro-batch counts, whose steady-state slope gives the engine's
    cost per operation o and the contention k (:mod:`pipeplan.runtime.engine_fit`).
 
@@ -64,6 +67,7 @@ from pipeplan.runtime.linkbench import (
     time_collectives,
     time_pingpong,
 )
+from pipeplan.runtime.tp_overhead import measure_tp_overhead, tp_overhead
 from pipeplan.runtime.update_contention import measure_update_contention
 
 __all__ = [
@@ -131,6 +135,7 @@ def _worker(argv: list[str] | None = None) -> None:
         allreduce: list[tuple[int, float]] = []
         collectives: dict[str, list[tuple[int, float]]] = {}
         kappa_u = 0.0
+        tp: dict[str, float] = {}
         if world > 1:  # a 1-rank launch measures the engine alone
             if rank < 2:  # ranks beyond the pair wait at the barrier
                 samples = time_pingpong(message_sizes(args.max_bytes), args.repeats, device)
@@ -141,6 +146,8 @@ def _worker(argv: list[str] | None = None) -> None:
             done("all-reduce")
             kappa_u = measure_update_contention(args.repeats, device)
             done("update contention")
+            tp = measure_tp_overhead(device, args.repeats)
+            done("tensor parallel")
         engine = []
         for width in args.widths:
             raw: dict[str, Any] = {}
@@ -160,7 +167,7 @@ def _worker(argv: list[str] | None = None) -> None:
                 json.dump(
                     {"samples": samples, "allreduce": allreduce, "collectives": collectives,
                      "memory": memory,
-                     "engine": engine, "update_contention": kappa_u},
+                     "engine": engine, "update_contention": kappa_u, "tensor_parallel": tp},
                     fh,
                 )  # fmt: skip
     finally:
@@ -176,8 +183,9 @@ def _free_port() -> int:
 
 def phases(nproc: int, widths: Sequence[int]) -> int:
     """How many phases one launch of ``nproc`` ranks reports (:func:`measure`'s ``on_phase``):
-    the link, the all-reduce and the update contention on 2+ ranks, then one per width."""
-    return (3 if nproc > 1 else 0) + len(widths)
+    the link, the all-reduce, the update contention and tensor parallelism on 2+ ranks, then
+    one per width."""
+    return (4 if nproc > 1 else 0) + len(widths)
 
 
 def measure(
@@ -365,6 +373,7 @@ def combine(
     points = [pt for r in results for pt in engine_points(r, link, widths)]
     overhead, kappa = fit_engine(points, [w for _ in results for w in widths])
     kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
+    tp_op = statistics.median(tp_overhead(r.get("tensor_parallel", {}), link) for r in results)
     solo = step_cost = None
     if alone:
         solo, step_cost = solo_overhead([r["engine"] for r in alone])
@@ -388,7 +397,7 @@ def combine(
         devices=devices, link=link, allreduce=allreduce, replica_link=replica,
         collectives=collectives, collective_ranks=max(nproc, 2), op_overhead_s=overhead,
         solo_op_overhead_s=solo, step_overhead_s=step_cost or 0.0, contention=kappa,
-        update_contention=kappa_u,
+        update_contention=kappa_u, tp_op_overhead_s=tp_op,
     )  # fmt: skip
     return cluster, samples  # type: ignore[return-value]
 

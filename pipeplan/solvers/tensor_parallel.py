@@ -10,25 +10,40 @@ so a stage of t ranks is priced as one device running the per-rank profile
 :func:`tp_profile` returns; every solver then plans that profile unchanged.
 
 Per unit u with an annotation (``Unit.tensor_parallel``: sharded FLOP share phi, sharded saved
-share sigma, sharded parameter bytes w_s, k all-reduces of X bytes per sample in the forward),
-at micro-batch size b, the collectives a ring over the t ranks on the intra-node link
-(``Cluster.intra_node_link``, else ``link``) with the formulas of
+share sigma, sharded parameter bytes w_s, k row-wise projections whose outputs, X bytes per
+sample in all, are all-reduced in the forward, and k_c column-wise ones, n = k + k_c split
+projections), at micro-batch size b, the collectives a ring over the t ranks on the
+intra-node link (``Cluster.intra_node_link``, else ``link``) with the formulas of
 :mod:`pipeplan.planner.collectives` (alpha per byte, beta per message):
 
-    c          = alpha_AR X b + k beta_AR                      (without sequence parallelism)
-               = (alpha_RS + alpha_AG) X b + k (beta_RS + beta_AG)      (with it: each
-                 all-reduce is a reduce-scatter and an all-gather, the same bytes on a ring)
+    c_F        = alpha_AR X b + k beta_AR + n o_tp              (without sequence parallelism)
+    c_B        = alpha_AR X b k_c / k + k_c beta_AR + n o_tp
+               (with it: each all-reduce is a reduce-scatter and an all-gather, the same bytes
+                on a ring)
     s          = 1 - phi + phi / t                             the per-rank share of compute
-    forward    = f s + c
-    backward   = g s + c                     (the input gradient's all-reduces)
-    I, W       = I s + c,  W s               (the all-reduce belongs to I: zero-bubble split)
-    recompute  = fc s + c (forward),  r s + 2 c (backward: the recomputed forward's too)
+    forward    = f s + c_F
+    backward   = g s + c_B                   (the input gradients' all-reduces)
+    I, W       = I s + c_B,  W s             (the all-reduces belong to I: zero-bubble split)
+    recompute  = fc s + c_F (forward),  r s + c_F + c_B (backward: the recomputed forward's too)
     params     = (w - w_s) + w_s / t
     saved      = a (1 - sigma + sigma / t), and a / t with sequence parallelism (the norms and
                  residuals then hold 1 / t of the sequence); ``weight_held_bytes`` and
                  ``peak_bytes`` scale the same way
     largest    = max(big / t, min(big, w - w_s))       (the largest parameter is sharded, or
                  one of the whole ones: an upper bound either way)
+
+The backward's count is torch's, which the runtime runs (``parallelize_module`` with
+``ColwiseParallel`` per projection): each column-wise projection all-reduces its own input's
+gradient (query, key and value: three; gate and up: two), where Megatron sums the shared input's
+gradient first and all-reduces once per sub-block.  o_tp (``Cluster.tp_op_overhead_s``) is the
+host work torch's DTensor adds per split projection and pass, beyond the compute and the
+collective, which ``pipeplan calibrate`` measures (:mod:`pipeplan.runtime.tp_overhead`; 0 where
+not measured).
+
+The solvers divide a profile's seconds by each device's ``speed`` (a device faster than the
+profiled host), but a collective's seconds are the link's and the host cost is the host's: the
+per-rank profile stores c_F and c_B times the fastest device's speed, so that a rank pays them
+as they are (and at least them on a slower device of a mixed cluster, an upper bound).
 
 A unit's measured ``tp_timings[t][b]`` (collectives included) is used as it stands where
 present; otherwise the times above are modelled from its unsharded ``timings[b]``.  A unit
@@ -107,7 +122,14 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
         if cluster.sequence_parallel
         else 1.0 - ann.sharded_saved_fraction + ann.sharded_saved_fraction / t
     )
-    c = collective_s(cluster, ann.allreduce_bytes_per_sample * b, ann.allreduces)
+    per = ann.allreduce_bytes_per_sample * b / max(ann.allreduces, 1)  # one all-reduce's
+    cols = sum(style == "colwise" for style in ann.styles.values())
+    host = cluster.tp_op_overhead_s * len(ann.styles)
+    # the solvers divide a profile's seconds by the device's speed, not a link's: stored times
+    # the fastest device's speed, each rank pays c (at least c on a slower device)
+    speed = max(d.speed for d in cluster.devices)
+    c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + host) * speed
+    cb = (collective_s(cluster, per * cols, cols) + host) * speed
 
     def opt(x: float | None, extra: float) -> float | None:
         return None if x is None else x * s + extra
@@ -115,12 +137,12 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     return timing.model_copy(
         update={
             "forward_s": timing.forward_s * s + c,
-            "backward_s": timing.backward_s * s + c,
+            "backward_s": timing.backward_s * s + cb,
             "forward_spread_s": timing.forward_spread_s * s,
             "backward_spread_s": timing.backward_spread_s * s,
             "recompute_forward_s": opt(timing.recompute_forward_s, c),
-            "recompute_backward_s": opt(timing.recompute_backward_s, 2 * c),
-            "backward_input_s": opt(timing.backward_input_s, c),
+            "recompute_backward_s": opt(timing.recompute_backward_s, c + cb),
+            "backward_input_s": opt(timing.backward_input_s, cb),
             "backward_weight_s": opt(timing.backward_weight_s, 0.0),
             "saved_bytes": _scale(timing.saved_bytes, keep),
             "weight_held_bytes": _scale(timing.weight_held_bytes, keep),

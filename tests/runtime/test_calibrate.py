@@ -11,7 +11,7 @@ import pytest
 
 import pipeplan.runtime.calibrate as calibrate_module
 from pipeplan.cli import main
-from pipeplan.planner.collectives import collective_cost
+from pipeplan.planner.collectives import collective_cost, ring_cost
 from pipeplan.planner.io import calibration_file, load_cluster, write_json
 from pipeplan.runtime.engine_fit import MICRO
 from pipeplan.runtime.linkbench import fit_link
@@ -61,9 +61,10 @@ def test_calibrate_end_to_end(tmp_path: Path) -> None:
 @pytest.mark.multirank
 def test_each_launch_reports_its_phases() -> None:
     """The progress bar advances once per phase that rank 0 finishes: the link, the
-    all-reduce and the update contention on 2 ranks, then each width; one rank, the widths."""
+    all-reduce, the update contention and tensor parallelism on 2 ranks, then each width; one
+    rank, the widths."""
     for nproc, names in (
-        (2, ["link", "all-reduce", "update contention", "engine width 64"]),
+        (2, ["link", "all-reduce", "update contention", "tensor parallel", "engine width 64"]),
         (1, ["engine width 64"]),
     ):
         seen: list[str] = []
@@ -72,6 +73,13 @@ def test_each_launch_reports_its_phases() -> None:
             ms=(2, 3),
         )  # fmt: skip
         assert seen == names and len(seen) == calibrate_module.phases(nproc, (64,))
+        # The MLP whole and split over the 2 ranks (none on one rank).
+        tp = result["tensor_parallel"]
+        assert (
+            (tp["whole_s"] > 0 and tp["split_s"] > 0 and tp["bytes"] == 256 * 256 * 4)
+            if (nproc == 2)
+            else tp == {}
+        )
         # Every timing comes back: per round, `engine_repeats` steps per m and `repeats` passes
         # of the stage alone, whose medians are the figures the fit reads.
         (engine,) = result["engine"]
@@ -139,6 +147,12 @@ def test_calibrate_takes_the_median_of_launches(
         sizes = [4, 64, 1024, 65536, 1048576]
         return {
             "update_contention": kappa_u,
+            # the MLP split over the pair: T_2 - T_1 / 2 = 4, 12 and 8 ms over the launches
+            "tensor_parallel": {
+                "whole_s": 0.02,
+                "split_s": 0.01 + 0.004 * slope / 1e-3,
+                "bytes": 262144.0,
+            },
             "samples": [(n, scale * (5e-5 + n / 4e9), scale * (6e-5 + n / 4e9)) for n in sizes],
             "allreduce": [(n, scale * (1e-4 + n / 1e9)) for n in sizes],
             "memory": 2**30,
@@ -172,6 +186,11 @@ def test_calibrate_takes_the_median_of_launches(
     assert cluster.contention == 0.0
     # The update contention: the median launch's, kept in the cluster file.
     assert cluster.update_contention == pytest.approx(0.2)
+    # o_tp: the median launch's (8 ms), less the two all-reduces the fitted link prices,
+    # over 2 projections x 2 passes.
+    alpha, beta = ring_cost(cluster.link, 2, "all_reduce")
+    assert cluster.tp_op_overhead_s == pytest.approx((8e-3 - 2 * (alpha * 262144 + beta)) / 4)
+    assert cluster.tp_op_overhead_s > 1e-3
     write_json(tmp_path / "cluster.json", cluster)
     assert load_cluster(tmp_path / "cluster.json") == cluster
 

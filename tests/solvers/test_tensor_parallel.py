@@ -17,8 +17,14 @@ from pipeplan.solvers.tensor_parallel import (
 
 INTRA = Link(bandwidth_Bps=1e9, latency_s=1e-5)
 
-ANN = UnitTensorParallel(
-    styles={"attn.q": "colwise", "attn.o": "rowwise"},
+ANN = UnitTensorParallel(  # a Llama layer's split: 5 column-wise projections, 2 row-wise
+    styles={
+        **{f"attn.{x}": "colwise" for x in "qkv"},
+        "attn.o": "rowwise",
+        "mlp.gate": "colwise",
+        "mlp.up": "colwise",
+        "mlp.down": "rowwise",
+    },
     divisors={"heads": 8, "kv_heads": 4},
     sharded_param_bytes=0,  # set per unit below
     sharded_flop_fraction=0.9,
@@ -45,25 +51,32 @@ def annotated(prof: Profile, units: tuple[int, ...] = (1, 2)) -> Profile:
     return prof.model_copy(update={"units": tuple(out)})
 
 
-def _cluster(t: int, sp: bool = False) -> Cluster:
+def _cluster(t: int, sp: bool = False, host: float = 0.0) -> Cluster:
     return Cluster.homogeneous(1, 2**40).model_copy(
-        update={"tensor_parallel": t, "intra_node_link": INTRA, "sequence_parallel": sp}
-    )
+        update={"tensor_parallel": t, "intra_node_link": INTRA, "sequence_parallel": sp,
+                "tp_op_overhead_s": host}
+    )  # fmt: skip
 
 
 def test_a_split_unit_by_hand() -> None:
+    """The forward all-reduces each row-wise projection's output; the backward each column-wise
+    projection's input gradient, one by one as torch's ColwiseParallel does (5 of 500 b bytes
+    here, against 2 of 1000 b in all in the forward); each of the 7 split projections adds the
+    host's o_tp to the forward and to the backward's input part, not to its weight part."""
     prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2, 4], seed=3))
-    per = tp_profile(prof, _cluster(4))
+    host = 3e-5
+    per = tp_profile(prof, _cluster(4, host=host))
     u, v = prof.units[1], per.units[1]
     t, s = 4, 1 - 0.9 + 0.9 / 4
     for b in (2, 4):
         # two all-reduces of 1000 b bytes in all, a ring over 4 ranks: 2 (3/4) bytes / bw + 2 (3) a
         c = 2 * 3 / 4 * 1000 * b / 1e9 + 2 * 2 * 3 * 1e-5
         assert collective_s(_cluster(4), 1000 * b, 2) == pytest.approx(c)
+        cb = 2 * 3 / 4 * 2500 * b / 1e9 + 5 * 2 * 3 * 1e-5  # five of 500 b bytes each
         one, got = u.timings[b], v.timings[b]
-        assert got.forward_s == pytest.approx(one.forward_s * s + c)
-        assert got.backward_s == pytest.approx(one.backward_s * s + c)
-        assert got.backward_input_s == pytest.approx(one.backward_input_s * s + c)  # type: ignore[operator]
+        assert got.forward_s == pytest.approx(one.forward_s * s + c + 7 * host)
+        assert got.backward_s == pytest.approx(one.backward_s * s + cb + 7 * host)
+        assert got.backward_input_s == pytest.approx(one.backward_input_s * s + cb + 7 * host)  # type: ignore[operator]
         assert got.backward_weight_s == pytest.approx(one.backward_weight_s * s)  # type: ignore[operator]
         assert got.saved_bytes == round(one.saved_bytes * (0.4 + 0.6 / 4))
         assert got.weight_held_bytes == round(one.weight_held_bytes * (0.4 + 0.6 / 4))  # type: ignore[operator]
@@ -75,6 +88,26 @@ def test_a_split_unit_by_hand() -> None:
     assert per.units[0] == prof.units[0] and per.units[3] == prof.units[3]
     assert per.cuts == prof.cuts and per.loss == prof.loss
     assert tp_profile(prof, _cluster(1)) is prof
+
+
+def test_a_faster_device_pays_the_collectives_as_they_are() -> None:
+    """The solvers divide a profile's seconds by the device's speed; the all-reduces and the
+    host cost are the link's and the host's seconds, so a device 4 times the profiled host's
+    speed still pays them whole (it paid a quarter of them before)."""
+    prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3))
+    fast = _cluster(4, host=3e-5)
+    fast = fast.model_copy(
+        update={"devices": tuple(d.model_copy(update={"speed": 4.0}) for d in fast.devices)}
+    )
+    slow = tp_profile(prof, _cluster(4, host=3e-5)).units[1].timings[2]
+    got = tp_profile(prof, fast).units[1].timings[2]
+    one = prof.units[1].timings[2]
+    s = 1 - 0.9 + 0.9 / 4
+    c = slow.forward_s - one.forward_s * s  # the forward's collectives and host cost
+    assert c > 0
+    assert got.forward_s / 4 == pytest.approx(one.forward_s * s / 4 + c)
+    cb = slow.backward_s - one.backward_s * s
+    assert got.backward_s / 4 == pytest.approx(one.backward_s * s / 4 + cb)
 
 
 def test_sequence_parallel_splits_the_rest_and_the_cuts() -> None:

@@ -136,6 +136,12 @@ class Cluster(FrozenModel):
     """The link between two devices of one node (NVLink): the tensor-parallel collectives, and
     the pipeline's or the replicas' transfers where their peers share a node.  ``None``:
     ``link``."""
+    tp_op_overhead_s: float = Field(default=0.0, ge=0)
+    """o_tp: the host seconds torch's tensor parallelism adds per split projection, in the
+    forward and again in the backward, beyond its share of the compute and its collective
+    (DTensor's wrapping, sharding propagation and redistribution, and the wait for the later
+    rank of the group); measured by ``pipeplan calibrate`` on pairs of ranks
+    (:mod:`pipeplan.runtime.tp_overhead`), 0 where not measured."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
