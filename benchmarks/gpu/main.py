@@ -19,6 +19,10 @@ Stages, each timed, each failure recorded and the next one run:
 6. ``nccl``: what one GPU can run of nccl: a 1-rank process group, its barrier and the
    runtime's in-place gradient all-reduce at sizes up to 16 MiB.  Two ranks cannot share one
    GPU under nccl (it refuses a duplicate device), so the link itself is not measured.
+7. ``tensor parallel``: t = 1 against t = 2 on two GPUs (nccl) where the machine has them:
+   ``pipeplan calibrate``'s MLP (:mod:`pipeplan.runtime.tp_overhead`) whole and split by
+   ``parallelize_module``, forward + backward per rank.  With one GPU it says so; the CPU dry
+   run takes two gloo ranks.
 
 Writes ``results.json`` (every number) and ``table.md`` (the summary, against the goals:
 predicted / measured step within 10 % for the 1-stage runs, peak memory within 5 %, each stage
@@ -284,6 +288,53 @@ def nccl(device: str) -> dict[str, Any]:
     }
 
 
+def _tp_rank(rank: int, port: int, out: str, device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pipeplan.runtime.tp_overhead import measure_tp_overhead
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    try:
+        got = measure_tp_overhead(f"cuda:{rank}" if device == "cuda" else "cpu", 20)
+        if rank == 0:
+            Path(out).write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel(out: Path, device: str) -> dict[str, Any]:
+    """t = 1 against t = 2 of the calibration MLP on 2 ranks (module docstring, stage 7)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from pipeplan.profiler.tp_measure import _free_port
+    from pipeplan.runtime.tp_overhead import TOKENS, WIDTH
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if device == "cuda" and gpus < 2:
+        return {"gpus": gpus, "note": f"this machine has {gpus} GPU; t = 2 needs 2"}
+    path = out / "tensor_parallel.json"
+    mp.start_processes(
+        _tp_rank, args=(_free_port(), str(path), device), nprocs=2, start_method="spawn"
+    )
+    got = json.loads(path.read_text())
+    return {
+        "gpus": gpus,
+        "backend": "nccl" if device == "cuda" else "gloo",
+        "mlp": f"Linear({WIDTH}, {4 * WIDTH}), GELU, Linear({4 * WIDTH}, {WIDTH}); {TOKENS} tokens",
+        "whole_ms": 1e3 * got["whole_s"],
+        "split_ms": 1e3 * got["split_s"],
+        "note": "forward + backward per rank, the slower rank's median of 20",
+    }
+
+
 # ---- the check ----------------------------------------------------------------------------
 
 
@@ -320,6 +371,7 @@ def _check(out: Path, device: str, size_name: str) -> dict[str, Any]:
         ("run", lambda: run(out, device, size)),
         ("alone", lambda: alone(out, device, size)),
         ("nccl", lambda: nccl(device)),
+        ("tensor parallel", lambda: tensor_parallel(out, device)),
     ]
     for name, fn in stages:
         t0 = time.perf_counter()
@@ -404,6 +456,14 @@ def table(results: dict[str, Any]) -> str:
         big = max(n["allreduce_us"], key=int)
         lines.append(f"\n{n['backend']}, 1 rank: all-reduce of {int(big) // 2**20} MiB "
                      f"{n['allreduce_us'][big]:.0f} us; {n['note']}")  # fmt: skip
+    if "tensor parallel" in st:
+        t = st["tensor parallel"]
+        if "split_ms" in t:
+            lines.append(f"\ntensor parallel ({t['backend']}, {t['mlp']}): t = 1 "
+                         f"{t['whole_ms']:.2f} ms, t = 2 {t['split_ms']:.2f} ms per rank "
+                         f"({t['note']})")  # fmt: skip
+        else:
+            lines.append(f"\ntensor parallel: {t['note']}")
     return "\n".join(lines) + "\n"
 
 

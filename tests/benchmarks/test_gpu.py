@@ -15,7 +15,9 @@ def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path: Path) -> None:
     results = check(tmp_path, "cpu", "small")
     assert results["errors"] == {}, results["errors"]
     st = results["stages"]
-    assert list(st) == ["environment", "profile", "calibrate", "run", "alone", "nccl"]
+    assert list(st) == [
+        "environment", "profile", "calibrate", "run", "alone", "nccl", "tensor parallel",
+    ]  # fmt: skip
     assert st["environment"]["torch"] and st["environment"]["gpu"] is None
 
     def positive(*values: object) -> bool:
@@ -40,6 +42,8 @@ def test_the_gpu_check_runs_every_stage_on_cpu(tmp_path: Path) -> None:
     for s in st["alone"]:
         assert positive(s["measured_s"], s["predicted_s"], s["peak_bytes"], s["time_ratio"])
     assert st["nccl"]["backend"] == "gloo" and positive(*st["nccl"]["allreduce_us"].values())
+    tp = st["tensor parallel"]  # two gloo ranks on the CPU
+    assert tp["backend"] == "gloo" and positive(tp["whole_ms"], tp["split_ms"])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["stages"]["run"][0]["m"] == 4
     table = (tmp_path / "table.md").read_text()
@@ -56,3 +60,12 @@ def test_the_environment_stage_names_the_gpu_and_nccl(fake_cuda: SimpleNamespace
         "9.0",
     )
     assert env["nccl"] == "2.27.3" and "driver" in env
+
+
+def test_one_gpu_says_tensor_parallelism_needs_two(
+    fake_cuda: SimpleNamespace, tmp_path: Path
+) -> None:
+    from benchmarks.gpu.main import tensor_parallel
+
+    got = tensor_parallel(tmp_path, "cuda")
+    assert got == {"gpus": 1, "note": "this machine has 1 GPU; t = 2 needs 2"}
