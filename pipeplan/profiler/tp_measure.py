@@ -326,6 +326,7 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
             del module, spec
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
             json.dump(results, fh)
+        dist.barrier()  # no rank tears its process group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
