@@ -337,6 +337,16 @@ def _enumerate(
     return best, True
 
 
+def _stop(work: _Work, share: int, deadline: float | None) -> Callable[[], bool]:
+    """A search's stop: once ``work`` has replayed ``share`` actions in all, or at
+    ``deadline`` (``time.perf_counter()``) when one is given."""
+
+    def stop() -> bool:
+        return work.done >= share or (deadline is not None and time.perf_counter() >= deadline)
+
+    return stop
+
+
 def _speed_flags(sr: _Search, cuts: Cuts, stop: Callable[[], bool]) -> None:
     """Recompute flags chosen for speed on the search's best partition: flip one chunk's flag
     at a time (either way), keeping a flip while the replayed step falls and memory fits,
@@ -534,14 +544,10 @@ def solve_schedule(
         for i, c in enumerate(ranked):
             sr = live[c]
             share = start + search_work * (i + 1) // len(ranked)  # what is unused passes on
-
-            def stop(share: int = share) -> bool:
-                return work.done >= share or (
-                    deadline is not None and time.perf_counter() >= deadline
-                )
-
             starts, score, _, _ = sr.best()
-            local_search(starts, sr.score, plans[c].owner, cuts, stop, score)
+            local_search(
+                starts, sr.score, plans[c].owner, cuts, _stop(work, share, deadline), score
+            )
         # recomputation as a speed choice, where it can be one (split families, module docstring)
         # (a candidate whose bound, which holds under any flags, reaches the best step is left)
         now = min((live[c].best()[1][0] for c in ranked), default=np.inf)
@@ -552,13 +558,7 @@ def solve_schedule(
         start = work.done
         for i, c in enumerate(faster):
             share = start + search_work // SPEED_SHARE * (i + 1) // len(faster)
-
-            def stop(share: int = share) -> bool:
-                return work.done >= share or (
-                    deadline is not None and time.perf_counter() >= deadline
-                )
-
-            _speed_flags(live[c], cuts, stop)
+            _speed_flags(live[c], cuts, _stop(work, share, deadline))
     proven: set[Candidate] = set()
     if exact_time > 0 and not exact:  # step 4, warm-started from each search's best
         best = {c: (b[0], b[2], b[1][0]) for c, sr in searches.items() if sr.seen
