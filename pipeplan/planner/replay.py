@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from pipeplan.planner.families import FAMILIES, Action, action_order, rank_of_stage
 from pipeplan.planner.types import Plan
 from pipeplan.planner.updates import shared_ends
@@ -178,12 +180,14 @@ def replay(
     cross = [owner[s] != owner[s + 1] for s in range(n - 1)] + [False]
     table = {(k, s): _phases(k, s, costs, cross) for s in range(n) for k in "FBIW"
              if k in "FB" or costs.backward_input_s is not None}  # fmt: skip
-    deps, n_slots = _compiled(family, p, v, m)
+    deps, flat, keys, n_slots = _compiled(family, p, v, m)
     kappa = contention if p > 1 and m > 1 else 0.0
     if kappa > 0:
         free, busy, pos, events = _contended(deps, table, n_slots, kappa, step_overhead_s, timeline)
     else:
-        free, busy, pos, events = _sweep(deps, table, n_slots, step_overhead_s, timeline)
+        free, busy, pos, events = _sweep(
+            deps, flat, keys, table, n_slots, step_overhead_s, timeline
+        )
     order = action_order(family, p, v, m)
     if any(pos[r] < len(order[r]) for r in range(p)):  # pragma: no cover - torch's lists are valid
         raise RuntimeError(f"{family} deadlocked in the replay")
@@ -206,7 +210,7 @@ def replay(
     ends = [*free, *arrive, *(e.end_s for e in events)]
     makespan = max(ends, default=0.0)
     if peaks is None:
-        peaks = peak_memory(order, costs, p)
+        peaks = peak_memory(family, p, v, m, costs)
     return Replay(tuple(events), makespan, p, m, peaks, tuple(busy))
 
 
@@ -235,55 +239,67 @@ def replay_plan(plan: Plan, timeline: bool = True) -> Replay:
 _Deps = tuple[tuple[tuple[int, int, int, Action], ...], ...]
 _Table = dict[tuple[str, int], list[_Phase]]
 _Walk = tuple[list[float], list[float], list[int], list[ReplayEvent]]
+_Flat = tuple[tuple[int, int, int, int, int, Action], ...]
+_Keys = tuple[tuple[str, int], ...]
 
 
-def _sweep(deps: _Deps, table: _Table, n_slots: int, t0: float, timeline: bool) -> _Walk:
+def _sweep(
+    deps: _Deps, flat: _Flat, keys: _Keys, table: _Table, n_slots: int, t0: float, timeline: bool
+) -> _Walk:
     """Without contention: each action of each rank starts when its rank is free and its
     inputs are done, and takes its phases' sum.  Per rank: when it is free, its compute
-    seconds and how far it got; and the events."""
+    seconds and how far it got; and the events.  One pass over ``flat``, :func:`_topological`'s
+    order, which depends on the lists alone."""
     p = len(deps)
-    took = {key: sum(amount for _, amount, _ in ph) for key, ph in table.items()}
-    compute = {key: sum(amount for _, amount, c in ph if c) for key, ph in table.items()}
-    done = [-1.0] * n_slots
+    took = [sum(amount for _, amount, _ in table[key]) for key in keys]
+    compute = [sum(amount for _, amount, c in table[key] if c) for key in keys]
+    done = [-1.0] * n_slots + [float("-inf")]  # done[-1]: no input to wait for
     free = [float(t0)] * p
     busy = [0.0] * p
-    pos = [0] * p
     events: list[ReplayEvent] = []
+    for r, slot, d1, d2, k, a in flat:
+        t = free[r]
+        x = done[d1]  # (comparisons, not max(): this loop is the planner's hottest)
+        if x > t:
+            t = x
+        x = done[d2]
+        if x > t:
+            t = x
+        if timeline:
+            start = t
+            for kind, amount, c in table[keys[k]]:
+                if amount > 0 or c:
+                    events.append(
+                        ReplayEvent(r, a.stage, a.microbatch, kind, start, start + amount)
+                    )
+                start += amount
+        t += took[k]
+        busy[r] += compute[k]
+        done[slot] = free[r] = t
+    return free, busy, [len(mine) for mine in deps], events
+
+
+def _topological(deps: _Deps, keys: _Keys) -> _Flat:
+    """(rank, slot, dependency, dependency, index in ``keys``, action) of every action, in the
+    order a sweep over the ranks runs them: round after round, each rank runs its list until
+    an action waits for an input not yet done.  Raises when the lists deadlock."""
+    done = [False] * sum(len(mine) for mine in deps)
+    pos = [0] * len(deps)
+    index = {key: k for k, key in enumerate(keys)}
+    out: list[tuple[int, int, int, int, int, Action]] = []
     progress = True
     while progress:
         progress = False
-        for r in range(p):
-            mine = deps[r]
+        for r, mine in enumerate(deps):
             while pos[r] < len(mine):
                 slot, d1, d2, a = mine[pos[r]]
-                t = free[r]
-                if d1 >= 0:  # (comparisons, not max(): this loop is the planner's hottest)
-                    x = done[d1]
-                    if x < 0:
-                        break
-                    if x > t:
-                        t = x
-                if d2 >= 0:
-                    x = done[d2]
-                    if x < 0:
-                        break
-                    if x > t:
-                        t = x
-                key = (a.kind, a.stage)
-                if timeline:
-                    start = t
-                    for kind, amount, c in table[key]:
-                        if amount > 0 or c:
-                            events.append(
-                                ReplayEvent(r, a.stage, a.microbatch, kind, start, start + amount)
-                            )
-                        start += amount
-                t += took[key]
-                busy[r] += compute[key]
-                done[slot] = t
-                free[r], pos[r] = t, pos[r] + 1
-                progress = True
-    return free, busy, pos, events
+                if (d1 >= 0 and not done[d1]) or (d2 >= 0 and not done[d2]):
+                    break
+                out.append((r, slot, d1, d2, index[(a.kind, a.stage)], a))
+                done[slot], pos[r], progress = True, pos[r] + 1, True
+    if not all(done):  # pragma: no cover - torch's lists are valid
+        raise RuntimeError("the action lists deadlock")
+    return tuple(out)
 
 
 def _contended(
@@ -366,11 +382,10 @@ def _contended(
 
 
 @lru_cache(maxsize=256)
-def _compiled(
-    family: str, p: int, v: int, m: int
-) -> tuple[tuple[tuple[tuple[int, int, int, Action], ...], ...], int]:
+def _compiled(family: str, p: int, v: int, m: int) -> tuple[_Deps, _Flat, _Keys, int]:
     """Per rank: (slot, dependency slot, dependency slot or -1, action) of every action, the
-    slots numbering the actions; and how many there are."""
+    slots numbering the actions; the actions in :func:`_topological` order; the (kind, chunk)
+    pairs they take their times from; and how many actions there are."""
     order = action_order(family, p, v, m)
     n = p * v
     slots = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(x for r in order for x in r)}
@@ -390,59 +405,85 @@ def _compiled(
                     d2 = slots.get(("B", s + 1, i), slots.get(("I", s + 1, i), -1))
             rank.append((slots[(a.kind, s, i)], d1, d2, a))
         out.append(tuple(rank))
-    return tuple(out), len(slots)
+    deps = tuple(out)
+    keys = tuple(sorted({(a.kind, a.stage) for acts in order for a in acts}))
+    return deps, _topological(deps, keys), keys, len(slots)
 
 
-def peak_memory(order: Sequence[Sequence[Action]], costs: ChunkCosts, p: int) -> tuple[int, ...]:
-    """Per rank: its chunks' static bytes plus the largest live bytes while it runs its list."""
+_F, _B_FIRST, _B_LATER, _I, _W_FIRST, _W_LATER, _NOTHING = range(7)
+_NO_PEAK = -(2**62)  # a peak candidate no list reaches
+
+
+@lru_cache(maxsize=256)
+def _memory_walk(
+    family: str, p: int, v: int, m: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, ...], ...]]:
+    """The lists' actions as arrays, every rank's after the other's: their chunks, their kinds
+    of memory move (``_F`` .. ``_NOTHING``); where each rank's actions begin; its chunks."""
+    order = action_order(family, p, v, m)
+    stage: list[int] = []
+    move: list[int] = []
+    starts: list[int] = []
+    for acts in order:
+        starts.append(len(stage))
+        made: set[int] = set()  # the chunks whose gradients exist
+        for a in acts:
+            s = a.stage
+            stage.append(s)
+            if a.kind == "F":
+                move.append(_F)
+            elif a.kind == "B" or (a.kind == "W" and s == 0):  # chunk 0's W: the full backward
+                move.append(_B_LATER if s in made else _B_FIRST)
+                made.add(s)
+            elif a.kind == "I":
+                move.append(_I if s > 0 else _NOTHING)  # chunk 0's I does nothing
+            else:
+                move.append(_W_LATER if s in made else _W_FIRST)
+                made.add(s)
+    chunks = tuple(tuple(sorted({a.stage for a in acts})) for acts in order)
+    return np.asarray(stage), np.asarray(move), np.asarray(starts), chunks
+
+
+def peak_memory(family: str, p: int, v: int, m: int, costs: ChunkCosts) -> tuple[int, ...]:
+    """Per rank: its chunks' static bytes plus the largest live bytes while it runs its list.
+
+    Each action moves the live bytes by a delta and may peak above them on the way; with
+    h, k, t, g, e, e1 the chunk's held, weight-held, transient, gradient and gradient-temporary
+    (later, first) bytes and L the live bytes before the action:
+
+        F        L + h                              peak at the end
+        B first  L - h + g          peak L + t + e1, and at the end
+        B later  L - h              peak L + t + e
+        I        L + k - h          peak L + t, and at the end   (nothing on chunk 0)
+        W first  L + g - k          peak L + g + e1
+        W later  L - k              peak L + e
+
+    A rank's peak is the largest of 0, its peaks on the way and its live bytes after every
+    action (a maximum of those sits after an action that ends at a peak, or under a W's).
+    """
     if not costs.held_bytes:
         return (0,) * p
-    static = [0] * p
     n = costs.n
-    held = [int(h) for h in costs.held_bytes]
-    wkeep = [int(x) for x in costs.weight_held_bytes or [0] * n]
-    trans = [int(x) for x in costs.transient_bytes or [0] * n]
-    grads = [int(x) for x in costs.grad_bytes or [0] * n]
-    temp = [int(x) for x in costs.grad_temp_bytes or [0] * n]
-    temp_first = [int(x) for x in costs.grad_temp_first_bytes or [0] * n]
-    peaks = []
-    for r in range(p):  # (comparisons, not max(): a search walks this thousands of times)
-        live = peak = 0
-        made: set[int] = set()  # the chunks whose gradients exist
-        chunks = {a.stage for a in order[r]}
-        static[r] = sum(int(costs.static_bytes[s]) for s in chunks) if costs.static_bytes else 0
-        for a in order[r]:
-            s, kind = a.stage, a.kind
-            extra = temp[s] if s in made else temp_first[s]
-            if kind == "F":
-                live += held[s]
-                if live > peak:
-                    peak = live
-            elif kind == "B" or (kind == "W" and s == 0):  # chunk 0's W: the full backward
-                x = live + trans[s] + extra
-                if x > peak:
-                    peak = x
-                live -= held[s]
-                if s not in made:
-                    made.add(s)
-                    live += grads[s]
-                    if live > peak:
-                        peak = live
-            elif kind == "I":
-                if s > 0:  # chunk 0's I does nothing: its W is the full backward
-                    x = live + trans[s]
-                    if x > peak:
-                        peak = x
-                    live += wkeep[s] - held[s]
-                    if live > peak:
-                        peak = live
-            else:
-                if s not in made:
-                    made.add(s)
-                    live += grads[s]
-                x = live + extra
-                if x > peak:
-                    peak = x
-                live -= wkeep[s]
-        peaks.append(static[r] + peak)
-    return tuple(peaks)
+    zeros = [0] * n
+
+    def col(xs: Sequence[int] | None) -> np.ndarray:
+        return np.asarray(xs or zeros, dtype=np.int64)
+
+    h, k, t = col(costs.held_bytes), col(costs.weight_held_bytes), col(costs.transient_bytes)
+    g, e, e1 = col(costs.grad_bytes), col(costs.grad_temp_bytes), col(costs.grad_temp_first_bytes)
+    none = np.full(n, _NO_PEAK, dtype=np.int64)
+    delta = np.stack([h, g - h, -h, k - h, g - k, -k, 0 * h])
+    on_the_way = np.stack([none, t + e1, t + e, t, g + e1, e, none])
+    stage, move, starts, chunks = _memory_walk(family, p, v, m)
+    d = delta[move, stage]
+    after = np.cumsum(d)
+    # each rank starts from nothing: take off what the ranks before it left
+    left = np.where(starts > 0, after[starts - 1], 0)
+    after -= np.repeat(left, np.diff(starts, append=len(d)))
+    top = np.maximum(after, after - d + on_the_way[move, stage])
+    peaks = np.maximum(np.maximum.reduceat(top, starts), 0)
+    static = costs.static_bytes
+    return tuple(
+        (sum(int(static[s]) for s in mine) if static else 0) + int(pk)
+        for mine, pk in zip(chunks, peaks.tolist(), strict=True)
+    )

@@ -174,10 +174,9 @@ def _fit(cp: ChunkPlan, starts: Sequence[int]) -> tuple[list[bool], ChunkCosts, 
     """:func:`recompute_to_fit`'s flags, with the chunk costs and the peaks they give."""
     fixed = fixed_flags(cp.options, len(starts))
     rc = fixed if fixed is not None else [False] * len(starts)
-    order = action_order(cp.family, cp.p, cp.v, cp.m)
     while True:
         costs = cp.costs_of(starts, rc)
-        peaks = peak_memory(order, costs, cp.p)
+        peaks = peak_memory(cp.family, cp.p, cp.v, cp.m, costs)
         if fixed is not None:
             return rc, costs, peaks
         over = [q for q, pk in enumerate(peaks) if pk > cp.cluster.devices[q].memory_bytes]
@@ -299,7 +298,6 @@ def _enumerate(
     """:func:`_exhaustive`'s enumeration: the minimal fitting masks of each partition, or
     (``every_mask``) all of them."""
     best: Scored | None = None
-    order = action_order(cp.family, cp.p, cp.v, cp.m)
     fixed = fixed_flags(cp.options, k)
     limits = [d.memory_bytes for d in cp.cluster.devices]
     floor = _Floor(cp)
@@ -325,7 +323,10 @@ def _enumerate(
             if every_mask and _busiest(cp, costs) >= min(incumbent, best[0] if best else np.inf):
                 continue
             if any(
-                pk > lim for pk, lim in zip(peak_memory(order, costs, cp.p), limits, strict=True)
+                pk > lim
+                for pk, lim in zip(
+                    peak_memory(cp.family, cp.p, cp.v, cp.m, costs), limits, strict=True
+                )
             ):
                 continue
             fitting.append(rc)

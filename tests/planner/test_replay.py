@@ -10,7 +10,8 @@ from _event_loop_oracle import simulate
 from _one_chunk import one_chunk
 
 from pipeplan.planner.costmodel import step_time
-from pipeplan.planner.replay import ChunkCosts, ReplayEvent, replay, replay_plan
+from pipeplan.planner.families import FAMILIES, Action, action_order, check
+from pipeplan.planner.replay import ChunkCosts, ReplayEvent, peak_memory, replay, replay_plan
 from pipeplan.planner.updates import update_tail
 
 
@@ -188,3 +189,59 @@ def test_gradients_appear_at_the_first_backward_and_later_ones_add_a_temporary()
         grad_bytes=[5] * 2, grad_temp_bytes=[0] * 2,
     )  # fmt: skip
     assert replay("gpipe", 2, 1, 2, no_temp).peak_bytes == (120, 120)  # before any gradient
+
+
+def _walked_peaks(order: Sequence[Sequence[Action]], c: ChunkCosts) -> tuple[int, ...]:
+    """The memory rules of the module's docstring, one action at a time (the oracle)."""
+    peaks = []
+    for acts in order:
+        live = peak = 0
+        made: set[int] = set()
+        for a in acts:
+            s = a.stage
+            extra = c.grad_temp_bytes[s] if s in made else c.grad_temp_first_bytes[s]
+            if a.kind == "F":
+                live += c.held_bytes[s]
+                peak = max(peak, live)
+            elif a.kind == "B" or (a.kind == "W" and s == 0):
+                peak = max(peak, live + c.transient_bytes[s] + extra)
+                live -= c.held_bytes[s]
+                if s not in made:
+                    made.add(s)
+                    live += c.grad_bytes[s]
+                    peak = max(peak, live)
+            elif a.kind == "I" and s > 0:
+                peak = max(peak, live + c.transient_bytes[s])
+                live += c.weight_held_bytes[s] - c.held_bytes[s]
+                peak = max(peak, live)
+            elif a.kind == "W":
+                if s not in made:
+                    made.add(s)
+                    live += c.grad_bytes[s]
+                peak = max(peak, live + extra)
+                live -= c.weight_held_bytes[s]
+        peaks.append(sum(c.static_bytes[s] for s in {a.stage for a in acts}) + peak)
+    return tuple(peaks)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_peak_memory_equals_a_walk_of_each_action(family: str) -> None:
+    """The vectorised walk (prefix sums per rank) against the rules applied one by one, on
+    random bytes, zeros included, at several p, v and m."""
+    rng = random.Random(family)
+    for p, m in [(1, 1), (2, 3), (3, 4), (4, 8), (8, 16)]:
+        for v in FAMILIES[family].v[:2]:
+            if check(family, p, v, m) is not None:
+                continue
+            n = p * v
+            for _ in range(3):
+                col = [
+                    [rng.choice([0, rng.randint(1, 10**9)]) for _ in range(n)] for _ in "0123456"
+                ]
+                costs = ChunkCosts(
+                    [1.0] * n, [2.0] * n, [0.0] * n, static_bytes=col[0], held_bytes=col[1],
+                    weight_held_bytes=col[2], transient_bytes=col[3], grad_bytes=col[4],
+                    grad_temp_bytes=col[5], grad_temp_first_bytes=col[6],
+                )  # fmt: skip
+                walked = _walked_peaks(action_order(family, p, v, m), costs)
+                assert peak_memory(family, p, v, m, costs) == walked, (p, v, m)
