@@ -102,6 +102,10 @@ def longest_sums(comm: np.ndarray, k_max: int) -> np.ndarray:
     return out
 
 
+_StageTimes = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
+"""(c_j, t_j, U_j) of a partition's stages."""
+
+
 @dataclass(frozen=True, slots=True)
 class TailNode:
     """Partitions whose tail over the stages other than ``charged`` is at most ``cap``, charged
@@ -210,6 +214,8 @@ class Instance:
         # move (_balanced, the tails) changes two stages and re-reads the rest
         self._recomputes: dict[tuple[int, int, int], bool] = {}
         self._stage_update: dict[tuple[int, int], float] = {}
+        self._stage_memo: dict[tuple[int, ...], _StageTimes] = {}
+        self._tail_memo: dict[tuple[int, ...], np.ndarray] = {}
         self.speed = speed
         # Tied gradients: per shared parameter (first user, last user, sorted users, all-reduce
         # seconds).  A stage holding a user of one that spans stages waits for its all-reduce,
@@ -434,8 +440,12 @@ class Instance:
             for j, (l, e) in enumerate(zip(starts[:-1], ends))
         ]
 
-    def _stages(self, starts: tuple[int, ...]) -> tuple[list[float], list[float], list[float]]:
-        """(c_j, t_j, U_j) of every stage of a partition (U_j of the mid stages only)."""
+    def _stages(self, starts: tuple[int, ...]) -> _StageTimes:
+        """(c_j, t_j, U_j) of every stage of a partition (U_j of the mid stages only), made
+        once per partition (a search asks for most of them several times)."""
+        got = self._stage_memo.get(starts)
+        if got is not None:
+            return got
         ends = [*starts[1:], self.n]
         busy = [
             float(Q[e] - Q[l] + op)
@@ -445,12 +455,17 @@ class Instance:
         upd = [self._update_of(l, e) for l, e in zip(starts[:-1], ends)]
         busy.append(float(self.t_last[starts[-1]]))
         times.append(busy[-1])
-        return busy, times, upd
+        got = self._stage_memo[starts] = (tuple(busy), tuple(times), tuple(upd))
+        return got
 
     def tails(self, starts: tuple[int, ...]) -> np.ndarray:
-        """r_j of every stage of a partition, as the tables compute them."""
+        """r_j of every stage of a partition, as the tables compute them (once per partition;
+        the array is shared: do not write to it)."""
         if self.p == 1:
             return np.array([self.r0[self.n - 1]])
+        got = self._tail_memo.get(starts)
+        if got is not None:
+            return got
         ends = [*starts[1:], self.n]
         _, _, upd = self._stages(starts)
         out = [float(self.r0[ends[0] - 1])]
@@ -458,7 +473,9 @@ class Instance:
             l, e = starts[j], ends[j]
             out.append(float(self.tail(j, np.array(l), np.array(e - 1), np.array(upd[j]))))
         out.append(float(self.h_last[starts[-1]]))
-        return np.array(out)
+        got = self._tail_memo[starts] = np.array(out)
+        got.flags.writeable = False
+        return got
 
     def _base(self, starts: tuple[int, ...]) -> float:
         """T(m) without the tail."""
@@ -666,14 +683,14 @@ class Instance:
 
     def step_time(self, starts: tuple[int, ...]) -> float:
         """The exact T(m) of a partition (as :func:`pipeplan.planner.evaluate.evaluate` computes it)."""
-        busy, times, upd = self._stages(starts)
+        busy, times, mid_upd = self._stages(starts)
         ends = [*starts[1:], self.n]
         back = [
             float(QB[e] - QB[l] + ob)
             for (_, _, QB, ob), l, e in zip(self._mid_variants(starts), starts[:-1], ends)
         ]
         back.append(0.0)  # the last stage's backward is no stage's drain
-        upd.append(float(self.U_last[starts[-1]]))
+        upd = [*mid_upd, float(self.U_last[starts[-1]])]
         comm = [float(self.comm[e]) for e in ends]
         syncs = tied_syncs(self.c.shared, self.cluster, starts)
         tail = update_tail(upd, back, comm, syncs, self.cluster.update_contention)
