@@ -46,7 +46,7 @@ INSTANCES: list[dict[str, Any]] = [
 def load_base(rev: str) -> Partition:
     """``_partition`` of the DP at git revision ``rev``, as a module apart from this tree's."""
     names = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "solvers/"],
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "pipeplan/solvers/"],
         check=True,
         capture_output=True,
         text=True,
