@@ -314,7 +314,7 @@ def tensor_parallel(out: Path, device: str) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
-    from pipeplan.profiler.tp_measure import _free_port
+    from pipeplan.planner.host import free_port
     from pipeplan.runtime.tp_overhead import TOKENS, WIDTH
 
     gpus = torch.cuda.device_count() if device == "cuda" else 0
@@ -322,7 +322,7 @@ def tensor_parallel(out: Path, device: str) -> dict[str, Any]:
         return {"gpus": gpus, "note": f"this machine has {gpus} GPU; t = 2 needs 2"}
     path = out / "tensor_parallel.json"
     mp.start_processes(
-        _tp_rank, args=(_free_port(), str(path), device), nprocs=2, start_method="spawn"
+        _tp_rank, args=(free_port(), str(path), device), nprocs=2, start_method="spawn"
     )
     got = json.loads(path.read_text())
     return {

@@ -101,14 +101,12 @@ def allreduce_fit() -> dict[str, Any]:
 
     import torch.multiprocessing as mp
 
-    from pipeplan.profiler.tp_measure import _free_port
+    from pipeplan.planner.host import free_port
     from pipeplan.runtime.linkbench import fit_affine
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ar.json")
-        mp.start_processes(
-            _allreduce_rank, args=(_free_port(), out), nprocs=2, start_method="spawn"
-        )
+        mp.start_processes(_allreduce_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
         got = json.loads(Path(out).read_text())
     from pipeplan.runtime.tp_overhead import tp_overhead
 

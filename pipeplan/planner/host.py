@@ -1,4 +1,5 @@
-"""This host's resources, as every floor reads them: cores, threads per rank, free memory.
+"""This host's resources, as every floor reads them: cores, threads per rank, free memory, a
+free port.
 
 ``pipeplan run`` gives each of R local ranks ``cores // R`` threads (at least 1), with
 ``cores`` the CPUs this process may run on (its affinity).  ``pipeplan profile`` on CPU times
@@ -13,11 +14,13 @@ was measured.
 from __future__ import annotations
 
 import os
+import socket
 
 __all__ = [
     "PROFILE_RANKS",
     "busy_host",
     "cores",
+    "free_port",
     "host_available_bytes",
     "threads_mismatch",
     "threads_per_rank",
@@ -95,3 +98,10 @@ def host_available_bytes() -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def free_port() -> int:
+    """A TCP port on this host that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -40,7 +40,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from pipeplan.intake.model import load_model
 from pipeplan.intake.spec import cast_floating
 from pipeplan.intake.tp_layout import Layout, check_degree
 from pipeplan.planner.errors import InvalidRequestError, UnitMeasureError
+from pipeplan.planner.host import free_port
 from pipeplan.planner.types import Profile, Timing, Unit
 from pipeplan.profiler.measure import saved_storages, storage_keys
 from pipeplan.profiler.tp_annotate import head_tables, model_layout
@@ -377,12 +377,6 @@ def _launch(request: str, t: int, timeout_s: float) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _iqr(xs: Sequence[float]) -> float:
     q1, q3 = np.percentile(xs, [25, 75])
     return float(q3 - q1)
@@ -438,7 +432,7 @@ def measure_split(
     request = {
         "t": t,
         "threads": threads or max(1, (os.cpu_count() or 1) // t),
-        "port": _free_port(),
+        "port": free_port(),
         "dtype": profile.dtype,
         "model": profile.model,
         "kwargs": dict(profile.model_kwargs),

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import numpy as np
 
 from pipeplan.planner.collectives import COLLECTIVES, Collective
 from pipeplan.planner.errors import InvalidRequestError, StageFailedError
+from pipeplan.planner.host import free_port
 from pipeplan.planner.types import Cluster, Device, Link
 from pipeplan.report.progress import progress_bar
 from pipeplan.runtime.engine_fit import (
@@ -174,13 +174,6 @@ def _worker(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    """A TCP port on this host that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def phases(nproc: int, widths: Sequence[int]) -> int:
     """How many phases one launch of ``nproc`` ranks reports (:func:`measure`'s ``on_phase``):
     the link, the all-reduce, the update contention and tensor parallelism on 2+ ranks, then
@@ -224,7 +217,7 @@ def measure(
         else:  # one rank needs no launcher (whose own torch import costs seconds here)
             launcher = []
             env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
         cmd = [
             sys.executable, *launcher, "-m", "pipeplan.runtime.calibrate",
             "--out", out, "--max-bytes", str(max_bytes), "--repeats", str(repeats),
