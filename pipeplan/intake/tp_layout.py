@@ -33,7 +33,15 @@ from torch import nn
 
 from pipeplan.planner.errors import InvalidRequestError
 
-__all__ = ["PAIRS", "Layout", "Style", "check_degree", "find_layout", "unit_styles"]
+__all__ = [
+    "PAIRS",
+    "Layout",
+    "Style",
+    "check_degree",
+    "find_layout",
+    "is_head_table",
+    "unit_styles",
+]
 
 Style = Literal["colwise", "rowwise"]
 
@@ -187,3 +195,10 @@ def unit_styles(layout: Layout, params: Iterable[str]) -> dict[str, Style]:
     parameter names)."""
     wanted = {p.rsplit(".", 1)[0] for p in params}
     return {k: v for k, v in layout.styles.items() if k in wanted}
+
+
+def is_head_table(name: str) -> bool:
+    """Whether an ``nn.Embedding`` child named ``name`` of an attention module (the parent of
+    column-wise projections) holds one column per head, and so splits with them: T5's
+    relative-position bias table, whose name says ``bias``."""
+    return "bias" in name

@@ -56,7 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeplan.intake.graph import _module_info
 from pipeplan.intake.meta import MetaInterpreter, trace_meta
 from pipeplan.intake.spec import ModelSpec, NamedInputs, cast_floating
-from pipeplan.intake.tp_layout import Layout, find_layout, unit_styles
+from pipeplan.intake.tp_layout import Layout, find_layout, is_head_table, unit_styles
 from pipeplan.intake.trace import TracedModel
 from pipeplan.planner.errors import FingerprintMismatchError
 from pipeplan.planner.types import Profile, UnitTensorParallel
@@ -100,7 +100,7 @@ def head_tables(attention: nn.Module) -> list[str]:
     return [
         name
         for name, sub in attention.named_children()
-        if isinstance(sub, nn.Embedding) and "bias" in name
+        if isinstance(sub, nn.Embedding) and is_head_table(name)
     ]
 
 

@@ -30,6 +30,14 @@ Two things of a traced graph need adapting, done once at build time:
    dimension shrinks by the same factor.  A ``-1`` and sizes read from the tensor (symbolic)
    are left alone.  The split body must then produce its unsplit output shapes, or the split
    is refused (:class:`~pipeplan.planner.errors.InvalidRequestError`) naming the node.
+3. **Per-head values made whole.**  T5's relative-position bias (batch 1, heads, q, k) comes
+   from a table with one column per head: :func:`_head_tables_as_modules` splits the table
+   with the heads (``ColwiseParallel`` on the ``nn.Embedding``), so each rank looks up its own.
+   A cross-attention's zero bias is built in the graph with the global head count:
+   :func:`_rank_heads` cuts every attention mask to the rank's heads where it holds all of them.
+   A layer hands its bias to the next, so it can leave the stage: an output that holds only
+   the rank's heads is all-gathered over the tp group (:class:`_GatherHeads`, its backward the
+   reduce-scatter of the gradient) and the next stage cuts it again.
 
 DTensor outputs kept through attention (``use_local_output=False``) would make the baked
 shapes right without rewriting, but DTensor's CPU attention propagates its sharding through
@@ -49,7 +57,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
-from pipeplan.intake.tp_layout import Style
+from pipeplan.intake.tp_layout import Style, is_head_table
 from pipeplan.planner.errors import InvalidRequestError
 
 __all__ = ["split_stage_body"]
@@ -80,31 +88,29 @@ def split_stage_body(
     mine = _linears_as_modules(body, styles)
     if not mine:
         return 0
+    tables = _head_tables_as_modules(body, mine)
     with torch.no_grad():
         ShapeProp(body).propagate(*example_inputs)
     plan: dict[str, ParallelStyle] = {
         name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
         for name, style in mine.items()
     }
+    plan.update((name, ColwiseParallel()) for name in tables)  # its columns are the heads
     parallelize_module(body, tp_mesh, plan)
-    _localise_shapes(body, example_inputs)
+    _local_attention_masks(body, tp_mesh.get_local_rank())
+    _localise_shapes(body, example_inputs, tp_mesh.get_group())
     return len(mine)
 
 
 def _linears_as_modules(body: GraphModule, styles: dict[str, Style]) -> dict[str, Style]:
     """The layout's linears that ``body`` runs, each now called as an ``nn.Linear`` module
     (export's ``aten.linear`` on attributes rewritten; see the module docstring)."""
-    mine: dict[str, Style] = {}
-    for node in list(body.graph.nodes):
-        if node.op == "call_module" and node.target in styles:
-            if isinstance(body.get_submodule(str(node.target)), nn.Linear):
-                mine[str(node.target)] = styles[str(node.target)]
-            continue
-        if node.op != "call_function" or node.target is not _aten.linear.default:
-            continue
-        weight = node.args[1]
-        if not isinstance(weight, Node) or weight.op != "get_attr":
-            continue
+    mine = {
+        name: styles[name]
+        for name in _called_modules(body, nn.Linear)
+        if name in styles  # an fx graph calls the module already
+    }
+    for node, weight in _attribute_calls(body, _aten.linear.default, 1):
         path = str(weight.target).rpartition(".")[0]
         if path not in styles or str(weight.target) != f"{path}.weight":
             continue
@@ -120,20 +126,110 @@ def _linears_as_modules(body: GraphModule, styles: dict[str, Style]) -> dict[str
         lin.weight = weight_param
         if bias is not None:
             lin.bias = owner.get_parameter("bias")
-        parent, _, leaf = path.rpartition(".")
-        setattr(body.get_submodule(parent) if parent else body, leaf, lin)
-        with body.graph.inserting_before(node):
-            call = body.graph.call_module(path, (node.args[0],))
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        body.graph.erase_node(node)
-        for attr in (weight, bias):
-            if isinstance(attr, Node) and not attr.users:
-                body.graph.erase_node(attr)
+        _call_as_module(body, node, path, lin, node.args[0], (weight, bias))
         mine[path] = styles[path]
     body.graph.lint()
     body.recompile()
     return mine
+
+
+def _called_modules(body: GraphModule, kind: type[nn.Module]) -> list[str]:
+    """The modules of type ``kind`` that ``body`` calls (``call_module``, as fx graphs do)."""
+    return [
+        str(n.target)
+        for n in body.graph.nodes
+        if n.op == "call_module" and isinstance(body.get_submodule(str(n.target)), kind)
+    ]
+
+
+def _attribute_calls(body: GraphModule, op: Any, at: int) -> list[tuple[Node, Node]]:
+    """(call, attribute) of each call of ``op`` whose argument ``at`` is a ``get_attr`` (a
+    weight, as ``torch.export`` records it)."""
+    out = []
+    for node in list(body.graph.nodes):
+        if node.op == "call_function" and node.target is op and len(node.args) > at:
+            arg = node.args[at]
+            if isinstance(arg, Node) and arg.op == "get_attr":
+                out.append((node, arg))
+    return out
+
+
+def _call_as_module(
+    body: GraphModule, node: Node, path: str, module: nn.Module, arg: Any, attrs: tuple[Any, ...]
+) -> None:
+    """Put ``module`` at ``path`` and call it on ``arg`` in place of ``node``, dropping the
+    ``attrs`` (``get_attr`` nodes of its parameters) nothing else reads."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(body.get_submodule(parent) if parent else body, leaf, module)
+    with body.graph.inserting_before(node):
+        call = body.graph.call_module(path, (arg,))
+    call.meta = dict(node.meta)
+    node.replace_all_uses_with(call)
+    body.graph.erase_node(node)
+    for attr in attrs:
+        if isinstance(attr, Node) and not attr.users:
+            body.graph.erase_node(attr)
+
+
+def _head_tables_as_modules(body: GraphModule, split: dict[str, Style]) -> list[str]:
+    """The per-head tables (:func:`pipeplan.intake.tp_layout.is_head_table`) beside the split
+    column-wise projections that ``body`` runs, each now called as an ``nn.Embedding`` (export's
+    ``aten.embedding`` on an attribute rewritten, as for the linears): split column-wise, each
+    rank's lookup gives its own heads' column of T5's relative-position bias."""
+    parents = {name.rpartition(".")[0] for name, style in split.items() if style == "colwise"}
+
+    def table(path: str) -> bool:
+        parent, _, leaf = path.rpartition(".")
+        return parent in parents and is_head_table(leaf)
+
+    found = [name for name in _called_modules(body, nn.Embedding) if table(name)]
+    for node, weight in _attribute_calls(body, _aten.embedding.default, 0):
+        path, _, attr = str(weight.target).rpartition(".")
+        if attr != "weight" or not table(path):
+            continue
+        if len(node.args) > 2 or node.kwargs:  # a padding index or scaling: not a plain lookup
+            continue
+        columns = body.get_submodule(path).get_parameter("weight")
+        emb = nn.Embedding(1, 1, device="meta")
+        emb.num_embeddings, emb.embedding_dim = columns.shape
+        emb.weight = columns
+        _call_as_module(body, node, path, emb, node.args[1], (weight,))
+        found.append(path)
+    body.graph.lint()
+    body.recompile()
+    return found
+
+
+def _rank_heads(mask: Tensor, query: Tensor, rank: int) -> Tensor:
+    """``mask`` (batch, heads, q, k) cut to this rank's heads where it holds all of them and
+    ``query`` (batch, heads, q, d) only this rank's share."""
+    h = query.shape[1]
+    if mask.dim() != 4 or mask.shape[1] in (1, h):
+        return mask
+    return mask.narrow(1, rank * h, h)
+
+
+def _local_attention_masks(body: GraphModule, rank: int) -> None:
+    """Each attention's additive mask through :func:`_rank_heads`: a mask made whole in the
+    graph with the model's head count baked in (T5's zero position bias of a cross-attention,
+    ``zeros(1, n_heads, q, k)``) meets only this rank's heads."""
+    for node in list(body.graph.nodes):
+        if (
+            node.op != "call_function"
+            or node.target is not _aten.scaled_dot_product_attention.default
+        ):
+            continue
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if not isinstance(mask, Node):
+            continue
+        with body.graph.inserting_before(node):
+            cut = body.graph.call_function(_rank_heads, (mask, node.args[0], rank))
+        if len(node.args) > 3:
+            node.args = (*node.args[:3], cut, *node.args[4:])
+        else:
+            node.kwargs = {**node.kwargs, "attn_mask": cut}
+    body.graph.lint()
+    body.recompile()
 
 
 def _global_shape(node: Any) -> tuple[int, ...] | None:
@@ -215,7 +311,11 @@ class _Localiser(Interpreter):
         return super().run_node(n)
 
 
-def _localise_shapes(body: GraphModule, example_inputs: Sequence[Any]) -> None:
+def _localise_shapes(body: GraphModule, example_inputs: Sequence[Any], group: Any) -> None:
+    """Rewrite the body's baked sizes for one rank's share (:class:`_Localiser`); an output
+    that leaves the stage holding only this rank's heads (T5's position bias, handed from
+    layer to layer) is gathered whole over ``group`` (:class:`_GatherHeads`), so that every
+    output has its unsplit shape, which the next stage's receive expects."""
     body.recompile()
     localiser = _Localiser(body)
     try:
@@ -228,13 +328,39 @@ def _localise_shapes(body: GraphModule, example_inputs: Sequence[Any]) -> None:
             f"tensor parallelism: {what} fails on one rank's share of the heads "
             f"({' '.join(str(exc).split())[:200]}); plan --tensor-parallel 1 for this model"
         ) from exc
-    body.recompile()
     out_node = next(n for n in body.graph.nodes if n.op == "output")
     nodes, values = tree_flatten(out_node.args[0])[0], tree_flatten(outs)[0]
     for node, value in zip(nodes, values, strict=True):
         want = _global_shape(node)
-        if isinstance(value, Tensor) and want is not None and tuple(value.shape) != want:
+        if not isinstance(value, Tensor) or want is None or tuple(value.shape) == want:
+            continue
+        if hasattr(body, f"_gather_heads_{node.name}"):  # the same node output twice
+            continue
+        dims = [d for d, (g, loc) in enumerate(zip(want, value.shape, strict=False)) if g != loc]
+        if len(value.shape) != len(want) or len(dims) != 1 or want[dims[0]] % value.shape[dims[0]]:
             raise InvalidRequestError(
                 f"tensor parallelism: node {node.name} gives {list(value.shape)} on each rank, "
                 f"not the unsplit {list(want)}; plan --tensor-parallel 1 for this model"
             )
+        name = f"_gather_heads_{node.name}"
+        body.add_submodule(name, _GatherHeads(dims[0], group))
+        with body.graph.inserting_before(out_node):
+            whole = body.graph.call_module(name, (node,))
+        out_node.replace_input_with(node, whole)
+    body.graph.lint()
+    body.recompile()
+
+
+class _GatherHeads(nn.Module):
+    """All-gather over the tensor-parallel group along ``dim`` (the heads), with autograd:
+    the backward hands each rank the gradient of its own share, summed over the ranks that
+    used it (``all_gather_tensor_autograd``)."""
+
+    def __init__(self, dim: int, group: Any) -> None:
+        super().__init__()
+        self.dim, self.group = dim, group
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        return all_gather_tensor_autograd(x.contiguous(), self.dim, self.group)

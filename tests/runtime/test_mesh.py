@@ -128,6 +128,13 @@ LLAMA_CONFIG = {
     "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 16,
     "use_cache": False,
 }  # fmt: skip
+#: A T5 whose 2 heads split over t = 2, cut after its first encoder layer: the layer's
+#: relative-position bias (its table split with the heads) crosses the cut, and the decoder's
+#: cross-attention makes a zero bias of both heads in the graph.
+T5 = {"model": "pipeplan.models.zoo:t5", "kwargs": {"d_model": 16, "n_layers": 2, "seq_len": 8}}
+#: DTensors on all 4 ranks: every block's 4 (GPT); every layer's 7 (Llama); T5's 6 per encoder
+#: layer, 10 per decoder layer and one bias table per stack.
+SPLIT_TENSORS = {"llama": 7 * 2 * 2, "t5": (7 + 27) * 2}
 #: Sums over the tp ranks (the row-wise all-reduce, forward; the column-wise input's gradient,
 #: backward) reorder the float64 additions of a dot product: a few ulps of the largest term
 #: (measured: at most 1.0e-15 of a gradient's largest entry, GPT; 6.4e-16, Llama).
@@ -139,9 +146,10 @@ def test_tensor_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
     and MLP projections split column- then row-wise by torch's parallelize_module.  The loss
     and every gradient (gathered from the shards) equal the unsplit model's in float64, and so
     do the parameters after 3 momentum steps, for the bundled GPT (fx graph, MLP split, tied
-    embedding and head summed over the tp index's pipeline ranks; stage 0 recomputed) and a
+    embedding and head summed over the tp index's pipeline ranks; stage 0 recomputed), a
     transformers Llama with grouped KV heads (export graph, whose baked head counts the split
-    rewrites); and the GPT as interleaved 1F1B and ZB-V plans of 2 ranks x 2 chunks."""
+    rewrites) and a T5 (per-head position bias split and gathered at the cut); and the GPT as
+    interleaved 1F1B and ZB-V plans of 2 ranks x 2 chunks."""
     llama_file = tmp_path / "llama.json"
     llama_file.write_text(json.dumps(LLAMA_CONFIG))
     llama = {"model": f"hf:{llama_file}", "kwargs": {"seq_len": 8}}
@@ -151,6 +159,7 @@ def test_tensor_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
         "llama": (llama, [0, 2], CONFIG),
         "interleaved": (GPT, [0, 2, 3, 5], {**CONFIG, **chunked, "schedule": "interleaved1f1b"}),
         "zbv": (GPT, [0, 2, 3, 5], {**CONFIG, **chunked, "schedule": "zbv"}),
+        "t5": (T5, [0, 2], CONFIG),
     }
     configs = [{**cfg, "key": name} for name, (_, _, cfg) in cases.items()]
     models = [{"name": name, **model, "starts": starts, "tp": 2, "keys": [name]}
@@ -164,7 +173,7 @@ def test_tensor_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
         _assert_unsplit(model, got, TP_TOLERANCE, name)
         # every block's 4 split tensors (GPT) or every layer's 7 (Llama) on its 2 tp ranks
         split = sum(one["sharded"].count("DTensor") for one in got)
-        assert split == (7 * 2 * 2 if name == "llama" else 4 * 4 * 2), (name, split)
+        assert split == SPLIT_TENSORS.get(name, 4 * 4 * 2), (name, split)
 
 
 @pytest.mark.slow
