@@ -17,8 +17,9 @@ about 450 GB/s per direction, 9x).
 Tensor-parallel split: :func:`pipeplan.profiler.tp_annotate.annotate_profile` on the model of
 ``llama70b.json`` built on ``meta`` (what ``pipeplan plan --devices-per-node`` does to a profile
 without splits; timed apart from the planning): every decoder layer splits its projections
-(sharded FLOP share 1.0, activations 76 %, two all-reduces of 8 MiB per sample); the embedding
-and the norm + head are not split, so every tensor-parallel rank runs them whole.
+(sharded FLOP share 1.0, activations 76 %, two all-reduces of 8 MiB per sample); the head
+splits over the vocabulary, its logits gathered; the embedding and the final norm are not
+split, so every tensor-parallel rank runs them whole.
 
 Rows:
   pipeplan        ``pipeplan.plan(devices=512, devices_per_node=8, ...)``: every (pp, tp, dp,

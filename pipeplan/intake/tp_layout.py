@@ -17,6 +17,10 @@ torch's :func:`~torch.distributed.tensor.parallel.parallelize_module` applies it
    ``nn.Linear`` projections (:data:`PAIRS`): an opening set of siblings, column-wise, and the
    closing projection, row-wise, both present.
 
+and, beside the blocks, the output head that ``transformers``' model-level plan splits over
+the vocabulary with its output gathered (``colwise_gather``: each rank computes 1 / t of the
+logits, one all-gather makes them whole for the loss), unless it is tied to the embedding.
+
 A fused query-key-value projection (GPT-2's ``c_attn``, the bundled GPT's ``qkv``) is not
 split: its columns are query, key and value one after the other, so t contiguous shards are
 not t sets of heads.  A model with nothing recognised gets ``None`` and a reason.
@@ -27,7 +31,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -40,10 +44,11 @@ __all__ = [
     "check_degree",
     "find_layout",
     "is_head_table",
+    "parallel_style",
     "unit_styles",
 ]
 
-Style = Literal["colwise", "rowwise"]
+Style = Literal["colwise", "rowwise", "colwise_gather"]
 
 #: (opening projections, closing projection, where the closing one sits relative to the
 #: opening ones' parent): "." is the same module, a dotted path climbs to the parent's parent
@@ -100,6 +105,7 @@ def find_layout(model: nn.Module) -> Layout | str:
             "as q_proj/k_proj/v_proj + o_proj, gate_proj/up_proj + down_proj); tensor "
             "parallelism stays 1"
         )
+    styles.update(_gathered_head(model, linears))
     divisors: dict[str, int] = {}
     config = getattr(model, "config", None)
     for key, attrs in (("heads", _HEADS), ("kv_heads", _KV_HEADS)):
@@ -110,11 +116,28 @@ def find_layout(model: nn.Module) -> Layout | str:
                 break
     for name, style in styles.items():
         lin = linears[name]
-        size = lin.out_features if style == "colwise" else lin.in_features
+        size = lin.in_features if style == "rowwise" else lin.out_features
         key = f"{name.rsplit('.', 1)[-1]} features"
         if divisors.setdefault(key, size) != size:
             divisors.setdefault(f"{name} features", size)
     return Layout(styles, divisors, source)
+
+
+def _gathered_head(model: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, Style]:
+    """The output head that ``transformers``' own plan splits over the vocabulary with its
+    output gathered (``_tp_plan``: ``lm_head: colwise_gather_output``; Llama, Mistral, Qwen2
+    and their kin), unless its weight is tied to an embedding, which stays whole."""
+    plan = getattr(model, "_tp_plan", None) or getattr(type(model), "_tp_plan", None)
+    if not isinstance(plan, dict):
+        return {}
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {
+        name: "colwise_gather"
+        for name, style in plan.items()
+        if style == "colwise_gather_output"
+        and name in linears
+        and id(linears[name].weight) not in tied
+    }
 
 
 def check_degree(layout: Layout, t: int) -> None:
@@ -202,3 +225,19 @@ def is_head_table(name: str) -> bool:
     column-wise projections) holds one column per head, and so splits with them: T5's
     relative-position bias table, whose name says ``bias``."""
     return "bias" in name
+
+
+def parallel_style(style: str) -> Any:
+    """torch's ``ParallelStyle`` for a layout's style: ``ColwiseParallel``, ``RowwiseParallel``,
+    or for a head split over the vocabulary ``ColwiseParallel`` with its output gathered whole
+    (``Replicate``), so the loss reads whole logits."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "rowwise":
+        return RowwiseParallel()
+    return (
+        ColwiseParallel(output_layouts=Replicate())
+        if style == "colwise_gather"
+        else ColwiseParallel()
+    )

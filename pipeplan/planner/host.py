@@ -1,5 +1,4 @@
-"""This host's resources, as every floor reads them: cores, threads per rank, free memory, a
-free port.
+"""This host's resources, as every floor reads them: cores, threads per rank, memory, a port.
 
 ``pipeplan run`` gives each of R local ranks ``cores // R`` threads (at least 1), with
 ``cores`` the CPUs this process may run on (its affinity).  ``pipeplan profile`` on CPU times

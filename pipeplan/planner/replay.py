@@ -458,16 +458,14 @@ def peak_memory(family: str, p: int, v: int, m: int, costs: ChunkCosts) -> tuple
         W first  L + g - k          peak L + g + e1
         W later  L - k              peak L + e
 
-    A rank's peak is the largest of 0, its peaks on the way and its live bytes after every
-    action (a maximum of those sits after an action that ends at a peak, or under a W's).
+    A rank's peak: the largest of 0, its peaks on the way and its live bytes after each action.
     """
     if not costs.held_bytes:
         return (0,) * p
     n = costs.n
-    zeros = [0] * n
 
     def col(xs: Sequence[int] | None) -> np.ndarray:
-        return np.asarray(xs or zeros, dtype=np.int64)
+        return np.asarray(xs or [0] * n, dtype=np.int64)
 
     h, k, t = col(costs.held_bytes), col(costs.weight_held_bytes), col(costs.transient_bytes)
     g, e, e1 = col(costs.grad_bytes), col(costs.grad_temp_bytes), col(costs.grad_temp_first_bytes)

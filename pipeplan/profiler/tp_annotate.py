@@ -36,6 +36,9 @@ projection's.
   tensors counted on ``meta``.
 - ``allreduces``: the row-wise projections (one all-reduce each in the forward, one of the
   input's gradient in the backward); ``allreduce_bytes_per_sample``: their outputs' bytes / B.
+- ``allgather_bytes_per_sample``: a ``colwise_gather`` head's whole output / B, which its
+  forward all-gathers (its FLOPs are split; its output, gathered, is not sharded);
+  ``gather_input_bytes_per_sample``: its input / B, whose gradient the backward all-reduces.
 
 A unit with no split module gets ``None``.
 """
@@ -113,6 +116,8 @@ class _NodeStats:
     saved: list[tuple[int, int, bool]] = field(default_factory=list)
     """(key of the base tensor, its bytes, whether a sharded node made it)."""
     out_bytes: int = 0
+    in_bytes: int = 0
+    """Its first argument's bytes (a split projection's input)."""
 
 
 class _Walk(MetaInterpreter):
@@ -139,6 +144,9 @@ class _Walk(MetaInterpreter):
         elif style is None:
             stats.sharded = any(self.stats[a.name].sharded for a in n.all_input_nodes)
         self.stats[n.name] = stats
+        first = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
+        if style is not None and isinstance(first, Tensor):
+            stats.in_bytes = first.numel() * first.element_size()
         self.current = stats
         before = self.counter.get_total_flops()
         out = super().run_node(n)
@@ -205,7 +213,7 @@ def _unit_entry(
     for name, style in styles.items():
         lin = modules[name]
         split_tensors += [getattr(lin, "weight", None)]
-        split_tensors += [getattr(lin, "bias", None) if style == "colwise" else None]
+        split_tensors += [getattr(lin, "bias", None) if style != "rowwise" else None]
     wanted = set(params)
     for parent in {n.rsplit(".", 1)[0] for n, st in styles.items() if st == "colwise" and "." in n}:
         for child in head_tables(modules[parent]):
@@ -227,11 +235,15 @@ def _unit_entry(
             size, was = saved.get(key, (0, False))
             saved[key] = (max(size, nbytes), was or sharded)
     rowwise = [m for m, st in styles.items() if st == "rowwise"]
-    out_bytes = 0
-    for module_name in rowwise:
-        last = [n for n in nodes if path_of[n] == module_name]
-        if last:
-            out_bytes += stats[last[-1]].out_bytes
+    gathered = [m for m, st in styles.items() if st == "colwise_gather"]
+
+    def output_bytes(modules: list[str]) -> int:
+        ends = [[n for n in nodes if path_of[n] == m] for m in modules]
+        return sum(stats[last[-1]].out_bytes for last in ends if last)
+
+    out_bytes, gather_bytes = output_bytes(rowwise), output_bytes(gathered)
+    firsts = [[n for n in nodes if path_of[n] == m] for m in gathered]
+    gather_in = sum(stats[first[0]].in_bytes for first in firsts if first)
     saved_total = sum(b for b, _ in saved.values())
     saved_sharded = sum(b for b, sh in saved.values() if sh)
     divisors: dict[str, int] = {}
@@ -251,6 +263,8 @@ def _unit_entry(
         sharded_saved_fraction=min(1.0, saved_sharded / saved_total) if saved_total else 0.0,
         allreduces=len(rowwise),
         allreduce_bytes_per_sample=-(-out_bytes // batch),
+        allgather_bytes_per_sample=-(-gather_bytes // batch),
+        gather_input_bytes_per_sample=-(-gather_in // batch),
     )
 
 

@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from pipeplan.intake.meta import materialize
 from pipeplan.intake.model import load_model
 from pipeplan.intake.spec import cast_floating
-from pipeplan.intake.tp_layout import Layout, check_degree
+from pipeplan.intake.tp_layout import Layout, check_degree, parallel_style
 from pipeplan.planner.errors import InvalidRequestError, UnitMeasureError
 from pipeplan.planner.host import free_port
 from pipeplan.planner.types import Profile, Timing, Unit
@@ -192,14 +192,11 @@ def _split(mod: nn.Module, styles: Mapping[str, str], prefix: str, t: int, mesh:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         ParallelStyle,
-        RowwiseParallel,
         parallelize_module,
     )
 
     rel = {name[len(prefix) + 1 :] if prefix else name: s for name, s in styles.items()}
-    plan: dict[str, ParallelStyle] = {
-        k: ColwiseParallel() if s == "colwise" else RowwiseParallel() for k, s in rel.items()
-    }
+    plan: dict[str, ParallelStyle] = {k: parallel_style(s) for k, s in rel.items()}
     parents = {k.rsplit(".", 1)[0] if "." in k else "" for k, s in rel.items() if s == "colwise"}
     for parent in parents:
         owner = mod.get_submodule(parent)

@@ -57,7 +57,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
-from pipeplan.intake.tp_layout import Style, is_head_table
+from pipeplan.intake.tp_layout import Style, is_head_table, parallel_style
 from pipeplan.planner.errors import InvalidRequestError
 
 __all__ = ["split_stage_body"]
@@ -78,12 +78,7 @@ def split_stage_body(
     ``nn.Linear`` name -> style; those not in the body are ignored); ``example_inputs`` are
     the values one micro-batch passes it (every tp rank the same).  Collective over the tp
     group.  Returns the number of linears split."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
     mine = _linears_as_modules(body, styles)
     if not mine:
@@ -91,10 +86,7 @@ def split_stage_body(
     tables = _head_tables_as_modules(body, mine)
     with torch.no_grad():
         ShapeProp(body).propagate(*example_inputs)
-    plan: dict[str, ParallelStyle] = {
-        name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
-        for name, style in mine.items()
-    }
+    plan: dict[str, ParallelStyle] = {name: parallel_style(style) for name, style in mine.items()}
     plan.update((name, ColwiseParallel()) for name in tables)  # its columns are the heads
     parallelize_module(body, tp_mesh, plan)
     _local_attention_masks(body, tp_mesh.get_local_rank())

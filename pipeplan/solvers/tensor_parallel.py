@@ -64,6 +64,7 @@ from pipeplan.planner.types import Cluster, Profile, Timing, Unit, UnitTensorPar
 __all__ = [
     "check_tensor_parallel",
     "collective_s",
+    "gather_s",
     "is_annotated",
     "source_note",
     "tp_profile",
@@ -109,6 +110,16 @@ def collective_s(cluster: Cluster, nbytes: float, count: int) -> float:
     return out
 
 
+def gather_s(cluster: Cluster, nbytes: float, count: int) -> float:
+    """Seconds of ``count`` all-gathers making ``nbytes`` whole in all over the cluster's t
+    ranks (a vocabulary-split head's logits), on the intra-node link; 0 for t = 1."""
+    t = cluster.tensor_parallel
+    if t == 1 or count == 0:
+        return 0.0
+    alpha, beta = ring_cost(cluster.intra_node_link or cluster.link, t, "all_gather")
+    return alpha * nbytes + beta * count
+
+
 def _scale(nbytes: int | None, share: float) -> int | None:
     return None if nbytes is None else round(nbytes * share)
 
@@ -124,12 +135,15 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     )
     per = ann.allreduce_bytes_per_sample * b / max(ann.allreduces, 1)  # one all-reduce's
     cols = sum(style == "colwise" for style in ann.styles.values())
+    heads = sum(style == "colwise_gather" for style in ann.styles.values())
     host = cluster.tp_op_overhead_s * len(ann.styles)
     # the solvers divide a profile's seconds by the device's speed, not a link's: stored times
     # the fastest device's speed, each rank pays c (at least c on a slower device)
     speed = max(d.speed for d in cluster.devices)
-    c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + host) * speed
-    cb = (collective_s(cluster, per * cols, cols) + host) * speed
+    gather = gather_s(cluster, ann.allgather_bytes_per_sample * b, heads)
+    head_in = collective_s(cluster, ann.gather_input_bytes_per_sample * b, heads)
+    c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + gather + host) * speed
+    cb = (collective_s(cluster, per * cols, cols) + head_in + host) * speed
 
     def opt(x: float | None, extra: float) -> float | None:
         return None if x is None else x * s + extra

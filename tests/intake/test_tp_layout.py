@@ -28,8 +28,11 @@ def test_zoo_blocks_split_column_then_row(name: str, source: str, per_layer: int
     cols = [k for k, v in layout.styles.items() if v == "colwise"]
     rows = [k for k, v in layout.styles.items() if v == "rowwise"]
     assert cols and rows
+    heads = [k for k, v in layout.styles.items() if v == "colwise_gather"]
     if per_layer is not None:
-        assert len(layout.styles) == 2 * per_layer
+        assert len(layout.styles) == 2 * per_layer + len(heads)
+    # transformers' own plan splits an untied head over the vocabulary; names never do
+    assert heads == (["lm_head"] if source == "transformers" else [])
     assert layout.divisors["heads"] == 2
 
 
@@ -44,7 +47,9 @@ def test_llama_layout_is_megatrons() -> None:
         "model.layers.0.mlp.gate_proj": "colwise",
         "model.layers.0.mlp.up_proj": "colwise",
         "model.layers.0.mlp.down_proj": "rowwise",
+        "lm_head": "colwise_gather",  # the vocabulary split, the logits gathered
     }
+    assert layout.divisors["lm_head features"] == 128  # the vocabulary
     assert unit_styles(layout, ["model.layers.0.mlp.up_proj.weight"]) == {
         "model.layers.0.mlp.up_proj": "colwise"
     }
@@ -75,3 +80,13 @@ def test_degree_names_the_dimension() -> None:
     check_degree(layout, 2)
     with pytest.raises(InvalidRequestError, match=r"does not divide the model's heads \(2\)"):
         check_degree(layout, 4)
+
+
+def test_a_head_tied_to_the_embedding_stays_whole() -> None:
+    """Splitting a weight the embedding shares would split the embedding too: a tied head is
+    left out of the layout, its blocks still split."""
+    model = build("llama", n_layers=1).module
+    model.lm_head.weight = model.model.embed_tokens.weight
+    layout = find_layout(model)
+    assert isinstance(layout, Layout)
+    assert "lm_head" not in layout.styles and len(layout.styles) == 7

@@ -51,9 +51,14 @@ def test_a_llama_block_shards_its_seven_projections_exactly() -> None:
     assert tp.allreduce_bytes_per_sample == 2 * seq * d * 4
     assert tp.divisors["heads"] == 2 and tp.divisors["kv_heads"] == 1
     assert 0.5 < tp.sharded_saved_fraction < 1
-    for name in ("model.embed_tokens", "model.norm+lm_head"):
-        if any(u.name == name for u in profile.units):
-            assert _unit(profile, name).tensor_parallel is None
+    assert _unit(profile, "model.embed_tokens").tensor_parallel is None
+    # the head splits over the vocabulary (128) and gathers its logits whole
+    head = [u for u in profile.units if u.name.endswith("lm_head")][-1].tensor_parallel
+    assert head is not None and head.styles == {"model.lm_head": "colwise_gather"}
+    assert head.sharded_param_bytes == 4 * 128 * d and head.allreduces == 0
+    assert head.allgather_bytes_per_sample == seq * 128 * 4  # the logits
+    assert head.gather_input_bytes_per_sample == seq * d * 4  # the normed hidden state
+    assert head.sharded_flop_fraction == 1.0 and head.divisors == {"lm_head features": 128}
     assert profile.tensor_parallel_note is None
 
 
@@ -66,8 +71,11 @@ def test_the_flop_fraction_is_the_hand_count_where_the_head_is_in_the_unit() -> 
     n = B * seq  # tokens
     proj = 2 * n * d * (d + d // 2 + d // 2 + d) + 3 * 2 * n * d * 2 * d
     attention = 2 * (2 * B * 2 * seq * seq * (d // 2))  # QK^T and PV, 2 heads of d/2
-    head = 2 * n * d * 128
-    assert tp.sharded_flop_fraction == pytest.approx((proj + attention) / (proj + attention + head))
+    head = 2 * n * d * 128  # split over the vocabulary too
+    assert tp.sharded_flop_fraction == pytest.approx(
+        (proj + attention + head) / (proj + attention + head)
+    )
+    assert tp.allgather_bytes_per_sample == seq * 128 * 4
 
 
 def test_an_mlp_alone_saves_its_input_whole_and_the_rest_sharded() -> None:

@@ -21,9 +21,11 @@ def test_a_llama_layer_is_measured_split_on_two_ranks() -> None:
     profile = profile_model(model, batch_size=2, model_kwargs=LLAMA, **options)
     split = measure_tensor_parallel(profile, 2, warmup=0, repeats=2, threads=1)
     got = measure_split(profile, 2, warmup=0, repeats=1, threads=1)
-    layers = [u for u in split.units if u.tensor_parallel is not None]
+    *layers, head = [u for u in split.units if u.tensor_parallel is not None]
     assert len(layers) == 2 and layers[1].measured_as == layers[0].index
     assert list(got) == [layers[0].index]  # measured once, copied to the identical layer
+    # the head splits over the vocabulary, but its unit is two modules (norm, lm_head): modelled
+    assert head.tensor_parallel is not None and not head.tp_timings
     for u in layers:
         tp = u.tensor_parallel
         assert tp is not None

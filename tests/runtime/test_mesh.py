@@ -132,9 +132,9 @@ LLAMA_CONFIG = {
 #: relative-position bias (its table split with the heads) crosses the cut, and the decoder's
 #: cross-attention makes a zero bias of both heads in the graph.
 T5 = {"model": "pipeplan.models.zoo:t5", "kwargs": {"d_model": 16, "n_layers": 2, "seq_len": 8}}
-#: DTensors on all 4 ranks: every block's 4 (GPT); every layer's 7 (Llama); T5's 6 per encoder
-#: layer, 10 per decoder layer and one bias table per stack.
-SPLIT_TENSORS = {"llama": 7 * 2 * 2, "t5": (7 + 27) * 2}
+#: DTensors on all 4 ranks: every block's 4 (GPT); every layer's 7 and the head (Llama); T5's 6
+#: per encoder layer, 10 per decoder layer and one bias table per stack.
+SPLIT_TENSORS = {"llama": (7 * 2 + 1) * 2, "t5": (7 + 27) * 2}
 #: Sums over the tp ranks (the row-wise all-reduce, forward; the column-wise input's gradient,
 #: backward) reorder the float64 additions of a dot product: a few ulps of the largest term
 #: (measured: at most 1.0e-15 of a gradient's largest entry, GPT; 6.4e-16, Llama).
@@ -148,7 +148,7 @@ def test_tensor_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
     do the parameters after 3 momentum steps, for the bundled GPT (fx graph, MLP split, tied
     embedding and head summed over the tp index's pipeline ranks; stage 0 recomputed), a
     transformers Llama with grouped KV heads (export graph, whose baked head counts the split
-    rewrites) and a T5 (per-head position bias split and gathered at the cut); and the GPT as
+    rewrites; its head split over the vocabulary, the logits gathered) and a T5 (per-head position bias split and gathered at the cut); and the GPT as
     interleaved 1F1B and ZB-V plans of 2 ranks x 2 chunks."""
     llama_file = tmp_path / "llama.json"
     llama_file.write_text(json.dumps(LLAMA_CONFIG))

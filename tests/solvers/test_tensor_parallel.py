@@ -11,6 +11,7 @@ from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.tensor_parallel import (
     check_tensor_parallel,
     collective_s,
+    gather_s,
     source_note,
     tp_profile,
 )
@@ -88,6 +89,28 @@ def test_a_split_unit_by_hand() -> None:
     assert per.units[0] == prof.units[0] and per.units[3] == prof.units[3]
     assert per.cuts == prof.cuts and per.loss == prof.loss
     assert tp_profile(prof, _cluster(1)) is prof
+
+
+def test_a_head_split_over_the_vocabulary_gathers_its_output() -> None:
+    """A ``colwise_gather`` head: its forward all-gathers the logits (4000 b bytes, a ring of
+    3/4 of them per rank and 3 latencies), its backward all-reduces its input's gradient (500 b
+    bytes); its output stays whole for the loss; nothing is all-reduced in the forward."""
+    head = UnitTensorParallel(
+        styles={"lm_head": "colwise_gather"}, divisors={"lm_head features": 64},
+        sharded_param_bytes=0, sharded_flop_fraction=1.0, allgather_bytes_per_sample=4000,
+        gather_input_bytes_per_sample=500,
+    )  # fmt: skip
+    prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3)
+    last = prof.units[3].model_copy(update={"tensor_parallel": head})
+    prof = prof.model_copy(update={"units": (*prof.units[:3], last)})
+    got, one = tp_profile(prof, _cluster(4)).units[3].timings[2], last.timings[2]
+    gather = 3 / 4 * 4000 * 2 / 1e9 + 3 * 1e-5
+    assert gather_s(_cluster(4), 4000 * 2, 1) == pytest.approx(gather)
+    assert ring_cost(INTRA, 4, "all_gather") == pytest.approx((3 / 4 / 1e9, 3 * 1e-5))
+    assert got.forward_s == pytest.approx(one.forward_s / 4 + gather)
+    all_reduce = 2 * 3 / 4 * 500 * 2 / 1e9 + 2 * 3 * 1e-5
+    assert got.backward_s == pytest.approx(one.backward_s / 4 + all_reduce)
+    assert got.output_bytes == one.output_bytes
 
 
 def test_a_faster_device_pays_the_collectives_as_they_are() -> None:

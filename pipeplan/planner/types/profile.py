@@ -83,7 +83,8 @@ class Grouping(FrozenModel):
     expanded)`` rebuilds the units from them."""
 
 
-TensorParallelStyle = Literal["colwise", "rowwise"]
+TensorParallelStyle = Literal["colwise", "rowwise", "colwise_gather"]
+"""``colwise_gather``: a head split over the vocabulary, its output gathered whole."""
 
 
 class UnitTensorParallel(FrozenModel):
@@ -115,6 +116,10 @@ class UnitTensorParallel(FrozenModel):
     """All-reduces per forward (one per row-wise projection), as many again in the backward."""
     allreduce_bytes_per_sample: int = Field(default=0, ge=0)
     """Bytes those all-reduces sum, per sample, in the forward (the backward's are the same)."""
+    allgather_bytes_per_sample: int = Field(default=0, ge=0)
+    """Bytes a ``colwise_gather`` head's forward all-gathers per sample (its whole output)."""
+    gather_input_bytes_per_sample: int = Field(default=0, ge=0)
+    """That head's input per sample, whose gradient its backward all-reduces."""
 
 
 class Unit(FrozenModel):
