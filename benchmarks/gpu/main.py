@@ -305,6 +305,7 @@ def _tp_rank(rank: int, port: int, out: str, device: str) -> None:
         got = measure_tp_overhead(f"cuda:{rank}" if device == "cuda" else "cpu", 20)
         if rank == 0:
             Path(out).write_text(json.dumps(got))
+        dist.barrier()  # no rank tears its groups down while its peer still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -89,7 +89,7 @@ def split_stage_body(
     plan: dict[str, ParallelStyle] = {name: parallel_style(style) for name, style in mine.items()}
     plan.update((name, ColwiseParallel()) for name in tables)  # its columns are the heads
     parallelize_module(body, tp_mesh, plan)
-    _local_attention_masks(body, tp_mesh.get_local_rank())
+    _local_attention_masks(body, tp_mesh.get_local_rank(), tp_mesh.size())
     _localise_shapes(body, example_inputs, tp_mesh.get_group())
     return len(mine)
 
@@ -192,16 +192,16 @@ def _head_tables_as_modules(body: GraphModule, split: dict[str, Style]) -> list[
     return found
 
 
-def _rank_heads(mask: Tensor, query: Tensor, rank: int) -> Tensor:
-    """``mask`` (batch, heads, q, k) cut to this rank's heads where it holds all of them and
-    ``query`` (batch, heads, q, d) only this rank's share."""
+def _rank_heads(mask: Tensor, query: Tensor, rank: int, t: int) -> Tensor:
+    """``mask`` (batch, heads, q, k) cut to this rank's heads where it holds all t h of them
+    and ``query`` (batch, h, q, d) only this rank's share (any other mask as it is)."""
     h = query.shape[1]
-    if mask.dim() != 4 or mask.shape[1] in (1, h):
+    if mask.dim() != 4 or mask.shape[1] != h * t or t == 1:
         return mask
     return mask.narrow(1, rank * h, h)
 
 
-def _local_attention_masks(body: GraphModule, rank: int) -> None:
+def _local_attention_masks(body: GraphModule, rank: int, t: int) -> None:
     """Each attention's additive mask through :func:`_rank_heads`: a mask made whole in the
     graph with the model's head count baked in (T5's zero position bias of a cross-attention,
     ``zeros(1, n_heads, q, k)``) meets only this rank's heads."""
@@ -215,7 +215,7 @@ def _local_attention_masks(body: GraphModule, rank: int) -> None:
         if not isinstance(mask, Node):
             continue
         with body.graph.inserting_before(node):
-            cut = body.graph.call_function(_rank_heads, (mask, node.args[0], rank))
+            cut = body.graph.call_function(_rank_heads, (mask, node.args[0], rank, t))
         if len(node.args) > 3:
             node.args = (*node.args[:3], cut, *node.args[4:])
         else:

@@ -1,13 +1,15 @@
 """The sizes a traced view, reshape or expand takes on one of t tensor-parallel ranks
-(:func:`pipeplan.runtime.tp_stages._local_sizes`); the split itself is tested on 4 ranks in
-``test_mesh.py`` (the loss and every gradient of a pp 2 x tp 2 run equal the unsplit model's)."""
+(:func:`pipeplan.runtime.tp_stages._local_sizes`) and the attention masks cut to its heads; the
+split itself is tested on 4 ranks in ``test_mesh.py`` (the loss and every gradient of a pp 2 x
+tp 2 run equal the unsplit model's)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.runtime.tp_stages import _local_sizes
+from pipeplan.runtime.tp_stages import _local_sizes, _rank_heads
 
 
 def test_a_split_feature_dimension_shrinks_its_outermost_piece() -> None:
@@ -37,3 +39,14 @@ def test_unsplit_inputs_keep_their_sizes() -> None:
 def test_a_shard_that_does_not_divide_the_output_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="cannot hold 1/2 of dimension 1"):
         _local_sizes("reshape", (3, 6, 5), (3, 3, 5), (3, 5, 6))
+
+
+def test_a_mask_of_every_head_is_cut_to_the_ranks_heads_and_no_other() -> None:
+    """T5's cross-attention bias, zeros(1, 4, q, k) with the global 4 heads, meets 2 local
+    heads on rank 1 of 2: it gets heads 2 and 3.  A causal mask of one head, a mask already
+    local, and one of neither size pass as they are."""
+    query = torch.zeros(3, 2, 5, 8)
+    whole = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 5, 5)
+    assert _rank_heads(whole, query, 1, 2)[0, :, 0, 0].tolist() == [2.0, 3.0]
+    for mask in (torch.zeros(3, 1, 5, 5), torch.zeros(1, 2, 5, 5), torch.zeros(1, 3, 5, 5)):
+        assert _rank_heads(mask, query, 1, 2) is mask
