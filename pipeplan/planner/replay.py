@@ -188,8 +188,7 @@ def replay(
         free, busy, pos, events = _sweep(
             deps, flat, keys, table, n_slots, step_overhead_s, timeline
         )
-    order = action_order(family, p, v, m)
-    if any(pos[r] < len(order[r]) for r in range(p)):  # pragma: no cover - torch's lists are valid
+    if any(pos[r] < len(deps[r]) for r in range(p)):  # pragma: no cover - torch's lists are valid
         raise RuntimeError(f"{family} deadlocked in the replay")
     arrive = list(free)
     for members, seconds in syncs:

@@ -34,7 +34,7 @@ Two things of a traced graph need adapting, done once at build time:
    from a table with one column per head: :func:`_head_tables_as_modules` splits the table
    with the heads (``ColwiseParallel`` on the ``nn.Embedding``), so each rank looks up its own.
    A cross-attention's zero bias is built in the graph with the global head count:
-   :func:`_rank_heads` cuts every attention mask to the rank's heads where it holds all of them.
+   :func:`_rank_heads` cuts each attention mask that held every head unsplit to the rank's heads.
    A layer hands its bias to the next, so it can leave the stage: an output that holds only
    the rank's heads is all-gathered over the tp group (:class:`_GatherHeads`, its backward the
    reduce-scatter of the gradient) and the next stage cuts it again.
@@ -120,8 +120,7 @@ def _linears_as_modules(body: GraphModule, styles: dict[str, Style]) -> dict[str
             lin.bias = owner.get_parameter("bias")
         _call_as_module(body, node, path, lin, node.args[0], (weight, bias))
         mine[path] = styles[path]
-    body.graph.lint()
-    body.recompile()
+    body.graph.lint()  # recompiled once, when the split is done (_localise_shapes)
     return mine
 
 
@@ -188,7 +187,6 @@ def _head_tables_as_modules(body: GraphModule, split: dict[str, Style]) -> list[
         _call_as_module(body, node, path, emb, node.args[1], (weight,))
         found.append(path)
     body.graph.lint()
-    body.recompile()
     return found
 
 
@@ -202,9 +200,11 @@ def _rank_heads(mask: Tensor, query: Tensor, rank: int, t: int) -> Tensor:
 
 
 def _local_attention_masks(body: GraphModule, rank: int, t: int) -> None:
-    """Each attention's additive mask through :func:`_rank_heads`: a mask made whole in the
-    graph with the model's head count baked in (T5's zero position bias of a cross-attention,
-    ``zeros(1, n_heads, q, k)``) meets only this rank's heads."""
+    """Each attention's additive mask that held all the query's heads when the body ran
+    unsplit (its ShapeProp shapes) through :func:`_rank_heads`: a mask made whole in the graph
+    with the model's head count baked in (T5's zero position bias of a cross-attention,
+    ``zeros(1, n_heads, q, k)``) meets only this rank's heads.  A mask that broadcasts over
+    the heads (a causal mask, ``(b, 1, q, k)``) is left as it is."""
     for node in list(body.graph.nodes):
         if (
             node.op != "call_function"
@@ -212,7 +212,8 @@ def _local_attention_masks(body: GraphModule, rank: int, t: int) -> None:
         ):
             continue
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        if not isinstance(mask, Node):
+        shape, query = _global_shape(mask), _global_shape(node.args[0])
+        if not shape or not query or len(shape) != 4 or not 1 < shape[1] == query[1]:
             continue
         with body.graph.inserting_before(node):
             cut = body.graph.call_function(_rank_heads, (mask, node.args[0], rank, t))
@@ -221,7 +222,6 @@ def _local_attention_masks(body: GraphModule, rank: int, t: int) -> None:
         else:
             node.kwargs = {**node.kwargs, "attn_mask": cut}
     body.graph.lint()
-    body.recompile()
 
 
 def _global_shape(node: Any) -> tuple[int, ...] | None:
@@ -308,8 +308,7 @@ def _localise_shapes(body: GraphModule, example_inputs: Sequence[Any], group: An
     that leaves the stage holding only this rank's heads (T5's position bias, handed from
     layer to layer) is gathered whole over ``group`` (:class:`_GatherHeads`), so that every
     output has its unsplit shape, which the next stage's receive expects."""
-    body.recompile()
-    localiser = _Localiser(body)
+    localiser = _Localiser(body)  # an Interpreter: it runs the graph, not the compiled code
     try:
         with torch.no_grad():
             outs = localiser.run(*example_inputs)

@@ -57,14 +57,15 @@ cheaper, as a rank updates only its shard).
 
 from __future__ import annotations
 
-from pipeplan.planner.collectives import ring_cost
+from typing import Literal
+
+from pipeplan.planner.collectives import Collective, ring_cost
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Cluster, Profile, Timing, Unit, UnitTensorParallel
 
 __all__ = [
     "check_tensor_parallel",
     "collective_s",
-    "gather_s",
     "is_annotated",
     "source_note",
     "tp_profile",
@@ -94,30 +95,29 @@ def check_tensor_parallel(profile: Profile, t: int) -> None:
                 )
 
 
-def collective_s(cluster: Cluster, nbytes: float, count: int) -> float:
-    """c: seconds of ``count`` tensor-parallel all-reduces summing ``nbytes`` in all over the
-    cluster's t ranks (reduce-scatter and all-gather pairs with ``sequence_parallel``), on the
-    intra-node link; 0 for t = 1 or nothing to sum."""
+def collective_s(
+    cluster: Cluster, nbytes: float, count: int, kind: Literal["reduce", "gather"] = "reduce"
+) -> float:
+    """c: seconds of ``count`` tensor-parallel collectives over ``nbytes`` in all on the
+    cluster's t ranks, on the intra-node link; 0 for t = 1 or nothing to move.  ``reduce``:
+    all-reduces summing them (reduce-scatter and all-gather pairs with
+    ``sequence_parallel``); ``gather``: all-gathers making them whole (a vocabulary-split
+    head's logits)."""
     t = cluster.tensor_parallel
     if t == 1 or count == 0:
         return 0.0
     link = cluster.intra_node_link or cluster.link
-    kinds = ("reduce_scatter", "all_gather") if cluster.sequence_parallel else ("all_reduce",)
+    if kind == "gather":
+        kinds: tuple[Collective, ...] = ("all_gather",)
+    elif cluster.sequence_parallel:
+        kinds = ("reduce_scatter", "all_gather")
+    else:
+        kinds = ("all_reduce",)
     out = 0.0
-    for kind in kinds:
-        alpha, beta = ring_cost(link, t, kind)  # type: ignore[arg-type]
+    for name in kinds:
+        alpha, beta = ring_cost(link, t, name)
         out += alpha * nbytes + beta * count
     return out
-
-
-def gather_s(cluster: Cluster, nbytes: float, count: int) -> float:
-    """Seconds of ``count`` all-gathers making ``nbytes`` whole in all over the cluster's t
-    ranks (a vocabulary-split head's logits), on the intra-node link; 0 for t = 1."""
-    t = cluster.tensor_parallel
-    if t == 1 or count == 0:
-        return 0.0
-    alpha, beta = ring_cost(cluster.intra_node_link or cluster.link, t, "all_gather")
-    return alpha * nbytes + beta * count
 
 
 def _scale(nbytes: int | None, share: float) -> int | None:
@@ -140,7 +140,7 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     # the solvers divide a profile's seconds by the device's speed, not a link's: stored times
     # the fastest device's speed, each rank pays c (at least c on a slower device)
     speed = max(d.speed for d in cluster.devices)
-    gather = gather_s(cluster, ann.allgather_bytes_per_sample * b, heads)
+    gather = collective_s(cluster, ann.allgather_bytes_per_sample * b, heads, "gather")
     head_in = collective_s(cluster, ann.gather_input_bytes_per_sample * b, heads)
     c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + gather + host) * speed
     cb = (collective_s(cluster, per * cols, cols) + head_in + host) * speed

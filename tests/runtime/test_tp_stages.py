@@ -50,3 +50,32 @@ def test_a_mask_of_every_head_is_cut_to_the_ranks_heads_and_no_other() -> None:
     assert _rank_heads(whole, query, 1, 2)[0, :, 0, 0].tolist() == [2.0, 3.0]
     for mask in (torch.zeros(3, 1, 5, 5), torch.zeros(1, 2, 5, 5), torch.zeros(1, 3, 5, 5)):
         assert _rank_heads(mask, query, 1, 2) is mask
+
+
+def test_only_masks_that_held_every_head_unsplit_are_wrapped() -> None:
+    """Of two attentions over 4 heads, the one whose mask broadcasts over the heads (a causal
+    mask, (1, 1, q, k)) keeps it; the one whose mask holds all 4 is cut, and the body then
+    runs on rank 1's 2 heads with that rank's share of the mask."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    from pipeplan.runtime.tp_stages import _local_attention_masks
+
+    class Two(torch.nn.Module):
+        def forward(self, q, k, v, causal, bias):  # type: ignore[no-untyped-def]
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            return sdpa(q, k, v, attn_mask=causal) + sdpa(q, k, v, attn_mask=bias)
+
+    q = torch.randn(1, 4, 3, 8)
+    causal, bias = torch.zeros(1, 1, 3, 3), torch.randn(1, 4, 3, 3)
+    body = torch.export.export(Two(), (q, q, q, causal, bias)).module()
+    for node in list(body.graph.nodes):  # export's input guards pin the 4 heads
+        if node.op == "call_module" and "guards" in str(node.target):
+            body.graph.erase_node(node)
+    ShapeProp(body).propagate(q, q, q, causal, bias)
+    _local_attention_masks(body, 1, 2)
+    body.recompile()
+    cuts = [n for n in body.graph.nodes if n.target is _rank_heads]
+    assert len(cuts) == 1
+    local = q[:, 2:]
+    want = Two()(local, local, local, causal, bias[:, 2:])
+    torch.testing.assert_close(body(local, local, local, causal, bias), want)

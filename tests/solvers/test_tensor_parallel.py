@@ -11,7 +11,6 @@ from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.tensor_parallel import (
     check_tensor_parallel,
     collective_s,
-    gather_s,
     source_note,
     tp_profile,
 )
@@ -105,7 +104,7 @@ def test_a_head_split_over_the_vocabulary_gathers_its_output() -> None:
     prof = prof.model_copy(update={"units": (*prof.units[:3], last)})
     got, one = tp_profile(prof, _cluster(4)).units[3].timings[2], last.timings[2]
     gather = 3 / 4 * 4000 * 2 / 1e9 + 3 * 1e-5
-    assert gather_s(_cluster(4), 4000 * 2, 1) == pytest.approx(gather)
+    assert collective_s(_cluster(4), 4000 * 2, 1, "gather") == pytest.approx(gather)
     assert ring_cost(INTRA, 4, "all_gather") == pytest.approx((3 / 4 / 1e9, 3 * 1e-5))
     assert got.forward_s == pytest.approx(one.forward_s / 4 + gather)
     all_reduce = 2 * 3 / 4 * 500 * 2 / 1e9 + 2 * 3 * 1e-5
