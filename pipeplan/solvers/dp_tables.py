@@ -117,6 +117,10 @@ class TailNode:
     charged: int = 0
 
 
+#: A band's per-key tables stacked (:meth:`Instance._stacked`): stage -> index, masks, s, a.
+_Stacked = tuple[list[int], np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass(frozen=True, slots=True)
 class Band:
     """Every mid stage l = r - d .. r, d < W, as (n, W) arrays over (r, d)."""
@@ -292,6 +296,7 @@ class Instance:
         self._band: Band | None = None
         self._blocked: dict[float, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._mid_tails: dict[int, np.ndarray] = {}
+        self._stacks: dict[int, _Stacked] = {}
 
     @staticmethod
     def _variant(
@@ -531,6 +536,7 @@ class Instance:
             self._band = self._build_band(min(self.n, max(W, have + have // 2)))
             self._blocked.clear()
             self._mid_tails.clear()
+            self._stacks.clear()
         if self._band.width == W:
             return self._band
         return self._band.narrow(W)
@@ -637,24 +643,22 @@ class Instance:
             return dp[: n + 1], choice
         W = self.width(threshold)
         band = self.band(W)
-        term = band.a if mode == "sum" else band.s
-        cost = {
-            key: np.where(mask & (band.s[key] <= threshold), term[key], INF)
-            for key, mask in band.masks.items()
-        }
+        idx, fits, slots, terms = self._stacked(band)
+        term = terms if mode == "sum" else slots
+        cost = np.where(fits & (slots <= threshold), term, INF)  # (distinct keys, n, W)
         tail = self.tail_on and p > 2
         capped = tail and np.isfinite(node.cap)
         blocked = self.blocked(node.cap, W) if capped else []
         rows = np.arange(n)
         for j in range(p - 1):
-            c = cost[self.keys[j]]
+            c = cost[idx[j]]
             if j == 0:  # only stage 0's cells (l = 0) are reachable: one column per row
                 d = np.minimum(rows, band.width - 1)
                 first = np.where(d == rows, c[rows, d], INF)
                 if tail:
                     first = first + self.stage0(node, mode)
                 choice[0] = rows
-                dp = np.concatenate([[INF], first, [INF]])
+                dp[0], dp[1 : n + 1], dp[n + 1] = INF, first, INF
                 continue
             cand = dp[band.lidx] + c if mode == "sum" else np.maximum(dp[band.lidx], c)
             if tail and mode == "sum" and self.kappa_u:
@@ -666,8 +670,25 @@ class Instance:
                 rr, cc = blocked[j]
                 cand[rr, cc] = INF
             choice[j] = np.argmin(cand, axis=1)
-            dp = np.concatenate([[INF], cand[rows, choice[j]], [INF]])
+            dp[1 : n + 1] = cand[rows, choice[j]]  # read through band.lidx above: a copy
         return dp[: n + 1], choice
+
+    def _stacked(self, band: Band) -> _Stacked:
+        """The band's per-key tables stacked over the distinct keys of stages 0 .. p - 2 (built
+        once per band width): each stage's index into them, then its masks, s and a."""
+        hit = self._stacks.get(band.width)
+        if hit is None:
+            keys = self.keys[: self.p - 1]
+            distinct = list(dict.fromkeys(keys))
+            at = {key: i for i, key in enumerate(distinct)}
+            hit = (
+                [at[key] for key in keys],
+                np.stack([band.masks[key] for key in distinct]),
+                np.stack([band.s[key] for key in distinct]),
+                np.stack([band.a[key] for key in distinct]),
+            )
+            self._stacks[band.width] = hit
+        return hit
 
     def candidates(self, lo: float, hi: float) -> np.ndarray:
         """Sorted distinct mid-stage steady-state terms s in [lo, hi]."""
