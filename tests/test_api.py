@@ -301,7 +301,7 @@ def test_the_name_check_catches_a_clash(tmp_path: pathlib.Path) -> None:
 #: What launches several ranks from a test: torchrun, ``pipeplan run``, ``pipeplan calibrate
 #: --nproc 2`` and the jobs and sweeps built on them (``-m 'not multirank'`` leaves them out).
 LAUNCHERS = re.compile(
-    r"launch_job\(|torch\.distributed\.run|nproc-per-node|\"--nproc\", \"[2-9]|"
+    r"launch_job\(|torch\.distributed\.run|pipeplan\.runtime\.forkrun|nproc-per-node|\"--nproc\", \"[2-9]|"
     r"calibrate_module\.measure\(|launch_module\.launch\(|\bworker\(|run_zoo|run_vision|"
     r"_chunked_job|ds_pipeline\.py|(PIPEPLAN, |cli\(\[|_pipeplan\(|_cli\(|\"pipeplan\", )\"run\""
 )

@@ -503,8 +503,10 @@ def test_the_job_ends_with_its_launcher(plan: Path, tmp_path: Path, sig: signal.
 @pytest.mark.multirank
 def test_sigkill_of_torchrun_ends_every_rank_in_one_line(plan: Path, tmp_path: Path) -> None:
     proc = _start(plan, tmp_path)
-    agents = [pid for pid, cmd in live_processes(str(tmp_path)).items()
-              if "torch.distributed.run" in cmd]  # fmt: skip
+    # torchrun's agent is pipeplan run's child; its ranks are its forks, with its command line
+    agents = [pid for pid in live_processes(str(tmp_path))
+              if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+              == str(proc.pid)]  # fmt: skip
     assert len(agents) == 1
     os.kill(agents[0], signal.SIGKILL)
     err, took = _stopped(proc, tmp_path, "SIGKILL of torchrun")

@@ -212,7 +212,7 @@ def measure(
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if nproc > 1:
             launcher = [
-                "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"
+                "-m", "pipeplan.runtime.forkrun", "--standalone", f"--nproc-per-node={nproc}"
             ]  # fmt: skip
         else:  # one rank needs no launcher (whose own torch import costs seconds here)
             launcher = []

@@ -5,8 +5,9 @@ compares the graph fingerprint and unit names with the plan's, so a plan for ano
 missing model, an impossible device request or a save to resume made on another mesh fails in a
 second with one line (exit 2).
 
-:func:`launch` then runs ``python -m torch.distributed.run --standalone --nproc-per-node P -m
-pipeplan.runtime.worker ...`` with one rank per stage.  If a rank raises or dies, torchrun's agent stops
+:func:`launch` then runs ``python -m pipeplan.runtime.forkrun --standalone --nproc-per-node P -m
+pipeplan.runtime.worker ...`` with one rank per stage: torchrun's own agent, whose ranks are
+forked from it once it has imported torch's pipelining (:mod:`pipeplan.runtime.forkrun`).  If a rank raises or dies, torchrun's agent stops
 the others and exits non-zero; :func:`failure` reads the ranks' error files and names the stage
 that failed first (an error caused by a peer's death, such as a closed connection, is not the
 root cause), and :func:`launch` raises :class:`~pipeplan.planner.errors.StageFailedError`.
@@ -44,7 +45,7 @@ from pipeplan.runtime.save_lock import check_free, hold
 from pipeplan.runtime.stage_errors import rank_label
 from pipeplan.runtime.supervise import die_with_parent, forwarded_signals, process_start, supervise
 
-__all__ = ["check_source", "failure", "launch", "preflight", "worker_command"]
+__all__ = ["check_source", "failure", "launch", "preflight", "preloads", "worker_command"]
 
 
 def preflight(
@@ -164,12 +165,26 @@ def check_source(plan: Plan) -> None:
         )
 
 
+def preloads(model: str) -> list[str]:
+    """What the agent imports for the ranks besides torch's pipelining
+    (:mod:`pipeplan.runtime.forkrun`): ``transformers`` for an ``hf:`` model, the module of
+    one of pipeplan's own models.  A user's module is left to the ranks: its import may start
+    threads or an accelerator, which a fork does not survive."""
+    if model.startswith("hf:"):
+        return ["transformers"]
+    module = model.partition(":")[0]
+    return [module] if module.startswith("pipeplan.") else []
+
+
 def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence[str]) -> list[str]:
-    """The torchrun command line for one machine, one rank per stage and replica."""
+    """The torchrun command line for one machine, one rank per stage and replica: torchrun's
+    agent with forked ranks (:mod:`pipeplan.runtime.forkrun`)."""
+    preload = preloads(plan.model)
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "pipeplan.runtime.forkrun",
+        *(["--preload", ",".join(preload)] if preload else []),
         "--standalone",
         "--nproc-per-node",
         str(plan.pipeline_ranks * plan.cluster.data_parallel * plan.cluster.tensor_parallel),

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeplan.planner.types import OPTIMIZERS
+from pipeplan.runtime.forkrun import FORKED
 
 if TYPE_CHECKING:
     from pipeplan.intake.spec import ModelSpec
@@ -262,6 +263,10 @@ def _is_peer_error(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(w in text for w in peer_words)
 
 
+#: Seconds a rank whose error a peer's death caused waits before it exits.
+PEER_LINGER_S = 1.0
+
+
 def _write_error(
     run_dir: str | None, rank: int, step: int | None, exc: BaseException, request: bool
 ) -> None:
@@ -459,6 +464,11 @@ def main(argv: list[str] | None = None) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():  # do not wait for communication threads that may hang
+            if _is_peer_error(cause):
+                # a peer died first: let the agent see that death before this exit, or a
+                # forked rank's agent (pipeplan.runtime.forkrun, which reports only the first
+                # rank it sees end) may name this one, and the dead peer's exit code is lost
+                time.sleep(PEER_LINGER_S)
             os._exit(code)
         sys.exit(code)
 
@@ -469,6 +479,9 @@ if __name__ == "__main__":
     # hold work whose tensors reach back into Python, and tearing them down while the
     # interpreter goes away aborts the process now and then ("terminate called without an
     # active exception", SIGABRT; pytorch/pytorch#179291).  Every result is written by now.
+    # A rank forked by pipeplan.runtime.forkrun returns instead: the agent waits for its
+    # return value, and a fork ends without the interpreter's finalization anyway.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    if os.environ.get(FORKED) != "1":
+        os._exit(0)

@@ -51,7 +51,7 @@ def write_plans(directory: Path) -> dict[str, Path]:
 
 def worker(plan: Path, world: int, *args: str) -> list[str]:
     """The torchrun command of the worker (no ``pipeplan run`` preflight: a launch costs less)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    return [sys.executable, "-m", "pipeplan.runtime.forkrun", "--standalone", "--nproc-per-node",
             str(world), "-m", "pipeplan.runtime.worker", str(plan), "--quiet", "--optimizer",
             "adam", "--warmup", "0", *args]  # fmt: skip
 

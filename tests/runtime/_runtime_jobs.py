@@ -208,7 +208,7 @@ def launch_job(job: dict[str, Any], world: int, out: Path, timeout: float = 240)
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "pipeplan.runtime.forkrun",
         "--standalone",
         "--nproc-per-node",
         str(world),

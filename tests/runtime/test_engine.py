@@ -195,7 +195,7 @@ def _launch(tmp_path: Path, gpt: tuple, p: int, m: int, starts: list[int], famil
     torch.manual_seed(11)
     inputs, target = spec.batch(batch)
     torch.save({gpt[0]: (inputs, target)}, tmp_path / "batch.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "pipeplan.runtime.forkrun", "--standalone",
            f"--nproc-per-node={p}", str(JOB), str(tmp_path / "batch.pt"), str(tmp_path), *files]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)

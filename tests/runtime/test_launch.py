@@ -79,3 +79,11 @@ def test_preflight_builds_a_large_model_on_meta_and_a_small_one_for_real(
     monkeypatch.setattr(launch, "REAL_BUILD_BYTES", limit)
     assert launch.preflight(path).fingerprint == plan.fingerprint
     assert builds[0] is (limit == 0)  # (a meta build calls load_model again, inside)
+
+
+def test_the_agent_preloads_transformers_and_pipeplans_models_but_not_a_users_module() -> None:
+    from pipeplan.runtime.launch import preloads
+
+    assert preloads("hf:configs/llama.json") == ["transformers"]
+    assert preloads("pipeplan.models.gpt:gpt") == ["pipeplan.models.gpt"]
+    assert preloads("my_model:build") == []  # its import may start threads or a GPU

@@ -36,7 +36,7 @@ def _launch(tmp_path: Path, starts: list[int], replicas: int) -> tuple[list[dict
     inputs, target = spec.batch(4 * replicas)  # the global batch
     torch.save((inputs, target), tmp_path / "batch.pt")
     world = len(starts) * replicas
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "pipeplan.runtime.forkrun", "--standalone",
            f"--nproc-per-node={world}", str(LOOP), str(tmp_path / "plan.json"),
            str(tmp_path / "batch.pt"), str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -92,7 +92,7 @@ def test_the_own_loop_example_trains_a_gpipe_and_a_zbv_plan_alike(tmp_path: Path
     losses = {}
     for name, p in (("gpipe", plan), ("zbv", zbv)):
         write_json(tmp_path / f"{name}.json", p)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        cmd = [sys.executable, "-m", "pipeplan.runtime.forkrun", "--standalone",
                "--nproc-per-node=2", str(example), str(tmp_path / f"{name}.json"), "2"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(

@@ -110,7 +110,7 @@ def test_each_rank_reads_only_its_stage_and_trains_from_the_checkpoint(
     save_file(state, str(ckpt))
     run_dir, report = tmp_path / "run", tmp_path / "report.json"
     run_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "pipeplan.runtime.forkrun", "--standalone", "--nproc-per-node", "2",
            "-m", "pipeplan.runtime.worker", str(plan), "--steps", "1", "--warmup", "0", "--lr", "0",
            "--quiet", "--weights", str(ckpt), "--run-dir", str(run_dir), "--report", str(report),
            "--save", str(tmp_path / "again")]  # fmt: skip

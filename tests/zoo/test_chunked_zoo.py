@@ -91,7 +91,7 @@ def launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     files = [f for name in MODELS for f in _plans(out, name, p)]
     batches = {model: load_model(model, kw[p]).batch(4 * p) for model, kw in MODELS.values()}
     torch.save(batches, out / "batch.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "pipeplan.runtime.forkrun", "--standalone",
            f"--nproc-per-node={p}", str(JOB), str(out / "batch.pt"), str(out), *files]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
