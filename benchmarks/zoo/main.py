@@ -84,12 +84,14 @@ def run_zoo(out: Path, names: list[str] | None = None) -> ZooRun:
 
 
 def launch(out: Path, cases: dict[str, Any], steps: int, run: ZooRun, timeout: int) -> None:
-    """Run ``cases`` (:mod:`benchmarks.zoo.job`'s job file) in one 2-rank torchrun launch;
+    """Run ``cases`` (:mod:`benchmarks.zoo.job`'s job file) in one 2-rank launch
+    (:mod:`pipeplan.runtime.forkrun`);
     each rank's results and the launch's stderr go into ``run``."""
     job_file = out / "job.json"
     job_file.write_text(json.dumps({"cases": cases, "steps": steps, "out": str(out)}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "benchmarks.zoo.job", str(job_file)]  # fmt: skip
+    # torchrun's agent, its ranks forked once it has imported torch and transformers
+    cmd = [sys.executable, "-m", "pipeplan.runtime.forkrun", "--preload", "transformers",
+           "--standalone", "--nproc-per-node", "2", "-m", "benchmarks.zoo.job", str(job_file)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
                           env=env)  # fmt: skip

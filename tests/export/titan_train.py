@@ -6,7 +6,7 @@ tensor-parallel ranks (torchtitan's own TP plan for its Llama: ``parallelize_lla
 model's ``parallelize``, projections column- then row-wise, the embedding and the head split
 over the vocabulary, the loss computed loss-parallel, the norms sequence-parallel when the line
 enables it; FSDP2 over a 1-rank data-parallel mesh, as torchtitan always applies it); or a
-ZB-V plan of 2 ranks x 2 chunks (``--world 2``).  N gloo ranks (``mp.spawn``, default 4) run
+ZB-V plan of 2 ranks x 2 chunks (``--world 2``).  N gloo ranks (forked, default 4) run
 the lines one after the other: each rank parses the line with torchtitan's ``ConfigManager``
 on ``llama3_debugmodel_ce_loss`` and builds the run with torchtitan's own functions, as its
 ``Trainer`` does: ``ParallelDims.build_mesh``, ``pipeline_llm`` (which cuts the model by
@@ -276,4 +276,14 @@ if __name__ == "__main__":
     parser.add_argument("--defaults", action="store_true")
     a = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    mp.spawn(_rank, args=(a.world, a.port, a.out, a.lines, a.defaults), nprocs=a.world)
+    # torchtitan imported once, here, and the ranks forked: each spawned rank imported torch
+    # and torchtitan again (the parent has run no op and started no thread yet)
+    from titan_split import _install_stand_ins
+
+    _install_stand_ins()
+    import torchtitan.distributed.pipeline_parallel
+    import torchtitan.models.llama3  # noqa: F401
+    from torchtitan.config.manager import ConfigManager  # noqa: F401
+
+    mp.start_processes(_rank, args=(a.world, a.port, a.out, a.lines, a.defaults),
+                       nprocs=a.world, start_method="fork")  # fmt: skip
