@@ -58,6 +58,12 @@ FAULTS = (
 )
 
 
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (``/proc/<pid>/stat``)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def _pids(run_root: Path, ranks: int) -> dict[int, int]:
     out = {}
     for rank in range(ranks):
@@ -143,7 +149,8 @@ def _case(plan: Path, ranks: int, fault: str, work: Path, save: Path) -> dict[st
     elif fault == "SIGHUP launcher":
         popen.send_signal(signal.SIGHUP)
     elif fault == "SIGKILL torchrun":
-        agent = next(p for p, c in live_processes(str(save)).items() if "distributed.run" in c)
+        # torchrun's agent is pipeplan run's child; its ranks, its forks, share its command line
+        agent = next(p for p in live_processes(str(save)) if _parent(p) == popen.pid)
         os.kill(agent, signal.SIGKILL)
     elif fault == "full tmpfs":  # room for what is there and a quarter of a save more
         disk = save.parent

@@ -249,7 +249,11 @@ def failure(
     own = sorted((e for e in errors if not e.get("peer")), key=lambda e: e.get("time", 0))
     codes = _exit_codes(log)
     silent = sorted(set(range(n_ranks)) - {int(e["stage"]) for e in errors})
-    died = [r for r in silent if not codes.get(r, "").startswith("-15")] or silent
+    # the agent's summary gives a rank's exit code: SIGTERM (-15) is the agent stopping it;
+    # forkrun's agent lists only the first rank it saw end, so a silent rank it does not list
+    # was stopped too where another silent rank is listed
+    listed = [r for r in silent if r in codes and not codes[r].startswith("-15")]
+    died = listed or [r for r in silent if not codes.get(r, "").startswith("-15")] or silent
 
     t, p = tensor_parallel, n_stages or n_ranks
 

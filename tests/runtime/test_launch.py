@@ -87,3 +87,27 @@ def test_the_agent_preloads_transformers_and_pipeplans_models_but_not_a_users_mo
     assert preloads("hf:configs/llama.json") == ["transformers"]
     assert preloads("pipeplan.models.gpt:gpt") == ["pipeplan.models.gpt"]
     assert preloads("my_model:build") == []  # its import may start threads or a GPU
+
+
+FORKRUN_SUMMARY = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_01:03:46
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 17813)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 17813
+"""
+
+
+def test_a_killed_rank_is_named_when_the_agent_lists_only_it(tmp_path: Path) -> None:
+    """forkrun's agent lists the first rank it saw end; the peer it stopped before that peer
+    wrote an error file is not listed, and is not taken for a second death."""
+    from pipeplan.runtime.launch import failure
+
+    err = failure(tmp_path, 2, 1, FORKRUN_SUMMARY)
+    assert str(err).startswith("stage 1 died with exit code -9 (SIGKILL) without a Python error")
+    both = FORKRUN_SUMMARY.replace(
+        "[0]:", "[0]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 1)  (SIGTERM)\n[1]:"
+    )
+    assert str(failure(tmp_path, 2, 1, both)).startswith("stage 1 died with exit code -9")
