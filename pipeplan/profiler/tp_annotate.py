@@ -41,6 +41,13 @@ projection's.
   ``gather_input_bytes_per_sample``: its input / B, whose gradient the backward all-reduces.
 
 A unit with no split module gets ``None``.
+
+**Per cut**, ``Cut.tp_gather_bytes_per_sample``: the bytes of its tensors that a sharded node
+made, which the stage before the cut all-gathers (:mod:`pipeplan.runtime.tp_stages`).  A
+block's output is whole after its row-wise projection, so these are the tensors of a cut inside
+a sub-block (between a column-wise projection and its row-wise one) and per-head values a
+layer hands to the next: T5's relative-position bias, looked up in a head table that is split
+with the heads (so its lookup is sharded too, here as at run time).
 """
 
 from __future__ import annotations
@@ -124,10 +131,14 @@ class _Walk(MetaInterpreter):
     """Runs the graph on ``meta`` with autograd on, recording per node its forward FLOPs,
     whether its output is sharded, and the tensors autograd saves while it runs."""
 
-    def __init__(self, traced: TracedModel, styles: Mapping[str, str]) -> None:
+    def __init__(
+        self, traced: TracedModel, styles: Mapping[str, str], tables: Sequence[str] = ()
+    ) -> None:
         super().__init__(traced.gm)
         self.traced = traced
         self.styles = styles
+        self.tables = set(tables)
+        """The head tables' module paths: a lookup in one holds only the rank's heads."""
         self.stats: dict[str, _NodeStats] = {}
         self.made: dict[int, bool] = {}
         """id of a node output's base tensor -> whether a sharded node made it."""
@@ -139,7 +150,7 @@ class _Walk(MetaInterpreter):
         path = ".".join(_module_info(self.traced.gm, n)[0])
         style = self.styles.get(path)
         stats = _NodeStats(split=style is not None)
-        if style == "colwise":
+        if style == "colwise" or path in self.tables:
             stats.sharded = True
         elif style is None:
             stats.sharded = any(self.stats[a.name].sharded for a in n.all_input_nodes)
@@ -286,7 +297,9 @@ def annotate_traced(
             f"profile with the model it was made from"
         )
     modules = dict(module.named_modules())
-    stats = _Walk(traced, layout.styles).walk(example)
+    parents = {n.rsplit(".", 1)[0] for n, st in layout.styles.items() if st == "colwise"}
+    tables = [f"{p}.{child}" for p in parents if p in modules for child in head_tables(modules[p])]
+    stats = _Walk(traced, layout.styles, tables).walk(example)
     path_of = {name: ".".join(_module_info(gm, n)[0]) for name, n in nodes.items()}
     elem = torch.empty((), dtype=_DTYPES.get(profile.dtype, torch.float32)).element_size()
     batch = max(profile.microbatch_sizes)
@@ -300,7 +313,19 @@ def annotate_traced(
         )
         for u in profile.units
     )
-    return profile.model_copy(update={"units": units, "tensor_parallel_note": None})
+    cuts = tuple(
+        c.model_copy(
+            update={
+                "tp_gather_bytes_per_sample": sum(
+                    x.bytes_per_sample
+                    for x in c.tensors
+                    if x.node in stats and stats[x.node].sharded
+                )
+            }
+        )
+        for c in profile.cuts
+    )
+    return profile.model_copy(update={"units": units, "cuts": cuts, "tensor_parallel_note": None})
 
 
 def annotate_profile(profile: Profile, spec: ModelSpec) -> Profile:

@@ -50,6 +50,11 @@ present; otherwise the times above are modelled from its unsharded ``timings[b]`
 without an annotation is run whole by every rank: its times and bytes are unchanged.  The
 tensors crossing a cut are unchanged (each rank sends the whole activation to its peer in the
 next stage), except with sequence parallelism after an annotated unit, where they are 1 / t.
+A cut's tensors that t ranks hold split by heads (``Cut.tp_gather_bytes_per_sample``: inside
+a sub-block, or T5's position bias) are all-gathered before they are sent and their gradient
+reduce-scattered: charged as that many more bytes on the stage link, which bounds the
+all-gather's bandwidth term, (t - 1) / t of them on the intra-node link, from above on a link
+no faster than it; its t - 1 latencies are not charged.
 Left whole, an upper bound: the loss (no loss-parallel split), tied parameters' copies, the
 optimizer step's curve (evaluated at the per-rank bytes, which the smaller parameters make
 cheaper, as a rank updates only its shard).
@@ -198,7 +203,12 @@ def tp_profile(profile: Profile, cluster: Cluster) -> Profile:
         return profile
     check_tensor_parallel(profile, t)
     units = tuple(_unit(u, cluster) for u in profile.units)
-    cuts = profile.cuts
+    cuts = tuple(
+        c.model_copy(update={"bytes_per_sample": c.bytes_per_sample + c.tp_gather_bytes_per_sample})
+        if c.tp_gather_bytes_per_sample
+        else c
+        for c in profile.cuts
+    )
     if cluster.sequence_parallel:
         cuts = tuple(
             c

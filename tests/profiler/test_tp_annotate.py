@@ -153,3 +153,27 @@ def test_annotating_leaves_no_reference_to_the_model() -> None:
     del spec
     gc.collect()
     assert weight() is None
+
+
+def test_a_cut_inside_a_sub_block_or_after_t5s_position_bias_is_gathered() -> None:
+    """Per cut, the bytes t ranks hold split by heads: none after a block's row-wise
+    projection, the sharded activations of a cut inside Llama's attention, and T5's
+    relative-position bias (looked up in a head table split with the heads) where a layer
+    hands it to the next; each the sum of its sharded tensors' bytes."""
+    llama = _profile("pipeplan.models.zoo:llama", max_stages=32, n_layers=1)
+    after = {llama.units[c.after].name.rsplit(".", 2)[-1]: c for c in llama.cuts}
+    assert after["q_proj"].tp_gather_bytes_per_sample > 0
+    assert after["v_proj"].tp_gather_bytes_per_sample > 0
+    assert after["o_proj"].tp_gather_bytes_per_sample == 0
+    assert after["embed_tokens"].tp_gather_bytes_per_sample == 0
+    for c in llama.cuts:
+        assert c.tp_gather_bytes_per_sample <= c.bytes_per_sample
+    t5 = _profile("pipeplan.models.zoo:t5", max_stages=64, n_layers=2)
+    end = {t5.units[c.after].name: c for c in t5.cuts}
+    # block 0's bias crosses the cut to block 1; the last block hands it to no one
+    heads, seq = 2, 16  # the zoo T5's bias: (1, heads, seq, seq) float32, per sample of B
+    assert (
+        end["encoder.block.0.layer.1.dropout"].tp_gather_bytes_per_sample
+        == heads * seq * seq * 4 // B
+    )
+    assert end["encoder.block.1.layer.1.dropout"].tp_gather_bytes_per_sample == 0

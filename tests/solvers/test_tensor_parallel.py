@@ -186,3 +186,16 @@ def test_bad_degrees_name_the_dimension() -> None:
     )
     with pytest.raises(InvalidRequestError, match="no attention or MLP projections recognised"):
         tp_profile(plain, _cluster(2))
+
+
+def test_a_cut_held_split_by_heads_is_charged_its_gather() -> None:
+    """Bytes t ranks hold split by heads at a cut go once more over the stage link (the
+    all-gather before the send, bounded above); t = 1 gathers nothing."""
+    prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3))
+    cuts = list(prof.cuts)
+    cuts[1] = cuts[1].model_copy(update={"tp_gather_bytes_per_sample": 300})
+    prof = prof.model_copy(update={"cuts": tuple(cuts)})
+    two = tp_profile(prof, _cluster(2))
+    assert two.cuts[1].bytes_per_sample == prof.cuts[1].bytes_per_sample + 300
+    assert two.cuts[0] == prof.cuts[0] and two.cuts[2] == prof.cuts[2]
+    assert tp_profile(prof, _cluster(1)) is prof
