@@ -45,7 +45,7 @@ from pipeplan.planner.types import Plan
 from pipeplan.runtime import saving, worker
 from pipeplan.runtime.checkpoint import INDEX, shard_name, write_index, write_shard
 from pipeplan.runtime.snapshots import commit, file_record, partial_dir, step_name
-from pipeplan.runtime.supervise import live_processes
+from pipeplan.runtime.supervise import live_processes, parent_pid
 
 GPT = (
     "pipeplan.models.gpt:gpt",
@@ -504,9 +504,7 @@ def test_the_job_ends_with_its_launcher(plan: Path, tmp_path: Path, sig: signal.
 def test_sigkill_of_torchrun_ends_every_rank_in_one_line(plan: Path, tmp_path: Path) -> None:
     proc = _start(plan, tmp_path)
     # torchrun's agent is pipeplan run's child; its ranks are its forks, with its command line
-    agents = [pid for pid in live_processes(str(tmp_path))
-              if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-              == str(proc.pid)]  # fmt: skip
+    agents = [pid for pid in live_processes(str(tmp_path)) if parent_pid(pid) == proc.pid]
     assert len(agents) == 1
     os.kill(agents[0], signal.SIGKILL)
     err, took = _stopped(proc, tmp_path, "SIGKILL of torchrun")

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, pipeplan
-from pipeplan.runtime.supervise import live_processes
+from pipeplan.runtime.supervise import live_processes, parent_pid
 
 HERE = Path(__file__).parent
 _PIPEPLAN = [sys.executable, "-c", "from pipeplan.cli import main; main()"]
@@ -56,12 +56,6 @@ FAULTS = (
     "SIGKILL torchrun",
     "full tmpfs",
 )
-
-
-def _parent(pid: int) -> int:
-    """The parent pid of ``pid`` (``/proc/<pid>/stat``)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def _pids(run_root: Path, ranks: int) -> dict[int, int]:
@@ -150,7 +144,7 @@ def _case(plan: Path, ranks: int, fault: str, work: Path, save: Path) -> dict[st
         popen.send_signal(signal.SIGHUP)
     elif fault == "SIGKILL torchrun":
         # torchrun's agent is pipeplan run's child; its ranks, its forks, share its command line
-        agent = next(p for p in live_processes(str(save)) if _parent(p) == popen.pid)
+        agent = next(p for p in live_processes(str(save)) if parent_pid(p) == popen.pid)
         os.kill(agent, signal.SIGKILL)
     elif fault == "full tmpfs":  # room for what is there and a quarter of a save more
         disk = save.parent

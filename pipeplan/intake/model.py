@@ -42,7 +42,15 @@ from pipeplan.intake.spec import Batch, ModelSpec, NamedInputs, as_tuple, is_tra
 from pipeplan.intake.usercode import user_code
 from pipeplan.planner.errors import ModelLoadError
 
-__all__ = ["Batch", "ModelSpec", "NamedInputs", "as_tuple", "load_model", "parse_model_args"]
+__all__ = [
+    "Batch",
+    "ModelSpec",
+    "NamedInputs",
+    "as_tuple",
+    "load_model",
+    "model_module",
+    "parse_model_args",
+]
 
 
 def _switches(model: nn.Module) -> dict[str, Any]:
@@ -109,6 +117,12 @@ def parse_model_args(pairs: list[str] | None) -> dict[str, str | int | float | b
                     pass
         out[key] = value
     return out
+
+
+def model_module(name: str) -> str:
+    """The module that building model ``name`` imports first: ``transformers`` for an
+    ``hf:`` config, else the module of ``package.module:callable``."""
+    return "transformers" if name.startswith("hf:") else name.partition(":")[0]
 
 
 def load_model(

@@ -170,10 +170,10 @@ def preloads(model: str) -> list[str]:
     (:mod:`pipeplan.runtime.forkrun`): ``transformers`` for an ``hf:`` model, the module of
     one of pipeplan's own models.  A user's module is left to the ranks: its import may start
     threads or an accelerator, which a fork does not survive."""
-    if model.startswith("hf:"):
-        return ["transformers"]
-    module = model.partition(":")[0]
-    return [module] if module.startswith("pipeplan.") else []
+    from pipeplan.intake.model import model_module
+
+    module = model_module(model)
+    return [module] if module == "transformers" or module.startswith("pipeplan.") else []
 
 
 def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence[str]) -> list[str]:

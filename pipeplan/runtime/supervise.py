@@ -54,6 +54,7 @@ __all__ = [
     "die_with_parent",
     "forwarded_signals",
     "live_processes",
+    "parent_pid",
     "process_start",
     "supervise",
 ]
@@ -107,6 +108,14 @@ def process_start(pid: int) -> int | None:
     except (OSError, IndexError):
         return None
     return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux ``/proc``), ``None`` when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:

@@ -308,9 +308,10 @@ def _preload(model: str) -> None:
     import torch._subclasses.fake_tensor
     import torch.export  # noqa: F401
 
-    name = "transformers" if model.startswith("hf:") else model.partition(":")[0]
+    from pipeplan.intake.model import model_module
+
     try:
-        importlib.import_module(name)
+        importlib.import_module(model_module(model))
     except Exception:  # noqa: BLE001, S110 - load_model reports a model that does not import
         pass
 
