@@ -7,14 +7,16 @@ Per chunk s, with y, e and rho the model's variables and the tables of
     A_s   = sum_g y[s][g] a_g                           its activations per micro-batch
     R_s   = rho_s A_s                                   what a recomputing chunk remakes
     x_in  = sum_g e[s][g] x_{P_g},  x_out the same at chunk s + 1 (0 past the last)
-    w_s   = sum_g y[s][g] w_g + the shared copies it holds (a constant: the ends' users)
+    w_s   = sum_g y[s][g] w_g + extra_s, the shared bytes it holds beyond its units' own
+            (:mod:`pipeplan.solvers.exact_shared`)
     static_s = (params + optimizer states) w_s + m (x_in + x_out)
     held_s   = x_out + A_s - R_s [+ y + a_loss on the last chunk]
     wheld_s  = (1 - rho_s) (held_s + sum_g y[s][g] d_g [- y - a_loss])   split families
     trans_s  = R_s + [s > 0] x_in [+ 2 y on the last chunk]
     grads_s  = (gradients per byte) w_s
     temp_s   >= [m > 1] max(0, big_s - R_s),  big_s >= big_g y[s][g] for every g
-    tfirst_s >= [m > 1] max(0, min(copies_s, big_s) - R_s)
+    tfirst_s >= [m > 1] max(0, min(copies_s, big_s) - R_s)   copies_s: its shared bytes a
+                higher chunk of its rank also holds
 
 (``rho_s ? a : b`` as two enforced equalities; a maximum by ``>=``, exact because every one
 appears with a positive sign in a ``<=``).  The walk is independent of the values: the order
@@ -34,6 +36,7 @@ from ortools.sat.python import cp_model
 
 from pipeplan.planner.families import Action, action_order
 from pipeplan.solvers.chunks import ChunkPlan
+from pipeplan.solvers.exact_shared import SharedHolding
 
 __all__ = ["BYTES", "Expr", "Model", "Var", "add_memory", "walk_points"]
 
@@ -114,8 +117,8 @@ class Model(Protocol):
     def start_at(self, s: int, at: Sequence[float]) -> Expr: ...
     def pick(self, name: str, s: int, keep: Expr, remake: Expr) -> Expr: ...
     def var(self, name: str, expr: Expr) -> Expr: ...
-    def shared_extra(self, s: int) -> float: ...
-    def copies(self, s: int) -> int: ...
+
+    shared: SharedHolding
 
 
 def add_memory(xo: Model, spare: cp_model.IntVar | None = None) -> None:
@@ -148,16 +151,15 @@ def add_memory(xo: Model, spare: cp_model.IntVar | None = None) -> None:
         x_in, x_out = xo.start_at(s, x), xo.start_at(s + 1, x)
         acts = xo.over(s, acts_g)
         remade = xo.pick("a", s, 0, acts)
-        extra = xo.shared_extra(s)
-        static.append(xo.over(s, [up(w * keep_f) for w in w_g]) + up(extra * keep_f)
-                      + m * (x_in + x_out))  # fmt: skip
+        static.append(xo.over(s, [up(w * keep_f) for w in w_g])
+                      + xo.shared.extra(s, keep_f, up) + m * (x_in + x_out))  # fmt: skip
         held = xo.var(f"h{s}", x_out + acts - remade + (ends if last else 0))
         table["held"].append(held)
         keep = held + xo.over(s, d_g) - (ends if last else 0)
         table["wheld"].append(xo.var(f"wh{s}", xo.pick("wh", s, keep, 0) if cp.split else 0))
         trans = remade + (x_in if s > 0 else 0) + (2 * int(c.out) if last else 0)
         table["trans"].append(xo.var(f"tr{s}", trans))
-        grads = xo.over(s, [up(w * st.grads) for w in w_g]) + up(extra * st.grads)
+        grads = xo.over(s, [up(w * st.grads) for w in w_g]) + xo.shared.extra(s, st.grads, up)
         table["grads"].append(xo.var(f"gr{s}", grads))
         temp: Expr = 0
         first: Expr = 0
@@ -168,8 +170,8 @@ def add_memory(xo: Model, spare: cp_model.IntVar | None = None) -> None:
                     md.add(big >= int(b) * (xo.z[s][g] - xo.z[s + 1][g]))
             temp = md.new_int_var(0, BYTES, f"tmp{s}")
             md.add(temp >= big - remade)
-            copies = xo.copies(s)
-            if copies > 0:
+            copies = xo.shared.copies(s)
+            if not isinstance(copies, int) or copies > 0:
                 least = md.new_int_var(0, BYTES, f"mb{s}")
                 md.add_min_equality(least, [copies, big])
                 first = md.new_int_var(0, BYTES, f"tf{s}")

@@ -46,9 +46,9 @@ Bytes are integers, so memory is exact where the training state per parameter by
 number (replicated; sharded state is rounded up, which can only refuse).  The compute
 contention k (``Cluster.contention``) and the updates' contention kappa_u only slow the
 replay, so with either the model is a relaxation: its bound still holds, the winner's step is
-the replay's, and the status says ``feasible`` with the gap.  Shared parameters are exact
-where their users are the first and last units (a tied embedding and head: their chunks do
-not depend on the cuts); others are refused.
+the replay's, and the status says ``feasible`` with the gap.  Shared parameters are exact:
+which chunks hold them, their copies and their all-reduce are 0/1 expressions of the cuts
+(:mod:`pipeplan.solvers.exact_shared`; one group with users inside the model at most).
 
 Size: k a booleans, k flags and one start per action (2 k m, or 3 k m split); the search is
 exponential in the worst case, and a budget of deterministic time (a count, not a clock) stops
@@ -64,11 +64,11 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from pipeplan.planner.errors import UnsupportedConstraintError
 from pipeplan.planner.families import action_order
 from pipeplan.planner.replay import Replay
 from pipeplan.solvers.chunks import ChunkPlan, fixed_flags
 from pipeplan.solvers.exact_memory import BYTES, Expr, Var, add_memory
+from pipeplan.solvers.exact_shared import SharedHolding
 from pipeplan.solvers.schedule_search import Cuts, require
 
 __all__ = ["TICKS", "ExactOrder", "ExactResult"]
@@ -128,7 +128,6 @@ class ExactOrder:
         self.a = a = len(pos) - 1
         if k > a:
             require(None, k, self.cuts)
-        self.holders = self._holders()
         self.model = md = cp_model.CpModel()
         cl = cp.cluster
         self.scale = TICKS / self._reference()
@@ -147,6 +146,7 @@ class ExactOrder:
         hi = self.cuts.max_units or n
         for s in range(k):
             md.add_linear_constraint(self.over(s, length), max(self.cuts.min_units, 1), hi)
+        self.shared = SharedHolding(md, z, pos, cp.owner, c.shared, n)
         fixed = fixed_flags(cp.options, k)
         if recompute is not None:
             fixed = [bool(r) for r in recompute]
@@ -163,19 +163,6 @@ class ExactOrder:
         md.minimize(self.T if self.spare is None else self.spare)
 
     # -- the tables ---------------------------------------------------------------------------
-
-    def _holders(self) -> list[tuple[int, tuple[int, ...]]]:
-        """(bytes, the chunks that use it) of every shared parameter: fixed by its users when
-        they are the first and last units (a tied embedding and head); others are refused."""
-        n, out = self.cp.costs.n, []
-        for nbytes, users in self.cp.costs.shared:
-            if any(int(u) not in (0, n - 1) for u in users):
-                raise UnsupportedConstraintError(
-                    f"the exact model takes shared parameters used by the first and last units "
-                    f"only; this one is used by units {list(map(int, users))}"
-                )
-            out.append((int(nbytes), tuple(sorted({0 if u == 0 else self.k - 1 for u in users}))))
-        return out
 
     def _reference(self) -> float:
         """R: every action of every rank one after another, the all-reduces and every update."""
@@ -310,21 +297,10 @@ class ExactOrder:
             U = md.new_int_var(0, self.horizon, f"U{s}")
             for slope, icpt in cp.update.pieces:
                 coef = self._tick_seg(c.Pw, slope / sp)
-                extra = self._ticks((slope * self.shared_extra(s) + min(icpt, 0.0)) / sp) - 1
-                md.add(U >= self.over(s, coef) + extra)
+                extra = self.shared.extra(s, slope * self.scale / sp, math.floor)
+                md.add(U >= self.over(s, coef) + extra + self._ticks(min(icpt, 0.0) / sp) - 1)
             self.U.append(U)
         self._paths()
-
-    def shared_extra(self, s: int) -> float:
-        """Bytes of shared parameters chunk s holds beyond its units' own: a copy where it uses
-        one it does not own, less what a higher chunk of its rank already counts."""
-        return sum(nb for nb, h in self.holders if s in h and s != h[0]) - self.copies(s)
-
-    def copies(self, s: int) -> int:
-        """Bytes of shared parameters of chunk s that a higher chunk of its rank also holds."""
-        owner = self.cp.owner
-        return sum(int(nb) for nb, h in self.holders
-                   if s in h and any(owner[t] == owner[s] for t in h if t > s))  # fmt: skip
 
     def _paths(self) -> None:
         cp, md = self.cp, self.model
@@ -355,28 +331,18 @@ class ExactOrder:
                     deps.append(("B", s + 1, i) if ("B", s + 1, i) in end else ("I", s + 1, i))
             for d in deps:
                 md.add(st >= end[d])
-        arrive = list(ends)
-        owner = cp.owner
-        for group in self._syncs():
-            ranks = sorted({owner[s] for s in group[0]})
-            if len(ranks) < 2:
-                continue
-            done = md.new_int_var(t0, self.horizon, "tied")
-            for q in ranks:
-                md.add(done >= arrive[q] + self._ticks(group[1]))
-                arrive[q] = done
+        arrivals = self.shared.arrivals(ends, self._allreduce_ticks, t0, self.horizon)
         self.T = md.new_int_var(t0, self.horizon, "T")
         for q in range(cp.p):
-            upd = sum(self.U[s] for s in range(n) if owner[s] == q)
-            md.add(self.T >= arrive[q] + upd)
+            upd = sum(self.U[s] for s in range(n) if cp.owner[s] == q)
+            for at, when in arrivals[q]:
+                if isinstance(when, int):
+                    md.add(self.T >= at + upd)
+                else:
+                    md.add(self.T >= at + upd).only_enforce_if(when)
 
-    def _syncs(self) -> list[tuple[tuple[int, ...], float]]:
-        """The tied all-reduces, which the ends' users fix: (chunks, seconds), ascending."""
-        groups: dict[tuple[int, ...], int] = {}
-        for nbytes, chunks in self.holders:
-            if len(chunks) > 1:
-                groups[chunks] = groups.get(chunks, 0) + nbytes
-        return [(g, self.cp.cluster.allreduce_s(b)) for g, b in sorted(groups.items())]
+    def _allreduce_ticks(self, nbytes: int) -> int:
+        return self._ticks(self.cp.cluster.allreduce_s(nbytes))
 
     def hint(self, starts: Sequence[int], recompute: Sequence[bool]) -> None:
         """Start the search from these cuts and flags (the local search's plan)."""
@@ -396,7 +362,7 @@ class ExactOrder:
         the all-reduces (1 each), one rank's updates (3 per chunk) and the step overhead."""
         cp = self.cp
         actions = sum(len(r) for r in action_order(cp.family, cp.p, cp.v, cp.m))
-        terms = 6 * actions + len(cp.costs.shared) + 3 * self.k + 1
+        terms = 6 * actions + len(cp.costs.shared) + (3 + 2 * len(self.shared.groups)) * self.k + 1
         return terms / self.scale
 
     def solve(
