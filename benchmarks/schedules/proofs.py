@@ -1,7 +1,7 @@
 """The schedule benchmark's plans proven with the exact model (GPipe and 1F1B by default).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.schedules.proofs [--prove 5] [--families F,G]
-        [-o proofs.json]
+        [--profiles P,Q] [-o proofs.json]
 
 For each profile of :mod:`benchmarks.schedules.main` and p in 4, 8, 16, each family (GPipe and
 1F1B unless ``--families`` names others) is planned twice by ``solve_schedule`` (family fixed; cuts, m and recomputation chosen under the
@@ -29,9 +29,13 @@ HERE = Path(__file__).parent
 FAMILIES = ("gpipe", "1f1b")
 
 
-def run(prove: float, families: tuple[str, ...] = FAMILIES) -> list[dict[str, Any]]:
+def run(
+    prove: float, families: tuple[str, ...] = FAMILIES, names: tuple[str, ...] | None = None
+) -> list[dict[str, Any]]:
     rows = []
     for name, (prof, memory, _) in profiles().items():
+        if names is not None and name not in names:
+            continue
         for p in (4, 8, 16):
             if p > prof.n_units:
                 continue
@@ -80,9 +84,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prove", type=float, default=5.0, help="deterministic s per candidate")
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    ap.add_argument("--profiles", default=None, help="comma-separated (default: every one)")
     ap.add_argument("-o", "--output", default=str(HERE / "proofs.json"))
     args = ap.parse_args()
-    rows = run(args.prove, tuple(args.families.split(",")))
+    names = None if args.profiles is None else tuple(args.profiles.split(","))
+    rows = run(args.prove, tuple(args.families.split(",")), names)
     out = {"machine": machine(), "prove": args.prove, "rows": rows}
     Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
     print(table(rows))

@@ -122,7 +122,8 @@ def prove_candidates(
     ``best`` (its local search's cuts, flags and step), only on plans below the incumbent
     (the least step of ``best``, then of what it finds), within ``deterministic_time`` of
     CP-SAT's work each; a candidate whose bound reaches the incumbent is dropped, and one
-    the model refuses (a shared parameter inside the model) keeps its bound."""
+    the model refuses (two groups of shared parameters with users inside the model) keeps
+    its bound."""
     proof = Proof(dict(bounds))
     incumbent = min((b[2] for b in best.values()), default=math.inf)
     for c in sorted(bounds, key=bounds.__getitem__):

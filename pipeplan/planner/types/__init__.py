@@ -2,10 +2,8 @@
 
 These are the only coupling between ``profiler``, ``solvers`` and ``runtime``.  Each is a frozen
 pydantic model, so a file read from disk is validated field by field and an error names the bad
-field (see :mod:`pipeplan.planner.io`).  They live in one module per file kind,
-:mod:`pipeplan.planner.types.profile`, :mod:`pipeplan.planner.types.cluster`,
-:mod:`pipeplan.planner.types.plan` and :mod:`pipeplan.planner.types.run_report`, on a common
-base (:mod:`pipeplan.planner.types.base`); import them from here.
+field (see :mod:`pipeplan.planner.io`).  They live in one module per file kind (``profile``,
+``cluster``, ``plan``, ``run_report``) on a common ``base``; import them from here.
 
 Notation used throughout pipeplan:
 

@@ -121,8 +121,7 @@ class Stage(FrozenModel):
     time_s: float
     """t_j = F_j + B_j + C_j."""
     update_s: float = 0.0
-    """U_j: the optimizer's update of the stage's parameters, once per step after its last
-    backward."""
+    """U_j: the optimizer's update of the stage's parameters, after its last backward."""
     memory: MemoryBreakdown
     memory_limit: int
     feasible: bool

@@ -167,10 +167,9 @@ class Cut(FrozenModel):
     bytes_per_sample: int = Field(ge=0)
     """x_k per sample: the sum over ``tensors``."""
     tp_gather_bytes_per_sample: int = Field(default=0, ge=0)
-    """Of ``tensors``, the bytes per sample that tensor parallelism holds split by heads (T5's
-    relative-position bias, from a head table split with the heads): a stage ending here
-    all-gathers them over its t ranks before it sends them, and the backward reduce-scatters
-    their gradient (:mod:`pipeplan.profiler.tp_annotate`, :mod:`pipeplan.runtime.tp_stages`)."""
+    """Of ``tensors``, the bytes per sample tensor parallelism holds split by heads (T5's
+    relative-position bias): a stage ending here all-gathers them over its t ranks before it
+    sends them (:mod:`pipeplan.profiler.tp_annotate`, :mod:`pipeplan.runtime.tp_stages`)."""
 
 
 class SharedParam(FrozenModel):
