@@ -586,9 +586,7 @@ def solve_schedule(
         )
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
-    exact = exact or (
-        exact_time > 0 and all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
-    )
+    exact = exact or all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
     plan = chunk_plan(
         plans[best_c],
         starts, rc, rep,

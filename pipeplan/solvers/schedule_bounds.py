@@ -19,6 +19,7 @@ from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices, unit_costs
 from pipeplan.planner.updates import update_cost
 from pipeplan.solvers.chunks import has_split_backward
+from pipeplan.solvers.path_bound import ONE_CHUNK_FAMILIES, one_chunk_bound
 
 __all__ = ["family_bound", "work_bound"]
 
@@ -84,6 +85,8 @@ def family_bound(
         update = sum(upd.seconds(b) for b in nbytes) if monotone else 0.0
         t = float(fwd[min(q, n)]) + (m * work + update) / speed + m * 2 * v * o
         best = max(best, t + cluster.step_overhead_s)
+    if v == 1 and family in ONE_CHUNK_FAMILIES:
+        best = max(best, one_chunk_bound(profile, cluster, options, family, m))
     return best
 
 

@@ -1,0 +1,161 @@
+"""The critical-path bound of GPipe and 1F1B against brute force: never above the best replayed
+step of any partition and recomputation that fits, and equal to it where the chains are tight."""
+
+from __future__ import annotations
+
+from itertools import combinations, product
+
+import numpy as np
+import pytest
+from _solver_strategies import CALL_COSTS, CHECKPOINTS, SEEDS, draw_devices
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeplan.planner.families import check
+from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
+from pipeplan.planner.unitcosts import microbatch_choices
+from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers.chunks import ChunkPlan, fixed_flags
+from pipeplan.solvers.multichunk import solve_schedule
+from pipeplan.solvers.path_bound import ONE_CHUNK_FAMILIES, one_chunk_bound
+from pipeplan.solvers.request import ResolvedRequest
+from pipeplan.solvers.schedule_bounds import family_bound
+
+
+def _best(profile: Profile, cluster: Cluster, options: PlanOptions, family: str, m: int) -> float:
+    """The least replayed step over every cut over the allowed ones and every recompute mask
+    the policy allows, of those that fit (``inf`` when none does)."""
+    cp = ChunkPlan(ResolvedRequest(profile, cluster, options), family, 1, m)
+    p, n = cluster.n_stages, profile.n_units
+    fixed = fixed_flags(options, p)
+    masks = [tuple(fixed)] if fixed is not None else product((False, True), repeat=p)
+    inner = options.allowed_cuts if options.allowed_cuts is not None else range(1, n)
+    best = np.inf
+    for rc in masks:
+        for cuts in combinations(inner, p - 1):
+            starts = [0, *cuts]
+            sizes = np.diff([*starts, n])
+            if sizes.min() < options.min_units or sizes.max() > (options.max_units or n):
+                continue
+            rep = cp.replay(starts, list(rc))
+            if cp.fits(rep):
+                best = min(best, rep.makespan_s)
+    return float(best)
+
+
+def _peaks(profile: Profile, cluster: Cluster, options: PlanOptions, family: str, m: int) -> list:
+    cp = ChunkPlan(ResolvedRequest(profile, cluster, options), family, 1, m)
+    n, p = profile.n_units, cluster.n_stages
+    return [
+        max(cp.replay([0, *c], list(rc)).peak_bytes)
+        for c in combinations(range(1, n), p - 1)
+        for rc in product((False, True), repeat=p)
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=SEEDS,
+    n=st.integers(4, 7),
+    p=st.integers(2, 3),
+    family=st.sampled_from(ONE_CHUNK_FAMILIES),
+    checkpoint=CHECKPOINTS,
+    tied=st.booleans(),
+    inner=st.booleans(),
+    update=st.sampled_from([0.0, 3e-8]),
+    calls=CALL_COSTS,
+    slow_link=st.booleans(),
+    quantile=st.sampled_from([None, 30, 70]),
+    overheads=st.sampled_from([(0.0, 0.0), (2e-4, 5e-4)]),
+    contention=st.sampled_from([0.0, 0.3]),
+    data=st.data(),
+)
+def test_the_bound_is_below_every_partition_that_fits(
+    seed: int, n: int, p: int, family: str, checkpoint: str, tied: bool, inner: bool,
+    update: float, calls: tuple[float, float], slow_link: bool, quantile: int | None,
+    overheads: tuple[float, float], contention: float, data: st.DataObject,
+) -> None:  # fmt: skip
+    """Every term the replay charges (loss, tied and interior shared parameters, Adam's
+    update, checkpoint calls, transfers, engine and step overheads, contention, devices of
+    different speeds and memories, allowed cuts, every policy): the bound at each m is at most
+    the brute force's best step at that m."""
+    prof = synthetic_profile(
+        n, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=seed, heavy_ends=True, loss=True,
+        tied=tied, shared=[[1, n - 2]] if inner and n > 3 else [], update_s_per_byte=update,
+        checkpoint_call_s=calls,
+    )  # fmt: skip
+    link = Link(bandwidth_Bps=1e8, latency_s=1e-4) if slow_link else Link()
+    devices = draw_devices(data.draw, p, st.just(2**50), st.sampled_from([1.0, 0.5, 2.0]))
+    cluster = Cluster(devices=devices, link=link, op_overhead_s=overheads[0],
+                      contention=contention).model_copy(update={"step_overhead_s": overheads[1]})  # fmt: skip
+    cuts = data.draw(st.sampled_from([None, [c for c in range(1, n) if c != 2]]))
+    options = PlanOptions.model_validate(
+        {"checkpoint": checkpoint, "optimizer": "adam", "schedule": family, "allowed_cuts": cuts}
+    )
+    for m in microbatch_choices(prof, options, p):
+        if check(family, p, 1, m) is not None:
+            continue
+        if quantile is not None:
+            cap = int(np.percentile(_peaks(prof, cluster, options, family, m), quantile))
+            cluster = cluster.model_copy(
+                update={
+                    "devices": tuple(d.model_copy(update={"memory_bytes": cap}) for d in devices)
+                }
+            )
+        best = _best(prof, cluster, options, family, m)
+        bound = one_chunk_bound(prof, cluster, options, family, m)
+        assert bound <= best * (1 + 1e-12), (m, bound, best)
+
+
+@pytest.mark.parametrize(("family", "slack"), [("gpipe", 0.0), ("1f1b", 0.01)])
+def test_equal_stages_meet_the_bound(family: str, slack: float) -> None:
+    """8 equal units on 4 devices, no transfers: two units a stage is the optimum.  GPipe's
+    chain (B) meets it, so the schedule solver proves it optimal without the exact model;
+    1F1B's idles inside its steady phase where B_j > F_j, which no chain sees: within 1 %."""
+    prof = synthetic_profile(8, batch_size=8, microbatch_sizes=[2], seed=1, spread=0.0)
+    cluster = Cluster.homogeneous(4, 2**40)
+    options = PlanOptions(schedule=family, checkpoint="never")  # type: ignore[arg-type]
+    best = _best(prof, cluster, options, family, 4)
+    bound = one_chunk_bound(prof, cluster, options, family, 4)
+    assert best * (1 - slack) * (1 - 1e-12) <= bound <= best * (1 + 1e-12)
+    plan = solve_schedule(prof, cluster, options, exhaustive_limit=0)  # searched, not enumerated
+    assert plan.step_time_s == pytest.approx(best, rel=1e-12)
+    assert plan.status == ("optimal" if slack == 0 else "feasible")
+    assert plan.gap is None or plan.gap <= slack
+
+
+def test_the_chains_are_tighter_than_the_work_bound() -> None:
+    """A heavy head on 3 devices: the family's bound takes the chains', which the averaged work
+    bound is far below."""
+    prof = synthetic_profile(7, batch_size=8, microbatch_sizes=[2], seed=3, heavy_ends=True,
+                             loss=True)  # fmt: skip
+    cluster = Cluster.homogeneous(3, 2**40, Link(bandwidth_Bps=1e8, latency_s=1e-4))
+    options = PlanOptions(schedule="1f1b")
+    best = _best(prof, cluster, options, "1f1b", 4)
+    bound = family_bound(prof, cluster, options, "1f1b", 1, 4)
+    assert bound == one_chunk_bound(prof, cluster, options, "1f1b", 4)
+    assert 0.9 * best < bound <= best
+
+
+def test_a_stage_that_cannot_fit_is_left_out() -> None:
+    """Heavy ends on 2 devices whose memory the split after unit 3 just fits and the fastest
+    split (after unit 5) does not: leaving out the stages that cannot fit lifts the bound from
+    the unlimited request's to the best fitting step (seed 5: 0.165 s to 0.196 s)."""
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[2], seed=5, heavy_ends=True)
+    options = PlanOptions(schedule="gpipe", checkpoint="never")
+    free = Cluster.homogeneous(2, 2**40)
+    cp = ChunkPlan(ResolvedRequest(prof, free, options), "gpipe", 1, 4)
+    cap = max(cp.replay([0, 3], [False, False]).peak_bytes)
+    assert max(cp.replay([0, 5], [False, False]).peak_bytes) > cap
+    tight = Cluster(devices=tuple(Device(name=f"d{j}", memory_bytes=cap) for j in range(2)),
+                    link=Link())  # fmt: skip
+    best = _best(prof, tight, options, "gpipe", 4)
+    loose = one_chunk_bound(prof, free, options, "gpipe", 4)
+    assert loose < 0.9 * best
+    assert one_chunk_bound(prof, tight, options, "gpipe", 4) == pytest.approx(best, rel=1e-12)
+
+
+def test_other_families_are_refused() -> None:
+    prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2])
+    with pytest.raises(ValueError, match="zbv"):
+        one_chunk_bound(prof, Cluster.homogeneous(2, 2**40), PlanOptions(), "zbv", 4)
