@@ -32,15 +32,20 @@ overhead before the first action, three chains give, for every partition and eve
 
 Every replay charge left out (tied all-reduces before the updates, compute and update
 contention, the other ranks' updates) only lengthens the step, so the chains bound it.  Where
-the checkpoint policy leaves stage j's recomputation free, F_j, B_j and t_j each take the
-least of keeping and recomputing (a relaxation: the chains then hold for either choice).
+the checkpoint policy leaves stage j's recomputation free and the stage can keep its
+activations (below), F_j, B_j and t_j each take the least of keeping and recomputing (a
+relaxation: the chains then hold for either choice).
 
-Memory: rank j's walk (:func:`pipeplan.planner.replay.peak_memory`) holds, just before its
-first backward, q_j micro-batches (GPipe: m; 1F1B: w_j), each its output, its activations
-unless it recomputes, and the loss's bytes on the last stage, beside its static bytes (its
-parameters with their optimizer states, and m input and output buffers).  A stage for which
-that exceeds its device even recomputing (where the policy allows it) cannot be in a plan that
-fits, so the programmes below leave it out: the bound is over the partitions that fit.
+Memory: rank j's walk (:func:`pipeplan.planner.replay.peak_memory`) holds, during its first
+backward, q_j micro-batches (GPipe: m; 1F1B: w_j), each its output, its activations unless it
+recomputes, and the loss's bytes on the last stage, with the backward's transient bytes (its
+input's gradient, the activations a recomputing stage remakes, the loss's two on the last
+stage) beside its static bytes (its parameters with their optimizer states, and m input and
+output buffers); during its second (m > 1), at least q_j - 1 of them beside the gradients the
+first made.  A stage for which either exceeds its device keeping its activations recomputes
+in every plan that fits, and is priced so; one that exceeds it either way (or the way the
+policy fixes) cannot be in a plan that fits, and the programmes below leave it out: the bound
+is over the partitions that fit.
 
 The bound is the least over partitions P (the allowed cuts, ``min_units`` and ``max_units``)
 of the chains' maximum, relaxed to three dynamic programmes over the allowed cuts:
@@ -87,9 +92,8 @@ def one_chunk_bound(
     0 where no partition keeps to the allowed cuts."""
     if family not in ONE_CHUNK_FAMILIES:
         raise ValueError(f"{family} is not one of {ONE_CHUNK_FAMILIES}")
-    fwd, bwd, u0 = _tables(profile, cluster, options, family, m)
+    fwd, bwd, t, u0 = _tables(profile, cluster, options, family, m)
     p = cluster.n_stages
-    t = [f + b for f, b in zip(fwd, bwd, strict=True)]
     c = cluster.step_overhead_s
     chain_a = _chain_a(t, u0, m)
     total = _least_sum([t[0] + u0[None, :], *t[1:]])
@@ -104,10 +108,10 @@ def one_chunk_bound(
 
 def _tables(
     profile: Profile, cluster: Cluster, options: PlanOptions, family: str, m: int
-) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """F'_j and B'_j of stage j over allowed starts a < b (matrices [a, b], ``inf`` where the
-    unit count is not allowed or the stage cannot fit its device), and U_0 per end of stage 0
-    (``inf`` at start 0)."""
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """F'_j, B'_j and t_j of stage j over allowed starts a < b (matrices [a, b], ``inf`` where
+    the unit count is not allowed or the stage cannot fit its device; where it fits only
+    recomputing, the recomputing times), and U_0 per end of stage 0 (``inf`` at start 0)."""
     c = unit_costs(profile, m)
     cuts = Cuts.of(options, c.n)
     pos = np.asarray(cuts.positions)
@@ -129,35 +133,61 @@ def _tables(
     state = state_factors(options.optimizer, cluster)
     x = np.asarray(c.x, dtype=np.float64)[pos]
     static = params * (state.params + state.optimizer) + m * (x[:, None] + x[None, :])
+    grads = params * state.grads
     acts = span(c.Pa)
 
     keep_f, keep_b = span(c.Pf), span(c.Pg)
     remake_f, remake_b = span(c.Pfc) + c.call_f, span(c.Pr) + c.call_b
-    fwd, bwd = [], []
+    fwd, bwd, tot = [], [], []
     for j in range(p):
         sp = cluster.devices[j].speed
         last = j == p - 1
-        if flags is None:
-            f, b = np.minimum(keep_f, remake_f), np.minimum(keep_b, remake_b)
-        else:
-            f, b = (remake_f, remake_b) if flags[j] else (keep_f, keep_b)
+        ends = float(c.out + c.loss_a) if last else 0.0
+        q = m if family == "gpipe" else min(m, p - j)
+        cap = cluster.devices[j].memory_bytes + 2.0  # the tables' int() rounding
+        into = (x[:, None] if j > 0 else 0.0) + (2.0 * float(c.out) if last else 0.0)
+        can_remake = _least_peak(static, grads, q, x[None, :] + ends, acts + into, m) <= cap
+        can_keep = _least_peak(static, grads, q, x[None, :] + ends + acts, into, m) <= cap
+        if flags is not None:  # the policy decides
+            can_keep, can_remake = can_keep & (not flags[j]), can_remake & flags[j]
         send = 0.0 if last else half[None, :]
+        # where it cannot keep its activations it recomputes; where it can, the least of both
+        remade_f = np.where(can_remake, remake_f, np.inf)
+        remade_b = np.where(can_remake, remake_b, np.inf)
+        f = np.where(can_keep, np.minimum(keep_f, remade_f), remade_f)
+        b = np.where(can_keep, np.minimum(keep_b, remade_b), remade_b)
+        both = np.minimum(np.where(can_keep, keep_f + keep_b, np.inf), remade_f + remade_b)
+        fits = ok & (can_keep | can_remake)
         f = (f + (c.loss_f if last else 0.0)) / sp + o + send
         b = (b + (c.loss_g if last else 0.0)) / sp + o + send
-        held = x[None, :] + (float(c.out + c.loss_a) if last else 0.0)
-        if flags is not None and not flags[j]:  # it keeps its activations
-            held = held + acts
-        live = static + (m if family == "gpipe" else min(m, p - j)) * held
-        fits = live <= cluster.devices[j].memory_bytes + 2.0  # the tables' int() rounding
-        fwd.append(np.where(ok & fits, f, np.inf))
-        bwd.append(np.where(ok & fits, b, np.inf))
+        both = (both + ((c.loss_f + c.loss_g) if last else 0.0)) / sp + 2 * (o + send)
+        fwd.append(np.where(fits, f, np.inf))
+        bwd.append(np.where(fits, b, np.inf))
+        tot.append(np.where(fits, both, np.inf))
     upd = update_cost(profile, options.optimizer, cluster)
     sp0 = cluster.devices[0].speed
     u0 = np.array([
         upd.seconds(float(stage_params(c, 0, int(e) - 1))) / sp0 if e > 0 else np.inf
         for e in pos
     ])  # fmt: skip
-    return fwd, bwd, u0
+    return fwd, bwd, tot, u0
+
+
+def _least_peak(
+    static: np.ndarray,
+    grads: np.ndarray,
+    q: int,
+    held: np.ndarray,
+    trans: np.ndarray | float,
+    m: int,
+) -> np.ndarray:
+    """Two points of rank j's walk: its first backward, with q micro-batches held and the
+    backward's transient bytes, and (m > 1) its second, with at least q - 1 held beside the
+    gradients the first made."""
+    first = static + q * held + trans
+    if m < 2:
+        return first
+    return np.maximum(first, static + (q - 1) * held + grads + trans)
 
 
 def _times(a: int, x: np.ndarray) -> np.ndarray:

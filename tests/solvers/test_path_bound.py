@@ -155,6 +155,23 @@ def test_a_stage_that_cannot_fit_is_left_out() -> None:
     assert one_chunk_bound(prof, tight, options, "gpipe", 4) == pytest.approx(best, rel=1e-12)
 
 
+def test_a_stage_that_fits_only_recomputing_is_priced_recomputing() -> None:
+    """Memory that the even split fits only with its second stage recomputing (and no split
+    keeping both): the bound prices that stage's checkpointed forward and backward and meets
+    the best step, 50 % above what the stages would cost keeping their activations."""
+    prof = synthetic_profile(6, batch_size=8, microbatch_sizes=[2], seed=2, spread=0.0)
+    options = PlanOptions(schedule="gpipe")  # --checkpoint auto: recomputation free
+    free = Cluster.homogeneous(2, 2**40)
+    cp = ChunkPlan(ResolvedRequest(prof, free, options), "gpipe", 1, 4)
+    cap = max(cp.replay([0, 3], [True, True]).peak_bytes)
+    tight = Cluster(devices=tuple(Device(name=f"d{j}", memory_bytes=cap) for j in range(2)),
+                    link=Link())  # fmt: skip
+    best = _best(prof, tight, options, "gpipe", 4)
+    assert best == pytest.approx(cp.replay([0, 3], [False, True]).makespan_s, rel=1e-12)
+    assert one_chunk_bound(prof, free, options, "gpipe", 4) < 0.7 * best
+    assert one_chunk_bound(prof, tight, options, "gpipe", 4) == pytest.approx(best, rel=1e-12)
+
+
 def test_other_families_are_refused() -> None:
     prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2])
     with pytest.raises(ValueError, match="zbv"):
