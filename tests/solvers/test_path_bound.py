@@ -53,11 +53,11 @@ def _peaks(profile: Profile, cluster: Cluster, options: PlanOptions, family: str
     ]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     seed=SEEDS,
     n=st.integers(4, 7),
-    p=st.integers(2, 3),
+    p=st.integers(1, 3),
     family=st.sampled_from(ONE_CHUNK_FAMILIES),
     checkpoint=CHECKPOINTS,
     tied=st.booleans(),
