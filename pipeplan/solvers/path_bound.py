@@ -119,7 +119,7 @@ def _tables(
     ok = (size >= max(cuts.min_units, 1)) & (size <= (cuts.max_units or c.n))
     o = cluster.engine_overhead_s
     half = np.array([
-        cluster.link.transfer_s(float(c.x[b]), int(c.msgs[b])) if 0 < b < c.n else 0.0
+        cluster.link.transfer_s(float(c.x[b]), int(c.msgs[b])) if 0 < b < c.n and c.x[b] > 0 else 0.0
         for b in pos
     ])  # fmt: skip
     p = cluster.n_stages
