@@ -58,9 +58,8 @@ of the chains' maximum, relaxed to three dynamic programmes over the allowed cut
     L_B = c + min_P (sum_s t_s + U_0) + min_P max_j (m - 1) t_j                      GPipe
     L_C = c + min_P (sum_s t_s + U_0) + min_P max_j ((m - 1) B'_j + (m - w_j) F'_j)   1F1B
 
-(minimising the two parts of L_B and L_C apart can only lower them; thresholds on the max
-part take back some of that, :func:`_least_sum_plus_max`), and :func:`one_chunk_bound`
-returns the larger of L_A and the family's own.  Each programme is
+(minimising the two parts of L_B and L_C apart can only lower them), and
+:func:`one_chunk_bound` returns the larger of L_A and the family's own.  Each programme is
 O(p a^2) for a allowed starts.  Where chains (A) and (B) or (C) meet the step exactly (balanced
 stages whose bottleneck sets the pace, as in ``synth`` and the 7B profile of
 ``benchmarks/schedules``) the bound is the optimum; memory it sees only stage by stage, so
@@ -68,8 +67,6 @@ a plan whose ranks memory forces off the balanced cut, or into recomputing, keep
 """
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 
@@ -86,9 +83,6 @@ __all__ = ["ONE_CHUNK_FAMILIES", "one_chunk_bound"]
 #: The families :func:`one_chunk_bound` bounds (one chunk per rank, no split backward).
 ONE_CHUNK_FAMILIES = ("gpipe", "1f1b")
 
-#: Thresholds of :func:`_least_sum_plus_max` (each one dynamic programme).
-LEVELS = 32
-
 
 def one_chunk_bound(
     profile: Profile, cluster: Cluster, options: PlanOptions, family: str, m: int
@@ -102,12 +96,12 @@ def one_chunk_bound(
     p = cluster.n_stages
     c = cluster.step_overhead_s
     chain_a = _chain_a(t, u0, m)
-    cost = [t[0] + u0[None, :], *t[1:]]  # the sum's terms, rank 0's update on stage 0
+    total = _least_sum([t[0] + u0[None, :], *t[1:]])
     if family == "gpipe":
         own = [_times(m - 1, tj) for tj in t]
     else:
         own = [_times(m - 1, bwd[j]) + _times(m - min(m, p - j), fwd[j]) for j in range(p)]
-    chain_own = max(_least_sum(cost) + _least_max(own), _least_sum_plus_max(cost, own))
+    chain_own = total + _least_max(own)
     best = max(chain_a, chain_own)
     return float(best + c) if np.isfinite(best) else 0.0
 
@@ -226,29 +220,6 @@ def _least_sum(cost: list[np.ndarray]) -> float:
         if j < len(cost) - 1:
             best[-1] = np.inf
     return float(best[-1])
-
-
-def _least_sum_plus_max(cost: list[np.ndarray], own: list[np.ndarray]) -> float:
-    """A lower bound on min over partitions of sum_j cost_j + max_j own_j, nearer it than the
-    two minimised apart: with thresholds G_0 < ... < G_K among own's values (G_0 the least
-    max, G_K the largest; at most ``LEVELS`` + 1 of them), a partition whose max M is G_0
-    costs at least G_0 + S(G_0), and one with M in (G_{i-1}, G_i] at least G_{i-1} + S(G_i),
-    S(G) the least sum over the partitions whose own stays within G."""
-    lo = _least_max(own)
-    if not np.isfinite(lo):
-        return np.inf
-    values = np.unique(np.concatenate([o[np.isfinite(o)] for o in own]))
-    values = values[values >= lo]
-    if len(values) > LEVELS + 1:
-        values = np.unique(values[np.linspace(0, len(values) - 1, LEVELS + 1).round().astype(int)])
-
-    def least(g: float) -> float:
-        return _least_sum([np.where(o <= g, c, np.inf) for c, o in zip(cost, own, strict=True)])
-
-    best = float(values[0]) + least(float(values[0]))
-    for below, at in itertools.pairwise(values):
-        best = min(best, float(below) + least(float(at)))
-    return best
 
 
 def _least_max(cost: list[np.ndarray]) -> float:

@@ -172,38 +172,6 @@ def test_a_stage_that_fits_only_recomputing_is_priced_recomputing() -> None:
     assert one_chunk_bound(prof, tight, options, "gpipe", 4) == pytest.approx(best, rel=1e-12)
 
 
-@settings(max_examples=100, deadline=None)
-@given(seed=SEEDS, k=st.integers(1, 4), n=st.integers(4, 9), levels=st.sampled_from([2, 32]))
-def test_the_thresholds_bound_the_sum_plus_max_from_below(
-    seed: int, k: int, n: int, levels: int
-) -> None:
-    """min over partitions of sum_j cost_j + max_j own_j, brute force, against the threshold
-    programme (with a coarse grid too): never above it, never below the two parts minimised
-    apart."""
-    from pipeplan.solvers import path_bound
-
-    rng = np.random.default_rng(seed)
-    cost = [np.triu(rng.uniform(1, 5, (n, n)), 1) for _ in range(k)]
-    own = [np.triu(rng.uniform(1, 5, (n, n)), 1) for _ in range(k)]
-    cost = [np.where(c > 0, c, np.inf) for c in cost]
-    own = [np.where(o > 0, o, np.inf) for o in own]
-    if k > n - 1:
-        return
-    brute = min(
-        sum(cost[j][a, b] for j, (a, b) in enumerate(zip((0, *cuts), (*cuts, n - 1), strict=True)))
-        + max(own[j][a, b] for j, (a, b) in enumerate(zip((0, *cuts), (*cuts, n - 1), strict=True)))
-        for cuts in combinations(range(1, n - 1), k - 1)
-    )
-    old = path_bound.LEVELS
-    try:
-        path_bound.LEVELS = levels
-        got = path_bound._least_sum_plus_max(cost, own)
-    finally:
-        path_bound.LEVELS = old
-    apart = path_bound._least_sum(cost) + path_bound._least_max(own)
-    assert apart - 1e-9 <= got <= brute + 1e-9
-
-
 def test_other_families_are_refused() -> None:
     prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2])
     with pytest.raises(ValueError, match="zbv"):
