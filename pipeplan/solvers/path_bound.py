@@ -58,8 +58,9 @@ of the chains' maximum, relaxed to three dynamic programmes over the allowed cut
     L_B = c + min_P (sum_s t_s + U_0) + min_P max_j (m - 1) t_j                      GPipe
     L_C = c + min_P (sum_s t_s + U_0) + min_P max_j ((m - 1) B'_j + (m - w_j) F'_j)   1F1B
 
-(minimising the two parts of L_B and L_C apart can only lower them), and
-:func:`one_chunk_bound` returns the larger of L_A and the family's own.  Each programme is
+(minimising the two parts of L_B and L_C apart can only lower them; thresholds on the max
+part take back some of that, :func:`least_sum_plus_max`), and :func:`one_chunk_bound`
+returns the larger of L_A and the family's own.  Each programme is
 O(p a^2) for a allowed starts.  Where chains (A) and (B) or (C) meet the step exactly (balanced
 stages whose bottleneck sets the pace, as in ``synth`` and the 7B profile of
 ``benchmarks/schedules``) the bound is the optimum; memory it sees only stage by stage, so
@@ -67,6 +68,8 @@ a plan whose ranks memory forces off the balanced cut, or into recomputing, keep
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -78,30 +81,43 @@ from pipeplan.planner.updates import update_cost
 from pipeplan.solvers.chunks import fixed_flags
 from pipeplan.solvers.schedule_search import Cuts
 
-__all__ = ["ONE_CHUNK_FAMILIES", "one_chunk_bound"]
+__all__ = ["LEVELS", "ONE_CHUNK_FAMILIES", "least_sum_plus_max", "one_chunk_bound"]
 
 #: The families :func:`one_chunk_bound` bounds (one chunk per rank, no split backward).
 ONE_CHUNK_FAMILIES = ("gpipe", "1f1b")
 
+#: Thresholds of :func:`least_sum_plus_max` for the plan's final gap (each one dynamic
+#: programme; :mod:`pipeplan.solvers.multichunk` applies it after its search).
+LEVELS = 32
+
 
 def one_chunk_bound(
-    profile: Profile, cluster: Cluster, options: PlanOptions, family: str, m: int
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    family: str,
+    m: int,
+    *,
+    levels: int = 0,
 ) -> float:
     """max(L_A, L_B) for GPipe, max(L_A, L_C) for 1F1B (module docstring): a lower bound on the
     replayed step of every partition and recomputation of ``family`` with m micro-batches;
-    0 where no partition keeps to the allowed cuts."""
+    0 where no partition keeps to the allowed cuts.  ``levels`` > 0: L_B and L_C through that
+    many thresholds (:func:`least_sum_plus_max`), tighter, for that many more programmes."""
     if family not in ONE_CHUNK_FAMILIES:
         raise ValueError(f"{family} is not one of {ONE_CHUNK_FAMILIES}")
     fwd, bwd, t, u0 = _tables(profile, cluster, options, family, m)
     p = cluster.n_stages
     c = cluster.step_overhead_s
     chain_a = _chain_a(t, u0, m)
-    total = _least_sum([t[0] + u0[None, :], *t[1:]])
+    cost = [t[0] + u0[None, :], *t[1:]]  # the sum's terms, rank 0's update on stage 0
     if family == "gpipe":
         own = [_times(m - 1, tj) for tj in t]
     else:
         own = [_times(m - 1, bwd[j]) + _times(m - min(m, p - j), fwd[j]) for j in range(p)]
-    chain_own = total + _least_max(own)
+    chain_own = _least_sum(cost) + _least_max(own)
+    if levels > 0:
+        chain_own = max(chain_own, least_sum_plus_max(cost, own, levels))
     best = max(chain_a, chain_own)
     return float(best + c) if np.isfinite(best) else 0.0
 
@@ -220,6 +236,30 @@ def _least_sum(cost: list[np.ndarray]) -> float:
         if j < len(cost) - 1:
             best[-1] = np.inf
     return float(best[-1])
+
+
+def least_sum_plus_max(cost: list[np.ndarray], own: list[np.ndarray], levels: int) -> float:
+    """A lower bound on min over partitions of sum_j cost_j + max_j own_j (matrices over the
+    allowed starts, as :func:`one_chunk_bound` builds them), nearer it than the two minimised
+    apart: with thresholds G_0 < ... < G_K among own's values (G_0 the least max, G_K the
+    largest; at most ``levels`` + 1 of them), a partition whose max M is G_0
+    costs at least G_0 + S(G_0), and one with M in (G_{i-1}, G_i] at least G_{i-1} + S(G_i),
+    S(G) the least sum over the partitions whose own stays within G."""
+    lo = _least_max(own)
+    if not np.isfinite(lo):
+        return np.inf
+    values = np.unique(np.concatenate([o[np.isfinite(o)] for o in own]))
+    values = values[values >= lo]
+    if len(values) > levels + 1:
+        values = np.unique(values[np.linspace(0, len(values) - 1, levels + 1).round().astype(int)])
+
+    def least(g: float) -> float:
+        return _least_sum([np.where(o <= g, c, np.inf) for c, o in zip(cost, own, strict=True)])
+
+    best = float(values[0]) + least(float(values[0]))
+    for below, at in itertools.pairwise(values):
+        best = min(best, float(below) + least(float(at)))
+    return best
 
 
 def _least_max(cost: list[np.ndarray]) -> float:

@@ -17,7 +17,12 @@ from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.chunks import ChunkPlan, fixed_flags
 from pipeplan.solvers.multichunk import solve_schedule
-from pipeplan.solvers.path_bound import ONE_CHUNK_FAMILIES, one_chunk_bound
+from pipeplan.solvers.path_bound import (
+    LEVELS,
+    ONE_CHUNK_FAMILIES,
+    least_sum_plus_max,
+    one_chunk_bound,
+)
 from pipeplan.solvers.request import ResolvedRequest
 from pipeplan.solvers.schedule_bounds import family_bound
 
@@ -77,8 +82,8 @@ def test_the_bound_is_below_every_partition_that_fits(
 ) -> None:  # fmt: skip
     """Every term the replay charges (loss, tied and interior shared parameters, Adam's
     update, checkpoint calls, transfers, engine and step overheads, contention, devices of
-    different speeds and memories, allowed cuts, every policy): the bound at each m is at most
-    the brute force's best step at that m."""
+    different speeds and memories, allowed cuts, every policy): the bound at each m, and its
+    tighter form through thresholds, is at most the brute force's best step at that m."""
     prof = synthetic_profile(
         n, batch_size=8, microbatch_sizes=[1, 2, 4, 8], seed=seed, heavy_ends=True, loss=True,
         tied=tied, shared=[[1, n - 2]] if inner and n > 3 else [], update_s_per_byte=update,
@@ -104,7 +109,8 @@ def test_the_bound_is_below_every_partition_that_fits(
             )
         best = _best(prof, cluster, options, family, m)
         bound = one_chunk_bound(prof, cluster, options, family, m)
-        assert bound <= best * (1 + 1e-12), (m, bound, best)
+        tight = one_chunk_bound(prof, cluster, options, family, m, levels=LEVELS)
+        assert bound <= tight * (1 + 1e-12) and tight <= best * (1 + 1e-12), (m, tight, best)
 
 
 @pytest.mark.parametrize(("family", "slack"), [("gpipe", 0.0), ("1f1b", 0.01)])
@@ -170,6 +176,37 @@ def test_a_stage_that_fits_only_recomputing_is_priced_recomputing() -> None:
     assert best == pytest.approx(cp.replay([0, 3], [False, True]).makespan_s, rel=1e-12)
     assert one_chunk_bound(prof, free, options, "gpipe", 4) < 0.7 * best
     assert one_chunk_bound(prof, tight, options, "gpipe", 4) == pytest.approx(best, rel=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=SEEDS, k=st.integers(1, 4), n=st.integers(4, 9), levels=st.sampled_from([2, 32]))
+def test_the_thresholds_bound_the_sum_plus_max_from_below(
+    seed: int, k: int, n: int, levels: int
+) -> None:
+    """min over partitions of sum_j cost_j + max_j own_j, brute force, against the threshold
+    programme (with a coarse grid too): never above it, never below the two parts minimised
+    apart."""
+    rng = np.random.default_rng(seed)
+    cost = [np.triu(rng.uniform(1, 5, (n, n)), 1) for _ in range(k)]
+    own = [np.triu(rng.uniform(1, 5, (n, n)), 1) for _ in range(k)]
+    cost = [np.where(c > 0, c, np.inf) for c in cost]
+    own = [np.where(o > 0, o, np.inf) for o in own]
+    if k > n - 1:
+        return
+    brute = min(
+        sum(cost[j][a, b] for j, (a, b) in enumerate(zip((0, *cuts), (*cuts, n - 1), strict=True)))
+        + max(own[j][a, b] for j, (a, b) in enumerate(zip((0, *cuts), (*cuts, n - 1), strict=True)))
+        for cuts in combinations(range(1, n - 1), k - 1)
+    )
+    got = least_sum_plus_max(cost, own, levels)
+    apart = min(
+        sum(cost[j][a, b] for j, (a, b) in enumerate(zip((0, *cuts), (*cuts, n - 1), strict=True)))
+        for cuts in combinations(range(1, n - 1), k - 1)
+    ) + min(
+        max(own[j][a, b] for j, (a, b) in enumerate(zip((0, *cuts), (*cuts, n - 1), strict=True)))
+        for cuts in combinations(range(1, n - 1), k - 1)
+    )
+    assert apart - 1e-9 <= got <= brute + 1e-9
 
 
 def test_other_families_are_refused() -> None:
