@@ -36,14 +36,10 @@ from ortools.sat.python import cp_model
 
 from pipeplan.planner.families import Action, action_order
 from pipeplan.solvers.chunks import ChunkPlan
-from pipeplan.solvers.exact_shared import SharedHolding
+from pipeplan.solvers.exact_shared import Expr, SharedHolding, Var
 
 __all__ = ["BYTES", "Expr", "Model", "Var", "add_memory", "walk_points"]
 
-Expr = cp_model.LinearExpr | int
-"""A linear expression of the model, or a constant."""
-Var = cp_model.IntVar | int
-"""A 0/1 variable of the model, or one the rules fix."""
 
 #: Bytes' domain (memory variables).
 BYTES = 2**46

@@ -38,10 +38,12 @@ from ortools.sat.python import cp_model
 
 from pipeplan.planner.errors import UnsupportedConstraintError
 
-__all__ = ["SharedHolding"]
+__all__ = ["Expr", "SharedHolding", "Var"]
 
 Expr = cp_model.LinearExpr | int
+"""A linear expression of the exact model, or a constant."""
 Var = cp_model.IntVar | int
+"""A 0/1 variable of the exact model, or one the rules fix."""
 
 
 class SharedHolding:
