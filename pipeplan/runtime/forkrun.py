@@ -19,7 +19,13 @@ runs the module or script as ``__main__`` with torchrun's ``sys.argv``.  A 2-ran
 joins its process group: 9-10 CPU s under torchrun, 4 under forkrun.
 
 Forking is safe here because the agent has touched no accelerator and started no Python thread
-when it forks: it has only imported modules and started torch's rendezvous store.  Each rank
+when it forks: it has only imported modules and started torch's rendezvous store.  One of
+torch's launcher calls would touch CUDA: :class:`~torch.distributed.launcher.api.LaunchConfig`
+asks ``torch.cuda.is_available()``, whose default answer initializes the CUDA driver and
+registers torch's fork handler, after which every forked rank fails its first CUDA call
+("Cannot re-initialize CUDA in forked subprocess").  The agent asks it with
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (torch's fork-safe check, through NVML), and the ranks get
+the environment back as it was (:data:`NVML_SET`).  Each rank
 starts a session of its own (``os.setsid``), as torchrun's ranks do (``start_new_session``):
 a signal to the terminal's process group reaches the agent, which stops its ranks, not the
 ranks directly.  Its ``/proc/<pid>/cmdline`` is the agent's, which names the rank's module.
@@ -39,11 +45,16 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-__all__ = ["FORKED", "PRELOAD", "main", "run_rank"]
+__all__ = ["FORKED", "NVML_SET", "PRELOAD", "fork_safe_cuda_check", "main", "run_rank"]
 
 #: Set to ``1`` in a forked rank's environment.  A rank must end by returning (or
 #: ``sys.exit(0)``), not ``os._exit(0)``: the agent waits for each rank's return value.
 FORKED = "PIPEPLAN_FORKED_RANK"
+
+#: Set in the agent's environment when it set ``PYTORCH_NVML_BASED_CUDA_CHECK`` itself, so that
+#: a rank removes both (:func:`run_rank`).
+NVML_SET = "PIPEPLAN_FORKRUN_SET_NVML_CHECK"
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 #: What the agent imports before it forks: what every pipeplan rank imports first.
 PRELOAD = ("torch", "torch.distributed.pipelining", "pipeplan.runtime.engine")
@@ -58,6 +69,8 @@ def run_rank(module: bool, target: str, *args: str) -> None:
     if os.getsid(0) != os.getpid():
         os.setsid()
     os.environ[FORKED] = "1"
+    if os.environ.pop(NVML_SET, None):
+        os.environ.pop(NVML_CHECK, None)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # not the agent's handlers
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -80,12 +93,21 @@ def run_rank(module: bool, target: str, *args: str) -> None:
             raise
 
 
+def fork_safe_cuda_check() -> None:
+    """Make ``torch.cuda.is_available()`` in this process ask NVML, which leaves the CUDA driver
+    uninitialized and the process safe to fork (module docstring), unless the user chose."""
+    if NVML_CHECK not in os.environ:
+        os.environ[NVML_CHECK] = "1"
+        os.environ[NVML_SET] = "1"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse torchrun's arguments, import :data:`PRELOAD`, and run torchrun's agent with a
     forked rank per local rank (module docstring)."""
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
+    fork_safe_cuda_check()  # before LaunchConfig and the preloads ask torch.cuda.is_available()
     rest = list(sys.argv[1:] if argv is None else argv)
     preload = list(PRELOAD)
     if rest[:1] == ["--preload"] and len(rest) > 1:

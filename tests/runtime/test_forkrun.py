@@ -7,6 +7,7 @@ and how long the agent takes to stop a rank blocked in a collective once its pee
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -26,7 +27,8 @@ dist.all_reduce(t)
 out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": float(t),
        "threads": torch.get_num_threads(), "argv": sys.argv[1:], "name": __name__,
        "session_leader": os.getsid(0) == os.getpid(), "forked": os.environ.get("PIPEPLAN_FORKED_RANK"),
-       "pipelining_preloaded": "torch.distributed.pipelining" in sys.modules}
+       "pipelining_preloaded": "torch.distributed.pipelining" in sys.modules,
+       "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}
 what = sys.argv[1]
 if what == "raise" and dist.get_rank() == 1:
     raise ValueError("rank 1 raised")
@@ -70,6 +72,42 @@ def test_a_script_runs_on_each_rank_with_torchruns_environment(tmp_path: Path) -
         assert r["argv"] == ["ok", str(tmp_path)] and r["name"] == "__main__"
         assert r["session_leader"] and r["forked"] == "1"
         assert r["pipelining_preloaded"]
+        assert r["nvml_check"] is None  # the agent's fork-safe CUDA check is not the rank's
+
+
+def test_the_agent_leaves_cuda_uninitialized_before_it_forks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CUDA build, ``torch.cuda.is_available()``'s default answer (the runtime's device
+    count) initializes the driver and poisons every fork; torch's launcher config asks it.  A
+    CUDA build is faked whose runtime count raises and whose NVML count is 1: the agent must
+    reach its launch without the runtime's count (an H200 failed every forked rank so)."""
+    import torch
+    from torch.distributed.launcher import api as launcher_api
+
+    from pipeplan.runtime import forkrun
+
+    for name in forkrun.PRELOAD:  # imported on the CPU build, before it is faked
+        importlib.import_module(name)
+
+    def poisoned() -> int:
+        raise AssertionError("torch.cuda's runtime device count: the fork is poisoned")
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.delenv(forkrun.NVML_SET, raising=False)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", poisoned, raising=False)
+    launched: list[object] = []
+    monkeypatch.setattr(
+        launcher_api, "elastic_launch", lambda config, entrypoint: lambda *a: launched.append(a)
+    )
+    with pytest.raises(AssertionError, match="poisoned"):  # what torch's default check does
+        torch.cuda.is_available()
+    forkrun.main(["--standalone", "--nproc-per-node", "1", "-m", "some.module", "x"])
+    assert launched == [(True, "some.module", "x")]
+    assert os.environ.pop(forkrun.NVML_SET) == "1"  # for the ranks to undo
+    assert os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
 
 
 def test_a_module_runs_as_main(tmp_path: Path) -> None:
