@@ -43,6 +43,10 @@ Algorithm.
      count again), only on plans below the best step: what it finds is replayed, and L_c
      rises to CP-SAT's bound.  ``optimal`` when every candidate is proven (its optimum, or
      no plan below the best) or bounded at the best step.
+  5. The final gap: the candidates' bounds are raised by the chains of torch's order
+     (:mod:`pipeplan.solvers.final_gap`), which are too costly to order or prune candidates
+     by, within work counts that ``exact_time`` scales (1 + ``exact_time`` times the
+     default); the plan is the one steps 1-4 found.
 
 Allowed cuts (``PlanOptions.allowed_cuts``, ``pipeplan plan --for``) and ``min_units`` /
 ``max_units`` per chunk are kept by every step; pinned units are refused.
@@ -84,7 +88,7 @@ from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.chunk_plan import chunk_plan
 from pipeplan.solvers.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.solvers.exact_plan import Candidate, prove_candidates
-from pipeplan.solvers.path_bound import LEVELS, ONE_CHUNK_FAMILIES, one_chunk_bound
+from pipeplan.solvers.final_gap import raise_bounds
 from pipeplan.solvers.request import ResolvedRequest
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
@@ -585,13 +589,10 @@ def solve_schedule(
             f"{format_bytes(cluster.devices[q].memory_bytes)})",
             min_memory_bytes=int(max(peaks)),
         )
-    # the final gap takes GPipe's and 1F1B's tighter critical path (path_bound.LEVELS): only
-    # now, since ordering and pruning the candidates by it moves the search's budget (it made
-    # auto's synth plan at p = 8 0.17 % slower)
-    for c in requested:
-        if c[1] == 1 and c[0] in ONE_CHUNK_FAMILIES and bound_of[c] < T:
-            tight = one_chunk_bound(profile, cluster, options, c[0], c[2], levels=LEVELS)
-            bound_of[c] = max(bound_of[c], tight)
+    # the final gap: the bounds too costly to order or prune candidates by (final_gap)
+    seeds = {c: (list(sr.best()[0]), list(sr.best()[2])) if sr.seen else None
+             for c, sr in searches.items()}  # fmt: skip
+    bound_of = raise_bounds(profile, cluster, options, bound_of, seeds, T, effort=1 + exact_time)
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
     exact = exact or all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)

@@ -1,0 +1,49 @@
+"""The schedule solver's final gap: raised bounds change the status and the gap, never the plan."""
+
+from __future__ import annotations
+
+import pytest
+from _solver_strategies import with_split
+
+from pipeplan.planner.types import Cluster, Link, PlanOptions
+from pipeplan.profiler.synthetic import synthetic_profile
+from pipeplan.solvers import multichunk
+from pipeplan.solvers.final_gap import raise_bounds
+from pipeplan.solvers.schedule_bounds import family_bound
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbv", "auto"])
+def test_the_plan_is_the_searchs_and_its_gap_only_shrinks(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same request with the final gap's bounds and without (``raise_bounds`` as the
+    identity): the same cuts, flags, m and step; a gap no wider."""
+    prof = with_split(synthetic_profile(12, batch_size=8, microbatch_sizes=[1, 2], seed=4,
+                                        heavy_ends=True, loss=True))  # fmt: skip
+    cluster = Cluster.homogeneous(3, 2**50, Link(bandwidth_Bps=1e8, latency_s=1e-4))
+    options = PlanOptions(schedule=schedule)  # type: ignore[arg-type]
+    raised = multichunk.solve_schedule(prof, cluster, options, exhaustive_limit=0)
+    monkeypatch.setattr(multichunk, "raise_bounds", lambda *a, **k: dict(a[3]))
+    plain = multichunk.solve_schedule(prof, cluster, options, exhaustive_limit=0)
+    assert [(s.first_unit, s.recompute) for s in raised.stages] == [
+        (s.first_unit, s.recompute) for s in plain.stages
+    ]
+    assert (raised.schedule, raised.microbatches) == (plain.schedule, plain.microbatches)
+    assert raised.step_time_s == plain.step_time_s
+    assert (raised.gap or 0.0) <= (plain.gap or 0.0) + 1e-12
+    assert raised.lower_bound_s >= plain.lower_bound_s
+    if schedule == "interleaved1f1b":  # the chains close a gap the averaged work bound left
+        assert (plain.gap or 0.0) > 0.2 and (raised.gap or 0.0) < 0.05
+
+
+def test_no_effort_raises_nothing() -> None:
+    prof = synthetic_profile(9, batch_size=8, microbatch_sizes=[2], seed=3, heavy_ends=True)
+    cluster = Cluster.homogeneous(3, 2**50)
+    options = PlanOptions(schedule="interleaved1f1b")
+    c = ("interleaved1f1b", 2, 4)
+    floor = family_bound(prof, cluster, options, *c)
+    assert raise_bounds(prof, cluster, options, {c: floor}, {c: None}, 1.0, effort=0.0) == {
+        c: floor
+    }
+    raised = raise_bounds(prof, cluster, options, {c: floor}, {c: None}, 1.0)
+    assert raised[c] > floor
