@@ -130,3 +130,37 @@ def with_split(profile: Profile) -> Profile:
         }  # fmt: skip
         units.append(u.model_copy(update={"timings": timings}))
     return profile.model_copy(update={"units": tuple(units)})
+
+
+def brute_step(
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions,
+    family: str,
+    v: int,
+    m: int,
+    *,
+    memory: bool = True,
+) -> float:
+    """The least replayed step of ``family`` with v chunks per rank and m micro-batches over
+    every cut among the allowed ones (``min_units``/``max_units`` kept) and every recompute
+    mask the policy allows, of those that fit (all of them without ``memory``); ``inf`` when
+    none does."""
+    from pipeplan.solvers.chunks import ChunkPlan, fixed_flags
+    from pipeplan.solvers.request import ResolvedRequest
+
+    cp = ChunkPlan(ResolvedRequest(profile, cluster, options), family, v, m)
+    k, n = cluster.n_stages * v, profile.n_units
+    fixed = fixed_flags(options, k)
+    masks = [tuple(fixed)] if fixed is not None else itertools.product((False, True), repeat=k)
+    inner = options.allowed_cuts if options.allowed_cuts is not None else range(1, n)
+    best = np.inf
+    for rc in masks:
+        for cuts in itertools.combinations(inner, k - 1):
+            sizes = np.diff([0, *cuts, n])
+            if sizes.min() < options.min_units or sizes.max() > (options.max_units or n):
+                continue
+            rep = cp.replay([0, *cuts], list(rc))
+            if not memory or cp.fits(rep):
+                best = min(best, rep.makespan_s)
+    return float(best)

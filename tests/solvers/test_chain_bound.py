@@ -3,42 +3,31 @@ step of any partition and recomputation that fits; its longest paths are the rep
 
 from __future__ import annotations
 
-from itertools import combinations, product
+from itertools import combinations
 
 import numpy as np
 import pytest
-from _solver_strategies import CALL_COSTS, CHECKPOINTS, SEEDS, draw_devices, with_split
+from _solver_strategies import (
+    CALL_COSTS,
+    CHECKPOINTS,
+    SEEDS,
+    brute_step,
+    draw_devices,
+    with_split,
+)
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.planner.families import FAMILIES, check, rank_of_stage
-from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.chain_bound import TERMS, chain_bound, chain_coefficients, modes_of, path_row
-from pipeplan.solvers.chunks import ChunkPlan, fixed_flags
+from pipeplan.solvers.chunks import ChunkPlan
 from pipeplan.solvers.request import ResolvedRequest
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import Cuts
 
 CANDIDATES = [(f, v) for f, fam in FAMILIES.items() for v in fam.v if v <= 3]
-
-
-def _best(
-    profile: Profile, cluster: Cluster, options: PlanOptions, family: str, v: int, m: int
-) -> float:
-    """The least replayed step over every cut and every mask the policy allows that fits."""
-    cp = ChunkPlan(ResolvedRequest(profile, cluster, options), family, v, m)
-    k, n = cluster.n_stages * v, profile.n_units
-    fixed = fixed_flags(options, k)
-    masks = [tuple(fixed)] if fixed is not None else product((False, True), repeat=k)
-    inner = options.allowed_cuts if options.allowed_cuts is not None else range(1, n)
-    best = np.inf
-    for rc in masks:
-        for cuts in combinations(inner, k - 1):
-            rep = cp.replay([0, *cuts], list(rc))
-            if cp.fits(rep):
-                best = min(best, rep.makespan_s)
-    return float(best)
 
 
 @settings(max_examples=60, deadline=None)
@@ -92,7 +81,7 @@ def test_the_bound_is_below_every_partition_that_fits(
         cluster = cluster.model_copy(update={
             "devices": tuple(d.model_copy(update={"memory_bytes": cap}) for d in devices)
         })  # fmt: skip
-    best = _best(prof, cluster, options, family, v, m)
+    best = brute_step(prof, cluster, options, family, v, m)
     inner = cuts if cuts is not None else list(range(1, n))
     seed_cut = sorted(data.draw(st.permutations(inner))[: k - 1])
     chains = chain_bound(prof, cluster, options, family, v, m,
@@ -140,7 +129,7 @@ def test_the_chains_see_a_loops_bubble_that_the_family_bound_does_not() -> None:
                              loss=True)  # fmt: skip
     cluster = Cluster.homogeneous(3, 2**50, Link(bandwidth_Bps=1e8, latency_s=1e-4))
     options = PlanOptions(schedule="interleaved1f1b")
-    best = _best(prof, cluster, options, "interleaved1f1b", 2, 4)
+    best = brute_step(prof, cluster, options, "interleaved1f1b", 2, 4)
     bound = chain_bound(prof, cluster, options, "interleaved1f1b", 2, 4).bound
     floor = family_bound(prof, cluster, options, "interleaved1f1b", 2, 4)
     assert floor < 0.6 * best and 0.99 * best <= bound <= best * (1 + 1e-12)

@@ -3,36 +3,19 @@
 
 from __future__ import annotations
 
-from itertools import combinations, product
-
 import numpy as np
 import pytest
-from _solver_strategies import SEEDS, with_split
+from _solver_strategies import SEEDS, brute_step, with_split
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.planner.families import FAMILIES, check
-from pipeplan.planner.types import Cluster, Link, PlanOptions, Profile
+from pipeplan.planner.types import Cluster, Link, PlanOptions
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.chain_bound import chain_bound
 from pipeplan.solvers.chain_model import LEVELS, chain_model_bound
-from pipeplan.solvers.chunks import ChunkPlan
-from pipeplan.solvers.request import ResolvedRequest
 
 CANDIDATES = [(f, v) for f, fam in FAMILIES.items() for v in fam.v if v <= 2]
-
-
-def _best(
-    profile: Profile, cluster: Cluster, options: PlanOptions, family: str, v: int, m: int
-) -> float:
-    """The least replayed step over every cut and recompute mask (memory unlimited)."""
-    cp = ChunkPlan(ResolvedRequest(profile, cluster, options), family, v, m)
-    k, n = cluster.n_stages * v, profile.n_units
-    return min(
-        cp.replay([0, *cuts], list(rc)).makespan_s
-        for cuts in combinations(range(1, n), k - 1)
-        for rc in product((False, True), repeat=k)
-    )
 
 
 @settings(max_examples=25, deadline=None)
@@ -62,7 +45,7 @@ def test_the_bound_is_below_every_partition(
         p, 2**50, Link(bandwidth_Bps=1e8, latency_s=1e-4), op_overhead_s=overheads[0]
     ).model_copy(update={"step_overhead_s": overheads[1]})
     options = PlanOptions(schedule=family)  # type: ignore[arg-type]
-    best = _best(prof, cluster, options, family, v, m)
+    best = brute_step(prof, cluster, options, family, v, m, memory=False)
     got = chain_model_bound(prof, cluster, options, family, v, m, target=target * best,
                             deterministic_time=2.0)  # fmt: skip
     assert got.bound <= best * (1 + 1e-12), (got.bound / best, target)
@@ -76,7 +59,7 @@ def test_whole_units_that_do_not_divide_evenly() -> None:
     prof = synthetic_profile(5, batch_size=8, microbatch_sizes=[1], seed=1, spread=0.0)
     cluster = Cluster.homogeneous(2, 2**50)
     options = PlanOptions(schedule="1f1b")
-    best = _best(prof, cluster, options, "1f1b", 1, 8)
+    best = brute_step(prof, cluster, options, "1f1b", 1, 8, memory=False)
     means = chain_bound(prof, cluster, options, "1f1b", 1, 8).bound
     model = chain_model_bound(prof, cluster, options, "1f1b", 1, 8, target=best).bound
     assert means < 0.9 * best
@@ -91,7 +74,7 @@ def test_path_generation_reaches_the_best_step(family: str) -> None:
                                         heavy_ends=True, loss=True))  # fmt: skip
     cluster = Cluster.homogeneous(2, 2**50, Link(bandwidth_Bps=1e8, latency_s=1e-4))
     options = PlanOptions(schedule=family)  # type: ignore[arg-type]
-    best = _best(prof, cluster, options, family, 2, 4)
+    best = brute_step(prof, cluster, options, family, 2, 4, memory=False)
     got = chain_model_bound(prof, cluster, options, family, 2, 4, target=best,
                             deterministic_time=20.0)  # fmt: skip
     assert LEVELS[1] * best * (1 - 1e-6) <= got.bound <= best * (1 + 1e-12)

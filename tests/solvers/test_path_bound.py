@@ -7,7 +7,7 @@ from itertools import combinations, product
 
 import numpy as np
 import pytest
-from _solver_strategies import CALL_COSTS, CHECKPOINTS, SEEDS, draw_devices
+from _solver_strategies import CALL_COSTS, CHECKPOINTS, SEEDS, brute_step, draw_devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +15,7 @@ from pipeplan.planner.families import check
 from pipeplan.planner.types import Cluster, Device, Link, PlanOptions, Profile
 from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.profiler.synthetic import synthetic_profile
-from pipeplan.solvers.chunks import ChunkPlan, fixed_flags
+from pipeplan.solvers.chunks import ChunkPlan
 from pipeplan.solvers.multichunk import solve_schedule
 from pipeplan.solvers.path_bound import (
     LEVELS,
@@ -28,24 +28,7 @@ from pipeplan.solvers.schedule_bounds import family_bound
 
 
 def _best(profile: Profile, cluster: Cluster, options: PlanOptions, family: str, m: int) -> float:
-    """The least replayed step over every cut over the allowed ones and every recompute mask
-    the policy allows, of those that fit (``inf`` when none does)."""
-    cp = ChunkPlan(ResolvedRequest(profile, cluster, options), family, 1, m)
-    p, n = cluster.n_stages, profile.n_units
-    fixed = fixed_flags(options, p)
-    masks = [tuple(fixed)] if fixed is not None else product((False, True), repeat=p)
-    inner = options.allowed_cuts if options.allowed_cuts is not None else range(1, n)
-    best = np.inf
-    for rc in masks:
-        for cuts in combinations(inner, p - 1):
-            starts = [0, *cuts]
-            sizes = np.diff([*starts, n])
-            if sizes.min() < options.min_units or sizes.max() > (options.max_units or n):
-                continue
-            rep = cp.replay(starts, list(rc))
-            if cp.fits(rep):
-                best = min(best, rep.makespan_s)
-    return float(best)
+    return brute_step(profile, cluster, options, family, 1, m)
 
 
 def _peaks(profile: Profile, cluster: Cluster, options: PlanOptions, family: str, m: int) -> list:
