@@ -131,9 +131,12 @@ def run(out: Path) -> list[dict[str, Any]]:
                 continue
             cluster = Cluster.homogeneous(p, memory, LINK)
             best: dict[str, Plan] = {}
+            took: dict[str, float] = {}
             for fam in FAMILIES:
                 try:
+                    t0 = time.perf_counter()
                     best[fam] = solve_schedule(prof, cluster, PlanOptions(schedule=fam))  # type: ignore[arg-type]
+                    took[fam] = time.perf_counter() - t0
                 except PipeplanError as exc:
                     print(f"{name} p={p} {fam}: {exc}")
             solve_schedule(prof, cluster, PlanOptions(schedule="auto"))  # torch's orders built
@@ -147,7 +150,7 @@ def run(out: Path) -> list[dict[str, Any]]:
                     "profile": name, "split": split, "p": p, "family": fam,
                     "v": plan.stages_per_rank, "m": plan.microbatches,
                     "step_s": plan.step_time_s, "bubble": plan.bubble_fraction,
-                    "status": plan.status, "gap": plan.gap,
+                    "status": plan.status, "gap": plan.gap, "plan_s": took[fam],
                     "ratio_1f1b": plan.step_time_s / base if base else None,
                     "torchtitan_ratio_1f1b": tt / base if tt and base else None,
                     "recomputing_chunks": sum(s.recompute for s in plan.stages),
@@ -165,15 +168,16 @@ def run(out: Path) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| profile | p | family | v | m | step / best 1F1B | torchtitan split / best 1F1B | bubble | status (gap) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| profile | p | family | v | m | step / best 1F1B | torchtitan split / best 1F1B | bubble | status (gap) | planning s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tt = f"{r['torchtitan_ratio_1f1b']:.3f}" if r["torchtitan_ratio_1f1b"] else "-"
-        gap = f" ({r['gap']:.2f})" if r["gap"] is not None else ""
+        gap = f" ({100 * r['gap']:.2f} %)" if r["gap"] is not None else ""
         lines.append(
             f"| {r['profile']} | {r['p']} | {r['family']} | {r['v']} | {r['m']} | "
-            f"{r['ratio_1f1b']:.3f} | {tt} | {r['bubble']:.3f} | {r['status']}{gap} |"
+            f"{r['ratio_1f1b']:.3f} | {tt} | {r['bubble']:.3f} | {r['status']}{gap} | "
+            f"{r['plan_s']:.2f} |"
         )
     return "\n".join(lines)
 
