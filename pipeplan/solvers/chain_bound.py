@@ -285,6 +285,23 @@ def path_row(family: str, p: int, v: int, m: int, values: np.ndarray) -> np.ndar
     return row
 
 
+@lru_cache(maxsize=256)
+def _in_flight(family: str, p: int, v: int, m: int) -> tuple[int, ...]:
+    """q_s: the most micro-batches of chunk s that its rank's order holds at once, each from
+    its forward until its backward (B, or I where the backward is split)."""
+    k = p * v
+    most = [0] * k
+    for acts in action_order(family, p, v, m):
+        now = [0] * k
+        for x in acts:
+            if x.kind == "F":
+                now[x.stage] += 1
+                most[x.stage] = max(most[x.stage], now[x.stage])
+            elif x.kind in ("B", "I"):
+                now[x.stage] -= 1
+    return tuple(most)
+
+
 @lru_cache(maxsize=64)
 def _walk(
     family: str, p: int, v: int, m: int
@@ -341,7 +358,12 @@ def modes_of(
 ) -> list[list[np.ndarray]]:
     """Per chunk, its keeping and recomputing modes: each an array [term, a, b] of the terms
     over every allowed span (chunks.py's costs, vectorised; ``inf`` where the span is not
-    allowed or, with ``memory``, cannot fit; the checkpoint policy leaves modes out)."""
+    allowed or, with ``memory``, cannot fit; the checkpoint policy leaves modes out).
+
+    Memory: a chunk's parameters with their optimizer states and its m input and output
+    buffers are always held, and at some point of its rank's order q_s of its micro-batches
+    are held at once, each from its forward to its backward (or I) (:func:`_in_flight`); the
+    rank's peak is at least their sum, so a span whose sum exceeds the device cannot fit."""
     owner = rank_of_stage(family, cluster.n_stages, v)
     split = FAMILIES[family].split_backward
     c = unit_costs(profile, m)
@@ -386,13 +408,16 @@ def modes_of(
     flags = fixed_flags(options, k)
     o = cluster.engine_overhead_s
 
-    def _mode(first: bool, last: bool, cross: bool, sp: float, memory_bytes: int, rc: bool
-              ) -> np.ndarray:  # fmt: skip
+    alive = _in_flight(family, cluster.n_stages, v, m)
+
+    def _mode(first: bool, last: bool, cross: bool, sp: float, memory_bytes: int, rc: bool,
+              q: int) -> np.ndarray:  # fmt: skip
         h = half if cross else 0.0
         cap = memory_bytes + 2.0  # chunks.py's int() rounding
         ends = float(c.out + c.loss_a) if last else 0.0
         lf, lg = (c.loss_f, c.loss_g) if last else (0.0, 0.0)
-        fits = ok & (static + x[None, :] + ends + (0.0 if rc else acts) <= cap) if memory else ok
+        held = x[None, :] + ends + (0.0 if rc else acts)
+        fits = ok & (static + q * held <= cap + 2 * q) if memory else ok  # each int()ed
         f = ((remake_f if rc else keep_f) + lf) / sp + o
         b = ((remake_b if rc else keep_b) + lg) / sp + o
         desc = work = b
@@ -412,10 +437,11 @@ def modes_of(
         cross = not last and owner[s] != owner[s + 1]
         device = cluster.devices[owner[s]]
         allowed = (False, True) if flags is None else (flags[s],)
-        key = (last, cross, split and s == 0, device.speed, device.memory_bytes, allowed)
+        key = (last, cross, split and s == 0, device.speed, device.memory_bytes, allowed, alive[s])
         if key not in built:
             built[key] = [
-                _mode(s == 0, last, cross, device.speed, device.memory_bytes, rc) for rc in allowed
+                _mode(s == 0, last, cross, device.speed, device.memory_bytes, rc, alive[s])
+                for rc in allowed
             ]
         out.append(built[key])
     return out
