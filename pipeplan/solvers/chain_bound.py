@@ -83,6 +83,7 @@ __all__ = [
     "chain_coefficients",
     "modes_of",
     "path_row",
+    "runs_fused_backward",
 ]
 
 #: Multiplicative-weights steps of :func:`chain_bound` (each one dynamic programme).
@@ -286,6 +287,13 @@ def path_row(family: str, p: int, v: int, m: int, values: np.ndarray) -> np.ndar
 
 
 @lru_cache(maxsize=256)
+def runs_fused_backward(family: str, p: int, v: int, m: int) -> bool:
+    """Whether torch's order for the family runs any full backward B (DualPipeV does beside
+    its I and W; ZB-V and zb-interleaved run I and W only, B only as a recomputing chunk's)."""
+    return any(x.kind == "B" for acts in action_order(family, p, v, m) for x in acts)
+
+
+@lru_cache(maxsize=256)
 def _in_flight(family: str, p: int, v: int, m: int) -> tuple[int, ...]:
     """q_s: the most micro-batches of chunk s that its rank's order holds at once, each from
     its forward until its backward (B, or I where the backward is split)."""
@@ -409,6 +417,7 @@ def modes_of(
     o = cluster.engine_overhead_s
 
     alive = _in_flight(family, cluster.n_stages, v, m)
+    fused = runs_fused_backward(family, cluster.n_stages, v, m)
 
     def _mode(first: bool, last: bool, cross: bool, sp: float, memory_bytes: int, rc: bool,
               q: int) -> np.ndarray:  # fmt: skip
@@ -424,9 +433,9 @@ def modes_of(
         weight = np.zeros_like(b)
         if split and first:  # chunk 0's I only receives (torch's no-op), its W is the whole B
             desc, weight = np.zeros_like(b), b
-        elif split and not rc:
+        elif split and not rc:  # I and W; a fused B only where torch's order runs one
             i, weight = (keep_i + lg) / sp + o, keep_w / sp + o
-            desc, work = np.minimum(b, i), np.minimum(b, i + weight)
+            desc, work = (np.minimum(b, i), np.minimum(b, i + weight)) if fused else (i, i + weight)
         terms = np.stack([f + h, h + b, h + desc, h + work, update / sp, weight])
         return np.where(fits[None], terms, np.inf)
 

@@ -48,7 +48,13 @@ from pipeplan.planner.families import FAMILIES, rank_of_stage
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
 from pipeplan.planner.unitcosts import unit_costs
 from pipeplan.planner.updates import update_cost
-from pipeplan.solvers.chain_bound import TERMS, chain_coefficients, modes_of, path_row
+from pipeplan.solvers.chain_bound import (
+    TERMS,
+    chain_coefficients,
+    modes_of,
+    path_row,
+    runs_fused_backward,
+)
 from pipeplan.solvers.schedule_search import Cuts
 
 __all__ = ["LEVELS", "ROUNDS", "TICKS", "ModelBound", "chain_model_bound"]
@@ -112,8 +118,11 @@ def chain_model_bound(
         ts = [u.timings[profile.batch_size // m] for u in profile.units]
         iu = np.array([t.backward_input_s or 0.0 for t in ts])
         wu = np.array([t.backward_weight_s or 0.0 for t in ts])
-    desc_u = np.minimum(bwd_u, iu) if split else bwd_u
-    work_u = np.minimum(bwd_u, iu + wu) if split else bwd_u
+    # a split family's chunk keeps (I, W; a fused B only where the order runs one) or
+    # recomputes (one fused I of its recomputing backward)
+    either = bwd_u if runs_fused_backward(family, p, v, m) else rr
+    desc_u = np.minimum(either, iu) if split else bwd_u
+    work_u = np.minimum(either, iu + wu) if split else bwd_u
     weight_u = np.zeros(n) if options.checkpoint != "never" else wu
     plain = np.asarray(c.w, dtype=np.float64).copy()
     for nbytes, users in c.shared:
