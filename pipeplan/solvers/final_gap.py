@@ -38,7 +38,8 @@ __all__ = ["CHAIN_WORK", "MODEL_TIME", "raise_bounds"]
 #: 1.5 s on the benchmarks' 2-core host), times ``effort``.
 CHAIN_WORK = 2e8
 
-#: CP-SAT's deterministic time for the chain models of one request, times ``effort``.
+#: CP-SAT's deterministic time for the chain models of one request (``--prove T`` adds T a
+#: candidate).
 MODEL_TIME = 1.0
 
 
@@ -51,14 +52,15 @@ def raise_bounds(
     step: float,
     *,
     effort: float = 1.0,
+    model_time: float = MODEL_TIME,
 ) -> dict[Candidate, float]:
     """``bound_of`` with the candidates of ``plans`` (each with its search's best chunk starts
     and recompute flags, whose longest path seeds the chains, or ``None``) raised lazily (module docstring)
-    against the plan's ``step``, within :data:`CHAIN_WORK` and :data:`MODEL_TIME` times
-    ``effort``; the others as they are."""
+    against the plan's ``step``, within :data:`CHAIN_WORK` times ``effort`` and
+    ``model_time`` of CP-SAT's deterministic time; the others as they are."""
     bounds = dict(bound_of)
     raised: set[Candidate] = set()
-    work, budget = CHAIN_WORK * effort, MODEL_TIME * effort
+    work, budget = CHAIN_WORK * effort, model_time
     rows: dict[Candidate, np.ndarray] = {}
     while plans:
         c = min(plans, key=bounds.__getitem__)

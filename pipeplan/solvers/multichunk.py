@@ -45,8 +45,9 @@ Algorithm.
      no plan below the best) or bounded at the best step.
   5. The final gap: the candidates' bounds are raised by the chains of torch's order
      (:mod:`pipeplan.solvers.final_gap`), which are too costly to order or prune candidates
-     by, within work counts that ``exact_time`` scales (1 + ``exact_time`` times the
-     default); the plan is the one steps 1-4 found.
+     by, within work counts that ``exact_time`` raises (the chains' work 1 + ``exact_time``
+     times the default; ``exact_time`` more of CP-SAT's time a candidate for their integer
+     programme); the plan is the one steps 1-4 found.
 
 Allowed cuts (``PlanOptions.allowed_cuts``, ``pipeplan plan --for``) and ``min_units`` /
 ``max_units`` per chunk are kept by every step; pinned units are refused.
@@ -88,7 +89,7 @@ from pipeplan.planner.unitcosts import microbatch_choices
 from pipeplan.solvers.chunk_plan import chunk_plan
 from pipeplan.solvers.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.solvers.exact_plan import Candidate, prove_candidates
-from pipeplan.solvers.final_gap import raise_bounds
+from pipeplan.solvers.final_gap import MODEL_TIME, raise_bounds
 from pipeplan.solvers.request import ResolvedRequest
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
@@ -592,7 +593,10 @@ def solve_schedule(
     # the final gap: the bounds too costly to order or prune candidates by (final_gap)
     seeds = {c: (list(sr.best()[0]), list(sr.best()[2])) if sr.seen else None
              for c, sr in searches.items()}  # fmt: skip
-    bound_of = raise_bounds(profile, cluster, options, bound_of, seeds, T, effort=1 + exact_time)
+    bound_of = raise_bounds(
+        profile, cluster, options, bound_of, seeds, T, effort=1 + exact_time,
+        model_time=MODEL_TIME + exact_time * len(seeds),
+    )  # fmt: skip
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
     exact = exact or all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
