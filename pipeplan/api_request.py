@@ -194,7 +194,8 @@ class PlanRequest:
 
         if self.devices is None:
             raise InvalidRequestError("a request for --stages has no frontier; give --devices")
-        solver = partial(solve, solver=self.solver)
+        # many meshes, each planned: the final gap's bounds are left out (they change no plan)
+        solver = partial(solve, solver=self.solver, final_gap=False)
         floor = quick = None
         # the schedule solver's local search is searched again only on the two best depths
         refine = 2 if self.solver == "dp" and self.options.schedule not in ONE_CHUNK else 0

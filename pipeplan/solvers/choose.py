@@ -108,9 +108,16 @@ def _one_chunk(profile: Profile, cluster: Cluster, options: PlanOptions, solver:
 
 
 def solve(
-    profile: Profile, cluster: Cluster, options: PlanOptions | None = None, solver: str = "dp"
+    profile: Profile,
+    cluster: Cluster,
+    options: PlanOptions | None = None,
+    solver: str = "dp",
+    *,
+    final_gap: bool = True,
 ) -> Plan:
-    """The plan for ``options.schedule`` by ``solver`` (module docstring).  Raises
+    """The plan for ``options.schedule`` by ``solver`` (module docstring).  ``final_gap``:
+    the schedule solver raises its candidates' bounds once its plan is found
+    (:mod:`pipeplan.solvers.final_gap`; a search over many meshes leaves it out).  Raises
     :class:`~pipeplan.planner.errors.InfeasiblePlanError` when nothing fits and
     :class:`~pipeplan.planner.errors.InvalidRequestError` for a combination no solver plans."""
     from pipeplan.solvers.multichunk import solve_schedule
@@ -122,7 +129,7 @@ def solve(
     if fam in ONE_CHUNK:
         return SOLVERS[solver](profile, cluster, options)
     if fam != "auto":  # one pipeline: check_solver refuses a multi-chunk family otherwise
-        return solve_schedule(profile, cluster, options)
+        return solve_schedule(profile, cluster, options, final_gap=final_gap)
     multi = options.families is None or any(f not in ONE_CHUNK for f in options.families)
     if not (one_pipeline and multi):
         return _one_chunk(profile, cluster, options, solver)
@@ -136,7 +143,7 @@ def solve(
         except InfeasiblePlanError as exc:
             failed = exc
     try:
-        sched = solve_schedule(profile, cluster, options, dp_plans=dp_plans)
+        sched = solve_schedule(profile, cluster, options, dp_plans=dp_plans, final_gap=final_gap)
     except InfeasiblePlanError:
         if singles:
             return singles[0]

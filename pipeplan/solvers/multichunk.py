@@ -476,11 +476,12 @@ def solve_schedule(
     chunks: int | None = None,
     dp_plans: Sequence[Plan] | None = None,
     exact_time: float = 0.0,
+    final_gap: bool = True,
 ) -> Plan:
     """The fastest (family, v, cuts, m, recompute) under memory (module docstring); v =
     ``chunks`` alone when given; ``dp_plans``: the DP's GPipe and 1F1B plans of this request
     where the caller has them (seeds; solved here otherwise); ``exact_time`` > 0: step 4,
-    that much of CP-SAT's deterministic time per candidate."""
+    that much of CP-SAT's deterministic time per candidate; ``final_gap``: step 5."""
     options = options or PlanOptions(schedule="auto")
     if options.search_work is not None:
         search_work = options.search_work
@@ -593,10 +594,11 @@ def solve_schedule(
     # the final gap: the bounds too costly to order or prune candidates by (final_gap)
     seeds = {c: (list(sr.best()[0]), list(sr.best()[2])) if sr.seen else None
              for c, sr in searches.items()}  # fmt: skip
-    bound_of = raise_bounds(
-        profile, cluster, options, bound_of, seeds, T, effort=1 + exact_time,
-        model_time=MODEL_TIME + exact_time * len(seeds),
-    )  # fmt: skip
+    if final_gap:
+        bound_of = raise_bounds(
+            profile, cluster, options, bound_of, seeds, T, effort=1 + exact_time,
+            model_time=MODEL_TIME + exact_time * len(seeds),
+        )  # fmt: skip
     # candidates torch refuses cannot run; those skipped had bounds above the incumbent
     bound = min(bound_of[c] for c in requested if c in searches or bound_of[c] >= incumbent)
     exact = exact or all(c in proven or bound_of[c] >= T * (1 - 1e-9) for c in searches)
