@@ -17,8 +17,10 @@ across the cut after it, paid where chunk s + 1 sits on another rank):
     F'_s = F_s + [cross_s] C_s / 2       a forward and the blocking send of its output
     B'_s = [cross_s] C_s / 2 + B_s       a receive and the full backward
     D_s  = [cross_s] C_s / 2 + (I_s where the family splits the backward, else B_s)
-    K_s  = [cross_s] C_s / 2 + the least of B_s and I_s + W_s (B_0 on chunk 0, whose I torch
-           skips): a micro-batch's backward work on the rank
+    K_s  = [cross_s] C_s / 2 + a micro-batch's backward work on the rank: B_s, or I_s + W_s
+           where the backward is split (the least of the two in DualPipeV, whose order also
+           runs B; B_0 on chunk 0, whose I torch skips; a recomputing chunk's fused B_s)
+    W_s, U_s  its weight gradient (on the longest paths below) and its update
 
 and a_js the forwards of chunk s that torch's order for rank j
 (:func:`pipeplan.planner.families.action_order`) runs after its first backward.  (A') and the
@@ -37,11 +39,16 @@ its backwards and the a_js forwards its order puts after it, one at a time; then
 Recomputation: each chunk takes its keeping or its recomputing costs in every term, whichever
 the plan chose; the bound below lets each chunk choose the least for the weighted sum, so it
 holds for every choice.  Memory: a chunk whose parameters with their optimizer states, its m
-input and output buffers and one micro-batch's held bytes cannot fit its device cannot be in a
-plan that fits (the rank's peak is at least that); such a chunk is left out, and one that can
-fit only recomputing recomputes.
+input and output buffers and the q_s micro-batches its rank's order holds at once cannot fit
+its device cannot be in a plan that fits (the rank's peak is at least that); such a chunk is
+left out, and one that can fit only recomputing recomputes.
 
-Each chain is a sum over chunks of coefficients times the five terms F', B', D, K, U of the
+Longest paths.  With the family, v and m fixed, torch's order is a fixed graph of actions (a
+rank's order, a micro-batch's data); only the durations depend on the cuts.  So the longest
+path of any partition (:func:`path_row`), read as counts of each chunk's terms, is a chain of
+every partition; the ascent below adds the longest path of each partition it visits.
+
+Each chain is a sum over chunks of coefficients times the terms F', B', D, K, U, W of the
 chunk's span (:func:`chain_coefficients`).  Their maximum is not separable over chunks, but
 every weighted mean is: for weights lambda >= 0 summing to 1,
 
@@ -49,9 +56,10 @@ every weighted mean is: for weights lambda >= 0 summing to 1,
              <= min over partitions of max_k chain_k
 
 is one dynamic programme over the allowed cuts (O(S a^2), a the allowed starts), and
-:func:`chain_bound` is the largest g found by multiplicative-weights ascent on lambda (each
-step moves weight to the chains the current best partition makes longest).  The mean over
-ranks of (A) is the work bound with a ramp; one rank's (C) is what shows a heavy end chunk
+:func:`chain_bound` is the largest g found by Kelley's cutting planes on lambda: a GLOP LP
+picks the weights that make the least weighted sum over the partitions seen largest, and its
+optimum says when no weights can do better.  The mean over ranks of (A) is the work bound
+with a ramp; one rank's (C) is what shows a heavy end chunk
 delaying every rank; between them the ascent finds the bubble of a loop.  Weighted means cannot
 see that whole units do not divide evenly among ranks; :mod:`pipeplan.solvers.chain_model`
 solves the same chains as an integer programme for that.
