@@ -78,9 +78,10 @@ from ortools.linear_solver import pywraplp
 from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.families import FAMILIES, action_order, rank_of_stage
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
-from pipeplan.planner.unitcosts import unit_costs
+from pipeplan.planner.unitcosts import UnitCosts, unit_costs
 from pipeplan.planner.updates import update_cost
 from pipeplan.solvers.chunks import fixed_flags
+from pipeplan.solvers.path_bound import cut_transfers
 from pipeplan.solvers.schedule_search import Cuts
 
 __all__ = [
@@ -92,6 +93,7 @@ __all__ = [
     "modes_of",
     "path_row",
     "runs_fused_backward",
+    "unshared_params",
 ]
 
 #: Multiplicative-weights steps of :func:`chain_bound` (each one dynamic programme).
@@ -362,6 +364,16 @@ def _walk(
     return tuple(out), tuple(last)
 
 
+def unshared_params(c: UnitCosts) -> np.ndarray:
+    """Each unit's parameter bytes without the shared parameters it owns (a chunk holding a
+    shared parameter may count it on another chunk of its rank): at most what any chunk
+    charges for its units."""
+    plain = np.asarray(c.w, dtype=np.float64).copy()
+    for nbytes, users in c.shared:
+        plain[int(users[0])] = max(plain[int(users[0])] - nbytes, 0.0)
+    return plain
+
+
 def modes_of(
     profile: Profile,
     cluster: Cluster,
@@ -404,16 +416,10 @@ def modes_of(
         ts = [u.timings[profile.batch_size // m] for u in profile.units]
         keep_i = span(np.array([t.backward_input_s or 0.0 for t in ts]))
         keep_w = span(np.array([t.backward_weight_s or 0.0 for t in ts]))
-    plain = np.asarray(c.w, dtype=np.float64).copy()  # a shared parameter may sit elsewhere
-    for nbytes, users in c.shared:
-        plain[int(users[0])] = max(plain[int(users[0])] - nbytes, 0.0)
-    params = span(plain)
+    params = span(unshared_params(c))
     acts = prefix_span(c.Pa)
     x = np.asarray(c.x, dtype=np.float64)[pos]
-    half = np.array([
-        cluster.link.transfer_s(float(c.x[b]), int(c.msgs[b])) if 0 < b < n and c.x[b] > 0 else 0.0
-        for b in pos
-    ])[None, :]  # fmt: skip
+    half = cut_transfers(c, cluster, pos)[None, :]
     state = state_factors(options.optimizer, cluster)
     static = params * (state.params + state.optimizer) + m * (x[:, None] + x[None, :])
     upd = update_cost(profile, options.optimizer, cluster)

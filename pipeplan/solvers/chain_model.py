@@ -54,7 +54,9 @@ from pipeplan.solvers.chain_bound import (
     modes_of,
     path_row,
     runs_fused_backward,
+    unshared_params,
 )
+from pipeplan.solvers.path_bound import cut_transfers
 from pipeplan.solvers.schedule_search import Cuts
 
 __all__ = ["LEVELS", "ROUNDS", "TICKS", "ModelBound", "chain_model_bound"]
@@ -124,19 +126,14 @@ def chain_model_bound(
     desc_u = np.minimum(either, iu) if split else bwd_u
     work_u = np.minimum(either, iu + wu) if split else bwd_u
     weight_u = np.zeros(n) if options.checkpoint != "never" else wu
-    plain = np.asarray(c.w, dtype=np.float64).copy()
-    for nbytes, users in c.shared:
-        plain[int(users[0])] = max(plain[int(users[0])] - nbytes, 0.0)
+    plain = unshared_params(c)
     upd = update_cost(profile, options.optimizer, cluster)
     slope, const = 0.0, 0.0
     if upd.pieces and all(sl >= 0 for sl, _ in upd.pieces):
         total = float(plain.sum())
         slope, const = max(upd.pieces, key=lambda sc: sc[0] * total / k + sc[1])
         const = min(const, 0.0)
-    half = [
-        cluster.link.transfer_s(float(c.x[b]), int(c.msgs[b])) if 0 < b < n and c.x[b] > 0 else 0.0
-        for b in pos
-    ]  # fmt: skip
+    half = cut_transfers(c, cluster, pos)
 
     md = cp_model.CpModel()
     x = [md.new_constant(0)]

@@ -76,12 +76,18 @@ import numpy as np
 from pipeplan.planner.collectives import state_factors
 from pipeplan.planner.costmodel import stage_params
 from pipeplan.planner.types import Cluster, PlanOptions, Profile
-from pipeplan.planner.unitcosts import unit_costs
+from pipeplan.planner.unitcosts import UnitCosts, unit_costs
 from pipeplan.planner.updates import update_cost
 from pipeplan.solvers.chunks import fixed_flags
 from pipeplan.solvers.schedule_search import Cuts
 
-__all__ = ["LEVELS", "ONE_CHUNK_FAMILIES", "least_sum_plus_max", "one_chunk_bound"]
+__all__ = [
+    "LEVELS",
+    "ONE_CHUNK_FAMILIES",
+    "cut_transfers",
+    "least_sum_plus_max",
+    "one_chunk_bound",
+]
 
 #: The families :func:`one_chunk_bound` bounds (one chunk per rank, no split backward).
 ONE_CHUNK_FAMILIES = ("gpipe", "1f1b")
@@ -134,10 +140,7 @@ def _tables(
     size = pos[None, :] - pos[:, None]
     ok = (size >= max(cuts.min_units, 1)) & (size <= (cuts.max_units or c.n))
     o = cluster.engine_overhead_s
-    half = np.array([
-        cluster.link.transfer_s(float(c.x[b]), int(c.msgs[b])) if 0 < b < c.n and c.x[b] > 0 else 0.0
-        for b in pos
-    ])  # fmt: skip
+    half = cut_transfers(c, cluster, pos)
     p = cluster.n_stages
     flags = fixed_flags(options, p)
 
@@ -187,6 +190,15 @@ def _tables(
         for e in pos
     ])  # fmt: skip
     return fwd, bwd, tot, u0
+
+
+def cut_transfers(c: UnitCosts, cluster: Cluster, pos: np.ndarray) -> np.ndarray:
+    """The one-way transfer across a cut at each allowed start in ``pos`` (0 at the model's
+    ends and where nothing crosses): half the round trip C of :mod:`pipeplan.solvers.chunks`."""
+    return np.array([
+        cluster.link.transfer_s(float(c.x[b]), int(c.msgs[b])) if 0 < b < c.n and c.x[b] > 0 else 0.0
+        for b in pos
+    ])  # fmt: skip
 
 
 def _least_peak(
