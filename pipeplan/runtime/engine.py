@@ -86,6 +86,7 @@ from pipeplan.runtime.stages import (
     tied_parameters,
 )
 from pipeplan.runtime.timing import Span, StepTimer
+from pipeplan.runtime.tp_sequence import SequenceRole, hidden_size, local_share
 from pipeplan.runtime.weights import materialize_chunks, shard_tensors
 
 __all__ = [
@@ -171,13 +172,7 @@ class PipelineRunner:
         self.sharded = plan.cluster.data_parallel_mode == "shard" and self.replicas > 1
         """Whether FSDP2 shards the rank's stages over the dp group (:mod:`~pipeplan.runtime.mesh`)."""
         styles = tensor_parallel_styles(spec.module, t) if t > 1 else {}
-        if t > 1 and plan.cluster.sequence_parallel and dist.get_rank() == 0:
-            print(
-                "warning: the runtime does not run sequence parallelism yet; the norms run "
-                "replicated on the tensor-parallel ranks (the same values, more memory)",
-                file=sys.stderr,
-                flush=True,
-            )
+        hidden = hidden_size(spec.module, styles) if t > 1 and plan.cluster.sequence_parallel else 0
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
         module = cast_floating(spec.module, self.dtype)
@@ -251,7 +246,14 @@ class PipelineRunner:
         ]
         if t > 1:  # the split runs the bodies once: before the deferred statistics reset
             examples = [
-                (pr.module.body, pr.module.body_inputs(*to_dev(pr.example_inputs))) for pr in mine
+                (
+                    pr.module.body,
+                    pr.module.body_inputs(*to_dev(pr.example_inputs)),
+                    SequenceRole(hidden, pr.module.received if pr.index else (), pr.index == n - 1)
+                    if hidden
+                    else None,
+                )
+                for pr in mine
             ]
             self.names = split_stage_modules(
                 examples, self.chunk_modules, self.mesh, styles, self.names, module
@@ -261,14 +263,21 @@ class PipelineRunner:
         if self.sharded:
             self.names = shard_stage_modules(bodies, self.mesh, self.names, module)
         self.stages: list[MeasuredStage] = []
+
+        def sent(ts: tuple[Tensor, ...], whole: bool) -> tuple[Tensor, ...]:
+            """A cut's tensors as they travel: a hidden state as this rank's share of the
+            sequence under sequence parallelism (:mod:`pipeplan.runtime.tp_sequence`)."""
+            return to_dev(ts) if whole or not hidden else local_share(to_dev(ts), hidden, k, t)
+
+        k = self.tp_rank
         for s, pr, body in zip(self.chunks, mine, bodies, strict=True):
             stage = MeasuredStage(
                 body,
                 s,
                 n,
                 device,
-                input_args=to_dev(pr.example_inputs),
-                output_args=to_dev(pr.example_outputs),
+                input_args=sent(pr.example_inputs, pr.index == 0),
+                output_args=sent(pr.example_outputs, pr.index == n - 1),
                 group=self.pp_group,
             )
             stage.timer, stage.fault, stage.step_index = self.timer, fault, 0

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from torch.fx import GraphModule
 from pipeplan.intake.tp_layout import Style
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Plan
+
+if TYPE_CHECKING:
+    from pipeplan.runtime.tp_sequence import SequenceRole
 
 __all__ = [
     "PlanMesh",
@@ -119,16 +122,16 @@ def tensor_parallel_styles(module: nn.Module, t: int) -> dict[str, Style]:
 
 
 def split_stage_modules(
-    bodies: Sequence[tuple[GraphModule, Sequence[Any]]],
+    bodies: Sequence[tuple[GraphModule, Sequence[Any], SequenceRole | None]],
     modules: Sequence[nn.Module],
     mesh: PlanMesh,
     styles: dict[str, Style],
     names: dict[int, str],
     root: nn.Module,
 ) -> dict[int, str]:
-    """Split each stage body (with the values one micro-batch passes it) over ``mesh``'s tp
-    dimension by ``styles`` (:func:`pipeplan.runtime.tp_stages.split_stage_body`; collective
-    over the tp group).  The split linears' parameters become
+    """Split each stage body (with the values one micro-batch passes it, and its role for
+    sequence parallelism where the plan has it) over ``mesh``'s tp dimension by ``styles``
+    (:func:`pipeplan.runtime.tp_stages.split_stage_body`; collective over the tp group).  The split linears' parameters become
     :class:`~torch.distributed.tensor.DTensor` parameters, so ``names`` (parameter id -> the
     model's qualified name) is returned for the rank's ``modules`` as they are now, and each
     new parameter is put in ``root`` (the user's model) under its name too, where the rank's
@@ -138,9 +141,9 @@ def split_stage_modules(
     from pipeplan.runtime.tp_stages import split_stage_body
 
     by_path = _paths(modules, names)
-    for body, example in bodies:
+    for body, example, sequence in bodies:
         with preserved_buffers(body):  # the split runs the body once: leave no trace of it
-            split_stage_body(body, styles, mesh.tp_mesh, example)
+            split_stage_body(body, styles, mesh.tp_mesh, example, sequence)
     return {**names, **_renamed(modules, by_path, root)}
 
 

@@ -130,6 +130,11 @@ class StageModule(nn.Module):
         self._out_spec: TreeSpec | None = None
         self._out_consts: dict[int, Any] = {}
 
+    @property
+    def received(self) -> tuple[bool, ...]:
+        """For each of ``body``'s inputs, whether it is a received tensor (not a constant)."""
+        return tuple(s is None for s in self._slots)
+
     def body_inputs(self, *args: Any) -> list[Any]:
         """What ``body`` takes for the stage's received ``args``: every value live across
         the input cut, the constants put in."""

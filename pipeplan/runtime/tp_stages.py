@@ -12,8 +12,8 @@ one :class:`~torch.distributed.tensor.parallel.RowwiseParallel`, with torch's de
 
 so each sub-block costs one all-reduce forward (the row-wise output) and one backward (the
 column-wise input's gradient).  Everything outside the layout (embeddings, norms, the head)
-stays replicated: every tp rank computes it whole on the same values (no sequence parallel in
-this first version).
+stays replicated: every tp rank computes it whole on the same values, or, with sequence
+parallelism, each on its share of the tokens (:mod:`pipeplan.runtime.tp_sequence`).
 
 Two things of a traced graph need adapting, done once at build time:
 
@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 from pipeplan.intake.tp_layout import Style, is_head_table, parallel_style
 from pipeplan.planner.errors import InvalidRequestError
+from pipeplan.runtime.tp_sequence import SequenceRole, local_share, shard_sequence
 
 __all__ = ["split_stage_body"]
 
@@ -73,24 +74,44 @@ def split_stage_body(
     styles: dict[str, Style],
     tp_mesh: Any,
     example_inputs: Sequence[Any],
+    sequence: SequenceRole | None = None,
 ) -> int:
     """Split ``body`` in place over ``tp_mesh`` (module docstring) by ``styles`` (qualified
     ``nn.Linear`` name -> style; those not in the body are ignored); ``example_inputs`` are
-    the values one micro-batch passes it (every tp rank the same).  Collective over the tp
-    group.  Returns the number of linears split."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+    the unsplit values one micro-batch passes it (every tp rank the same).  With ``sequence``,
+    the ops outside the split projections run on this rank's share of the sequence
+    (:func:`pipeplan.runtime.tp_sequence.shard_sequence`).  Collective over the tp group.
+    Returns the number of linears split."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mine = _linears_as_modules(body, styles)
-    if not mine:
+    if not mine and sequence is None:
         return 0
     tables = _head_tables_as_modules(body, mine)
     with torch.no_grad():
         ShapeProp(body).propagate(*example_inputs)
     plan: dict[str, ParallelStyle] = {name: parallel_style(style) for name, style in mine.items()}
     plan.update((name, ColwiseParallel()) for name in tables)  # its columns are the heads
-    parallelize_module(body, tp_mesh, plan)
-    _local_attention_masks(body, tp_mesh.get_local_rank(), tp_mesh.size())
-    _localise_shapes(body, example_inputs, tp_mesh.get_group())
+    rank, t = tp_mesh.get_local_rank(), tp_mesh.size()
+    local, keep = list(example_inputs), set()
+    if sequence is not None:
+        split = shard_sequence(
+            body, mine, example_inputs, sequence, rank=rank, t=t, group=tp_mesh.get_group()
+        )
+        plan.update((name, RowwiseParallel(output_layouts=Shard(1))) for name in split.rowwise)
+        local = [local_share([x], sequence.hidden, rank, t)[0] if i in split.inputs else x
+                 for i, x in enumerate(example_inputs)]  # fmt: skip
+        keep = split.outputs
+    if plan:
+        parallelize_module(body, tp_mesh, plan)
+    _local_attention_masks(body, rank, t)
+    _localise_shapes(body, local, tp_mesh.get_group(), keep)
     return len(mine)
 
 
@@ -303,11 +324,14 @@ class _Localiser(Interpreter):
         return super().run_node(n)
 
 
-def _localise_shapes(body: GraphModule, example_inputs: Sequence[Any], group: Any) -> None:
+def _localise_shapes(
+    body: GraphModule, example_inputs: Sequence[Any], group: Any, keep: set[Node]
+) -> None:
     """Rewrite the body's baked sizes for one rank's share (:class:`_Localiser`); an output
     that leaves the stage holding only this rank's heads (T5's position bias, handed from
     layer to layer) is gathered whole over ``group`` (:class:`_GatherHeads`), so that every
-    output has its unsplit shape, which the next stage's receive expects."""
+    output but those in ``keep`` (this rank's share of the sequence, sent so) has its unsplit
+    shape, which the next stage's receive expects."""
     localiser = _Localiser(body)  # an Interpreter: it runs the graph, not the compiled code
     try:
         with torch.no_grad():
@@ -323,7 +347,9 @@ def _localise_shapes(body: GraphModule, example_inputs: Sequence[Any], group: An
     nodes, values = tree_flatten(out_node.args[0])[0], tree_flatten(outs)[0]
     for node, value in zip(nodes, values, strict=True):
         want = _global_shape(node)
-        if not isinstance(value, Tensor) or want is None or tuple(value.shape) == want:
+        if node in keep or not isinstance(value, Tensor) or want is None:
+            continue
+        if tuple(value.shape) == want:
             continue
         if hasattr(body, f"_gather_heads_{node.name}"):  # the same node output twice
             continue

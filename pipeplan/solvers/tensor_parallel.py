@@ -18,17 +18,19 @@ intra-node link (``Cluster.intra_node_link``, else ``link``) with the formulas o
 
     c_F        = alpha_AR X b + k beta_AR + n o_tp              (without sequence parallelism)
     c_B        = alpha_AR X b k_c / k + k_c beta_AR + n o_tp
-               (with it: each all-reduce is a reduce-scatter and an all-gather, the same bytes
-                on a ring)
+               (with it, c_F: each all-reduce is a reduce-scatter and an all-gather, the same
+                bytes on a ring; c_B gains the k row-wise outputs' all-gathers, the backward of
+                their reduce-scatters, as :mod:`pipeplan.runtime.tp_sequence` runs them)
     s          = 1 - phi + phi / t                             the per-rank share of compute
     forward    = f s + c_F
     backward   = g s + c_B                   (the input gradients' all-reduces)
     I, W       = I s + c_B,  W s             (the all-reduces belong to I: zero-bubble split)
     recompute  = fc s + c_F (forward),  r s + c_F + c_B (backward: the recomputed forward's too)
     params     = (w - w_s) + w_s / t
-    saved      = a (1 - sigma + sigma / t), and a / t with sequence parallelism (the norms and
-                 residuals then hold 1 / t of the sequence); ``weight_held_bytes`` and
-                 ``peak_bytes`` scale the same way
+    saved      = a (1 - sigma + sigma / t); with sequence parallelism a (x + (1 - x) / t), x =
+                 min(X b / a, 1 - sigma): each sub-block's column-wise projections save their
+                 gathered input whole (X b in all), and the norms and residuals hold 1 / t of the
+                 sequence; ``weight_held_bytes`` and ``peak_bytes`` scale the same way
     largest    = max(big / t, min(big, w - w_s))       (the largest parameter is sharded, or
                  one of the whole ones: an upper bound either way)
 
@@ -49,7 +51,8 @@ A unit's measured ``tp_timings[t][b]`` (collectives included) is used as it stan
 present; otherwise the times above are modelled from its unsharded ``timings[b]``.  A unit
 without an annotation is run whole by every rank: its times and bytes are unchanged.  The
 tensors crossing a cut are unchanged (each rank sends the whole activation to its peer in the
-next stage), except with sequence parallelism after an annotated unit, where they are 1 / t.
+next stage), except with sequence parallelism, where each hidden state (a tensor of a row-wise
+projection's output size per sample, X / k) crosses as the rank's 1 / t of the sequence.
 A cut's tensors that t ranks hold split by heads (``Cut.tp_gather_bytes_per_sample``: inside
 a sub-block, or T5's position bias) are all-gathered before they are sent and their gradient
 reduce-scattered: charged as that many more bytes on the stage link, which bounds the
@@ -66,7 +69,7 @@ from typing import Literal
 
 from pipeplan.planner.collectives import Collective, ring_cost
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.types import Cluster, Profile, Timing, Unit, UnitTensorParallel
+from pipeplan.planner.types import Cluster, Cut, Profile, Timing, Unit, UnitTensorParallel
 
 __all__ = [
     "check_tensor_parallel",
@@ -133,11 +136,11 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     """One annotated unit's per-rank timing at size b, from its unsharded one (docstring)."""
     t = cluster.tensor_parallel
     s = 1.0 - ann.sharded_flop_fraction + ann.sharded_flop_fraction / t
-    keep = (
-        1.0 / t
-        if cluster.sequence_parallel
-        else 1.0 - ann.sharded_saved_fraction + ann.sharded_saved_fraction / t
-    )
+    keep = 1.0 - ann.sharded_saved_fraction + ann.sharded_saved_fraction / t
+    if cluster.sequence_parallel and timing.saved_bytes:
+        whole = min(ann.allreduce_bytes_per_sample * b / timing.saved_bytes,
+                    1.0 - ann.sharded_saved_fraction)  # fmt: skip
+        keep = whole + (1.0 - whole) / t
     per = ann.allreduce_bytes_per_sample * b / max(ann.allreduces, 1)  # one all-reduce's
     cols = sum(style == "colwise" for style in ann.styles.values())
     heads = sum(style == "colwise_gather" for style in ann.styles.values())
@@ -148,7 +151,13 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     gather = collective_s(cluster, ann.allgather_bytes_per_sample * b, heads, "gather")
     head_in = collective_s(cluster, ann.gather_input_bytes_per_sample * b, heads)
     c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + gather + host) * speed
-    cb = (collective_s(cluster, per * cols, cols) + head_in + host) * speed
+    rows = ann.allreduces if cluster.sequence_parallel else 0  # reduce-scatters' backward
+    cb = (
+        collective_s(cluster, per * cols, cols)
+        + collective_s(cluster, per * rows, rows, "gather")
+        + head_in
+        + host
+    ) * speed
 
     def opt(x: float | None, extra: float) -> float | None:
         return None if x is None else x * s + extra
@@ -194,6 +203,23 @@ def _unit(unit: Unit, cluster: Cluster) -> Unit:
     )
 
 
+def _sequence_cut(cut: Cut, hidden: set[int], t: int) -> Cut:
+    """``cut`` with each hidden state (``hidden``: a row-wise output's bytes per sample) at
+    1 / t, the rank's share of the sequence it sends under sequence parallelism."""
+    tensors = tuple(
+        x.model_copy(update={"bytes_per_sample": round(x.bytes_per_sample / t)})
+        if x.bytes_per_sample in hidden
+        else x
+        for x in cut.tensors
+    )
+    if tensors == cut.tensors:
+        return cut
+    less = sum(x.bytes_per_sample for x in cut.tensors) - sum(x.bytes_per_sample for x in tensors)
+    return cut.model_copy(
+        update={"tensors": tensors, "bytes_per_sample": max(cut.bytes_per_sample - less, 0)}
+    )
+
+
 def tp_profile(profile: Profile, cluster: Cluster) -> Profile:
     """The profile one of t = ``cluster.tensor_parallel`` ranks of a stage runs (module
     docstring); ``profile`` itself for t = 1.  Raises :class:`InvalidRequestError` when t does
@@ -210,20 +236,12 @@ def tp_profile(profile: Profile, cluster: Cluster) -> Profile:
         for c in profile.cuts
     )
     if cluster.sequence_parallel:
-        cuts = tuple(
-            c
-            if profile.units[c.after].tensor_parallel is None
-            else c.model_copy(
-                update={
-                    "bytes_per_sample": round(c.bytes_per_sample / t),
-                    "tensors": tuple(
-                        x.model_copy(update={"bytes_per_sample": round(x.bytes_per_sample / t)})
-                        for x in c.tensors
-                    ),
-                }
-            )
-            for c in cuts
-        )
+        hidden = {
+            round(u.tensor_parallel.allreduce_bytes_per_sample / u.tensor_parallel.allreduces)
+            for u in profile.units
+            if u.tensor_parallel is not None and u.tensor_parallel.allreduces
+        }
+        cuts = tuple(_sequence_cut(c, hidden, t) for c in cuts)
     return profile.model_copy(update={"units": units, "cuts": cuts})
 
 

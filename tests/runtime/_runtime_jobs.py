@@ -137,6 +137,9 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         if "tp" in model:  # the stages split over that many tensor-parallel ranks
             cluster = plan.cluster.model_copy(update={"tensor_parallel": model["tp"]})
             plan = plan.model_copy(update={"cluster": cluster})
+        if cfg.get("sequence_parallel"):  # the tp ranks split the sequence outside the blocks
+            cluster = plan.cluster.model_copy(update={"sequence_parallel": True})
+            plan = plan.model_copy(update={"cluster": cluster})
         if "mode" in cfg:  # replicate or shard (FSDP2) over the replicas
             plan = plan.model_copy(
                 update={
@@ -169,6 +172,17 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             "tied": [(t.name, t.stages) for t in runner.tied],
             "recomputed": isinstance(runner.stage.submod, Recompute),
             "buffers": _stage_buffers(spec.module, runner.stage_module),
+            "received": [
+                tuple(m.shape)
+                for st in runner.stages
+                for m in st._user_meta.inputs or ()
+                if st.stage_index
+            ],
+            "sequence": [
+                type(m).__name__
+                for m in runner.stage_module.modules()
+                if type(m).__name__ == "SequenceComm"
+            ],
         }
     return results
 

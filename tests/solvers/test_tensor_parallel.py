@@ -6,7 +6,14 @@ import pytest
 
 from pipeplan.planner.collectives import ring_cost
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.types import Cluster, Link, Profile, Timing, UnitTensorParallel
+from pipeplan.planner.types import (
+    Cluster,
+    CutTensor,
+    Link,
+    Profile,
+    Timing,
+    UnitTensorParallel,
+)
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.tensor_parallel import (
     check_tensor_parallel,
@@ -133,9 +140,16 @@ def test_a_faster_device_pays_the_collectives_as_they_are() -> None:
 
 
 def test_sequence_parallel_splits_the_rest_and_the_cuts() -> None:
-    """Reduce-scatter + all-gather cost what the all-reduce does on a ring; the saved bytes,
-    the outputs and the cuts after a split unit are divided by t."""
+    """Reduce-scatter + all-gather cost what the all-reduce does on a ring, and the backward
+    adds the row-wise outputs' all-gathers (2 of 500 b bytes); the saved bytes keep the
+    column-wise projections' gathered inputs (X b = 1000 b bytes) whole and divide the rest by
+    t; the outputs are divided by t, and at every cut the hidden states (tensors of a row-wise
+    output's 500 bytes per sample), not the others."""
     prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3))
+    cuts = [c.model_copy(update={"tensors": (CutTensor(node="h", bytes_per_sample=500),
+                                             CutTensor(node="mask", bytes_per_sample=64)),
+                                 "bytes_per_sample": 564}) for c in prof.cuts]  # fmt: skip
+    prof = prof.model_copy(update={"cuts": tuple(cuts)})
     plain, sp = tp_profile(prof, _cluster(2)), tp_profile(prof, _cluster(2, sp=True))
     (a_ar, b_ar) = ring_cost(INTRA, 2, "all_reduce")
     (a_rs, b_rs), (a_ag, b_ag) = (
@@ -143,12 +157,15 @@ def test_sequence_parallel_splits_the_rest_and_the_cuts() -> None:
         ring_cost(INTRA, 2, "all_gather"),
     )
     assert (a_rs + a_ag, b_rs + b_ag) == pytest.approx((a_ar, b_ar))
-    one, got = prof.units[1].timings[2], sp.units[1].timings[2]
-    assert got.forward_s == pytest.approx(plain.units[1].timings[2].forward_s)
-    assert got.saved_bytes == round(one.saved_bytes / 2)
+    one, got, base = prof.units[1].timings[2], sp.units[1].timings[2], plain.units[1].timings[2]
+    assert got.forward_s == pytest.approx(base.forward_s)
+    assert got.backward_s == pytest.approx(base.backward_s + a_ag * 1000 * 2 + 2 * b_ag)
+    x = 1000 * 2 / one.saved_bytes
+    assert got.saved_bytes == round(one.saved_bytes * (x + (1 - x) / 2))
     assert got.output_bytes == round(one.output_bytes / 2)
-    assert sp.cuts[1].bytes_per_sample == round(prof.cuts[1].bytes_per_sample / 2)
-    assert sp.cuts[0] == prof.cuts[0]  # unit 0 is whole: its output is too
+    assert [c.bytes_per_sample for c in sp.cuts] == [314] * len(cuts)
+    assert [[x.bytes_per_sample for x in c.tensors] for c in sp.cuts] == [[250, 64]] * len(cuts)
+    assert plain.cuts == prof.cuts
 
 
 def test_measured_timings_are_used_as_they_stand() -> None:
