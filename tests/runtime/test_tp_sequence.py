@@ -119,6 +119,7 @@ def test_the_hidden_size_is_the_row_wise_projections_output() -> None:
         hidden_size(block, {"up": "rowwise", "down": "rowwise"})
 
 
+@pytest.mark.multirank
 def test_sequence_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
     """pp 2 x tp 2 with sequence parallelism on 4 ranks: the bundled GPT (fx graph, its
     LayerNorm modules made functional, its whole attention gathered and scattered back, stage 0
@@ -151,6 +152,7 @@ def test_sequence_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
         assert all(one["sequence"] for one in got), name
 
 
+@pytest.mark.multirank
 def test_a_sequence_the_tp_ranks_cannot_share_stops_the_run_in_one_line(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
