@@ -50,7 +50,6 @@ def profile_model(name: str, work: Path, max_stages: int) -> Path:
 
 
 def run_case(name: str, work: Path) -> list[dict[str, Any]]:
-    from pipeplan.planner.io import load_plan, load_report
 
     profile = profile_model(name, work, 2)
     rows = []
@@ -60,21 +59,30 @@ def run_case(name: str, work: Path) -> list[dict[str, Any]]:
             pipeplan("plan", str(profile), "--stages", "2", "--memory", "64GiB", "--microbatches",
                  "4", "--checkpoint", policy, "--schedule", schedule, "-o", str(plan))  # fmt: skip
             pipeplan("run", str(plan), "--warmup", "2", "--steps", "1", "--report", str(report))
-            p, r = load_plan(plan), load_report(report)
-            for stage, measured in zip(p.stages, r.stages):
-                row = {
-                    "model": name,
-                    "schedule": schedule,
-                    "policy": policy,
-                    "stage": stage.index,
-                    "m": p.microbatches,
-                    "predicted": stage.memory.total,
-                    "measured": measured.peak_memory_bytes,
-                    "resident": measured.resident_growth_bytes,
-                    "breakdown": stage.memory.model_dump(),
-                }
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+            rows += stage_rows(plan, report, model=name, schedule=schedule, policy=policy)
+    return rows
+
+
+def stage_rows(plan: Path, report: Path, **labels: Any) -> list[dict[str, Any]]:
+    """One row per stage of the plan file and the run report file: ``labels``, the stage,
+    m, predicted and measured peak, resident growth and the predicted breakdown; each
+    printed as a JSON line."""
+    from pipeplan.planner.io import load_plan, load_report
+
+    p, r = load_plan(plan), load_report(report)
+    rows = []
+    for stage, measured in zip(p.stages, r.stages, strict=True):
+        row = {
+            **labels,
+            "stage": stage.index,
+            "m": p.microbatches,
+            "predicted": stage.memory.total,
+            "measured": measured.peak_memory_bytes,
+            "resident": measured.resident_growth_bytes,
+            "breakdown": stage.memory.model_dump(),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 

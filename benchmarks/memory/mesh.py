@@ -14,13 +14,12 @@ gradients among them; the prediction is :mod:`pipeplan.planner.collectives`'.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import models_parser, pipeplan
 from benchmarks.memory.main import MODELS as ALL_MODELS
-from benchmarks.memory.main import error_table, profile_model, run_all, summary
+from benchmarks.memory.main import error_table, profile_model, run_all, stage_rows, summary
 
 HERE = Path(__file__).parent
 MODELS = {k: ALL_MODELS[k] for k in ("gpt", "mlp", "zoo llama")}
@@ -28,7 +27,7 @@ FAMILIES = ("gpipe", "1f1b")
 
 
 def run_case(name: str, work: Path) -> list[dict[str, Any]]:
-    from pipeplan.planner.io import load_plan, load_report
+    from pipeplan.planner.io import load_plan
 
     profile = profile_model(name, work, 2)
     batch = 2 * MODELS[name][2]
@@ -39,21 +38,9 @@ def run_case(name: str, work: Path) -> list[dict[str, Any]]:
                  "--memory", "64GiB", "--microbatches", "4", "--schedule", family,
                  "--global-batch-size", str(batch), "--no-calibration", "-o", str(plan))  # fmt: skip
         pipeplan("run", str(plan), "--warmup", "2", "--steps", "1", "--report", str(report))
-        p, r = load_plan(plan), load_report(report)
+        p = load_plan(plan)
         assert p.cluster.data_parallel_mode == "shard" and p.cluster.data_parallel == 2
-        for stage, measured in zip(p.stages, r.stages, strict=True):
-            row = {
-                "model": name,
-                "family": family,
-                "stage": stage.index,
-                "m": p.microbatches,
-                "predicted": stage.memory.total,
-                "measured": measured.peak_memory_bytes,
-                "resident": measured.resident_growth_bytes,
-                "breakdown": stage.memory.model_dump(),
-            }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        rows += stage_rows(plan, report, model=name, family=family)
     return rows
 
 

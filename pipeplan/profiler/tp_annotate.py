@@ -34,6 +34,11 @@ projection's.
   such as an attention kernel's statistics, the node that saved it, if sharded).  The
   profiler's own ``saved_bytes`` counts storages on the device; the fraction is of the same
   tensors counted on ``meta``.
+- ``sequence_saved_fraction``: S_q / S, the bytes of those saved only by nodes that sequence
+  parallelism runs on 1 / t of the sequence (a row-wise output, then every per-token op of
+  one, :func:`~pipeplan.intake.per_token.per_token`: the norms and residuals between the
+  sub-blocks).  A tensor that some other node saves too (a norm's output that the column-wise
+  projections save) is saved whole there, gathered, and is not counted.
 - ``allreduces``: the row-wise projections (one all-reduce each in the forward, one of the
   input's gradient in the backward); ``allreduce_bytes_per_sample``: their outputs' bytes / B.
 - ``allgather_bytes_per_sample``: a ``colwise_gather`` head's whole output / B, which its
@@ -65,6 +70,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipeplan.intake.graph import _module_info
 from pipeplan.intake.meta import MetaInterpreter, trace_meta
+from pipeplan.intake.per_token import per_token
 from pipeplan.intake.spec import ModelSpec, NamedInputs, cast_floating
 from pipeplan.intake.tp_layout import Layout, find_layout, is_head_table, unit_styles
 from pipeplan.intake.trace import TracedModel
@@ -120,8 +126,12 @@ class _NodeStats:
     sharded: bool = False
     split: bool = False
     """The node belongs to a split projection (its FLOPs are divided)."""
-    saved: list[tuple[int, int, bool]] = field(default_factory=list)
-    """(key of the base tensor, its bytes, whether a sharded node made it)."""
+    seq: bool = False
+    """Under sequence parallelism its output holds 1 / t of the sequence: a row-wise output, or
+    a per-token op (:func:`~pipeplan.intake.per_token.per_token`) of such a one."""
+    saved: list[tuple[int, int, bool, bool]] = field(default_factory=list)
+    """(key of the base tensor, its bytes, whether a sharded node made it, whether this node
+    saves it per token under sequence parallelism: its share of the sequence)."""
     out_bytes: int = 0
     in_bytes: int = 0
     """Its first argument's bytes (a split projection's input)."""
@@ -154,8 +164,11 @@ class _Walk(MetaInterpreter):
             stats.sharded = True
         elif style is None:
             stats.sharded = any(self.stats[a.name].sharded for a in n.all_input_nodes)
-        self.stats[n.name] = stats
         first = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
+        if style is None and any(self.stats[a.name].seq for a in n.all_input_nodes):
+            module = self.module.get_submodule(str(n.target)) if n.op == "call_module" else None
+            stats.seq = per_token(n, module, first.dim() if isinstance(first, Tensor) else None)
+        self.stats[n.name] = stats
         if style is not None and isinstance(first, Tensor):
             stats.in_bytes = first.numel() * first.element_size()
         self.current = stats
@@ -163,6 +176,8 @@ class _Walk(MetaInterpreter):
         out = super().run_node(n)
         stats.flops = self.counter.get_total_flops() - before
         self.current = None
+        if style == "rowwise" and isinstance(out, Tensor) and out.dim() == 3:
+            stats.seq = True
         for t in tree_leaves(out):
             if isinstance(t, Tensor):
                 base = _base(t)
@@ -176,7 +191,8 @@ class _Walk(MetaInterpreter):
         if self.current is not None and not (base.is_leaf and base.requires_grad):
             self.keep.append(base)
             sharded = self.made.get(id(base), self.current.sharded)
-            self.current.saved.append((id(base), base.numel() * base.element_size(), sharded))
+            nbytes = base.numel() * base.element_size()
+            self.current.saved.append((id(base), nbytes, sharded, self.current.seq))
         return t
 
     def walk(self, example: Sequence[Any]) -> dict[str, _NodeStats]:
@@ -236,15 +252,15 @@ def _unit_entry(
         if isinstance(t, Tensor)
     )
     total = split = 0
-    saved: dict[int, tuple[int, bool]] = {}
+    saved: dict[int, tuple[int, bool, bool]] = {}
     for name in nodes:
         s = stats[name]
         total += s.flops
         if s.split or s.sharded:
             split += s.flops
-        for key, nbytes, sharded in s.saved:
-            size, was = saved.get(key, (0, False))
-            saved[key] = (max(size, nbytes), was or sharded)
+        for key, nbytes, sharded, seq in s.saved:
+            size, was, every = saved.get(key, (0, False, True))
+            saved[key] = (max(size, nbytes), was or sharded, every and seq)
     rowwise = [m for m, st in styles.items() if st == "rowwise"]
     gathered = [m for m, st in styles.items() if st == "colwise_gather"]
 
@@ -255,8 +271,9 @@ def _unit_entry(
     out_bytes, gather_bytes = output_bytes(rowwise), output_bytes(gathered)
     firsts = [[n for n in nodes if path_of[n] == m] for m in gathered]
     gather_in = sum(stats[first[0]].in_bytes for first in firsts if first)
-    saved_total = sum(b for b, _ in saved.values())
-    saved_sharded = sum(b for b, sh in saved.values() if sh)
+    saved_total = sum(b for b, _, _ in saved.values())
+    saved_sharded = sum(b for b, sh, _ in saved.values() if sh)
+    saved_seq = sum(b for b, sh, seq in saved.values() if seq and not sh)
     divisors: dict[str, int] = {}
     if {m.rsplit(".", 1)[-1] for m in styles} & _ATTENTION:
         divisors = {k: v for k, v in layout.divisors.items() if k in ("heads", "kv_heads")}
@@ -272,6 +289,7 @@ def _unit_entry(
         sharded_param_bytes=sharded_params,
         sharded_flop_fraction=min(1.0, split / total) if total else 0.0,
         sharded_saved_fraction=min(1.0, saved_sharded / saved_total) if saved_total else 0.0,
+        sequence_saved_fraction=saved_seq / saved_total if saved_total else 0.0,
         allreduces=len(rowwise),
         allreduce_bytes_per_sample=-(-out_bytes // batch),
         allgather_bytes_per_sample=-(-gather_bytes // batch),

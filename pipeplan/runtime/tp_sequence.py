@@ -37,7 +37,6 @@ all-reduces and the row-wise output's all-gather.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -49,6 +48,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten
 
+from pipeplan.intake.per_token import per_token
 from pipeplan.intake.tp_layout import Style
 from pipeplan.planner.errors import InvalidRequestError
 
@@ -62,54 +62,7 @@ __all__ = [
     "shard_sequence",
 ]
 
-_aten = torch.ops.aten
 Kind = Literal["gather", "scatter", "reduce"]
-
-#: aten ops that act on each token alone whatever their arguments (beside the pointwise tag).
-_SAME = {
-    _aten._to_copy.default,
-    _aten.to.dtype,
-    _aten.to.dtype_layout,
-    _aten.clone.default,
-    _aten.alias.default,
-    _aten.detach.default,
-    _aten.dropout.default,
-    _aten.native_dropout.default,
-}
-#: aten reductions: per token where every reduced dimension is >= 2 (argument 1: the dims).
-_REDUCE = {
-    _aten.mean.dim,
-    _aten.sum.dim_IntList,
-    _aten.amax.default,
-    _aten.var.correction,
-    _aten.var_mean.correction,
-}
-#: aten norms over the trailing ``normalized_shape`` (argument 1).
-_NORMS = {_aten.native_layer_norm.default, _aten.layer_norm.default, _aten.rms_norm.default}
-#: torch.fx's python-level calls that act on each token alone.
-_FX_SAME: set[Callable[..., Any]] = {
-    operator.add,
-    operator.sub,
-    operator.mul,
-    operator.truediv,
-    operator.neg,
-    operator.pow,
-    torch.add,
-    torch.sub,
-    torch.mul,
-    torch.div,
-    torch.rsqrt,
-    torch.tanh,
-    torch.sigmoid,
-    torch.exp,
-    F.gelu,
-    F.relu,
-    F.silu,
-    F.dropout,
-}
-_FX_METHODS = {"to", "float", "half", "double", "type_as", "contiguous", "add", "mul", "sub",
-               "div", "pow", "rsqrt", "neg"}  # fmt: skip
-_FX_MODULES = (nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Identity)
 
 
 @dataclass(frozen=True)
@@ -300,12 +253,14 @@ def shard_sequence(
             continue
         if node.op == "call_module" and isinstance(
             body.get_submodule(str(node.target)), nn.LayerNorm | nn.RMSNorm
-        ):
+        ):  # made functional, so that its weights' partial gradients can be all-reduced
             node = _functional_norm(body, node)
             inputs = [a for a in _nodes(node) if isinstance(a, Node)]
             grads.update(a for a in inputs if a.op == "get_attr")
             grads.add(node)
-        if not _per_token(body, node):
+        module = body.get_submodule(str(node.target)) if node.op == "call_module" else None
+        first = _shape(node.args[0]) if node.args and isinstance(node.args[0], Node) else None
+        if not per_token(node, module, None if first is None else len(first)):
             gathered(node)
             continue
         sharded.add(node)
@@ -394,35 +349,6 @@ def _aligned(shape: tuple[int, ...] | None, out: tuple[int, ...] | None) -> int 
         return None
     dim = 1 - (len(out) - len(shape))
     return dim if dim >= 0 and shape[dim] == out[1] > 1 else None
-
-
-def _per_token(body: GraphModule, node: Node) -> bool:
-    """Whether ``node`` computes each token from that token alone (module docstring)."""
-    target = node.target
-    if target is operator.getitem:  # one result of a per-token op giving several
-        return not isinstance(node.args[0], Node) or _shape(node.args[0]) is None
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.pointwise in target.tags or target in _SAME:
-            return True
-        shape = _shape(node.all_input_nodes[0]) if node.all_input_nodes else None
-        if shape is None or len(node.args) < 2:
-            return False
-        if target in _REDUCE and isinstance(node.args[1], list | tuple):
-            return all(int(cast(int, d)) % len(shape) >= 2 for d in node.args[1])
-        if target in _NORMS and isinstance(node.args[1], list | tuple):
-            return len(shape) - len(node.args[1]) >= 2
-        return False
-    if node.op == "call_function":
-        if target is F.layer_norm or target is F.rms_norm:
-            shape = _shape(node.all_input_nodes[0])
-            norm = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
-            return shape is not None and len(shape) - len(tuple(norm)) >= 2  # type: ignore[arg-type]
-        return target in _FX_SAME
-    if node.op == "call_method":
-        return target in _FX_METHODS
-    if node.op == "call_module":
-        return isinstance(body.get_submodule(str(target)), _FX_MODULES)
-    return False
 
 
 def _functional_norm(body: GraphModule, node: Node) -> Node:

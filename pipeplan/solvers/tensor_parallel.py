@@ -27,10 +27,11 @@ intra-node link (``Cluster.intra_node_link``, else ``link``) with the formulas o
     I, W       = I s + c_B,  W s             (the all-reduces belong to I: zero-bubble split)
     recompute  = fc s + c_F (forward),  r s + c_F + c_B (backward: the recomputed forward's too)
     params     = (w - w_s) + w_s / t
-    saved      = a (1 - sigma + sigma / t); with sequence parallelism a (x + (1 - x) / t), x =
-                 min(X b / a, 1 - sigma): each sub-block's column-wise projections save their
-                 gathered input whole (X b in all), and the norms and residuals hold 1 / t of the
-                 sequence; ``weight_held_bytes`` and ``peak_bytes`` scale the same way
+    saved      = a (1 - sigma + sigma / t); with sequence parallelism a (1 - sigma - q +
+                 (sigma + q) / t), q the share that only per-token ops save (the norms and
+                 residuals between the sub-blocks; their output that the column-wise projections
+                 save is gathered, whole); ``weight_held_bytes`` and ``peak_bytes`` scale the
+                 same way, and a unit whose output is a row-wise one's keeps 1 / t of it
     largest    = max(big / t, min(big, w - w_s))       (the largest parameter is sharded, or
                  one of the whole ones: an upper bound either way)
 
@@ -136,14 +137,14 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     """One annotated unit's per-rank timing at size b, from its unsharded one (docstring)."""
     t = cluster.tensor_parallel
     s = 1.0 - ann.sharded_flop_fraction + ann.sharded_flop_fraction / t
-    keep = 1.0 - ann.sharded_saved_fraction + ann.sharded_saved_fraction / t
-    if cluster.sequence_parallel and timing.saved_bytes:
-        whole = min(ann.allreduce_bytes_per_sample * b / timing.saved_bytes,
-                    1.0 - ann.sharded_saved_fraction)  # fmt: skip
-        keep = whole + (1.0 - whole) / t
+    split = ann.sharded_saved_fraction
+    if cluster.sequence_parallel:
+        split = min(1.0, split + ann.sequence_saved_fraction)
+    keep = 1.0 - split + split / t
     per = ann.allreduce_bytes_per_sample * b / max(ann.allreduces, 1)  # one all-reduce's
     cols = sum(style == "colwise" for style in ann.styles.values())
     heads = sum(style == "colwise_gather" for style in ann.styles.values())
+    hidden = cluster.sequence_parallel and ann.allreduces > 0 and not heads  # ends row-wise
     host = cluster.tp_op_overhead_s * len(ann.styles)
     # the solvers divide a profile's seconds by the device's speed, not a link's: stored times
     # the fastest device's speed, each rank pays c (at least c on a slower device)
@@ -175,9 +176,7 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
             "saved_bytes": _scale(timing.saved_bytes, keep),
             "weight_held_bytes": _scale(timing.weight_held_bytes, keep),
             "peak_bytes": _scale(timing.peak_bytes, keep),
-            "output_bytes": _scale(timing.output_bytes, 1.0 / t)
-            if cluster.sequence_parallel
-            else timing.output_bytes,
+            "output_bytes": _scale(timing.output_bytes, 1.0 / t) if hidden else timing.output_bytes,
         }
     )
 

@@ -62,6 +62,24 @@ def test_a_llama_block_shards_its_seven_projections_exactly() -> None:
     assert profile.tensor_parallel_note is None
 
 
+def test_sequence_parallelism_divides_what_only_per_token_ops_save() -> None:
+    """Per token, an RMSNorm saves its input, its rsqrt and the normalised value (2 d + 1
+    floats), all per token; the projections after it save its output whole (gathered under
+    sequence parallelism).  So the head's unit (the final norm, the head reading its output)
+    has q = (2 d + 1) / (3 d + 1); layer 0's first norm reads the embedding whole (no row-wise
+    output before it), so layer 0 has half of layer 1's q (two norms on the sequence's share)."""
+    d = 32
+    profile = _profile("pipeplan.models.zoo:llama", n_layers=2, d_model=d, seq_len=16)
+    head = [u for u in profile.units if u.name.endswith("lm_head")][-1].tensor_parallel
+    assert head is not None and head.sequence_saved_fraction == pytest.approx(
+        (2 * d + 1) / (3 * d + 1)
+    )
+    first, second = (_unit(profile, f"model.layers.{i}").tensor_parallel for i in (0, 1))
+    assert first is not None and second is not None
+    assert second.sequence_saved_fraction == pytest.approx(2 * first.sequence_saved_fraction)
+    assert 0 < second.sequence_saved_fraction < 1 - second.sharded_saved_fraction
+
+
 def test_the_flop_fraction_is_the_hand_count_where_the_head_is_in_the_unit() -> None:
     d, seq = 32, 16
     profile = _profile("pipeplan.models.zoo:llama", n_layers=1, d_model=d, seq_len=seq)

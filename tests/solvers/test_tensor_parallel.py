@@ -141,15 +141,18 @@ def test_a_faster_device_pays_the_collectives_as_they_are() -> None:
 
 def test_sequence_parallel_splits_the_rest_and_the_cuts() -> None:
     """Reduce-scatter + all-gather cost what the all-reduce does on a ring, and the backward
-    adds the row-wise outputs' all-gathers (2 of 500 b bytes); the saved bytes keep the
-    column-wise projections' gathered inputs (X b = 1000 b bytes) whole and divide the rest by
-    t; the outputs are divided by t, and at every cut the hidden states (tensors of a row-wise
-    output's 500 bytes per sample), not the others."""
+    adds the row-wise outputs' all-gathers (2 of 500 b bytes); the saved bytes divide the
+    sub-blocks' share (0.6) and the per-token ops' (0.25) by t and keep the rest; a unit
+    ending row-wise sends 1 / t of its output, and at every cut the hidden states (tensors of a
+    row-wise output's 500 bytes per sample), not the others."""
     prof = annotated(synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3))
+    units = [u.model_copy(update={"tensor_parallel": u.tensor_parallel.model_copy(
+                update={"sequence_saved_fraction": 0.25})}) if u.tensor_parallel else u
+             for u in prof.units]  # fmt: skip
     cuts = [c.model_copy(update={"tensors": (CutTensor(node="h", bytes_per_sample=500),
                                              CutTensor(node="mask", bytes_per_sample=64)),
                                  "bytes_per_sample": 564}) for c in prof.cuts]  # fmt: skip
-    prof = prof.model_copy(update={"cuts": tuple(cuts)})
+    prof = prof.model_copy(update={"cuts": tuple(cuts), "units": tuple(units)})
     plain, sp = tp_profile(prof, _cluster(2)), tp_profile(prof, _cluster(2, sp=True))
     (a_ar, b_ar) = ring_cost(INTRA, 2, "all_reduce")
     (a_rs, b_rs), (a_ag, b_ag) = (
@@ -160,8 +163,8 @@ def test_sequence_parallel_splits_the_rest_and_the_cuts() -> None:
     one, got, base = prof.units[1].timings[2], sp.units[1].timings[2], plain.units[1].timings[2]
     assert got.forward_s == pytest.approx(base.forward_s)
     assert got.backward_s == pytest.approx(base.backward_s + a_ag * 1000 * 2 + 2 * b_ag)
-    x = 1000 * 2 / one.saved_bytes
-    assert got.saved_bytes == round(one.saved_bytes * (x + (1 - x) / 2))
+    assert got.saved_bytes == round(one.saved_bytes * (0.15 + 0.85 / 2))
+    assert base.saved_bytes == round(one.saved_bytes * (0.4 + 0.6 / 2))
     assert got.output_bytes == round(one.output_bytes / 2)
     assert [c.bytes_per_sample for c in sp.cuts] == [314] * len(cuts)
     assert [[x.bytes_per_sample for x in c.tensors] for c in sp.cuts] == [[250, 64]] * len(cuts)

@@ -126,9 +126,8 @@ class Cluster(FrozenModel):
     (attention and MLP projections column-wise, then row-wise; :mod:`pipeplan.solvers.tensor_parallel`).
     A stage runs on t d ranks; its t tensor-parallel ranks lie in one node."""
     sequence_parallel: bool = False
-    """With t > 1: the norms and residuals between the blocks' projections run on 1 / t of the
-    sequence (Megatron's ``--sequence-parallel``, torch's ``SequenceParallel``): each all-reduce
-    becomes a reduce-scatter and an all-gather, and the activations there are divided by t."""
+    """With t > 1: the ops between the blocks' projections run on 1 / t of the sequence
+    (Megatron's ``--sequence-parallel``; :mod:`pipeplan.runtime.tp_sequence`)."""
     devices_per_node: int | None = Field(default=None, ge=1)
     """K: devices in one node.  Tensor-parallel groups stay inside a node (t <= K); ``None``: one
     node holds every device."""

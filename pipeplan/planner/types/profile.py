@@ -88,9 +88,8 @@ TensorParallelStyle = Literal["colwise", "rowwise", "colwise_gather"]
 
 
 class UnitTensorParallel(FrozenModel):
-    """How one unit splits over t tensor-parallel ranks (``pipeplan.intake.tp_layout``
-    finds it, ``pipeplan.profiler`` measures it; :mod:`pipeplan.solvers.tensor_parallel`
-    prices it).
+    """How one unit splits over t tensor-parallel ranks (``pipeplan.intake.tp_layout`` finds
+    it, ``pipeplan.profiler`` measures it; :mod:`pipeplan.solvers.tensor_parallel` prices it).
 
     Megatron's split of a transformer block: the projections that open a sub-block (query,
     key, value; gate and up) column-wise, the ones that close it (output; down) row-wise, so
@@ -112,6 +111,8 @@ class UnitTensorParallel(FrozenModel):
     attention between them)."""
     sharded_saved_fraction: float = Field(default=0.0, ge=0, le=1)
     """Of the unit's ``saved_bytes``, the share divided by t (what the split sub-blocks save)."""
+    sequence_saved_fraction: float = Field(default=0.0, ge=0, le=1)
+    """The share sequence parallelism divides too (what per-token ops save; 0 if not known)."""
     allreduces: int = Field(default=0, ge=0)
     """All-reduces per forward (one per row-wise projection), as many again in the backward."""
     allreduce_bytes_per_sample: int = Field(default=0, ge=0)
