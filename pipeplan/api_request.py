@@ -283,6 +283,7 @@ def plan_request(
     devices_per_node: int | None = None,
     tensor_parallel: int | None = None,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
     intra_bandwidth: float | str | None = None,
     intra_latency: float | str | None = None,
     **options: Any,
@@ -314,7 +315,8 @@ def plan_request(
     (default: the cluster file's) with ``devices`` weighs every tensor-parallel degree t
     dividing K as well (:func:`pipeplan.solvers.devices.tensor_degrees`); ``tensor_parallel``
     fixes t (with ``stages`` p alone, the plan runs p x t devices); ``sequence_parallel``
-    splits the norms' sequence too.  ``intra_bandwidth`` and ``intra_latency`` are the
+    splits the norms' sequence too, ``loss_parallel`` has the loss read a vocabulary-split
+    head's logits split.  ``intra_bandwidth`` and ``intra_latency`` are the
     intra-node link's (default: the cluster file's ``intra_node_link``, else ``bandwidth`` and
     ``latency``).  A profile whose units carry no split is annotated first
     (:func:`_annotated`), when its model can be built.  Raises
@@ -361,19 +363,26 @@ def plan_request(
         cluster=cluster,
         calibrated=found[0] if found else None,
     )
-    clus = _with_nodes(clus, devices_per_node, sequence_parallel, intra_bandwidth, intra_latency)
+    clus = _with_nodes(
+        clus, devices_per_node, sequence_parallel, loss_parallel, intra_bandwidth, intra_latency
+    )
+    wanted = "--sequence-parallel" if sequence_parallel else "--loss-parallel"
     degrees: tuple[int, ...] = (1,)
     skipped: tuple[tuple[int, str], ...] = ()
-    if devices is None and sequence_parallel:
-        raise InvalidRequestError("--sequence-parallel needs --tensor-parallel above 1")
+    if devices is None and (sequence_parallel or loss_parallel):
+        raise InvalidRequestError(f"{wanted} needs --tensor-parallel above 1")
     if devices is not None:
         from pipeplan.solvers.devices import tensor_degrees
 
         if (t_fixed or 1) > 1 or (t_fixed is None and clus.devices_per_node is not None):
             prof = _annotated(prof)
         degrees, skipped = tensor_degrees(prof, devices, clus, t_fixed)
-        if sequence_parallel and max(degrees) == 1:
-            raise InvalidRequestError("--sequence-parallel needs --tensor-parallel above 1")
+        if (sequence_parallel or loss_parallel) and max(degrees) == 1:
+            raise InvalidRequestError(f"{wanted} needs --tensor-parallel above 1")
+        if loss_parallel:
+            from pipeplan.solvers.tensor_parallel import check_loss_parallel
+
+            check_loss_parallel(prof)
     return PlanRequest(
         prof,
         clus,
@@ -393,12 +402,16 @@ def _with_nodes(
     cluster: Cluster,
     devices_per_node: int | None,
     sequence_parallel: bool,
+    loss_parallel: bool,
     intra_bandwidth: float | str | None,
     intra_latency: float | str | None,
 ) -> Cluster:
-    """``cluster`` with the request's node size, intra-node link and sequence parallelism
-    (each option overriding the cluster file's field)."""
-    update: dict[str, Any] = {"sequence_parallel": sequence_parallel or cluster.sequence_parallel}
+    """``cluster`` with the request's node size, intra-node link, sequence and loss
+    parallelism (each option overriding the cluster file's field)."""
+    update: dict[str, Any] = {
+        "sequence_parallel": sequence_parallel or cluster.sequence_parallel,
+        "loss_parallel": loss_parallel or cluster.loss_parallel,
+    }
     if devices_per_node is not None:
         update["devices_per_node"] = devices_per_node
     if intra_bandwidth is not None or intra_latency is not None:

@@ -220,10 +220,11 @@ def plan(
         ),
     ] = None,
     sequence_parallel: Annotated[
+        bool, typer.Option(help="With t > 1: split the norms' sequence too (Megatron's).")
+    ] = False,
+    loss_parallel: Annotated[
         bool,
-        typer.Option(
-            help="With t > 1: split the norms' sequence too (Megatron's --sequence-parallel)."
-        ),
+        typer.Option(help="With t > 1: the loss reads a vocabulary-split head's logits split."),
     ] = False,
     intra_bandwidth: Annotated[
         str | None,
@@ -319,6 +320,7 @@ def plan(
         devices_per_node=devices_per_node,
         tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
         intra_bandwidth=intra_bandwidth,
         intra_latency=intra_latency,
         microbatches=None if microbatches == "auto" else int(microbatches),

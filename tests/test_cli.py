@@ -643,6 +643,35 @@ def test_plan_with_a_fixed_tensor_parallel_degree(
     assert "2 tensor-parallel ranks per pipeline rank (sequence parallel)" in out
 
 
+def test_plan_with_loss_parallel(tmp_path: Path, split_profile_file: Path, cli) -> None:
+    """--loss-parallel on a profile whose last unit is a head split over the vocabulary: the
+    plan records it and says so, and its last stage is charged the split loss (less memory
+    than the same plan with the logits gathered)."""
+    from pipeplan.planner.io import load_profile
+    from pipeplan.planner.types import Timing, UnitTensorParallel
+
+    prof = load_profile(split_profile_file)
+    head = UnitTensorParallel(
+        styles={"lm_head": "colwise_gather"}, divisors={"lm_head features": 64},
+        sharded_param_bytes=0, sharded_flop_fraction=1.0, allgather_bytes_per_sample=1 << 20,
+        gather_input_bytes_per_sample=2048)  # fmt: skip
+    last = prof.units[-1].model_copy(update={"tensor_parallel": head})
+    loss = {b: Timing(forward_s=1e-3, backward_s=1e-3, saved_bytes=b << 20, output_bytes=4)
+            for b in prof.units[0].timings}  # fmt: skip
+    path = tmp_path / "head.json"
+    write_json(path, prof.model_copy(update={"units": (*prof.units[:-1], last), "loss": loss}))
+    plans = []
+    for extra in ("", " --loss-parallel"):
+        out_file = tmp_path / f"plan{len(plans)}.json"
+        options = f"--stages 2 --tensor-parallel 2 --memory 1GiB --microbatches 4{extra}"
+        code, out, err = cli(cli_argv("plan", path, out_file, options))
+        assert code == 0, err
+        plans.append(load_plan(out_file))
+    assert plans[1].cluster.loss_parallel and not plans[0].cluster.loss_parallel
+    assert "2 tensor-parallel ranks per pipeline rank (loss parallel)" in out
+    assert plans[1].stages[-1].memory.total < plans[0].stages[-1].memory.total
+
+
 def test_a_profile_without_split_plans_tensor_parallel_1_and_says_why(
     tmp_path: Path, profile_file: Path, cli
 ) -> None:
@@ -668,6 +697,9 @@ TP_BAD = [
      "--tensor-parallel 3 does not divide --devices-per-node 8"),
     (["--stages", "2", "--tensor-parallel", "0"], "--tensor-parallel 0 must be at least 1"),
     (["--stages", "2", "--sequence-parallel"], "--sequence-parallel needs --tensor-parallel above 1"),
+    (["--stages", "2", "--loss-parallel"], "--loss-parallel needs --tensor-parallel above 1"),
+    (["--stages", "2", "--tensor-parallel", "2", "--loss-parallel"],
+     "--loss-parallel needs a head split over the vocabulary"),
     (["--devices", "4", "--devices-per-node", "0"], "--devices-per-node 0 must be at least 1"),
     (["--devices", "4", "--intra-bandwidth", "fast"], "bandwidth 'fast'"),
 ]  # fmt: skip

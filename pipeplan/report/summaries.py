@@ -135,5 +135,6 @@ def cluster_tables(cluster: Cluster) -> list[Table | str]:
             f"data parallel {cluster.data_parallel} ({cluster.data_parallel_mode}), tensor "
             f"parallel {cluster.tensor_parallel}"
             + (", sequence parallel" if cluster.sequence_parallel else "")
+            + (", loss parallel" if cluster.loss_parallel else "")
         )
     return out

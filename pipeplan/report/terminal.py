@@ -130,6 +130,7 @@ def tensor_parallel_note(p: Plan) -> str:
     return (
         f"{c.tensor_parallel} tensor-parallel ranks per pipeline rank"
         + (" (sequence parallel)" if c.sequence_parallel else "")
+        + (" (loss parallel)" if c.loss_parallel else "")
         + f": blocks split Megatron-style, their collectives on the intra-node link "
         f"({rate(intra)}); pipeline transfers at {rate(c.link)}"
         + (

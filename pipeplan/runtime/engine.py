@@ -69,10 +69,11 @@ from pipeplan.runtime.gradsync import (
     sum_tied,
     tied_groups,
 )
-from pipeplan.runtime.loss import StageLoss
+from pipeplan.runtime.loss import StageLoss, VocabSplit, vocab_size
 from pipeplan.runtime.measured_stage import FaultHook, MeasuredStage
 from pipeplan.runtime.memory import TensorPeak, held_bytes
 from pipeplan.runtime.mesh import (
+    local,
     plan_mesh,
     shard_stage_modules,
     split_stage_modules,
@@ -173,6 +174,7 @@ class PipelineRunner:
         """Whether FSDP2 shards the rank's stages over the dp group (:mod:`~pipeplan.runtime.mesh`)."""
         styles = tensor_parallel_styles(spec.module, t) if t > 1 else {}
         hidden = hidden_size(spec.module, styles) if t > 1 and plan.cluster.sequence_parallel else 0
+        vocab = vocab_size(spec.module, styles) if t > 1 and plan.cluster.loss_parallel else 0
         self.plan, self.rank, self.device = plan, rank, device
         self.dtype = _dtype(plan.dtype)
         module = cast_floating(spec.module, self.dtype)
@@ -238,7 +240,10 @@ class PipelineRunner:
             return tuple(t.to(device).requires_grad_(t.requires_grad) for t in ts)
 
         self.timer = StepTimer(device)
-        self.loss = StageLoss(spec.loss, programs[n - 1].module, self.timer, rank)
+        split = VocabSplit.of(self.mesh.tp_mesh, vocab, programs[n - 1].example_outputs)
+        self.loss = StageLoss(
+            spec.loss, programs[n - 1].module, self.timer, rank, split if vocab else None
+        )
         """The model's loss on the last stage's output: the schedule's ``loss_fn``."""
         bodies: list[nn.Module] = [
             Recompute(body) if plan.stages[s].recompute else body
@@ -252,6 +257,7 @@ class PipelineRunner:
                     SequenceRole(hidden, pr.module.received if pr.index else (), pr.index == n - 1)
                     if hidden
                     else None,
+                    bool(vocab) and pr.index == n - 1,
                 )
                 for pr in mine
             ]
@@ -277,7 +283,9 @@ class PipelineRunner:
                 n,
                 device,
                 input_args=sent(pr.example_inputs, pr.index == 0),
-                output_args=sent(pr.example_outputs, pr.index == n - 1),
+                output_args=split.local(to_dev(pr.example_outputs))
+                if vocab and pr.index == n - 1
+                else sent(pr.example_outputs, pr.index == n - 1),
                 group=self.pp_group,
             )
             stage.timer, stage.fault, stage.step_index = self.timer, fault, 0
@@ -286,6 +294,12 @@ class PipelineRunner:
             )
             self.stages.append(stage)
         self.stage = self.stages[0]
+        if vocab and self.is_last:  # the model's loss on split logits, checked once
+            pr = programs[n - 1]
+            with torch.no_grad(), preserved_buffers(pr.module):
+                outs = pr.module(*sent(pr.example_inputs, pr.index == 0))
+            target = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, device)[1]
+            split.check(self.loss, outs, target)
         del programs, mine
         schedule_cls = getattr(schedules, FAMILIES[plan.schedule].torch_class)
         self.unscaled = v > 1
@@ -354,7 +368,9 @@ class PipelineRunner:
         losses: list[Tensor] = []
         if self.is_last:
             kwargs.update(target=target, losses=losses)
-        self.schedule.step(*args, **kwargs)
+        split = self.loss.split if self.is_last else None
+        with split.context() if split is not None else contextlib.nullcontext():
+            self.schedule.step(*args, **kwargs)
         if self.unscaled:
             divide_microbatches(self.params, self.plan.microbatches)
         if self.tied_groups:
@@ -365,7 +381,7 @@ class PipelineRunner:
                 average_replicas(self.params, self.dp_group, self.replicas)
         if not self.is_last:
             return None
-        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        loss = torch.stack([local(loss.detach()) for loss in losses]).mean()
         if self.dp_group is not None:  # the global batch's mean over the replicas' shares
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dp_group)
             loss = loss / self.replicas

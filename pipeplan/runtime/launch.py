@@ -111,9 +111,15 @@ def preflight(
     on_meta = _param_bytes(plan) > REAL_BUILD_BYTES
     spec = load_model(model or plan.model, kwargs, meta=on_meta)
     if plan.cluster.tensor_parallel > 1:  # the model must split t ways: one line, exit 2
+        from pipeplan.runtime.loss import vocab_size
         from pipeplan.runtime.mesh import tensor_parallel_styles
+        from pipeplan.runtime.tp_sequence import hidden_size
 
-        tensor_parallel_styles(spec.module, plan.cluster.tensor_parallel)
+        styles = tensor_parallel_styles(spec.module, plan.cluster.tensor_parallel)
+        if plan.cluster.sequence_parallel:
+            hidden_size(spec.module, styles)
+        if plan.cluster.loss_parallel:
+            vocab_size(spec.module, styles)
     dtype = getattr(torch, plan.dtype)
     module = cast_floating(spec.module, dtype)
     inputs, _ = cast_batch(*spec.batch(plan.microbatch_size), dtype, torch.device("cpu"))

@@ -122,15 +122,16 @@ def tensor_parallel_styles(module: nn.Module, t: int) -> dict[str, Style]:
 
 
 def split_stage_modules(
-    bodies: Sequence[tuple[GraphModule, Sequence[Any], SequenceRole | None]],
+    bodies: Sequence[tuple[GraphModule, Sequence[Any], SequenceRole | None, bool]],
     modules: Sequence[nn.Module],
     mesh: PlanMesh,
     styles: dict[str, Style],
     names: dict[int, str],
     root: nn.Module,
 ) -> dict[int, str]:
-    """Split each stage body (with the values one micro-batch passes it, and its role for
-    sequence parallelism where the plan has it) over ``mesh``'s tp dimension by ``styles``
+    """Split each stage body (with the values one micro-batch passes it, its role for
+    sequence parallelism where the plan has it, and whether the loss reads its logits split)
+    over ``mesh``'s tp dimension by ``styles``
     (:func:`pipeplan.runtime.tp_stages.split_stage_body`; collective over the tp group).  The split linears' parameters become
     :class:`~torch.distributed.tensor.DTensor` parameters, so ``names`` (parameter id -> the
     model's qualified name) is returned for the rank's ``modules`` as they are now, and each
@@ -141,9 +142,9 @@ def split_stage_modules(
     from pipeplan.runtime.tp_stages import split_stage_body
 
     by_path = _paths(modules, names)
-    for body, example, sequence in bodies:
+    for body, example, sequence, loss_parallel in bodies:
         with preserved_buffers(body):  # the split runs the body once: leave no trace of it
-            split_stage_body(body, styles, mesh.tp_mesh, example, sequence)
+            split_stage_body(body, styles, mesh.tp_mesh, example, sequence, loss_parallel)
     return {**names, **_renamed(modules, by_path, root)}
 
 

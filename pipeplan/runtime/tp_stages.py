@@ -75,13 +75,15 @@ def split_stage_body(
     tp_mesh: Any,
     example_inputs: Sequence[Any],
     sequence: SequenceRole | None = None,
+    loss_parallel: bool = False,
 ) -> int:
     """Split ``body`` in place over ``tp_mesh`` (module docstring) by ``styles`` (qualified
     ``nn.Linear`` name -> style; those not in the body are ignored); ``example_inputs`` are
     the unsplit values one micro-batch passes it (every tp rank the same).  With ``sequence``,
     the ops outside the split projections run on this rank's share of the sequence
-    (:func:`pipeplan.runtime.tp_sequence.shard_sequence`).  Collective over the tp group.
-    Returns the number of linears split."""
+    (:func:`pipeplan.runtime.tp_sequence.shard_sequence`).  With ``loss_parallel`` a head split
+    over the vocabulary leaves its logits split (``Shard(-1)``), for the loss to read so.
+    Collective over the tp group.  Returns the number of linears split."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -98,6 +100,12 @@ def split_stage_body(
         ShapeProp(body).propagate(*example_inputs)
     plan: dict[str, ParallelStyle] = {name: parallel_style(style) for name, style in mine.items()}
     plan.update((name, ColwiseParallel()) for name in tables)  # its columns are the heads
+    if loss_parallel:
+        plan.update(
+            (name, ColwiseParallel(output_layouts=Shard(-1)))
+            for name, style in mine.items()
+            if style == "colwise_gather"
+        )
     rank, t = tp_mesh.get_local_rank(), tp_mesh.size()
     local, keep = list(example_inputs), set()
     if sequence is not None:
@@ -111,7 +119,7 @@ def split_stage_body(
     if plan:
         parallelize_module(body, tp_mesh, plan)
     _local_attention_masks(body, rank, t)
-    _localise_shapes(body, local, tp_mesh.get_group(), keep)
+    _localise_shapes(body, local, tp_mesh.get_group(), keep, vocab=loss_parallel)
     return len(mine)
 
 
@@ -325,13 +333,19 @@ class _Localiser(Interpreter):
 
 
 def _localise_shapes(
-    body: GraphModule, example_inputs: Sequence[Any], group: Any, keep: set[Node]
+    body: GraphModule,
+    example_inputs: Sequence[Any],
+    group: Any,
+    keep: set[Node],
+    *,
+    vocab: bool = False,
 ) -> None:
     """Rewrite the body's baked sizes for one rank's share (:class:`_Localiser`); an output
     that leaves the stage holding only this rank's heads (T5's position bias, handed from
     layer to layer) is gathered whole over ``group`` (:class:`_GatherHeads`), so that every
-    output but those in ``keep`` (this rank's share of the sequence, sent so) has its unsplit
-    shape, which the next stage's receive expects."""
+    output but those in ``keep`` (this rank's share of the sequence, sent so) and, with
+    ``vocab``, those split in their last dimension only (logits for a parallel loss) has its
+    unsplit shape, which the next stage's receive expects."""
     localiser = _Localiser(body)  # an Interpreter: it runs the graph, not the compiled code
     try:
         with torch.no_grad():
@@ -354,6 +368,8 @@ def _localise_shapes(
         if hasattr(body, f"_gather_heads_{node.name}"):  # the same node output twice
             continue
         dims = [d for d, (g, loc) in enumerate(zip(want, value.shape, strict=False)) if g != loc]
+        if vocab and dims == [len(want) - 1] and len(value.shape) == len(want):
+            continue
         if len(value.shape) != len(want) or len(dims) != 1 or want[dims[0]] % value.shape[dims[0]]:
             raise InvalidRequestError(
                 f"tensor parallelism: node {node.name} gives {list(value.shape)} on each rank, "

@@ -59,13 +59,17 @@ a sub-block, or T5's position bias) are all-gathered before they are sent and th
 reduce-scattered: charged as that many more bytes on the stage link, which bounds the
 all-gather's bandwidth term, (t - 1) / t of them on the intra-node link, from above on a link
 no faster than it; its t - 1 latencies are not charged.
-Left whole, an upper bound: the loss (no loss-parallel split), tied parameters' copies, the
+With ``loss_parallel`` a vocabulary-split head's logits are not gathered (its c_F loses the
+all-gather; the unit's output is 1 / t), and the loss's compute and bytes are 1 / t, plus three
+all-reduces of one float per token in its forward.
+Left whole, an upper bound: the loss (without ``loss_parallel``), tied parameters' copies, the
 optimizer step's curve (evaluated at the per-rank bytes, which the smaller parameters make
 cheaper, as a rank updates only its shard).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pipeplan.planner.collectives import Collective, ring_cost
@@ -84,6 +88,21 @@ __all__ = [
 def is_annotated(profile: Profile) -> bool:
     """Whether any unit of ``profile`` splits over tensor-parallel ranks."""
     return any(u.tensor_parallel is not None for u in profile.units)
+
+
+def check_loss_parallel(profile: Profile) -> None:
+    """Raise :class:`InvalidRequestError` unless a unit of ``profile`` holds a head split over
+    the vocabulary (a ``colwise_gather`` style), whose logits the loss can read split."""
+    if not any(
+        "colwise_gather" in u.tensor_parallel.styles.values()
+        for u in profile.units
+        if u.tensor_parallel is not None
+    ):
+        raise InvalidRequestError(
+            "--loss-parallel needs a head split over the vocabulary (an untied output "
+            "projection the model's layout splits), and this profile has none; plan without "
+            "--loss-parallel"
+        )
 
 
 def check_tensor_parallel(profile: Profile, t: int) -> None:
@@ -145,11 +164,16 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     cols = sum(style == "colwise" for style in ann.styles.values())
     heads = sum(style == "colwise_gather" for style in ann.styles.values())
     hidden = cluster.sequence_parallel and ann.allreduces > 0 and not heads  # ends row-wise
+    hidden = hidden or (cluster.loss_parallel and heads > 0)  # the logits, split
     host = cluster.tp_op_overhead_s * len(ann.styles)
     # the solvers divide a profile's seconds by the device's speed, not a link's: stored times
     # the fastest device's speed, each rank pays c (at least c on a slower device)
     speed = max(d.speed for d in cluster.devices)
-    gather = collective_s(cluster, ann.allgather_bytes_per_sample * b, heads, "gather")
+    gather = (
+        0.0
+        if cluster.loss_parallel  # the loss reads the logits split
+        else collective_s(cluster, ann.allgather_bytes_per_sample * b, heads, "gather")
+    )
     head_in = collective_s(cluster, ann.gather_input_bytes_per_sample * b, heads)
     c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + gather + host) * speed
     rows = ann.allreduces if cluster.sequence_parallel else 0  # reduce-scatters' backward
@@ -241,7 +265,45 @@ def tp_profile(profile: Profile, cluster: Cluster) -> Profile:
             if u.tensor_parallel is not None and u.tensor_parallel.allreduces
         }
         cuts = tuple(_sequence_cut(c, hidden, t) for c in cuts)
-    return profile.model_copy(update={"units": units, "cuts": cuts})
+    loss = profile.loss
+    if cluster.loss_parallel:
+        loss = {b: _split_loss(timing, units, b, cluster) for b, timing in loss.items()}
+    return profile.model_copy(update={"units": units, "cuts": cuts, "loss": loss})
+
+
+def _split_loss(timing: Timing, units: Sequence[Unit], b: int, cluster: Cluster) -> Timing:
+    """The loss on 1 / t of the vocabulary (torch's ``loss_parallel``): its compute and
+    bytes divided by t, plus the forward's three all-reduces of one float per token (the
+    maximum, the sum of exponentials, the target's logit)."""
+    t, speed = cluster.tensor_parallel, max(d.speed for d in cluster.devices)
+    heads = [u.tensor_parallel for u in units if u.tensor_parallel is not None]
+    per_token = max(
+        (
+            a.allgather_bytes_per_sample / size
+            for a in heads
+            for name, style in a.styles.items()
+            if style == "colwise_gather"
+            for dim, size in a.divisors.items()
+            if dim.startswith(name.rsplit(".", 1)[-1])
+        ),
+        default=0.0,
+    )
+    c = collective_s(cluster, 3 * per_token * b, 3) * speed
+
+    def part(x: float | None) -> float | None:
+        return None if x is None else x / t
+
+    return timing.model_copy(
+        update={
+            "forward_s": timing.forward_s / t + c,
+            "backward_s": timing.backward_s / t,
+            "backward_input_s": part(timing.backward_input_s),
+            "backward_weight_s": part(timing.backward_weight_s),
+            "saved_bytes": _scale(timing.saved_bytes, 1.0 / t),
+            "output_bytes": _scale(timing.output_bytes, 1.0 / t),
+            "peak_bytes": _scale(timing.peak_bytes, 1.0 / t),
+        }
+    )
 
 
 def source_note(profile: Profile, t: int) -> str:

@@ -137,9 +137,11 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         if "tp" in model:  # the stages split over that many tensor-parallel ranks
             cluster = plan.cluster.model_copy(update={"tensor_parallel": model["tp"]})
             plan = plan.model_copy(update={"cluster": cluster})
-        if cfg.get("sequence_parallel"):  # the tp ranks split the sequence outside the blocks
-            cluster = plan.cluster.model_copy(update={"sequence_parallel": True})
-            plan = plan.model_copy(update={"cluster": cluster})
+        for split in ("sequence_parallel", "loss_parallel"):  # the sequence, the loss's logits
+            if cfg.get(split):
+                plan = plan.model_copy(
+                    update={"cluster": plan.cluster.model_copy(update={split: True})}
+                )
         if "mode" in cfg:  # replicate or shard (FSDP2) over the replicas
             plan = plan.model_copy(
                 update={
@@ -172,6 +174,7 @@ def _run_model(model: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
             "tied": [(t.name, t.stages) for t in runner.tied],
             "recomputed": isinstance(runner.stage.submod, Recompute),
             "buffers": _stage_buffers(spec.module, runner.stage_module),
+            "sent": [tuple(m.shape) for st in runner.stages for m in st._user_meta.outputs or ()],
             "received": [
                 tuple(m.shape)
                 for st in runner.stages
@@ -264,6 +267,30 @@ def reference(
         opt.step()
     params = {k: p.detach().clone() for k, p in named.items()}
     return losses[0], grads, params, losses
+
+
+def refused_run(
+    model: tuple[str, dict[str, Any]], folder: Path, capsys: Any, **cluster: Any
+) -> str:
+    """A one-stage float32 plan of ``model`` (batch 4, m = 2) with ``cluster``'s fields, run by
+    ``pipeplan run``: it must stop with status 2 and one line, no traceback; that line."""
+    from pipeplan.cli import main
+    from pipeplan.planner.io import write_json
+
+    spec = load_model(*model)
+    traced = trace_model(spec.module, spec.batch(2)[0])
+    plan = make_plan(*model, traced, starts=[0], batch_size=4, microbatches=2, dtype="float32")
+    path = folder / "plan.json"
+    write_json(path, plan.model_copy(update={"cluster": plan.cluster.model_copy(update=cluster)}))
+    try:
+        main(["run", str(path), "--steps", "1"])
+    except SystemExit as exc:
+        assert exc.code == 2, exc.code
+    else:
+        raise AssertionError("the run did not stop")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return " ".join(err.split())
 
 
 def chunked(plan: Plan, schedule: str, p: int) -> Plan:

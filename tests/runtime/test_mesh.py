@@ -11,12 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from _runtime_jobs import launch_job, make_plan, reference
-
-from pipeplan.cli import main
-from pipeplan.intake.model import load_model
-from pipeplan.intake.trace import trace_model
-from pipeplan.planner.io import write_json
+from _runtime_jobs import launch_job, reference, refused_run
 
 pytestmark = pytest.mark.multirank
 
@@ -216,14 +211,4 @@ def test_a_plan_whose_model_cannot_split_t_ways_is_refused_in_one_line(
     in one line, with status 2."""
     model = (f"pipeplan.models.zoo:{zoo}", {"n_layers": 1, "d_model": 16, "vocab": 32,
                                              "seq_len": 8})  # fmt: skip
-    spec = load_model(*model)
-    traced = trace_model(spec.module, spec.batch(2)[0])
-    plan = make_plan(*model, traced, starts=[0], batch_size=4, microbatches=2, dtype="float32")
-    path = tmp_path / "plan.json"
-    write_json(path, plan.model_copy(update={
-        "cluster": plan.cluster.model_copy(update={"tensor_parallel": 2})}))  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        main(["run", str(path), "--steps", "1"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in " ".join(err.split()) and len(err.strip().splitlines()) == 1, err
+    assert message in refused_run(model, tmp_path, capsys, tensor_parallel=2)

@@ -10,18 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from _runtime_jobs import launch_job, make_plan
+from _runtime_jobs import launch_job, refused_run
 from test_mesh import CONFIG, GPT, LLAMA_CONFIG, T5, TP_TOLERANCE, _assert_unsplit
 from torch import Tensor, nn
 from torch.fx import GraphModule, symbolic_trace
 from torch.fx.passes.shape_prop import ShapeProp
 
-from pipeplan.cli import main
-from pipeplan.intake.model import load_model
 from pipeplan.intake.tp_layout import Style
-from pipeplan.intake.trace import trace_model
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.planner.io import write_json
 from pipeplan.runtime.tp_sequence import (
     SequenceComm,
     SequenceRole,
@@ -124,7 +120,8 @@ def test_sequence_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
     """pp 2 x tp 2 with sequence parallelism on 4 ranks: the bundled GPT (fx graph, its
     LayerNorm modules made functional, its whole attention gathered and scattered back, stage 0
     recomputed), a transformers Llama (export graph, RMSNorm in aten ops) as ZB-V chunks (the
-    norms' gradient all-reduces in the weight pass) and a T5 (per-head bias and an encoder
+    norms' gradient all-reduces in the weight pass; its loss reads the logits split over the
+    vocabulary, --loss-parallel) and a T5 (per-head bias and an encoder
     state crossing the cut).  The loss, every gradient and the parameters after 3 steps equal
     the unsplit model's in float64, each hidden state crosses the cut as the rank's half of
     the sequence, and every stage holds sequence collectives (the test fails if the runtime
@@ -135,7 +132,7 @@ def test_sequence_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
     zbv = {"checkpoint": "never", "ranks": 2, "schedule": "zbv"}
     cases = {
         "gpt": (GPT, [0, 3], CONFIG, 16),
-        "llama": (llama, [0, 1, 2, 3], {**CONFIG, **zbv}, 32),
+        "llama": (llama, [0, 1, 2, 3], {**CONFIG, **zbv, "loss_parallel": True}, 32),
         "t5": (T5, [0, 2], CONFIG, 16),
     }
     configs = [{**cfg, "key": name, "sequence_parallel": True}
@@ -150,6 +147,9 @@ def test_sequence_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
         hidden = [shape for one in got for shape in one["received"] if shape[-1] == d]
         assert hidden and all(shape == (4, 4, d) for shape in hidden), (name, hidden)
         assert all(one["sequence"] for one in got), name
+    # the Llama's loss reads its logits split over the vocabulary (64): each rank sends 32
+    sent = [shape for one in out for shape in one["llama"]["llama"]["sent"]]
+    assert sent.count((4, 8, 32)) == 2 and (4, 8, 64) not in sent, sent
 
 
 @pytest.mark.multirank
@@ -160,17 +160,6 @@ def test_a_sequence_the_tp_ranks_cannot_share_stops_the_run_in_one_line(
     with status 2 and one line naming the length and the fix, no traceback."""
     llama_file = tmp_path / "llama.json"
     llama_file.write_text(json.dumps(LLAMA_CONFIG))
-    model = (f"hf:{llama_file}", {"seq_len": 7})
-    spec = load_model(*model)
-    traced = trace_model(spec.module, spec.batch(2)[0])
-    plan = make_plan(*model, traced, starts=[0], batch_size=4, microbatches=2,
-                     dtype="float32")  # fmt: skip
-    cluster = plan.cluster.model_copy(update={"tensor_parallel": 2, "sequence_parallel": True})
-    path = tmp_path / "plan.json"
-    write_json(path, plan.model_copy(update={"cluster": cluster}))
-    with pytest.raises(SystemExit) as exc:
-        main(["run", str(path), "--steps", "1"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "does not divide the sequence length 7" in " ".join(err.split()), err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    err = refused_run((f"hf:{llama_file}", {"seq_len": 7}), tmp_path, capsys,
+                      tensor_parallel=2, sequence_parallel=True)  # fmt: skip
+    assert "does not divide the sequence length 7" in err, err

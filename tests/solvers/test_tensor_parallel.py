@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pipeplan.planner.collectives import ring_cost
@@ -16,6 +18,7 @@ from pipeplan.planner.types import (
 )
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.tensor_parallel import (
+    check_loss_parallel,
     check_tensor_parallel,
     collective_s,
     source_note,
@@ -97,17 +100,23 @@ def test_a_split_unit_by_hand() -> None:
     assert tp_profile(prof, _cluster(1)) is prof
 
 
-def test_a_head_split_over_the_vocabulary_gathers_its_output() -> None:
-    """A ``colwise_gather`` head: its forward all-gathers the logits (4000 b bytes, a ring of
-    3/4 of them per rank and 3 latencies), its backward all-reduces its input's gradient (500 b
-    bytes); its output stays whole for the loss; nothing is all-reduced in the forward."""
+def _with_head() -> tuple[Profile, Any]:
+    """A synthetic profile whose unit 3 is a head split over a vocabulary of 64 (4000 bytes of
+    logits and 500 of input per sample); the profile and that unit."""
     head = UnitTensorParallel(
         styles={"lm_head": "colwise_gather"}, divisors={"lm_head features": 64},
         sharded_param_bytes=0, sharded_flop_fraction=1.0, allgather_bytes_per_sample=4000,
         gather_input_bytes_per_sample=500,
     )  # fmt: skip
     prof = synthetic_profile(4, batch_size=8, microbatch_sizes=[2], seed=3)
-    last = prof.units[3].model_copy(update={"tensor_parallel": head})
+    return prof, prof.units[3].model_copy(update={"tensor_parallel": head})
+
+
+def test_a_head_split_over_the_vocabulary_gathers_its_output() -> None:
+    """A ``colwise_gather`` head: its forward all-gathers the logits (4000 b bytes, a ring of
+    3/4 of them per rank and 3 latencies), its backward all-reduces its input's gradient (500 b
+    bytes); its output stays whole for the loss; nothing is all-reduced in the forward."""
+    prof, last = _with_head()
     prof = prof.model_copy(update={"units": (*prof.units[:3], last)})
     got, one = tp_profile(prof, _cluster(4)).units[3].timings[2], last.timings[2]
     gather = 3 / 4 * 4000 * 2 / 1e9 + 3 * 1e-5
@@ -117,6 +126,28 @@ def test_a_head_split_over_the_vocabulary_gathers_its_output() -> None:
     all_reduce = 2 * 3 / 4 * 500 * 2 / 1e9 + 2 * 3 * 1e-5
     assert got.backward_s == pytest.approx(one.backward_s / 4 + all_reduce)
     assert got.output_bytes == one.output_bytes
+
+
+def test_loss_parallel_keeps_the_logits_split_and_splits_the_loss() -> None:
+    """With --loss-parallel the head's forward gathers nothing and its output is 1/t; the
+    loss's compute and bytes are 1/t, and its forward gains three all-reduces of one float per
+    token (4000 bytes of logits per sample over a vocabulary of 64: 62.5 bytes per sample)."""
+    prof, last = _with_head()
+    loss = Timing(forward_s=0.4, backward_s=0.2, saved_bytes=8000, output_bytes=4)
+    prof = prof.model_copy(update={"units": (*prof.units[:3], last), "loss": {2: loss}})
+    lp = _cluster(4).model_copy(update={"loss_parallel": True})
+    got, one = tp_profile(prof, lp), last.timings[2]
+    all_reduce = 2 * 3 / 4 * 500 * 2 / 1e9 + 2 * 3 * 1e-5
+    assert got.units[3].timings[2].forward_s == pytest.approx(one.forward_s / 4)
+    assert got.units[3].timings[2].backward_s == pytest.approx(one.backward_s / 4 + all_reduce)
+    assert got.units[3].timings[2].output_bytes == round(one.output_bytes / 4)
+    three = collective_s(_cluster(4), 3 * 62.5 * 2, 3)
+    assert got.loss[2].forward_s == pytest.approx(0.1 + three)
+    assert (got.loss[2].backward_s, got.loss[2].saved_bytes) == (pytest.approx(0.05), 2000)
+    assert tp_profile(prof, _cluster(4)).loss == prof.loss  # whole without it
+    check_loss_parallel(prof)
+    with pytest.raises(InvalidRequestError, match="--loss-parallel needs a head split over"):
+        check_loss_parallel(prof.model_copy(update={"units": prof.units[:3]}))
 
 
 def test_a_faster_device_pays_the_collectives_as_they_are() -> None:

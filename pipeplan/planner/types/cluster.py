@@ -118,23 +118,23 @@ class Cluster(FrozenModel):
     """Measured collectives (``pipeplan calibrate``): kind -> (seconds per byte, seconds) at
     ``collective_ranks`` ranks, an affine fit of the runtime's own calls; a kind not measured
     is modelled as a ring on ``replica_link``."""
-    collective_ranks: int = Field(default=2, ge=2)
-    """The ranks ``collectives`` were measured on."""
+    collective_ranks: int = Field(default=2, ge=2)  # the ranks ``collectives`` were measured on
 
     tensor_parallel: int = Field(default=1, ge=1)
     """t: the ranks each stage's (chunk's) transformer blocks are split over, Megatron-style
-    (attention and MLP projections column-wise, then row-wise; :mod:`pipeplan.solvers.tensor_parallel`).
-    A stage runs on t d ranks; its t tensor-parallel ranks lie in one node."""
+    (:mod:`pipeplan.solvers.tensor_parallel`); a stage runs on t d ranks, its t in one node."""
     sequence_parallel: bool = False
     """With t > 1: the ops between the blocks' projections run on 1 / t of the sequence
     (Megatron's ``--sequence-parallel``; :mod:`pipeplan.runtime.tp_sequence`)."""
+    loss_parallel: bool = False
+    """With t > 1: the loss reads the vocabulary-split head's logits split (torch's
+    ``loss_parallel``), not gathered whole."""
     devices_per_node: int | None = Field(default=None, ge=1)
-    """K: devices in one node.  Tensor-parallel groups stay inside a node (t <= K); ``None``: one
-    node holds every device."""
+    """K: devices in one node.  Tensor-parallel groups stay inside a node (t <= K); ``None``:
+    one node holds every device."""
     intra_node_link: Link | None = None
     """The link between two devices of one node (NVLink): the tensor-parallel collectives, and
-    the pipeline's or the replicas' transfers where their peers share a node.  ``None``:
-    ``link``."""
+    the pipeline's or the replicas' transfers where their peers share a node (else ``link``)."""
     tp_op_overhead_s: float = Field(default=0.0, ge=0)
     """o_tp: the host seconds torch's tensor parallelism adds per split projection, in the
     forward and again in the backward, beyond its share of the compute and its collective
