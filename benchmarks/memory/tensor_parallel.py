@@ -1,10 +1,11 @@
-"""Predicted against measured peak memory per stage with tensor parallelism, with and without
-sequence parallelism: pp 2 x tp 2 on 4 CPU ranks, three models, GPipe and 1F1B.
+"""Predicted against measured peak memory per stage with tensor parallelism alone, with sequence
+parallelism, and with loss parallelism too where the head splits over the vocabulary: pp 2 x
+tp 2 on 4 CPU ranks, three models, GPipe and 1F1B.
 
 For each model: profile once (the profile carries the tensor-parallel annotation, what each
 unit's split and the sequence's split divide), then for each family and for ``--tensor-parallel
-2`` with and without ``--sequence-parallel`` plan 2 stages (unlimited memory, m = 4, nothing
-recomputed) and run them (``pipeplan run --warmup 2 --steps 1``).  The run report holds each
+2`` alone, with ``--sequence-parallel`` and with ``--loss-parallel`` too, plan 2 stages
+(unlimited memory, m = 4, nothing recomputed) and run them (``pipeplan run --warmup 2 --steps 1``).  The run report holds each
 stage's first tp rank (the second holds the same shapes).  A CPU rank's measured peak is its
 live tensors at the start of the tracked warm-up step plus the peak of that step's allocations
 (``pipeplan.runtime.memory``); the prediction is the plan's ``memory.total`` from the per-rank
@@ -22,54 +23,59 @@ from benchmarks.common import models_parser, pipeplan
 from benchmarks.memory.main import SMALL, error_table, run_all, stage_rows, summary
 
 HERE = Path(__file__).parent
-#: name -> (model, kwargs, batch size): the zoo's Llama with 4 heads and 2 KV heads (t = 2
-#: splits both), its BERT, and the bundled GPT (only its MLP splits).
-MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
-    "zoo llama": ("pipeplan.models.zoo:llama", {**SMALL, "heads": 4, "kv_heads": 2}, 8),
-    "zoo bert": ("pipeplan.models.zoo:bert", SMALL, 8),
-    "gpt": ("pipeplan.models.gpt:gpt", {}, 16),
+#: name -> (model, kwargs, batch size, whether its head splits over the vocabulary): the zoo's
+#: Llama with 4 heads and 2 KV heads (t = 2 splits both; its head is untied), its BERT, and the
+#: bundled GPT (only its MLP splits; both tie their heads).
+MODELS: dict[str, tuple[str, dict[str, Any], int, bool]] = {
+    "zoo llama": ("pipeplan.models.zoo:llama", {**SMALL, "heads": 4, "kv_heads": 2}, 8, True),
+    "zoo bert": ("pipeplan.models.zoo:bert", SMALL, 8, False),
+    "gpt": ("pipeplan.models.gpt:gpt", {}, 16, False),
 }
 FAMILIES = ("gpipe", "1f1b")
+#: mode -> the plan's options beside --tensor-parallel 2.
+MODES = {"tp": (), "sp": ("--sequence-parallel",),
+         "sp+lp": ("--sequence-parallel", "--loss-parallel")}  # fmt: skip
 
 
 def run_case(name: str, work: Path) -> list[dict[str, Any]]:
     from pipeplan.planner.io import load_plan
 
-    model, kwargs, batch = MODELS[name]
+    model, kwargs, batch, vocab_split = MODELS[name]
     profile = work / f"{name.replace(' ', '_')}.profile.json"
     margs = [a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")]
     pipeplan("profile", model, *margs, "--batch-size", str(batch), "--max-stages", "2",
              "--warmup", "0", "--repeats", "1", "-o", str(profile))  # fmt: skip
     rows = []
     for family in FAMILIES:
-        for sp in (False, True):
+        for mode, options in MODES.items():
+            if "--loss-parallel" in options and not vocab_split:
+                continue
             plan, report = work / "plan.json", work / "report.json"
-            pipeplan("plan", str(profile), "--stages", "2", "--tensor-parallel", "2",
-                     *(["--sequence-parallel"] if sp else []), "--memory", "64GiB",
-                     "--microbatches", "4", "--checkpoint", "never", "--schedule", family,
-                     "-o", str(plan))  # fmt: skip
+            pipeplan("plan", str(profile), "--stages", "2", "--tensor-parallel", "2", *options,
+                     "--memory", "64GiB", "--microbatches", "4", "--checkpoint", "never",
+                     "--schedule", family, "-o", str(plan))  # fmt: skip
             pipeplan("run", str(plan), "--warmup", "2", "--steps", "1", "--quiet",
                      "--report", str(report))  # fmt: skip
             p = load_plan(plan)
-            assert p.cluster.tensor_parallel == 2 and p.cluster.sequence_parallel == sp
-            rows += stage_rows(plan, report, model=name, family=family, sp="yes" if sp else "no")
+            assert p.cluster.tensor_parallel == 2 and p.cluster.sequence_parallel == (mode != "tp")
+            rows += stage_rows(plan, report, model=name, family=family, mode=mode)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines, by_sp = error_table(rows, ("model", "family", "sp", "stage"), "sp")
+    lines, by_mode = error_table(rows, ("model", "family", "mode", "stage"), "mode")
     lines.append("")
-    lines += [f"- sequence parallel {sp}: {summary(errs)}" for sp, errs in by_sp.items()]
-    errors = [e for v in by_sp.values() for e in v]
+    lines += [f"- {mode}: {summary(errs)}" for mode, errs in by_mode.items()]
+    errors = [e for v in by_mode.values() for e in v]
     lines.append(f"- all: {summary(errors)} ({len(errors)} stages)")
-    lines += ["", "| model | family | stage | saved by sequence parallelism, predicted | measured |",
-              "|---|---|---:|---:|---:|"]  # fmt: skip
-    by_key = {(r["model"], r["family"], r["stage"], r["sp"]): r for r in rows}
-    for (model, family, stage, sp), r in by_key.items():
-        if sp == "yes" and (model, family, stage, "no") in by_key:
-            base = by_key[(model, family, stage, "no")]
+    lines += ["", "| model | family | mode | stage | saved against tp alone, predicted | measured |",
+              "|---|---|---|---:|---:|---:|"]  # fmt: skip
+    by_key = {(r["model"], r["family"], r["stage"], r["mode"]): r for r in rows}
+    for (model, family, stage, mode), r in by_key.items():
+        base = by_key.get((model, family, stage, "tp"))
+        if mode != "tp" and base is not None:
             lines.append(
-                f"| {model} | {family} | {stage} | "
+                f"| {model} | {family} | {mode} | {stage} | "
                 f"{1 - r['predicted'] / base['predicted']:+.1%} | "
                 f"{1 - r['measured'] / base['measured']:+.1%} |"
             )
