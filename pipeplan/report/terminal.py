@@ -127,10 +127,10 @@ def tensor_parallel_note(p: Plan) -> str:
         bw = link.bandwidth_Bps
         return "free" if bw is None else f"{bw / 1e9:.3g} GB/s"
 
+    modes = [m for m, on in (("sequence", c.sequence_parallel), ("loss", c.loss_parallel)) if on]
     return (
         f"{c.tensor_parallel} tensor-parallel ranks per pipeline rank"
-        + (" (sequence parallel)" if c.sequence_parallel else "")
-        + (" (loss parallel)" if c.loss_parallel else "")
+        + (f" ({' and '.join(modes)} parallel)" if modes else "")
         + f": blocks split Megatron-style, their collectives on the intra-node link "
         f"({rate(intra)}); pipeline transfers at {rate(c.link)}"
         + (
