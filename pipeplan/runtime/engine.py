@@ -249,6 +249,13 @@ class PipelineRunner:
             Recompute(body) if plan.stages[s].recompute else body
             for s, body in zip(self.chunks, self.chunk_modules, strict=True)
         ]
+
+        def sent(ts: tuple[Tensor, ...], whole: bool) -> tuple[Tensor, ...]:
+            """A cut's tensors as they travel: a hidden state as this rank's share of the
+            sequence under sequence parallelism (:mod:`pipeplan.runtime.tp_sequence`)."""
+            return to_dev(ts) if whole or not hidden else local_share(to_dev(ts), hidden, k, t)
+
+        k = self.tp_rank
         if t > 1:  # the split runs the bodies once: before the deferred statistics reset
             examples = [
                 (
@@ -264,18 +271,17 @@ class PipelineRunner:
             self.names = split_stage_modules(
                 examples, self.chunk_modules, self.mesh, styles, self.names, module
             )
+            if vocab and self.is_last:  # the loss on split logits, checked once (before FSDP2)
+                pr = programs[n - 1]
+                with torch.no_grad(), preserved_buffers(pr.module):
+                    outs = pr.module(*sent(pr.example_inputs, pr.index == 0))
+                target = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, device)[1]
+                split.check(self.loss, outs, target)
             for stats in deferred:
                 stats.reset()
         if self.sharded:
             self.names = shard_stage_modules(bodies, self.mesh, self.names, module)
         self.stages: list[MeasuredStage] = []
-
-        def sent(ts: tuple[Tensor, ...], whole: bool) -> tuple[Tensor, ...]:
-            """A cut's tensors as they travel: a hidden state as this rank's share of the
-            sequence under sequence parallelism (:mod:`pipeplan.runtime.tp_sequence`)."""
-            return to_dev(ts) if whole or not hidden else local_share(to_dev(ts), hidden, k, t)
-
-        k = self.tp_rank
         for s, pr, body in zip(self.chunks, mine, bodies, strict=True):
             stage = MeasuredStage(
                 body,
@@ -294,12 +300,6 @@ class PipelineRunner:
             )
             self.stages.append(stage)
         self.stage = self.stages[0]
-        if vocab and self.is_last:  # the model's loss on split logits, checked once
-            pr = programs[n - 1]
-            with torch.no_grad(), preserved_buffers(pr.module):
-                outs = pr.module(*sent(pr.example_inputs, pr.index == 0))
-            target = cast_batch(*spec.batch(plan.microbatch_size), self.dtype, device)[1]
-            split.check(self.loss, outs, target)
         del programs, mine
         schedule_cls = getattr(schedules, FAMILIES[plan.schedule].torch_class)
         self.unscaled = v > 1
