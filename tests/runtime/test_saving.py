@@ -201,7 +201,8 @@ def test_a_full_disk_is_named_whichever_library_raised(
 def test_a_tensor_parallel_run_saves_whole_weights_and_resumes_bit_identical(
     tmp_path: Path,
 ) -> None:
-    """pp 2 x tp 2 (the bundled GPT, its MLPs split over 2 ranks; issue 44): the weights shard
+    """pp 2 x tp 2 (the bundled GPT, its MLPs split over 2 ranks, its norms over the sequence's
+    halves: sequence parallelism's collectives hold no state; issue 44): the weights shard
     holds the unsplit model's full tensors, each rank's training state its own half of Adam's
     moments of a split weight; resuming from step 2 ends with the uninterrupted run's step-4
     save, bit for bit."""
@@ -213,7 +214,8 @@ def test_a_tensor_parallel_run_saves_whole_weights_and_resumes_bit_identical(
                      dtype="float32", optimizer="adam")  # fmt: skip
     path = tmp_path / "tp.json"
     write_json(path, plan.model_copy(update={
-        "cluster": plan.cluster.model_copy(update={"tensor_parallel": 2})}))  # fmt: skip
+        "cluster": plan.cluster.model_copy(update={"tensor_parallel": 2,
+                                                   "sequence_parallel": True})}))  # fmt: skip
     a, b = tmp_path / "a", tmp_path / "b"
     proc = run(worker(path, 4, "--steps", "4", "--save-every", "2", "--save", str(a)))
     assert proc.returncode == 0, proc.stderr[-3000:]
