@@ -77,6 +77,7 @@ from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Cluster, Cut, Profile, Timing, Unit, UnitTensorParallel
 
 __all__ = [
+    "check_loss_parallel",
     "check_tensor_parallel",
     "collective_s",
     "is_annotated",
