@@ -37,7 +37,7 @@ all-reduces and the row-wise output's all-gather.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten
 
 from pipeplan.intake.per_token import per_token
@@ -179,8 +180,6 @@ class SequenceSplit:
     """Output values the body returns as this rank's share."""
     rowwise: set[str] = field(default_factory=set)
     """Row-wise projections whose output is reduce-scattered over the sequence."""
-    sharded: int = 0
-    """Nodes computed on this rank's share of the sequence."""
 
 
 def shard_sequence(
@@ -216,7 +215,7 @@ def shard_sequence(
         return made[key]
 
     def gathered(node: Node) -> None:
-        node.args, node.kwargs = _map_nodes(
+        node.args, node.kwargs = map_arg(
             (node.args, node.kwargs),
             lambda a: comm("gather", a, 1, node) if a in sharded else a,
         )
@@ -237,7 +236,7 @@ def shard_sequence(
             if isinstance(value, Tensor) and value.requires_grad:
                 grads.add(node)
             continue
-        inputs = [a for a in _nodes(node) if isinstance(a, Node)]
+        inputs = node.all_input_nodes
         if any(a in grads for a in inputs) or _has_parameters(body, node):
             grads.add(node)
         style = styles.get(str(node.target)) if node.op == "call_module" else None
@@ -255,7 +254,7 @@ def shard_sequence(
             body.get_submodule(str(node.target)), nn.LayerNorm | nn.RMSNorm
         ):  # made functional, so that its weights' partial gradients can be all-reduced
             node = _functional_norm(body, node)
-            inputs = [a for a in _nodes(node) if isinstance(a, Node)]
+            inputs = node.all_input_nodes
             grads.update(a for a in inputs if a.op == "get_attr")
             grads.add(node)
         module = body.get_submodule(str(node.target)) if node.op == "call_module" else None
@@ -289,18 +288,7 @@ def shard_sequence(
         elif leaf in sharded:
             out_node.replace_input_with(leaf, comm("gather", leaf, 1, out_node))
     graph.lint()
-    out.sharded = len(sharded)
     return out
-
-
-def _map_nodes(args: Any, fn: Callable[[Node], Any]) -> Any:
-    from torch.fx.node import map_arg
-
-    return map_arg(args, fn)
-
-
-def _nodes(node: Node) -> list[Node]:
-    return list(node.all_input_nodes)
 
 
 def _attr(body: GraphModule, target: str) -> Any:
