@@ -18,7 +18,7 @@ of a (batch, sequence, ...) tensor:
 
 Anything else (a matmul, attention, a view, a slice) is not per token: a conservative answer,
 since it only makes a caller gather the sequence whole.  Used by the runtime's rewrite
-(:mod:`pipeplan.runtime.tp_sequence`) and the profiler's annotation of what it saves
+(:mod:`pipeplan.intake.tp_sequence`) and the profiler's annotation of what it saves
 (:mod:`pipeplan.profiler.tp_annotate`).
 """
 

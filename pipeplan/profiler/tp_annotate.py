@@ -48,7 +48,7 @@ projection's.
 A unit with no split module gets ``None``.
 
 **Per cut**, ``Cut.tp_gather_bytes_per_sample``: the bytes of its tensors that a sharded node
-made, which the stage before the cut all-gathers (:mod:`pipeplan.runtime.tp_stages`).  A
+made, which the stage before the cut all-gathers (:mod:`pipeplan.intake.tp_stages`).  A
 block's output is whole after its row-wise projection, so these are the tensors of a cut inside
 a sub-block (between a column-wise projection and its row-wise one) and per-head values a
 layer hands to the next: T5's relative-position bias, looked up in a head table that is split

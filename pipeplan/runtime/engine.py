@@ -51,6 +51,7 @@ from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import has_meta, trace_meta
 from pipeplan.intake.model import ModelSpec
 from pipeplan.intake.spec import cast_batch, cast_floating
+from pipeplan.intake.tp_sequence import SequenceRole, hidden_size, local_share
 from pipeplan.intake.trace import TracedModel, trace_model
 from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.families import FAMILIES, rank_of_stage, stages_of_rank
@@ -87,7 +88,6 @@ from pipeplan.runtime.stages import (
     tied_parameters,
 )
 from pipeplan.runtime.timing import Span, StepTimer
-from pipeplan.runtime.tp_sequence import SequenceRole, hidden_size, local_share
 from pipeplan.runtime.weights import materialize_chunks, shard_tensors
 
 __all__ = [
@@ -252,7 +252,7 @@ class PipelineRunner:
 
         def sent(ts: tuple[Tensor, ...], whole: bool) -> tuple[Tensor, ...]:
             """A cut's tensors as they travel: a hidden state as this rank's share of the
-            sequence under sequence parallelism (:mod:`pipeplan.runtime.tp_sequence`)."""
+            sequence under sequence parallelism (:mod:`pipeplan.intake.tp_sequence`)."""
             return to_dev(ts) if whole or not hidden else local_share(to_dev(ts), hidden, k, t)
 
         k = self.tp_rank

@@ -111,9 +111,9 @@ def preflight(
     on_meta = _param_bytes(plan) > REAL_BUILD_BYTES
     spec = load_model(model or plan.model, kwargs, meta=on_meta)
     if plan.cluster.tensor_parallel > 1:  # the model must split t ways: one line, exit 2
+        from pipeplan.intake.tp_sequence import hidden_size
         from pipeplan.runtime.loss import vocab_size
         from pipeplan.runtime.mesh import tensor_parallel_styles
-        from pipeplan.runtime.tp_sequence import hidden_size
 
         styles = tensor_parallel_styles(spec.module, plan.cluster.tensor_parallel)
         if plan.cluster.sequence_parallel:

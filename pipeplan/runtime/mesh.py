@@ -13,7 +13,7 @@ the pipeline).
   activation, and its replicated gradient back).
 - **tp**: each stage module is split over the tp dimension with torch's
   ``parallelize_module`` by the model's layout (:func:`tensor_parallel_styles`,
-  :mod:`pipeplan.runtime.tp_stages`): attention and MLP projections column- then row-wise,
+  :mod:`pipeplan.intake.tp_stages`): attention and MLP projections column- then row-wise,
   one all-reduce per sub-block forward and backward.  Embeddings, norms and the head stay
   replicated on the t ranks in this first version (no vocabulary-parallel head, no sequence
   parallel).
@@ -47,7 +47,7 @@ from pipeplan.planner.errors import InvalidRequestError
 from pipeplan.planner.types import Plan
 
 if TYPE_CHECKING:
-    from pipeplan.runtime.tp_sequence import SequenceRole
+    from pipeplan.intake.tp_sequence import SequenceRole
 
 __all__ = [
     "PlanMesh",
@@ -132,14 +132,14 @@ def split_stage_modules(
     """Split each stage body (with the values one micro-batch passes it, its role for
     sequence parallelism where the plan has it, and whether the loss reads its logits split)
     over ``mesh``'s tp dimension by ``styles``
-    (:func:`pipeplan.runtime.tp_stages.split_stage_body`; collective over the tp group).  The split linears' parameters become
+    (:func:`pipeplan.intake.tp_stages.split_stage_body`; collective over the tp group).  The split linears' parameters become
     :class:`~torch.distributed.tensor.DTensor` parameters, so ``names`` (parameter id -> the
     model's qualified name) is returned for the rank's ``modules`` as they are now, and each
     new parameter is put in ``root`` (the user's model) under its name too, where the rank's
     weights are read from for a save (:func:`pipeplan.runtime.weights.shard_tensors`; an
     exported graph holds its own reference to each parameter, not the model's module)."""
+    from pipeplan.intake.tp_stages import split_stage_body
     from pipeplan.runtime.batchnorm import preserved_buffers
-    from pipeplan.runtime.tp_stages import split_stage_body
 
     by_path = _paths(modules, names)
     for body, example, sequence, loss_parallel in bodies:

@@ -20,7 +20,7 @@ intra-node link (``Cluster.intra_node_link``, else ``link``) with the formulas o
     c_B        = alpha_AR X b k_c / k + k_c beta_AR + n o_tp
                (with it, c_F: each all-reduce is a reduce-scatter and an all-gather, the same
                 bytes on a ring; c_B gains the k row-wise outputs' all-gathers, the backward of
-                their reduce-scatters, as :mod:`pipeplan.runtime.tp_sequence` runs them)
+                their reduce-scatters, as :mod:`pipeplan.intake.tp_sequence` runs them)
     s          = 1 - phi + phi / t                             the per-rank share of compute
     forward    = f s + c_F
     backward   = g s + c_B                   (the input gradients' all-reduces)

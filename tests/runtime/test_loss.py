@@ -1,6 +1,6 @@
 """The loss on the last stage (pipeplan.runtime.loss): with loss parallelism a loss that cannot
 read logits split over the vocabulary stops the run in one line.  That a parallel loss equals
-the unsplit model's is tested on 4 ranks in ``test_tp_sequence.py`` (the Llama case)."""
+the unsplit model's is tested on 4 ranks in ``test_mesh.py`` (the Llama case)."""
 
 from __future__ import annotations
 

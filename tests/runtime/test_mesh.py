@@ -212,3 +212,57 @@ def test_a_plan_whose_model_cannot_split_t_ways_is_refused_in_one_line(
     model = (f"pipeplan.models.zoo:{zoo}", {"n_layers": 1, "d_model": 16, "vocab": 32,
                                              "seq_len": 8})  # fmt: skip
     assert message in refused_run(model, tmp_path, capsys, tensor_parallel=2)
+
+
+def test_sequence_parallel_pipeline_equals_unsplit_model(tmp_path: Any) -> None:
+    """pp 2 x tp 2 with sequence parallelism on 4 ranks: the bundled GPT (fx graph, its
+    LayerNorm modules made functional, its whole attention gathered and scattered back, stage 0
+    recomputed), a transformers Llama (export graph, RMSNorm in aten ops) as ZB-V chunks (the
+    norms' gradient all-reduces in the weight pass; its loss reads the logits split over the
+    vocabulary, --loss-parallel) and a T5 (per-head bias and an encoder state crossing the
+    cut); and the Llama as pp 1 x dp 2 x tp 2, sharded by FSDP2 over its replicas, loss-parallel
+    too.  The loss, every gradient and the parameters after 3 steps equal the unsplit model's
+    in float64, each hidden state crosses the cut as the rank's half of the sequence, and every
+    stage holds sequence collectives (the test fails if the runtime ran the norms whole)."""
+    llama_file = tmp_path / "llama.json"
+    llama_file.write_text(json.dumps(LLAMA_CONFIG))
+    llama = {"model": f"hf:{llama_file}", "kwargs": {"seq_len": 8}}
+    zbv = {"checkpoint": "never", "ranks": 2, "schedule": "zbv"}
+    split_loss = {"checkpoint": "never", "loss_parallel": True}
+    cases = {  # name -> (model, starts, config, hidden size, replicas)
+        "gpt": (GPT, [0, 3], CONFIG, 16, 1),
+        "llama": (llama, [0, 1, 2, 3], {**CONFIG, **zbv, **split_loss}, 32, 1),
+        "t5": (T5, [0, 2], CONFIG, 16, 1),
+        "fsdp": (llama, [0], {**CONFIG, **split_loss, "mode": "shard"}, 32, 2),
+    }
+    configs = [{**cfg, "key": name, "sequence_parallel": True}
+               for name, (_, _, cfg, _, _) in cases.items()]  # fmt: skip
+    models = [{"name": name, **model, "starts": starts, "tp": 2, "replicas": d, "keys": [name]}
+              for name, (model, starts, _, _, d) in cases.items()]  # fmt: skip
+    job = {"models": models, "batch_size": 8, "microbatches": 2, "configs": configs}
+    out = launch_job(job, 4, tmp_path, timeout=600)
+    for name, (model, starts, _, d, _) in cases.items():
+        got = [ranks[name][name] for ranks in out]
+        _assert_unsplit(model, got, TP_TOLERANCE, name)
+        hidden = [shape for one in got for shape in one["received"] if shape[-1] == d]
+        assert all(shape == (4, 4, d) for shape in hidden), (name, hidden)
+        assert hidden or len(starts) == 1, name
+        assert all(one["sequence"] for one in got), name
+    # the Llama's loss reads its logits split over the vocabulary (64): each rank sends 32
+    for name in ("llama", "fsdp"):
+        sent = [shape for one in out for shape in one[name][name]["sent"]]
+        logits = [s[1:] for s in sent if len(s) == 3 and s[1] == 8 and s[2] in (32, 64)]
+        assert logits and set(logits) == {(8, 32)}, (name, sent)
+    assert {k for one in out for k in one["fsdp"]["fsdp"]["sharded"]} == {"DTensor"}
+
+
+def test_a_sequence_the_tp_ranks_cannot_share_stops_the_run_in_one_line(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Llama of sequence 7 planned at tp 2 with sequence parallelism: ``pipeplan run`` stops
+    with status 2 and one line naming the length and the fix, no traceback."""
+    llama_file = tmp_path / "llama.json"
+    llama_file.write_text(json.dumps(LLAMA_CONFIG))
+    err = refused_run((f"hf:{llama_file}", {"seq_len": 7}), tmp_path, capsys,
+                      tensor_parallel=2, sequence_parallel=True)  # fmt: skip
+    assert "does not divide the sequence length 7" in err, err

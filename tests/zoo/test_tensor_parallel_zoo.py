@@ -8,7 +8,7 @@ Phi (partial rotary, a parallel residual) and GPT-NeoX (fused-per-head qkv split
 their heads split over the vocabulary and their losses reading the logits split, BERT (post-norm
 LayerNorms between the sub-blocks) and BART (an encoder-decoder whose cross-attention reads
 the encoder's state gathered).  The Llama, T5 and the bundled GPT run on 4 ranks in
-``tests/runtime/test_tp_sequence.py``.  Gemma computes its RMSNorm in float32 whatever the
+``tests/runtime/test_mesh.py``.  Gemma computes its RMSNorm in float32 whatever the
 model's dtype, so its norms' weight gradients, summed over each rank's tokens before the
 all-reduce, differ from the unsplit sum in float32's last bits (measured 1.2e-7 of the
 largest): it runs at float32's tolerance.  DeBERTa's split is refused by tensor parallelism

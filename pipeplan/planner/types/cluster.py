@@ -125,7 +125,7 @@ class Cluster(FrozenModel):
     (:mod:`pipeplan.solvers.tensor_parallel`); a stage runs on t d ranks, its t in one node."""
     sequence_parallel: bool = False
     """With t > 1: the ops between the blocks' projections run on 1 / t of the sequence
-    (Megatron's ``--sequence-parallel``; :mod:`pipeplan.runtime.tp_sequence`)."""
+    (Megatron's ``--sequence-parallel``; :mod:`pipeplan.intake.tp_sequence`)."""
     loss_parallel: bool = False
     """With t > 1: the loss reads the vocabulary-split head's logits split (torch's
     ``loss_parallel``), not gathered whole."""

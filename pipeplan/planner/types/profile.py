@@ -170,7 +170,7 @@ class Cut(FrozenModel):
     tp_gather_bytes_per_sample: int = Field(default=0, ge=0)
     """Of ``tensors``, the bytes per sample tensor parallelism holds split by heads (T5's
     relative-position bias): a stage ending here all-gathers them over its t ranks before it
-    sends them (:mod:`pipeplan.profiler.tp_annotate`, :mod:`pipeplan.runtime.tp_stages`)."""
+    sends them (:mod:`pipeplan.profiler.tp_annotate`, :mod:`pipeplan.intake.tp_stages`)."""
 
 
 class SharedParam(FrozenModel):

@@ -1,6 +1,6 @@
 """Sequence parallelism inside a tensor-parallel stage (Megatron's ``--sequence-parallel``).
 
-Tensor parallelism alone (:mod:`pipeplan.runtime.tp_stages`) leaves every op outside the split
+Tensor parallelism alone (:mod:`pipeplan.intake.tp_stages`) leaves every op outside the split
 projections (norms, residual adds, dropout) computed whole on each of the t ranks.  Those ops
 act on each token alone, so each rank can hold 1/t of the sequence instead (Korthikanti et
 al., 2022).  :func:`shard_sequence` rewrites a stage's traced graph so that:

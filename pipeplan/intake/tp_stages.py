@@ -13,7 +13,7 @@ one :class:`~torch.distributed.tensor.parallel.RowwiseParallel`, with torch's de
 so each sub-block costs one all-reduce forward (the row-wise output) and one backward (the
 column-wise input's gradient).  Everything outside the layout (embeddings, norms, the head)
 stays replicated: every tp rank computes it whole on the same values, or, with sequence
-parallelism, each on its share of the tokens (:mod:`pipeplan.runtime.tp_sequence`).
+parallelism, each on its share of the tokens (:mod:`pipeplan.intake.tp_sequence`).
 
 Two things of a traced graph need adapting, done once at build time:
 
@@ -58,8 +58,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
 from pipeplan.intake.tp_layout import Style, is_head_table, parallel_style
+from pipeplan.intake.tp_sequence import SequenceRole, local_share, shard_sequence
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.runtime.tp_sequence import SequenceRole, local_share, shard_sequence
 
 __all__ = ["split_stage_body"]
 
@@ -81,7 +81,7 @@ def split_stage_body(
     ``nn.Linear`` name -> style; those not in the body are ignored); ``example_inputs`` are
     the unsplit values one micro-batch passes it (every tp rank the same).  With ``sequence``,
     the ops outside the split projections run on this rank's share of the sequence
-    (:func:`pipeplan.runtime.tp_sequence.shard_sequence`).  With ``loss_parallel`` a head split
+    (:func:`pipeplan.intake.tp_sequence.shard_sequence`).  With ``loss_parallel`` a head split
     over the vocabulary leaves its logits split (``Shard(-1)``), for the loss to read so.
     Collective over the tp group.  Returns the number of linears split."""
     from torch.distributed.tensor import Shard

@@ -1,5 +1,5 @@
 """The sizes a traced view, reshape or expand takes on one of t tensor-parallel ranks
-(:func:`pipeplan.runtime.tp_stages._local_sizes`) and the attention masks cut to its heads; the
+(:func:`pipeplan.intake.tp_stages._local_sizes`) and the attention masks cut to its heads; the
 split itself is tested on 4 ranks in ``test_mesh.py`` (the loss and every gradient of a pp 2 x
 tp 2 run equal the unsplit model's)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeplan.intake.tp_stages import _local_sizes, _rank_heads
 from pipeplan.planner.errors import InvalidRequestError
-from pipeplan.runtime.tp_stages import _local_sizes, _rank_heads
 
 
 def test_a_split_feature_dimension_shrinks_its_outermost_piece() -> None:
@@ -58,7 +58,7 @@ def test_only_masks_that_held_every_head_unsplit_are_wrapped() -> None:
     runs on rank 1's 2 heads with that rank's share of the mask."""
     from torch.fx.passes.shape_prop import ShapeProp
 
-    from pipeplan.runtime.tp_stages import _local_attention_masks
+    from pipeplan.intake.tp_stages import _local_attention_masks
 
     class Two(torch.nn.Module):
         def forward(self, q, k, v, causal, bias):  # type: ignore[no-untyped-def]
