@@ -328,6 +328,33 @@ def test_plan_reports_the_tied_gradient_all_reduce(tmp_path: Path, cli) -> None:
     assert code == 0 and "tied gradients: stages 0, 1" in out
 
 
+@pytest.mark.multirank
+def test_profile_measures_units_split_and_plan_uses_them(tmp_path: Path, cli) -> None:
+    """``pipeplan profile --tensor-parallel 2`` measures a Llama's layer and its head split
+    over 2 ranks (the traced units, as the runtime splits them), and a tp 2 plan of that
+    profile charges the measured bytes, not the model's."""
+    prof = tmp_path / "llama.json"
+    options = (
+        "-b 2 --microbatch-sizes 2 --method units --max-stages 1 --tensor-parallel 2"
+        " --model-arg n_layers=2 --model-arg d_model=32 --model-arg heads=4"
+        " --model-arg kv_heads=2 --threads 1 --repeats 1 --warmup 0 --quiet"
+    )
+    code, out, err = cli(cli_argv("profile", "pipeplan.models.zoo:llama", prof, options))
+    assert code == 0, err
+    assert "3 split 2 ways" in out, out  # two layers (one a copy) and the head
+    profile = pipeplan.Profile.model_validate_json(prof.read_text())
+    split = [u for u in profile.units if 2 in u.tp_timings]
+    assert len(split) == 3, [u.name for u in split]
+    plan_file = tmp_path / "plan.json"
+    code, _, err = cli(cli_argv("plan", prof, plan_file, "--stages 1 --tensor-parallel 2 --memory 1GiB"))
+    assert code == 0, err
+    from pipeplan.solvers.tensor_parallel import tp_profile
+
+    per_rank = tp_profile(profile, load_plan(plan_file).cluster)
+    for u in split:
+        assert per_rank.units[u.index].timings[2] == u.tp_timings[2][2]
+
+
 def test_profile_plan_show_bundled_model(tmp_path: Path, cli) -> None:
     prof = tmp_path / "mlp.json"
     options = (

@@ -12,11 +12,12 @@ per rank, in interleaved rounds (each round profiles every model once, then the 
 1. **profile**: ``pipeplan profile --method units`` (the traced unit alone, as the planner
    sees it): forward f and backward g, saved bytes a, the annotation
    (:mod:`pipeplan.profiler.tp_annotate`);
-2. **t = 1**: the unit's own module, unsplit, in the harness that measures the split
+2. **t = 1**: the traced unit, unsplit, in the harness that measures the split
    (:func:`pipeplan.profiler.tp_measure.measure_split` with t = 1): the same execution path
    as (3) without the split;
-3. **t = 2 measured**: the module split by ``parallelize_module`` on 2 gloo ranks, the
-   all-reduces included (``pipeplan profile --tensor-parallel 2``).
+3. **t = 2 measured**: the traced unit split as the runtime splits a stage
+   (:func:`pipeplan.intake.tp_stages.split_stage_body`, torch's ``parallelize_module``) on 2
+   gloo ranks, the all-reduces included (``pipeplan profile --tensor-parallel 2``).
 
 The model (:func:`pipeplan.solvers.tensor_parallel.tp_profile`, from a profile whose
 ``tp_timings`` are removed so that every unit is modelled) predicts (3) from (1), and, as a

@@ -6,38 +6,36 @@ splittable, measured, not modelled:
 
 1. **Ranks.**  T processes (``torch.multiprocessing``, spawned) join one process group (gloo
    on the CPU) and a one-dimensional device mesh (``init_device_mesh("cpu", (T,))``).
-2. **The unit's module and its arguments.**  Each rank builds the model on ``meta``
-   (:func:`pipeplan.intake.model.load_model`; buffers real) and runs it once per micro-batch
-   size on the real batch under :class:`_Mixed`, a dispatch mode that runs an operation on
-   ``meta`` when one of its tensors is on ``meta`` and for real otherwise (a factory asked
-   for ``meta`` runs on the CPU): what depends only on the inputs and buffers (position ids,
-   rotary tables, masks) gets its real values, activations their shapes.  A forward pre-hook
-   on each unit's module keeps its arguments.  A unit is measured when it is one module:
-   the module whose parameters and buffers are exactly the unit's (``Unit.params``); other
-   units keep no ``tp_timings`` (the cost model models them).
-3. **Split.**  The module is materialized alone (:func:`pipeplan.intake.meta.materialize`, the
-   same seed on every rank, so every rank starts from the same unsplit weights) and split by
-   torch's :func:`~torch.distributed.tensor.parallel.parallelize_module`: ``ColwiseParallel`` /
-   ``RowwiseParallel`` per ``UnitTensorParallel.styles``.  Where an attention module keeps its
-   head counts as attributes (T5's ``n_heads`` and ``inner_dim``, BERT's ``all_head_size``,
-   :data:`HEAD_ATTRS`), they are divided by T, so its shapes are the local heads'; T5's
-   relative-position bias table is split column-wise over the heads too, and a position bias
-   passed in (``position_bias``) is sliced to the rank's heads.  ``transformers`` 5's
-   attention reshapes with ``-1`` heads and needs nothing more.
+2. **The traced units and their arguments.**  Each rank builds the model on ``meta``
+   (:func:`pipeplan.profiler.units.build_meta`; buffers real), traces it at each micro-batch
+   size b on fake tensors, groups it into the profile's units (``Profile.granularity`` and the
+   units ``Profile.grouping`` opened; a different count is refused) and runs the graph once on
+   the real batch (:func:`pipeplan.profiler.units.observe`), as ``--method units`` does: what
+   depends only on the inputs and buffers (position ids, rotary tables, masks) gets its real
+   values, activations their shapes.  Each distinct splittable unit is measured, one module or
+   not (a head of a norm and a projection too).
+3. **Split.**  The unit's parameters are materialized alone
+   (:func:`pipeplan.intake.meta.materialize`, the same seed on every rank, so every rank starts
+   from the same unsplit weights) and its traced body is split exactly as the runtime splits a
+   stage (:func:`pipeplan.intake.tp_stages.split_stage_body`: ``ColwiseParallel`` /
+   ``RowwiseParallel`` per ``UnitTensorParallel.styles`` through torch's
+   ``parallelize_module``, the head counts baked into the trace made local, per-head tables
+   and masks cut to the rank's heads).  So the bytes it saves are the runtime's: the traced
+   graph saves what the eager module does not always (Llama's ``repeat_kv`` copies of the keys
+   and values under ``torch.export``).
 4. **Timing.**  The arguments are made real (seeded normal floats where only the shape is
-   known, the same on every rank; activations that need a gradient get one), then
+   known, the same on every rank; floating inputs other than the model's own get a gradient), then
    ``warmup`` and ``repeats`` passes of forward and backward (of the sum of the outputs), each
    started together on all ranks (a barrier), the all-reduces included.  Each rank keeps the
    median of its forward and of its backward times; the Timing records the largest rank's
    median (the ranks wait for each other at every all-reduce, so they hardly differ), the
    interquartile range of that rank, the bytes autograd saves on a rank (local shards;
-   parameters excluded) and the output's bytes.  :class:`RankMeasure` also gives each unit's
+   parameters and buffers excluded, as the profile counts them) and the output's bytes.  :class:`RankMeasure` also gives each unit's
    parameter bytes on a rank (the local shards and the replicated rest).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import statistics
@@ -52,34 +50,22 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from pipeplan.intake.graph import group_units
 from pipeplan.intake.meta import materialize
-from pipeplan.intake.model import load_model
-from pipeplan.intake.spec import cast_floating
-from pipeplan.intake.tp_layout import Layout, check_degree, parallel_style
+from pipeplan.intake.model import ModelSpec, load_model
+from pipeplan.intake.tp_layout import Layout, check_degree
+from pipeplan.intake.tp_stages import split_stage_body
 from pipeplan.planner.errors import InvalidRequestError, UnitMeasureError
 from pipeplan.planner.host import free_port
-from pipeplan.planner.types import Profile, Timing, Unit
+from pipeplan.planner.types import Profile, Timing
 from pipeplan.profiler.measure import saved_storages, storage_keys
-from pipeplan.profiler.tp_annotate import head_tables, model_layout
+from pipeplan.profiler.tp_annotate import model_layout
+from pipeplan.profiler.unit_modules import UnitModule, split_units
+from pipeplan.profiler.units import build_meta, observe
 
-__all__ = ["HEAD_ATTRS", "RankMeasure", "measure_split", "measure_tensor_parallel", "unit_module"]
-
-#: Attributes of an attention module that count its heads (or their total width); a split
-#: module's parent has each one it holds divided by t.
-HEAD_ATTRS = (
-    "num_heads",
-    "num_attention_heads",
-    "n_heads",
-    "num_key_value_heads",
-    "n_kv_heads",
-    "all_head_size",
-    "inner_dim",
-)
-
-_BIAS_KWARGS = ("position_bias", "encoder_decoder_position_bias")
+__all__ = ["RankMeasure", "measure_split", "measure_tensor_parallel"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -88,7 +74,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-META = torch.device("meta")
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -100,133 +86,28 @@ class RankMeasure:
     param_bytes: int
 
 
-class _Mixed(TorchDispatchMode):
-    """Runs an operation on ``meta`` when any of its tensors is there, for real otherwise; a
-    factory asked for ``meta`` (``arange(..., device=x.device)`` of a ``meta`` x) runs on the
-    CPU, so position ids and masks keep their values."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if any(isinstance(t, Tensor) and t.is_meta for t in tree_leaves((args, kwargs))):
-
-            def to_meta(v: Any) -> Any:
-                if isinstance(v, Tensor):
-                    return v.to(META)
-                return META if isinstance(v, torch.device) else v
-
-            args, kwargs = tree_map(to_meta, args), tree_map(to_meta, kwargs)
-        elif (dev := kwargs.get("device")) is not None and torch.device(dev).type == "meta":
-            kwargs = {**kwargs, "device": torch.device("cpu")}
-        return func(*args, **kwargs)
-
-
-def unit_module(module: nn.Module, unit: Unit) -> str | None:
-    """The qualified name of the module of ``module`` whose parameters and buffers are
-    exactly ``unit``'s (``Unit.params``, by first qualified name), or ``None``."""
-    canonical: dict[int, str] = {}
-    for name, t in [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]:
-        canonical.setdefault(id(t), name)
-    want = set(unit.params)
-    for name, mod in module.named_modules():
-        if not (name == unit.name or name.endswith("." + unit.name)):
-            continue
-        have = {canonical[id(t)] for t in (*mod.parameters(), *mod.buffers())}
-        if have == want:
-            return name
-    return None
-
-
-def _capture(
-    module: nn.Module, targets: Mapping[int, str], inputs: Sequence[Tensor]
-) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The arguments each target module (unit index -> qualified name) is called with, from
-    one run of ``module`` under :class:`_Mixed` (step 2 of the module docstring)."""
-    got: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-    handles = []
-    for k, name in targets.items():
-
-        def hook(mod: nn.Module, args: Any, kwargs: Any, k: int = k) -> None:
-            got.setdefault(k, (tuple(args), dict(kwargs)))
-
-        handles.append(module.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.enable_grad(), _Mixed():
-            module(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-
-    def cut(v: Any) -> Any:  # free the run's graph, which holds the parameters
-        if isinstance(v, Tensor) and v.requires_grad:
-            return v.detach().requires_grad_(v.is_floating_point())
-        return v.detach() if isinstance(v, Tensor) else v
-
-    return {k: tree_map(cut, call) for k, call in got.items()}
-
-
-def _realize(value: Any, gen: torch.Generator) -> Any:
-    def fill(t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            return t
-        if not t.is_meta:
-            return t.detach()
-        out = torch.empty(t.shape, dtype=t.dtype)
-        if out.is_floating_point():
-            out.normal_(generator=gen)
-        elif out.dtype == torch.bool:
-            out.fill_(True)
-        else:
-            out.zero_()
-        return out.requires_grad_(t.requires_grad and out.is_floating_point())
-
-    return tree_map(fill, value)
-
-
-def _split(mod: nn.Module, styles: Mapping[str, str], prefix: str, t: int, mesh: Any) -> None:
-    """Split ``mod`` (named ``prefix`` in the model) by ``styles`` (step 3 of the module
-    docstring)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        parallelize_module,
+def _traced_units(
+    request: Mapping[str, Any], b: int
+) -> tuple[ModelSpec, nn.Module, list[UnitModule], dict[str, Any], set[str]]:
+    """The model built on ``meta`` and traced at micro-batch ``b``, its units as the profile
+    grouped them, the values of every measured unit's inputs from one run on the real batch
+    (step 2 of the module docstring), and the names of the model's own inputs."""
+    dtype = _DTYPES[request["dtype"]]
+    spec, module, example, traced = build_meta(
+        request["model"], request["kwargs"], CPU, dtype, b, request["tracer"]
     )
-
-    rel = {name[len(prefix) + 1 :] if prefix else name: s for name, s in styles.items()}
-    plan: dict[str, ParallelStyle] = {k: parallel_style(s) for k, s in rel.items()}
-    parents = {k.rsplit(".", 1)[0] if "." in k else "" for k, s in rel.items() if s == "colwise"}
-    for parent in parents:
-        owner = mod.get_submodule(parent)
-        for attr in HEAD_ATTRS:
-            value = getattr(owner, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value % t == 0:
-                setattr(owner, attr, value // t)
-        for name in head_tables(owner):
-            key = f"{parent}.{name}" if parent else name
-            plan[key] = ColwiseParallel(output_layouts=Shard(-1))
-    parallelize_module(mod, mesh, plan)
-
-
-def _slice_heads(
-    mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], t: int, rank: int
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A position bias passed in, (1, heads, q, k), sliced to this rank's heads."""
-    try:
-        bound = inspect.signature(mod.forward).bind_partial(*args, **kwargs)
-    except TypeError:
-        return args, kwargs
-    changed = False
-    for key in _BIAS_KWARGS:
-        value = bound.arguments.get(key)
-        if isinstance(value, Tensor) and value.dim() == 4 and value.shape[1] % t == 0:
-            h = value.shape[1] // t
-            part = value.detach()[:, rank * h : (rank + 1) * h].contiguous()
-            bound.arguments[key] = part.requires_grad_(value.requires_grad)
-            changed = True
-    return (tuple(bound.args), dict(bound.kwargs)) if changed else (args, kwargs)
+    specs = group_units(traced, request["granularity"], request["expanded"])
+    if len(specs) != request["n_units"]:
+        raise UnitMeasureError(
+            f"the model traced at micro-batch {b} has {len(specs)} units, the profile "
+            f"{request['n_units']}: profile it again with this torch"
+        )
+    pieces = split_units(traced, specs)
+    placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    keep = {n for k, _ in request["units"] for n in pieces[k].inputs}
+    values, _ = observe(traced, example, keep)
+    values.update(zip(placeholders, example))
+    return spec, module, pieces, values, set(placeholders)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -240,14 +121,12 @@ def _sum_outputs(out: Any) -> Tensor:
     return torch.stack([s.float() for s in sums]).sum()
 
 
-def _time_unit(
-    mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], warmup: int, repeats: int
-) -> dict[str, Any]:
+def _time_unit(mod: nn.Module, args: Sequence[Any], warmup: int, repeats: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     params = [_local(p) for p in mod.parameters()]
-    with saved_storages(storage_keys(params)) as seen:
-        out = mod(*args, **kwargs)
+    with saved_storages(storage_keys([*params, *mod.buffers()])) as seen:
+        out = mod(*args)
     saved = sum(seen.values())
     output_bytes = sum(
         _local(x).numel() * _local(x).element_size()
@@ -262,7 +141,7 @@ def _time_unit(
         mod.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
-        out = mod(*args, **kwargs)
+        out = mod(*args)
         loss = _sum_outputs(out)
         mid = time.perf_counter()
         dist.barrier()
@@ -283,6 +162,23 @@ def _time_unit(
     }
 
 
+def _realize(value: Any, grad: bool, gen: torch.Generator) -> Any:
+    """``value`` real: seeded normal floats (zeros otherwise) where only its shape is known;
+    floating tensors need a gradient where ``grad``."""
+
+    def fill(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if t.is_meta:
+            out = torch.empty(t.shape, dtype=t.dtype)
+            out.normal_(generator=gen) if out.is_floating_point() else out.zero_()
+        else:
+            out = t.detach().clone()
+        return out.requires_grad_(grad and out.is_floating_point())
+
+    return tree_map(fill, value)
+
+
 def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
     """One tensor-parallel rank: steps 1-4 of the module docstring; writes its raw times."""
     import torch.distributed as dist
@@ -294,35 +190,27 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=t)
     try:
         mesh = init_device_mesh("cpu", (t,))
-        dtype = _DTYPES[request["dtype"]]
-        results: dict[str, Any] = {}
-        for k, name, styles in request["units"]:
-            results[str(k)] = {}
+        results: dict[str, Any] = {str(k): {} for k, _ in request["units"]}
         for b in request["sizes"]:
-            spec = load_model(request["model"], request["kwargs"], meta=True)
-            module = cast_floating(spec.module, dtype).train()
-            inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in spec.batch(b)[0])
-            targets = {k: name for k, name, _ in request["units"]}
-            calls = _capture(module, targets, inputs)
-            for k, name, styles in request["units"]:
-                owned = [
-                    n
-                    for n, _ in [*module.named_parameters(), *module.named_buffers()]
-                    if n == name or n.startswith(name + ".")
-                ]
-                materialize(module, owned, torch.device("cpu"), seed=request["seed"])
-                mod = module.get_submodule(name)
-                gen = torch.Generator().manual_seed(request["seed"] * 1009 + k * 31 + b)
-                args, kwargs = _realize(calls[k], gen)
-                if t > 1:
-                    _split(mod, styles, name, t, mesh)
-                    args, kwargs = _slice_heads(mod, args, kwargs, t, rank)
-                results[str(k)][str(b)] = _time_unit(
-                    mod, args, kwargs, request["warmup"], request["repeats"]
+            spec, module, pieces, values, frozen = _traced_units(request, b)
+            for k, styles in request["units"]:
+                piece = pieces[k]
+                materialize(
+                    module, piece.params, CPU, seed=request["seed"], init_weights=spec.init_weights
                 )
-            del module, spec
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+                gen = torch.Generator().manual_seed(request["seed"] * 1009 + k * 31 + b)
+                args = [_realize(values[n], n not in frozen, gen) for n in piece.inputs]
+                body = piece.module
+                if t > 1:
+                    split_stage_body(body, styles, mesh, args)
+                results[str(k)][str(b)] = _time_unit(
+                    body, args, request["warmup"], request["repeats"]
+                )
+            del module, spec, pieces, values
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        with open(path + ".part", "w") as fh:
             json.dump(results, fh)
+        os.replace(path + ".part", path)  # whole or absent: _launch reads its presence
         dist.barrier()  # no rank tears its process group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
@@ -331,7 +219,10 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
 def _launch(request: str, t: int, timeout_s: float) -> None:
     """Run the ``t`` ranks (``python -m pipeplan.profiler.tp_measure REQUEST RANK``) and wait;
     a rank that fails or outlives ``timeout_s`` stops them all with its last error line.  Each
-    rank's error output goes to a file beside the request (a pipe could fill and stall it)."""
+    rank's error output goes to a file beside the request (a pipe could fill and stall it).
+    A rank that fails after every rank wrote its results (gloo's teardown after the last
+    barrier can abort a rank with "terminate called without an active exception", seen
+    rarely here) loses nothing: the results stand."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     logs = [os.path.join(os.path.dirname(request), f"rank{r}.err") for r in range(t)]
     procs = []
@@ -367,7 +258,10 @@ def _launch(request: str, t: int, timeout_s: float) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    if failed is not None:
+    done = all(
+        os.path.exists(os.path.join(os.path.dirname(request), f"rank{r}.json")) for r in range(t)
+    )
+    if failed is not None and not done:
         raise UnitMeasureError(
             f"measuring the units split {t} ways failed: {failed}; profile without "
             f"--tensor-parallel (the planner then models it)"
@@ -417,13 +311,11 @@ def measure_split(
     if not isinstance(layout, Layout):
         raise InvalidRequestError(f"--tensor-parallel {t}: {layout}")
     check_degree(layout, t)
-    units = []
-    for u in profile.units:
-        if u.tensor_parallel is None or u.measured_as is not None:
-            continue
-        name = unit_module(spec.module, u)
-        if name is not None:
-            units.append((u.index, name, u.tensor_parallel.styles))
+    units = [
+        (u.index, u.tensor_parallel.styles)
+        for u in profile.units
+        if u.tensor_parallel is not None and u.measured_as is None
+    ]
     if not units:
         return {}
     request = {
@@ -431,6 +323,10 @@ def measure_split(
         "threads": threads or max(1, (os.cpu_count() or 1) // t),
         "port": free_port(),
         "dtype": profile.dtype,
+        "tracer": profile.tracer,
+        "granularity": profile.granularity,
+        "expanded": list(profile.grouping.expanded) if profile.grouping else [],
+        "n_units": len(profile.units),
         "model": profile.model,
         "kwargs": dict(profile.model_kwargs),
         "sizes": sorted(profile.microbatch_sizes, reverse=True),
@@ -449,7 +345,7 @@ def measure_split(
             with open(os.path.join(tmp, f"rank{r}.json")) as fh:
                 ranks.append(json.load(fh))
     measured: dict[int, RankMeasure] = {}
-    for k, _, _ in units:
+    for k, _ in units:
         m = _merge([r[str(k)] for r in ranks])
         if m is not None:
             measured[k] = m
