@@ -346,7 +346,9 @@ def test_profile_measures_units_split_and_plan_uses_them(tmp_path: Path, cli) ->
     split = [u for u in profile.units if 2 in u.tp_timings]
     assert len(split) == 3, [u.name for u in split]
     plan_file = tmp_path / "plan.json"
-    code, _, err = cli(cli_argv("plan", prof, plan_file, "--stages 1 --tensor-parallel 2 --memory 1GiB"))
+    code, _, err = cli(
+        cli_argv("plan", prof, plan_file, "--stages 1 --tensor-parallel 2 --memory 1GiB")
+    )
     assert code == 0, err
     from pipeplan.solvers.tensor_parallel import tp_profile
 
