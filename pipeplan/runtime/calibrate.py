@@ -9,8 +9,9 @@ order, each with a module of its own that states what it times and the formulas 
 2. the optimizer-update contention kappa_u: Adam steps on ranks 0 and 1 alone and at once
    (:mod:`pipeplan.runtime.update_contention`);
 3. the host cost of tensor parallelism per split projection o_tp: pairs of ranks time an MLP
-   whole and split with torch's ``parallelize_module`` (:mod:`pipeplan.runtime.tp_overhead`;
-   an even number of ranks);
+   whole and split with torch's ``parallelize_module``, and of sequence parallelism per
+   collective o_sp, a pre-norm block split without and with it
+   (:mod:`pipeplan.runtime.tp_overhead`; an even number of ranks);
 4. the schedule engine: a real :class:`pipeplan.runtime.engine.PipelineRunner` pipeline of computing
    stages at several widths and micro-batch counts, whose steady-state slope gives the engine's
    cost per operation o and the contention k (:mod:`pipeplan.runtime.engine_fit`).
@@ -67,7 +68,7 @@ from pipeplan.runtime.linkbench import (
     time_collectives,
     time_pingpong,
 )
-from pipeplan.runtime.tp_overhead import measure_tp_overhead, tp_overhead
+from pipeplan.runtime.tp_overhead import measure_tp_overhead, sequence_overhead, tp_overhead
 from pipeplan.runtime.update_contention import measure_update_contention
 
 __all__ = [
@@ -367,6 +368,9 @@ def combine(
     overhead, kappa = fit_engine(points, [w for _ in results for w in widths])
     kappa_u = statistics.median(float(r.get("update_contention", 0.0)) for r in results)
     tp_op = statistics.median(tp_overhead(r.get("tensor_parallel", {}), link) for r in results)
+    tp_seq = statistics.median(
+        sequence_overhead(r.get("tensor_parallel", {}), link) for r in results
+    )
     solo = step_cost = None
     if alone:
         solo, step_cost = solo_overhead([r["engine"] for r in alone])
@@ -390,7 +394,7 @@ def combine(
         devices=devices, link=link, allreduce=allreduce, replica_link=replica,
         collectives=collectives, collective_ranks=max(nproc, 2), op_overhead_s=overhead,
         solo_op_overhead_s=solo, step_overhead_s=step_cost or 0.0, contention=kappa,
-        update_contention=kappa_u, tp_op_overhead_s=tp_op,
+        update_contention=kappa_u, tp_op_overhead_s=tp_op, tp_sequence_overhead_s=tp_seq,
     )  # fmt: skip
     return cluster, samples  # type: ignore[return-value]
 

@@ -28,6 +28,22 @@ rest, over the 2 projections and 2 passes, is
 (:func:`tp_overhead`; T the medians over the repeats, the largest over the ranks, as a pair
 waits for its slower rank; calibrate takes the median over its launches).  Charged so, the
 model reproduces T_2 of the calibration MLP itself.
+
+Sequence parallelism adds its own host work: each of its collectives
+(:class:`pipeplan.intake.tp_sequence.SequenceComm`) is a Python autograd function and a gloo
+or nccl call.  Per row-wise projection it adds a gather in the forward (the column-wise
+projection's input) and, in the backward, the all-gather of the reduce-scattered output's
+gradient and the norm weights' all-reduce.  The pair times a pre-norm block, x + fc2(gelu(fc1(
+LayerNorm(x)))) on 1 x ``tokens`` x d, split by the runtime's own rewrite
+(:func:`pipeplan.intake.tp_stages.split_stage_body`) without (T_b) and with (T_s) the
+sequence's split, the block receiving its share of the sequence as a stage does.  The model
+charges the split the all-gather AG(X) in the backward beyond T_b; the rest, over the three
+collectives, is
+
+    o_sp = max(0, (T_s - T_b - AG(X)) / 3)
+
+(:func:`sequence_overhead`), charged per row-wise projection once in the forward and twice
+in the backward (``Cluster.tp_sequence_overhead_s``).
 """
 
 from __future__ import annotations
@@ -35,11 +51,17 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from pipeplan.intake.tp_layout import Style
 from pipeplan.planner.collectives import ring_cost
 from pipeplan.planner.types import Link
 
-__all__ = ["TOKENS", "WIDTH", "measure_tp_overhead", "tp_overhead"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["TOKENS", "WIDTH", "measure_tp_overhead", "sequence_overhead", "tp_overhead"]
 
 WIDTH = 256
 """d of the calibration MLP: a small layer, whose arithmetic (about 1 ms forward and backward
@@ -86,7 +108,7 @@ def measure_tp_overhead(
         if kind == "cuda":
             torch.cuda.synchronize()
 
-    def passes(module: nn.Module) -> float:
+    def passes(module: nn.Module, x: Tensor = x) -> float:
         times = []
         for i in range(repeats + 1):
             module.zero_grad(set_to_none=True)
@@ -102,13 +124,54 @@ def measure_tp_overhead(
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    mine = torch.tensor([passes(whole), passes(split)], dtype=torch.float64, device=device)
+    block_s, sequence_s = _sequence_passes(mesh, width, tokens, device, passes)
+    mine = torch.tensor(
+        [passes(whole), passes(split), block_s, sequence_s], dtype=torch.float64, device=device
+    )
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return {
         "whole_s": float(mine[0]),
         "split_s": float(mine[1]),
+        "block_s": float(mine[2]),
+        "sequence_s": float(mine[3]),
         "bytes": float(tokens * width * 4),
     }
+
+
+def _sequence_passes(
+    mesh: Any, width: int, tokens: int, device: str, passes: Callable[..., float]
+) -> tuple[float, float]:
+    """T_b and T_s of the module docstring: the pre-norm block split by the runtime's rewrite
+    without and with the sequence's split (``passes(module, x)`` times one)."""
+    import torch
+    from torch import nn
+    from torch.fx import symbolic_trace
+
+    from pipeplan.intake.tp_sequence import SequenceRole
+    from pipeplan.intake.tp_stages import split_stage_body
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.fc1 = nn.Linear(width, 4 * width)
+            self.fc2 = nn.Linear(4 * width, width)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+    torch.manual_seed(0)  # the same block on every rank
+    block = Block().to(device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, tokens, width, generator=gen).to(device)
+    styles: dict[str, Style] = {"fc1": "colwise", "fc2": "rowwise"}
+    plain = symbolic_trace(copy.deepcopy(block))
+    split_stage_body(plain, styles, mesh, [x])
+    seq = symbolic_trace(copy.deepcopy(block))
+    split_stage_body(seq, styles, mesh, [x], SequenceRole(width, (True,), False))
+    rank, t = mesh.get_local_rank(), mesh.size()
+    share = x[:, rank * tokens // t : (rank + 1) * tokens // t]
+    return passes(plain, x.requires_grad_()), passes(seq, share.detach().requires_grad_())
 
 
 def tp_overhead(measured: dict[str, float], link: Link) -> float:
@@ -125,3 +188,19 @@ def tp_overhead(measured: dict[str, float], link: Link) -> float:
     alpha, beta = ring_cost(link, 2, "all_reduce")
     allreduce = alpha * measured["bytes"] + beta
     return max(0.0, (measured["split_s"] - measured["whole_s"] / 2 - 2 * allreduce) / 4)
+
+
+def sequence_overhead(measured: dict[str, float], link: Link) -> float:
+    """o_sp from one measurement (:func:`measure_tp_overhead`) and the link the cost model
+    prices the pair's all-gather on (module docstring); 0 where it was not measured.
+
+    >>> from pipeplan.planner.types import Link
+    >>> m = {"block_s": 0.012, "sequence_s": 0.015, "bytes": 262144.0}
+    >>> round(sequence_overhead(m, Link(bandwidth_Bps=2**30, latency_s=1e-4)) * 1e3, 3)
+    0.926
+    """
+    if "sequence_s" not in measured:
+        return 0.0
+    alpha, beta = ring_cost(link, 2, "all_gather")
+    gather = alpha * measured["bytes"] + beta
+    return max(0.0, (measured["sequence_s"] - measured["block_s"] - gather) / 3)

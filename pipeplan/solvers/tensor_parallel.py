@@ -20,7 +20,8 @@ intra-node link (``Cluster.intra_node_link``, else ``link``) with the formulas o
     c_B        = alpha_AR X b k_c / k + k_c beta_AR + n o_tp
                (with it, c_F: each all-reduce is a reduce-scatter and an all-gather, the same
                 bytes on a ring; c_B gains the k row-wise outputs' all-gathers, the backward of
-                their reduce-scatters, as :mod:`pipeplan.intake.tp_sequence` runs them)
+                their reduce-scatters, as :mod:`pipeplan.intake.tp_sequence` runs them; and
+                the host cost of its collectives, k o_sp in c_F and 2 k o_sp in c_B)
     s          = 1 - phi + phi / t                             the per-rank share of compute
     forward    = f s + c_F
     backward   = g s + c_B                   (the input gradients' all-reduces)
@@ -40,8 +41,10 @@ The backward's count is torch's, which the runtime runs (``parallelize_module`` 
 gradient (query, key and value: three; gate and up: two), where Megatron sums the shared input's
 gradient first and all-reduces once per sub-block.  o_tp (``Cluster.tp_op_overhead_s``) is the
 host work torch's DTensor adds per split projection and pass, beyond the compute and the
-collective, which ``pipeplan calibrate`` measures (:mod:`pipeplan.runtime.tp_overhead`; 0 where
-not measured).
+collective, and o_sp (``Cluster.tp_sequence_overhead_s``) sequence parallelism's per
+collective (a gather in the forward; the reduce-scatter's all-gather and the norm weights'
+all-reduce in the backward), which ``pipeplan calibrate`` measures
+(:mod:`pipeplan.runtime.tp_overhead`; 0 where not measured).
 
 The solvers divide a profile's seconds by each device's ``speed`` (a device faster than the
 profiled host), but a collective's seconds are the link's and the host cost is the host's: the
@@ -167,6 +170,8 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     hidden = cluster.sequence_parallel and ann.allreduces > 0 and not heads  # ends row-wise
     hidden = hidden or (cluster.loss_parallel and heads > 0)  # the logits, split
     host = cluster.tp_op_overhead_s * len(ann.styles)
+    # sequence parallelism's collectives, per row-wise projection: 1 forward, 2 backward
+    seq = cluster.tp_sequence_overhead_s * ann.allreduces if cluster.sequence_parallel else 0.0
     # the solvers divide a profile's seconds by the device's speed, not a link's: stored times
     # the fastest device's speed, each rank pays c (at least c on a slower device)
     speed = max(d.speed for d in cluster.devices)
@@ -176,13 +181,14 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
         else collective_s(cluster, ann.allgather_bytes_per_sample * b, heads, "gather")
     )
     head_in = collective_s(cluster, ann.gather_input_bytes_per_sample * b, heads)
-    c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + gather + host) * speed
+    c = (collective_s(cluster, per * ann.allreduces, ann.allreduces) + gather + host + seq) * speed
     rows = ann.allreduces if cluster.sequence_parallel else 0  # reduce-scatters' backward
     cb = (
         collective_s(cluster, per * cols, cols)
         + collective_s(cluster, per * rows, rows, "gather")
         + head_in
         + host
+        + 2 * seq
     ) * speed
 
     def opt(x: float | None, extra: float) -> float | None:

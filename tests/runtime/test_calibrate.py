@@ -76,7 +76,13 @@ def test_each_launch_reports_its_phases() -> None:
         # The MLP whole and split over the 2 ranks (none on one rank).
         tp = result["tensor_parallel"]
         assert (
-            (tp["whole_s"] > 0 and tp["split_s"] > 0 and tp["bytes"] == 256 * 256 * 4)
+            (
+                tp["whole_s"] > 0
+                and tp["split_s"] > 0
+                and tp["bytes"] == 256 * 256 * 4
+                and tp["block_s"] > 0
+                and tp["sequence_s"] > 0
+            )
             if (nproc == 2)
             else tp == {}
         )
@@ -151,6 +157,8 @@ def test_calibrate_takes_the_median_of_launches(
             "tensor_parallel": {
                 "whole_s": 0.02,
                 "split_s": 0.01 + 0.004 * slope / 1e-3,
+                "block_s": 0.02,  # and sequence parallelism adds 6, 18 and 12 ms
+                "sequence_s": 0.02 + 0.006 * slope / 1e-3,
                 "bytes": 262144.0,
             },
             "samples": [(n, scale * (5e-5 + n / 4e9), scale * (6e-5 + n / 4e9)) for n in sizes],
@@ -191,6 +199,9 @@ def test_calibrate_takes_the_median_of_launches(
     alpha, beta = ring_cost(cluster.link, 2, "all_reduce")
     assert cluster.tp_op_overhead_s == pytest.approx((8e-3 - 2 * (alpha * 262144 + beta)) / 4)
     assert cluster.tp_op_overhead_s > 1e-3
+    # o_sp: the median launch's 12 ms, less the all-gather the model charges, over 3
+    alpha, beta = ring_cost(cluster.link, 2, "all_gather")
+    assert cluster.tp_sequence_overhead_s == pytest.approx((12e-3 - alpha * 262144 - beta) / 3)
     write_json(tmp_path / "cluster.json", cluster)
     assert load_cluster(tmp_path / "cluster.json") == cluster
 

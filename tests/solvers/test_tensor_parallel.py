@@ -61,10 +61,10 @@ def annotated(prof: Profile, units: tuple[int, ...] = (1, 2)) -> Profile:
     return prof.model_copy(update={"units": tuple(out)})
 
 
-def _cluster(t: int, sp: bool = False, host: float = 0.0) -> Cluster:
+def _cluster(t: int, sp: bool = False, host: float = 0.0, seq: float = 0.0) -> Cluster:
     return Cluster.homogeneous(1, 2**40).model_copy(
         update={"tensor_parallel": t, "intra_node_link": INTRA, "sequence_parallel": sp,
-                "tp_op_overhead_s": host}
+                "tp_op_overhead_s": host, "tp_sequence_overhead_s": seq}
     )  # fmt: skip
 
 
@@ -194,6 +194,13 @@ def test_sequence_parallel_splits_the_rest_and_the_cuts() -> None:
     one, got, base = prof.units[1].timings[2], sp.units[1].timings[2], plain.units[1].timings[2]
     assert got.forward_s == pytest.approx(base.forward_s)
     assert got.backward_s == pytest.approx(base.backward_s + a_ag * 1000 * 2 + 2 * b_ag)
+    # o_sp per row-wise projection (2 here): once in the forward, twice in the backward; o_sp
+    # is sequence parallelism's alone, nothing without it
+    hosted = tp_profile(prof, _cluster(2, sp=True, seq=1e-3)).units[1].timings[2]
+    assert hosted.forward_s == pytest.approx(got.forward_s + 2e-3)
+    assert hosted.backward_s == pytest.approx(got.backward_s + 4e-3)
+    assert hosted.backward_input_s == pytest.approx(got.backward_input_s + 4e-3)
+    assert tp_profile(prof, _cluster(2, seq=1e-3)).units[1].timings[2] == base
     assert got.saved_bytes == round(one.saved_bytes * (0.15 + 0.85 / 2))
     assert base.saved_bytes == round(one.saved_bytes * (0.4 + 0.6 / 2))
     assert got.output_bytes == round(one.output_bytes / 2)

@@ -127,8 +127,7 @@ class Cluster(FrozenModel):
     """With t > 1: the ops between the blocks' projections run on 1 / t of the sequence
     (Megatron's ``--sequence-parallel``; :mod:`pipeplan.intake.tp_sequence`)."""
     loss_parallel: bool = False
-    """With t > 1: the loss reads the vocabulary-split head's logits split (torch's
-    ``loss_parallel``), not gathered whole."""
+    """With t > 1: the loss reads the vocabulary-split head's logits split (``loss_parallel``)."""
     devices_per_node: int | None = Field(default=None, ge=1)
     """K: devices in one node.  Tensor-parallel groups stay inside a node (t <= K); ``None``:
     one node holds every device."""
@@ -136,11 +135,12 @@ class Cluster(FrozenModel):
     """The link between two devices of one node (NVLink): the tensor-parallel collectives, and
     the pipeline's or the replicas' transfers where their peers share a node (else ``link``)."""
     tp_op_overhead_s: float = Field(default=0.0, ge=0)
-    """o_tp: the host seconds torch's tensor parallelism adds per split projection, in the
-    forward and again in the backward, beyond its share of the compute and its collective
-    (DTensor's wrapping, sharding propagation and redistribution, and the wait for the later
-    rank of the group); measured by ``pipeplan calibrate`` on pairs of ranks
-    (:mod:`pipeplan.runtime.tp_overhead`), 0 where not measured."""
+    """o_tp: host seconds torch's tensor parallelism adds per split projection and pass beyond
+    its compute and collective (DTensor's wrapping, propagation, redistribution, the wait for
+    the later rank); o_sp: sequence parallelism's per collective, one a row-wise projection
+    in the forward, two in the backward.  Measured by ``pipeplan calibrate`` on pairs of ranks
+    (:mod:`pipeplan.runtime.tp_overhead`), 0 where not."""
+    tp_sequence_overhead_s: float = Field(default=0.0, ge=0)
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
