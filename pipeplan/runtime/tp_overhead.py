@@ -11,7 +11,7 @@ split projection per pass (``Cluster.tp_op_overhead_s``); this module measures i
 
 The ranks form pairs (a ``(world / 2, 2)`` device mesh; every pair measures at once, as every
 tensor-parallel group of a node computes at once).  Each rank times, ``repeats`` times after
-one warm-up, a column-wise then row-wise MLP (``Linear(d, 4 d)``, GELU, ``Linear(4 d, d)``
+one warm-up, the two runs compared interleaved pass by pass, a column-wise then row-wise MLP (``Linear(d, 4 d)``, GELU, ``Linear(4 d, d)``
 on ``tokens`` x d float32 inputs, Megatron's MLP):
 
 * T_1: forward + backward of the whole MLP, unsplit, on every rank;
@@ -51,7 +51,6 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pipeplan.intake.tp_layout import Style
@@ -59,7 +58,7 @@ from pipeplan.planner.collectives import ring_cost
 from pipeplan.planner.types import Link
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    from torch import Tensor, nn
 
 __all__ = ["TOKENS", "WIDTH", "measure_tp_overhead", "sequence_overhead", "tp_overhead"]
 
@@ -108,26 +107,32 @@ def measure_tp_overhead(
         if kind == "cuda":
             torch.cuda.synchronize()
 
-    def passes(module: nn.Module, x: Tensor = x) -> float:
-        times = []
-        for i in range(repeats + 1):
-            module.zero_grad(set_to_none=True)
-            x.grad = None
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            out = module(x)
-            local = out.to_local() if hasattr(out, "to_local") else out
-            local.sum().backward()
-            sync()
-            if i:
-                times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def one(module: nn.Module, x: Tensor) -> float:
+        """Seconds of one forward and backward, started together on the pair."""
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        out = module(x)
+        local = out.to_local() if hasattr(out, "to_local") else out
+        local.sum().backward()
+        sync()
+        return time.perf_counter() - start
 
-    block_s, sequence_s = _sequence_passes(mesh, width, tokens, device, passes)
-    mine = torch.tensor(
-        [passes(whole), passes(split), block_s, sequence_s], dtype=torch.float64, device=device
-    )
+    def passes(*runs: tuple[nn.Module, Tensor]) -> list[float]:
+        """The median of ``repeats`` passes of each, after one warm-up, interleaved."""
+        times: list[list[float]] = [[] for _ in runs]
+        for i in range(repeats + 1):
+            for got, run in zip(times, runs, strict=True):
+                elapsed = one(*run)
+                if i:
+                    got.append(elapsed)
+        return [statistics.median(t) for t in times]
+
+    whole_s, split_s = passes((whole, x), (split, x))
+    block_s, sequence_s = passes(*_sequence_blocks(mesh, width, tokens, device))
+    mine = torch.tensor([whole_s, split_s, block_s, sequence_s], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return {
         "whole_s": float(mine[0]),
@@ -138,11 +143,12 @@ def measure_tp_overhead(
     }
 
 
-def _sequence_passes(
-    mesh: Any, width: int, tokens: int, device: str, passes: Callable[..., float]
-) -> tuple[float, float]:
-    """T_b and T_s of the module docstring: the pre-norm block split by the runtime's rewrite
-    without and with the sequence's split (``passes(module, x)`` times one)."""
+def _sequence_blocks(
+    mesh: Any, width: int, tokens: int, device: str
+) -> tuple[tuple[nn.Module, Tensor], tuple[nn.Module, Tensor]]:
+    """The pre-norm block of the module docstring split by the runtime's rewrite without and
+    with the sequence's split, each with the input it runs on (the whole sequence; this rank's
+    share of it)."""
     import torch
     from torch import nn
     from torch.fx import symbolic_trace
@@ -171,7 +177,7 @@ def _sequence_passes(
     split_stage_body(seq, styles, mesh, [x], SequenceRole(width, (True,), False))
     rank, t = mesh.get_local_rank(), mesh.size()
     share = x[:, rank * tokens // t : (rank + 1) * tokens // t]
-    return passes(plain, x.requires_grad_()), passes(seq, share.detach().requires_grad_())
+    return (plain, x.requires_grad_()), (seq, share.detach().requires_grad_())
 
 
 def tp_overhead(measured: dict[str, float], link: Link) -> float:
