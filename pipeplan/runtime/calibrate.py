@@ -164,13 +164,14 @@ def _worker(argv: list[str] | None = None) -> None:
             else:
                 memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                 memory //= dist.get_world_size()
-            with open(args.out, "w") as fh:
+            with open(args.out + ".part", "w") as fh:
                 json.dump(
                     {"samples": samples, "allreduce": allreduce, "collectives": collectives,
                      "memory": memory,
                      "engine": engine, "update_contention": kappa_u, "tensor_parallel": tp},
                     fh,
                 )  # fmt: skip
+            os.replace(args.out + ".part", args.out)  # whole or absent: measure() reads it
     finally:
         dist.destroy_process_group()
 
@@ -244,7 +245,10 @@ def measure(
                 raise StageFailedError(f"calibration did not finish in {timeout_s:.0f} s")
             err.seek(0)
             stderr = err.read()
-        if code != 0 or not os.path.exists(out):
+        # rank 0 writes its result whole after the last measurement; a rank that fails after
+        # it (gloo's teardown can abort one: "terminate called without an active exception",
+        # seen rarely here) loses nothing
+        if not os.path.exists(out):
             tail = (stderr.strip().splitlines() or ["no output"])[-1]
             raise StageFailedError(f"calibration ranks failed (exit {code}): {tail}")
         with open(out) as fh:

@@ -3,6 +3,7 @@ launches (the fits themselves: test_linkbench, test_engine_fit, test_update_cont
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import pipeplan.runtime.calibrate as calibrate_module
 from pipeplan.cli import main
 from pipeplan.planner.collectives import collective_cost, ring_cost
+from pipeplan.planner.errors import StageFailedError
 from pipeplan.planner.io import calibration_file, load_cluster, write_json
 from pipeplan.runtime.engine_fit import MICRO
 from pipeplan.runtime.linkbench import fit_link
@@ -257,3 +259,38 @@ def test_calibrate_fits_one_line_through_every_launchs_points(
     assert cluster.contention == pytest.approx(b - 1, rel=1e-6)
     assert cluster.op_overhead_s == pytest.approx(a / (2 * b), rel=1e-6)
     assert 0.2 < cluster.contention < 0.9 and 2e-4 < cluster.op_overhead_s < 5e-4
+
+
+WROTE_THEN_ABORTED = (
+    'echo \'{"memory": 7}\' > "$OUT"\n'
+    'echo "terminate called without an active exception" >&2\nexit 134\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("script", "error"),
+    [
+        # rank 0 wrote its result, then a rank aborted in gloo's teardown: the result stands
+        (WROTE_THEN_ABORTED, None),
+        # a rank failed before anything was written: one line with its last error line
+        ('echo "RuntimeError: Connection closed by peer" >&2\nexit 1\n',
+         "calibration ranks failed (exit 1): RuntimeError: Connection closed by peer"),
+    ],
+)  # fmt: skip
+@pytest.mark.multirank  # the launch path, its ranks stood in for
+def test_a_launch_failing_after_its_result_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: str, error: str | None
+) -> None:
+    """The launch's ranks stood in for by a shell script (``sys.executable``) that finds the
+    ``--out`` path among its arguments."""
+    exe = tmp_path / "python"
+    exe.write_text(
+        '#!/bin/sh\nwhile [ "$#" -gt 0 ]; do [ "$1" = "--out" ] && OUT=$2; shift; done\n' + script
+    )
+    exe.chmod(0o755)
+    monkeypatch.setattr(calibrate_module.sys, "executable", str(exe))
+    if error is None:
+        assert calibrate_module.measure(2, "cpu", 1024, 1, None, 30.0) == {"memory": 7}
+    else:
+        with pytest.raises(StageFailedError, match=re.escape(error)):
+            calibrate_module.measure(2, "cpu", 1024, 1, None, 30.0)
