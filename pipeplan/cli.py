@@ -351,7 +351,7 @@ def plan(
     if result.cluster.tensor_parallel > 1:
         from pipeplan.solvers.tensor_parallel import source_note
 
-        console.print(source_note(request.profile, result.cluster.tensor_parallel), highlight=False)
+        console.print(source_note(request.profile, result.cluster), highlight=False)
     if not record_solve_time:
         result = result.model_copy(update={"solve_time_s": None})
     if result.profiled_threads is not None:  # before anything runs: what run will give a rank

@@ -52,7 +52,8 @@ per-rank profile stores c_F and c_B times the fastest device's speed, so that a 
 as they are (and at least them on a slower device of a mixed cluster, an upper bound).
 
 A unit's measured ``tp_timings[t][b]`` (collectives included) is used as it stands where
-present; otherwise the times above are modelled from its unsharded ``timings[b]``.  A unit
+present and it measured what the plan runs (the measurement runs without sequence parallelism,
+and a head with its logits gathered, not loss-parallel); otherwise the times above are modelled from its unsharded ``timings[b]``.  A unit
 without an annotation is run whole by every rank: its times and bytes are unchanged.  The
 tensors crossing a cut are unchanged (each rank sends the whole activation to its peer in the
 next stage), except with sequence parallelism, where each hidden state (a tensor of a row-wise
@@ -212,12 +213,25 @@ def _modelled(timing: Timing, ann: UnitTensorParallel, b: int, cluster: Cluster)
     )
 
 
+def _measured(unit: Unit, cluster: Cluster) -> dict[int, Timing]:
+    """The unit's ``tp_timings`` at the cluster's t where they measured what the plan runs:
+    none under sequence parallelism, and none for a vocabulary-split head under loss
+    parallelism (the measurement splits the units without either)."""
+    head = (
+        unit.tensor_parallel is not None
+        and "colwise_gather" in unit.tensor_parallel.styles.values()
+    )
+    if cluster.sequence_parallel or (cluster.loss_parallel and head):
+        return {}
+    return unit.tp_timings.get(cluster.tensor_parallel, {})
+
+
 def _unit(unit: Unit, cluster: Cluster) -> Unit:
     ann = unit.tensor_parallel
     if ann is None:
         return unit
     t = cluster.tensor_parallel
-    measured = unit.tp_timings.get(t, {})
+    measured = _measured(unit, cluster)
     timings = {
         b: measured[b] if b in measured else _modelled(timing, ann, b, cluster)
         for b, timing in unit.timings.items()
@@ -313,15 +327,14 @@ def _split_loss(timing: Timing, units: Sequence[Unit], b: int, cluster: Cluster)
     )
 
 
-def source_note(profile: Profile, t: int) -> str:
-    """One line: how the per-rank profile of t-way tensor parallelism was made (how many split
-    units measured at t, how many modelled, how many run whole)."""
+def source_note(profile: Profile, cluster: Cluster) -> str:
+    """One line: how the per-rank profile of the cluster's t-way tensor parallelism was made
+    (how many split units measured at t, how many modelled, how many run whole)."""
+    t = cluster.tensor_parallel
     if t == 1:
         return profile.tensor_parallel_note or "tensor parallel 1"
     split = [u for u in profile.units if u.tensor_parallel is not None]
-    measured = sum(
-        all(b in u.tp_timings.get(t, {}) for b in profile.microbatch_sizes) for u in split
-    )
+    measured = sum(all(b in _measured(u, cluster) for b in profile.microbatch_sizes) for u in split)
     whole = profile.n_units - len(split)
     return (
         f"tensor parallel {t}: {len(split)} units split ({measured} measured at t = {t}, "

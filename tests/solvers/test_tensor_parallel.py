@@ -218,16 +218,29 @@ def test_measured_timings_are_used_as_they_stand() -> None:
     per = tp_profile(prof, _cluster(2))
     assert per.units[1].timings[2] == measured
     assert per.units[1].timings[4].forward_s != units[1].timings[4].forward_s  # modelled
-    assert source_note(prof, 2) == (
+    assert source_note(prof, _cluster(2)) == (
         "tensor parallel 2: 2 units split (0 measured at t = 2, 2 modelled from the unsharded "
         "times), 2 run whole"
     )
     full = {2: {b: measured for b in (2, 4)}}
     units[2] = units[2].model_copy(update={"tp_timings": full})
     units[1] = units[1].model_copy(update={"tp_timings": full})
-    assert "(2 measured at t = 2, 0 modelled" in source_note(
-        prof.model_copy(update={"units": tuple(units)}), 2
-    )
+    both = prof.model_copy(update={"units": tuple(units)})
+    assert "(2 measured at t = 2, 0 modelled" in source_note(both, _cluster(2))
+    # measured without sequence parallelism: a plan with it models every unit
+    assert "(0 measured at t = 2, 2 modelled" in source_note(both, _cluster(2, sp=True))
+    assert tp_profile(both, _cluster(2, sp=True)).units[1].timings[2] != measured
+    # and a head split over the vocabulary, measured with its logits gathered, is modelled
+    # under loss parallelism, which keeps them split; the layers' measurements still hold
+    ann = units[2].tensor_parallel
+    assert ann is not None
+    head = ann.model_copy(update={"styles": {"lm_head": "colwise_gather"}})
+    units[2] = units[2].model_copy(update={"tensor_parallel": head})
+    with_head = prof.model_copy(update={"units": tuple(units)})
+    split_loss = _cluster(2).model_copy(update={"loss_parallel": True})
+    assert "(1 measured at t = 2, 1 modelled" in source_note(with_head, split_loss)
+    per = tp_profile(with_head, split_loss)
+    assert per.units[1].timings[2] == measured and per.units[2].timings[2] != measured
 
 
 def test_bad_degrees_name_the_dimension() -> None:
