@@ -4,8 +4,9 @@
 ``Unit.tp_timings[T][b]`` for every unit that :mod:`pipeplan.profiler.tp_annotate` found
 splittable, measured, not modelled:
 
-1. **Ranks.**  T processes (``torch.multiprocessing``, spawned) join one process group (gloo
-   on the CPU) and a one-dimensional device mesh (``init_device_mesh("cpu", (T,))``).
+1. **Ranks.**  T processes (``python -m pipeplan.profiler.tp_measure REQUEST RANK``) join one
+   process group (gloo on the CPU) and a one-dimensional device mesh
+   (``init_device_mesh("cpu", (T,))``).
 2. **The traced units and their arguments.**  Each rank builds the model on ``meta``
    (:func:`pipeplan.profiler.units.build_meta`; buffers real), traces it at each micro-batch
    size b on fake tensors, groups it into the profile's units (``Profile.granularity`` and the
@@ -24,14 +25,15 @@ splittable, measured, not modelled:
    graph saves what the eager module does not always (Llama's ``repeat_kv`` copies of the keys
    and values under ``torch.export``).
 4. **Timing.**  The arguments are made real (seeded normal floats where only the shape is
-   known, the same on every rank; floating inputs other than the model's own get a gradient), then
-   ``warmup`` and ``repeats`` passes of forward and backward (of the sum of the outputs), each
-   started together on all ranks (a barrier), the all-reduces included.  Each rank keeps the
-   median of its forward and of its backward times; the Timing records the largest rank's
-   median (the ranks wait for each other at every all-reduce, so they hardly differ), the
-   interquartile range of that rank, the bytes autograd saves on a rank (local shards;
-   parameters and buffers excluded, as the profile counts them) and the output's bytes.  :class:`RankMeasure` also gives each unit's
-   parameter bytes on a rank (the local shards and the replicated rest).
+   known, the same on every rank; floating inputs other than the model's own get a
+   gradient), then ``warmup`` and ``repeats`` passes of forward and backward (of the sum of
+   the outputs), each started together on all ranks (a barrier), the all-reduces included.
+   Each rank keeps the median of its forward and of its backward times; the Timing records
+   the largest rank's median (the ranks wait for each other at every all-reduce, so they
+   hardly differ), the interquartile range of that rank, the bytes autograd saves on a rank
+   (local shards; parameters and buffers excluded, as the profile counts them) and the
+   output's bytes.  :class:`RankMeasure` also gives each unit's parameter bytes on a rank
+   (the local shards and the replicated rest).
 """
 
 from __future__ import annotations

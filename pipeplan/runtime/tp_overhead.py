@@ -11,8 +11,9 @@ split projection per pass (``Cluster.tp_op_overhead_s``); this module measures i
 
 The ranks form pairs (a ``(world / 2, 2)`` device mesh; every pair measures at once, as every
 tensor-parallel group of a node computes at once).  Each rank times, ``repeats`` times after
-one warm-up, the two runs compared interleaved pass by pass, a column-wise then row-wise MLP (``Linear(d, 4 d)``, GELU, ``Linear(4 d, d)``
-on ``tokens`` x d float32 inputs, Megatron's MLP):
+one warm-up, the two runs compared interleaved pass by pass, a column-wise then row-wise MLP
+(``Linear(d, 4 d)``, GELU, ``Linear(4 d, d)`` on ``tokens`` x d float32 inputs, Megatron's
+MLP):
 
 * T_1: forward + backward of the whole MLP, unsplit, on every rank;
 * T_2: the same MLP split over the pair (``ColwiseParallel`` then ``RowwiseParallel``, with

@@ -53,10 +53,10 @@ as they are (and at least them on a slower device of a mixed cluster, an upper b
 
 A unit's measured ``tp_timings[t][b]`` (collectives included) is used as it stands where
 present and it measured what the plan runs (the measurement runs without sequence parallelism,
-and a head with its logits gathered, not loss-parallel); otherwise the times above are modelled from its unsharded ``timings[b]``.  A unit
-without an annotation is run whole by every rank: its times and bytes are unchanged.  The
-tensors crossing a cut are unchanged (each rank sends the whole activation to its peer in the
-next stage), except with sequence parallelism, where each hidden state (a tensor of a row-wise
+and a head with its logits gathered, not loss-parallel); otherwise the times above are
+modelled from its unsharded ``timings[b]``.  A unit without an annotation is run whole by
+every rank: its times and bytes are unchanged.  The tensors crossing a cut are unchanged (each
+rank sends the whole activation to its peer in the next stage), except with sequence parallelism, where each hidden state (a tensor of a row-wise
 projection's output size per sample, X / k) crosses as the rank's 1 / t of the sequence.
 A cut's tensors that t ranks hold split by heads (``Cut.tp_gather_bytes_per_sample``: inside
 a sub-block, or T5's position bias) are all-gathered before they are sent and their gradient
