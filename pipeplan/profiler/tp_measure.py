@@ -14,7 +14,7 @@ splittable, measured, not modelled:
    the real batch (:func:`pipeplan.profiler.units.observe`), as ``--method units`` does: what
    depends only on the inputs and buffers (position ids, rotary tables, masks) gets its real
    values, activations their shapes.  Each distinct splittable unit is measured, one module or
-   not (a head of a norm and a projection too).
+   several (a head: the final norm and the vocabulary's projection).
 3. **Split.**  The unit's parameters are materialized alone
    (:func:`pipeplan.intake.meta.materialize`, the same seed on every rank, so every rank starts
    from the same unsplit weights) and its traced body is split exactly as the runtime splits a
@@ -304,9 +304,9 @@ def measure_split(
     seed: int = 0,
     timeout_s: float = 1800.0,
 ) -> dict[int, RankMeasure]:
-    """Each distinct splittable unit of ``profile`` that is one module, measured split ``t``
-    ways on ``t`` ranks (module docstring), by unit index.  ``t`` = 1 runs the unsplit module
-    in the same harness (a baseline).  ``threads`` per rank defaults to the cores divided
+    """Each distinct splittable unit of ``profile``, its traced body measured split ``t`` ways
+    on ``t`` ranks (module docstring), by unit index.  ``t`` = 1 runs the unsplit body in the
+    same harness (a baseline).  ``threads`` per rank defaults to the cores divided
     among the ranks."""
     spec = load_model(profile.model, profile.model_kwargs, meta=True)
     layout = model_layout(spec.module)
@@ -356,8 +356,8 @@ def measure_split(
 
 def measure_tensor_parallel(profile: Profile, t: int, **options: Any) -> Profile:
     """``profile`` with ``Unit.tp_timings[t]`` measured (:func:`measure_split`, whose
-    ``options`` these are) for every splittable unit that is one module; copies
-    (``Unit.measured_as``) take their original's."""
+    ``options`` these are) for every splittable unit; copies (``Unit.measured_as``) take their
+    original's."""
     if t < 2:
         raise InvalidRequestError(f"--tensor-parallel {t} measures nothing; give 2 or more")
     measured = measure_split(profile, t, **options)
