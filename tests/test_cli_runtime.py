@@ -201,6 +201,21 @@ def test_a_stage_that_dies_stops_every_rank(plans: dict[int, Path]) -> None:
     assert "error: stage 1 died with exit code -9 (SIGKILL)" in err
 
 
+@pytest.mark.multirank
+def test_a_rank_aborting_in_teardown_after_the_run_loses_nothing(
+    plans: dict[int, Path], tmp_path: Path
+) -> None:
+    """gloo's teardown can abort a rank after the run's last barrier ("terminate called
+    without an active exception"): every rank had finished, so the run and its report stand,
+    with a note."""
+    report = tmp_path / "report.json"
+    args = [str(plans[2]), "--steps", "2", "--report", str(report)]
+    code, _, err, _ = _run(args, {"PIPEPLAN_FAIL": "1:0:teardown"})
+    assert code == 0, err
+    assert "after every rank finished the run (in its process group's teardown)" in err
+    assert len(load_report(report).step_times_s) == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

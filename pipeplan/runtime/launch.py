@@ -404,7 +404,12 @@ def launch(
             raise StageFailedError(
                 f"stopped by {name}{at}: torchrun and every rank ended", signal=outcome.signal
             )
-        if outcome.code != 0:
+        finished = all((run_dir / f"done-{r}").exists() for r in range(ranks))
+        if outcome.code != 0 and finished:  # a rank failed in its process group's teardown
+            print(f"note: a rank exited with status {outcome.code} after every rank finished "
+                  "the run (in its process group's teardown); its results stand",
+                  file=sys.stderr)  # fmt: skip
+        elif outcome.code != 0:
             raise failure(
                 run_dir,
                 ranks,

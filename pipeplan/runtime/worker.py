@@ -41,7 +41,8 @@ For tests, ``PIPEPLAN_FAIL=STAGE:STEP[:MODE]`` makes stage STAGE fail before its
 of step STEP (0-based, warm-up included): MODE ``raise`` (default) raises a RuntimeError,
 ``exit`` calls ``os._exit(3)``, ``kill`` sends itself SIGKILL; at the save after step STEP
 (1-based: the steps done), once the stage wrote its files, ``kill-save`` sends itself SIGKILL
-and ``enospc`` raises ``OSError(ENOSPC)``, as a full disk would.
+and ``enospc`` raises ``OSError(ENOSPC)``, as a full disk would; ``teardown`` aborts after the
+run's last barrier, as gloo's teardown can ("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
     parts = spec.split(":")
     stage, step = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
     mode = parts[2] if len(parts) > 2 else "raise"
-    if stage != rank:
+    if stage != rank or mode == "teardown":
         return None
 
     def fault(at_step: int, microbatch: int) -> None:
@@ -434,6 +435,10 @@ def run(args: argparse.Namespace) -> None:
 
             print_comparison(report, plan, Console(width=None if sys.stdout.isatty() else 120))
     dist.barrier()
+    if args.run_dir:  # every rank finished: a failure after this (teardown) loses nothing
+        (Path(args.run_dir) / f"done-{rank}").touch()
+    if os.environ.get("PIPEPLAN_FAIL", "").split(":")[::2] == [str(rank), "teardown"]:
+        os.abort()
     dist.destroy_process_group()
 
 
