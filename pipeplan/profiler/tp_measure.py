@@ -65,7 +65,7 @@ from pipeplan.planner.types import Profile, Timing
 from pipeplan.profiler.measure import saved_storages, storage_keys
 from pipeplan.profiler.tp_annotate import model_layout
 from pipeplan.profiler.unit_modules import UnitModule, split_units
-from pipeplan.profiler.units import build_meta, observe
+from pipeplan.profiler.units import build_meta, observe, realize
 
 __all__ = ["RankMeasure", "measure_split", "measure_tensor_parallel"]
 
@@ -164,21 +164,13 @@ def _time_unit(mod: nn.Module, args: Sequence[Any], warmup: int, repeats: int) -
     }
 
 
-def _realize(value: Any, grad: bool, gen: torch.Generator) -> Any:
-    """``value`` real: seeded normal floats (zeros otherwise) where only its shape is known;
-    floating tensors need a gradient where ``grad``."""
+def _with_grad(value: Any, grad: bool) -> Any:
+    """``value``'s floating tensors needing a gradient where ``grad`` (step 4)."""
 
-    def fill(t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            return t
-        if t.is_meta:
-            out = torch.empty(t.shape, dtype=t.dtype)
-            out.normal_(generator=gen) if out.is_floating_point() else out.zero_()
-        else:
-            out = t.detach().clone()
-        return out.requires_grad_(grad and out.is_floating_point())
+    def one(x: Any) -> Any:
+        return x.requires_grad_(grad and x.is_floating_point()) if isinstance(x, Tensor) else x
 
-    return tree_map(fill, value)
+    return tree_map(one, value)
 
 
 def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
@@ -201,7 +193,9 @@ def _rank(rank: int, request: dict[str, Any], out_dir: str) -> None:
                     module, piece.params, CPU, seed=request["seed"], init_weights=spec.init_weights
                 )
                 gen = torch.Generator().manual_seed(request["seed"] * 1009 + k * 31 + b)
-                args = [_realize(values[n], n not in frozen, gen) for n in piece.inputs]
+                args = [
+                    _with_grad(realize(values[n], CPU, gen), n not in frozen) for n in piece.inputs
+                ]
                 body = piece.module
                 if t > 1:
                     split_stage_body(body, styles, mesh, args)

@@ -97,6 +97,7 @@ __all__ = [
     "observe",
     "param_bytes",
     "profile_units",
+    "realize",
 ]
 
 
@@ -233,7 +234,7 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
-def _realize(value: Any, dev: torch.device, gen: torch.Generator) -> Any:
+def realize(value: Any, dev: torch.device, gen: torch.Generator) -> Any:
     """``value`` with every ``meta`` tensor replaced by a real one of its shape, dtype and
     strides (seeded normal floats; zeros otherwise) on ``dev``; real tensors moved there."""
 
@@ -394,7 +395,7 @@ def profile_units(
                             return tuple(lookup(n) for n in outs)
 
                         loss = _SumLoss()
-                    inputs = {n: _realize(values[b][n], dev, gen) for n in names}
+                    inputs = {n: realize(values[b][n], dev, gen) for n in names}
                     with _failure(k, piece, values[b]):
                         result = measure_sweep(
                             [piece],
