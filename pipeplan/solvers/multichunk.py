@@ -16,8 +16,8 @@ Algorithm.
   1. Each candidate left is seeded (:mod:`pipeplan.solvers.schedule_search`: the exact min-max
      partition over the allowed cuts, torchtitan's equal split, rank-balanced fills, 1F1B's
      stages cut in v, and for GPipe and 1F1B the closed-form DP's plan), each seed with the
-     flags of :func:`recompute_to_fit` (none; then, while a rank is over its memory, the chunk
-     of that rank with the most held bytes recomputes).
+     flags of :func:`~pipeplan.solvers.fit.fits` (none; then, while a rank is over its memory, its chunk with the
+     most held bytes recomputes: "largest first").
   2. If the candidates' cut combinations over the allowed cuts number at most
      ``exhaustive_limit``, enumerate every cut and every recompute mask (in the fused
      families only the minimal fitting ones: there recomputing never shortens an action), a
@@ -34,7 +34,13 @@ Algorithm.
      move.  In the split families recomputation is also a speed choice (a recomputing
      chunk runs its backward fused, B_rc against I + W): each searched candidate's flags are
      then flipped one at a time while the replayed step falls, and its cuts searched again
-     under them (:func:`_speed_flags`, ``SEARCH_WORK // SPEED_SHARE`` more actions).  The plan is
+     under them (:func:`_speed_flags`, ``SEARCH_WORK // SPEED_SHARE`` more actions).
+     Where memory forced the best plans of searched candidates to recompute, the cuts of the
+     ``REFIT_TOP`` best of them are searched once more from their best, each partition scored
+     under the better of two fits (:func:`~pipeplan.solvers.fit.fits`: "largest first", and each rank over its
+     memory recomputing the set of its chunks that fits it with the least added work),
+     ``SEARCH_WORK // REFIT_SHARE`` more actions: a search that only adds, so no plan is
+     slower than without it.  The plan is
      ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
      every family, v, partition and mask (proof in :func:`family_bound`).
   4. With ``exact_time`` > 0 (off by default), each candidate whose bound is below the best
@@ -62,6 +68,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import combinations
 from math import comb
 from typing import cast
@@ -90,6 +97,7 @@ from pipeplan.solvers.chunk_plan import chunk_plan
 from pipeplan.solvers.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.solvers.exact_plan import Candidate, prove_candidates
 from pipeplan.solvers.final_gap import MODEL_TIME, raise_bounds
+from pipeplan.solvers.fit import fits, recompute_to_fit
 from pipeplan.solvers.request import ResolvedRequest
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
@@ -121,6 +129,10 @@ SEARCH_WORK = 2_000_000
 #: The split families' recompute-for-speed step (:func:`_speed_flags`) replays up to
 #: ``SEARCH_WORK // SPEED_SHARE`` more actions, over the candidates the search kept.
 SPEED_SHARE = 4
+
+#: The refit search (module docstring, step 3): ``SEARCH_WORK // REFIT_SHARE`` more actions
+#: over the ``REFIT_TOP`` best candidates whose best plan recomputes.
+REFIT_SHARE, REFIT_TOP = 16, 2
 
 Scored = tuple[float, list[int], list[bool], Replay]
 
@@ -170,30 +182,6 @@ def _requested(
     return out, why
 
 
-def recompute_to_fit(cp: ChunkPlan, starts: Sequence[int]) -> list[bool]:
-    """No chunk recomputes; then, while a rank is over its memory, its chunk with the most held
-    bytes does (until all of that rank's do).  A fixed policy's flags as they are."""
-    return _fit(cp, starts)[0]
-
-
-def _fit(cp: ChunkPlan, starts: Sequence[int]) -> tuple[list[bool], ChunkCosts, tuple[int, ...]]:
-    """:func:`recompute_to_fit`'s flags, with the chunk costs and the peaks they give."""
-    fixed = fixed_flags(cp.options, len(starts))
-    rc = fixed if fixed is not None else [False] * len(starts)
-    while True:
-        costs = cp.costs_of(starts, rc)
-        peaks = peak_memory(cp.family, cp.p, cp.v, cp.m, costs)
-        if fixed is not None:
-            return rc, costs, peaks
-        over = [q for q, pk in enumerate(peaks) if pk > cp.cluster.devices[q].memory_bytes]
-        if not over:
-            return rc, costs, peaks
-        flip = [s for s in range(len(starts)) if cp.owner[s] in over and not rc[s]]
-        if not flip:
-            return rc, costs, peaks
-        rc[max(flip, key=lambda s: costs.held_bytes[s])] = True
-
-
 @dataclass
 class _Work:
     """Actions replayed so far, over every candidate's search: what the budget counts."""
@@ -212,23 +200,35 @@ class _Search:
         self.work = work
         self.actions = sum(len(r) for r in action_order(cp.family, cp.p, cp.v, cp.m))
         """Actions in one replay: what it costs."""
+        self.tight = False
+        """Whether a partition scored had to recompute to fit."""
+        self.refit: set[tuple[int, ...]] = set()
+        """The partitions scored with both fits of :func:`~pipeplan.solvers.fit.fits`."""
 
-    def score(self, starts: Sequence[int], rc: Sequence[bool] | None = None) -> Score:
+    def score(
+        self, starts: Sequence[int], rc: Sequence[bool] | None = None, *, least: bool = False
+    ) -> Score:
+        """The partition's score under ``rc``, or under the flags of :func:`~pipeplan.solvers.fit.fits` (with
+        ``least``, the better of its two fits); the best it has had, memoised."""
         key = tuple(starts)
-        if key not in self.seen or rc is not None:
-            self.work.done += self.actions
+        if key not in self.seen or rc is not None or (least and key not in self.refit):
+            fitted: list[tuple[list[bool], ChunkCosts | None, tuple[int, ...] | None]]
             if rc is None:
-                flags, costs, peaks = _fit(self.cp, starts)
-                rep = self.cp.replay(starts, flags, costs=costs, peaks=peaks)
+                fitted = list(fits(self.cp, starts, least))
+                self.tight = self.tight or any(fitted[0][0])
+                if least:
+                    self.refit.add(key)
             else:
-                flags = list(rc)
-                rep = self.cp.replay(starts, flags)
-            T = rep.makespan_s if self.cp.fits(rep) else np.inf
-            busy = rep.busy
-            s: Score = (T, tuple(sorted(busy, reverse=True)), int(np.argmax(busy)))
-            if key in self.seen and self.seen[key][0] <= s:
-                return self.seen[key][0]
-            self.seen[key] = (s, flags, rep)
+                fitted = [(list(rc), None, None)]
+            for flags, costs, peaks in fitted:
+                self.work.done += self.actions
+                rep = self.cp.replay(starts, flags, costs=costs, peaks=peaks)
+                T = rep.makespan_s if self.cp.fits(rep) else np.inf
+                busy = rep.busy
+                s: Score = (T, tuple(sorted(busy, reverse=True)), int(np.argmax(busy)))
+                if key in self.seen and self.seen[key][0] <= s:
+                    continue
+                self.seen[key] = (s, flags, rep)
         return self.seen[key][0]
 
     def best(self) -> tuple[list[int], Score, list[bool], Replay]:
@@ -567,6 +567,14 @@ def solve_schedule(
         for i, c in enumerate(faster):
             share = start + search_work // SPEED_SHARE * (i + 1) // len(faster)
             _speed_flags(live[c], cuts, _stop(work, share, deadline))
+        # where memory forced recomputation, the cuts searched again under the better fit
+        tight = [c for c in ranked if live[c].tight and any(live[c].best()[2])][:REFIT_TOP]
+        start = work.done
+        for i, c in enumerate(tight):
+            share = start + search_work // REFIT_SHARE * (i + 1) // len(tight)
+            refit = partial(live[c].score, least=True)
+            starts = live[c].best()[0]
+            local_search(starts, refit, plans[c].owner, cuts, _stop(work, share, deadline))
     proven: set[Candidate] = set()
     if exact_time > 0 and not exact:  # step 4, warm-started from each search's best
         best = {c: (b[0], b[2], b[1][0]) for c, sr in searches.items() if sr.seen
