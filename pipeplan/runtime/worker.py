@@ -157,16 +157,24 @@ def _whole_build_needed(spec: ModelSpec, local_world: int, rank: int) -> bool:
     return fits
 
 
-def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
-    """The ``PIPEPLAN_FAIL`` hook for this rank (see the module docstring), if any."""
-    spec = os.environ.get("PIPEPLAN_FAIL")
+def _injected(rank: int) -> tuple[int, str, str] | None:
+    """This rank's ``PIPEPLAN_FAIL`` (see the module docstring) as (step, mode, the whole
+    spec), or ``None`` where it names another rank or is not set."""
+    spec = os.environ.get("PIPEPLAN_FAIL", "")
     if not spec:
         return None
     parts = spec.split(":")
-    stage, step = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-    mode = parts[2] if len(parts) > 2 else "raise"
-    if stage != rank or mode == "teardown":
+    if int(parts[0]) != rank:
         return None
+    return int(parts[1]) if len(parts) > 1 else 0, parts[2] if len(parts) > 2 else "raise", spec
+
+
+def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
+    """The ``PIPEPLAN_FAIL`` hook of a step (modes ``raise``, ``exit`` and ``kill``), if any."""
+    injected = _injected(rank)
+    if injected is None or injected[1] not in ("raise", "exit", "kill"):
+        return None
+    step, mode, spec = injected
 
     def fault(at_step: int, microbatch: int) -> None:
         if at_step != step or microbatch != 0:
@@ -182,11 +190,10 @@ def _fault_hook(rank: int) -> Callable[[int, int], None] | None:
 
 def _save_fault(rank: int) -> Callable[[int], None] | None:
     """The ``PIPEPLAN_FAIL`` hook of a save (modes ``kill-save`` and ``enospc``), if any."""
-    spec = os.environ.get("PIPEPLAN_FAIL", "")
-    parts = spec.split(":")
-    if len(parts) < 3 or parts[2] not in ("kill-save", "enospc") or int(parts[0]) != rank:
+    injected = _injected(rank)
+    if injected is None or injected[1] not in ("kill-save", "enospc"):
         return None
-    step, mode = int(parts[1]), parts[2]
+    step, mode, spec = injected
 
     def fault(at_step: int) -> None:
         if at_step != step:
@@ -437,7 +444,7 @@ def run(args: argparse.Namespace) -> None:
     dist.barrier()
     if args.run_dir:  # every rank finished: a failure after this (teardown) loses nothing
         (Path(args.run_dir) / f"done-{rank}").touch()
-    if os.environ.get("PIPEPLAN_FAIL", "").split(":")[::2] == [str(rank), "teardown"]:
+    if (_injected(rank) or (0, "", ""))[1] == "teardown":
         os.abort()
     dist.destroy_process_group()
 
