@@ -16,8 +16,8 @@ Algorithm.
   1. Each candidate left is seeded (:mod:`pipeplan.solvers.schedule_search`: the exact min-max
      partition over the allowed cuts, torchtitan's equal split, rank-balanced fills, 1F1B's
      stages cut in v, and for GPipe and 1F1B the closed-form DP's plan), each seed with the
-     flags of :func:`~pipeplan.solvers.fit.fits` (none; then, while a rank is over its memory, its chunk with the
-     most held bytes recomputes: "largest first").
+     flags of :func:`~pipeplan.solvers.fit.fits` (none; then, while a rank is over its
+     memory, its chunk with the most held bytes recomputes: "largest first").
   2. If the candidates' cut combinations over the allowed cuts number at most
      ``exhaustive_limit``, enumerate every cut and every recompute mask (in the fused
      families only the minimal fitting ones: there recomputing never shortens an action), a
@@ -36,13 +36,14 @@ Algorithm.
      then flipped one at a time while the replayed step falls, and its cuts searched again
      under them (:func:`_speed_flags`, ``SEARCH_WORK // SPEED_SHARE`` more actions).
      Where memory forced the best plans of searched candidates to recompute, the cuts of the
-     ``REFIT_TOP`` best of them are searched once more from their best, each partition scored
-     under the better of two fits (:func:`~pipeplan.solvers.fit.fits`: "largest first", and each rank over its
-     memory recomputing the set of its chunks that fits it with the least added work),
+     first ``REFIT_TOP`` of them (in the order of their seeds) are searched once more from
+     their best, each partition scored under the better of two fits
+     (:func:`~pipeplan.solvers.fit.fits`: "largest first", and each rank over its memory
+     recomputing the set of its chunks that fits it with the least added work),
      ``SEARCH_WORK // REFIT_SHARE`` more actions: a search that only adds, so no plan is
-     slower than without it.  The plan is
-     ``feasible`` with the gap (T - L) / T, L = min over the candidates of L_c, which holds for
-     every family, v, partition and mask (proof in :func:`family_bound`).
+     slower than without it.  The plan is ``feasible`` with the gap (T - L) / T,
+     L = min over the candidates of L_c, which holds for every family, v, partition and mask
+     (proof in :func:`family_bound`).
   4. With ``exact_time`` > 0 (off by default), each candidate whose bound is below the best
      step gets the exact model of :mod:`pipeplan.solvers.exact_order` in bound order,
      warm-started from its search's best, for that much of CP-SAT's deterministic time (a
@@ -131,7 +132,8 @@ SEARCH_WORK = 2_000_000
 SPEED_SHARE = 4
 
 #: The refit search (module docstring, step 3): ``SEARCH_WORK // REFIT_SHARE`` more actions
-#: over the ``REFIT_TOP`` best candidates whose best plan recomputes.
+#: over the first ``REFIT_TOP`` candidates (in the order of their seeds) whose best plan
+#: recomputes.
 REFIT_SHARE, REFIT_TOP = 16, 2
 
 Scored = tuple[float, list[int], list[bool], Replay]
@@ -208,8 +210,9 @@ class _Search:
     def score(
         self, starts: Sequence[int], rc: Sequence[bool] | None = None, *, least: bool = False
     ) -> Score:
-        """The partition's score under ``rc``, or under the flags of :func:`~pipeplan.solvers.fit.fits` (with
-        ``least``, the better of its two fits); the best it has had, memoised."""
+        """The partition's score under ``rc``, or under the flags of
+        :func:`~pipeplan.solvers.fit.fits` (with ``least``, the better of its two fits); the
+        best it has had, memoised."""
         key = tuple(starts)
         if key not in self.seen or rc is not None or (least and key not in self.refit):
             fitted: list[tuple[list[bool], ChunkCosts | None, tuple[int, ...] | None]]
