@@ -595,13 +595,15 @@ def test_prove_runs_the_exact_model_on_the_schedule_solvers_plan(tmp_path: Path,
     its family bound's gap."""
     prof = tmp_path / "p.json"
     write_json(prof, synthetic_profile(30, batch_size=4, microbatch_sizes=[1], seed=2))
-    got = {}
+    got, said = {}, {}
     for extra in ("", " --prove 20"):
         out_file = tmp_path / f"plan{len(extra)}.json"
         options = "--stages 2 --memory 1GiB --schedule interleaved1f1b --microbatches 4" + extra
-        code, _, err = cli(cli_argv("plan", prof, out_file, options))
+        code, said[extra], err = cli(cli_argv("plan", prof, out_file, options))
         assert code == 0, err
         got[extra] = load_plan(out_file)
+    # the search's gap says how to narrow it; a proven plan does not
+    assert "--prove T" in said[""] and "--prove T" not in said[" --prove 20"]
     plain, proved = got[""], got[" --prove 20"]
     assert plain.status == "feasible" and plain.gap is not None and plain.gap > 0.01
     assert proved.status == "optimal" and proved.gap is None

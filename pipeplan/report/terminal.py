@@ -178,6 +178,12 @@ def print_plan(p: Plan) -> None:
         f"{p.throughput:.1f} samples/s, micro-batch size {p.microbatch_size}, "
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
+    if p.solver == "schedules" and p.status == "feasible" and (p.gap or 0) > 0.01:
+        console.print(
+            "to narrow the gap: --prove T gives each candidate T deterministic seconds of the "
+            "exact model (docs/exact_order.md; minutes prove the benchmark's zoo rows at p = 4)",
+            highlight=False,
+        )
     if p.weighed:
         console.print(weighed_table(p))
     if p.rank_peak_bytes:
