@@ -37,6 +37,7 @@ __all__ = [
     "tensor_parallel_note",
     "uncalibrated_note",
 ]
+_PROVE = "T deterministic seconds of CP-SAT a candidate, docs/exact_order.md"
 
 console = Console(width=None if sys.stdout.isatty() else 120, emoji=False)
 """Standard output: tables, results and the files written."""
@@ -179,11 +180,7 @@ def print_plan(p: Plan) -> None:
         f"checkpoint {p.checkpoint}, schedule {p.schedule}, status {p.status}{gap}"
     )
     if p.solver == "schedules" and p.status == "feasible" and (p.gap or 0) > 0.01:
-        console.print(
-            "to narrow the gap: --prove T gives each candidate T deterministic seconds of the "
-            "exact model (docs/exact_order.md; minutes prove the benchmark's zoo rows at p = 4)",
-            highlight=False,
-        )
+        console.print(f"to narrow the gap: --prove T (the exact model: {_PROVE})", highlight=False)
     if p.weighed:
         console.print(weighed_table(p))
     if p.rank_peak_bytes:
