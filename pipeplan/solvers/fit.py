@@ -44,8 +44,8 @@ Fitted = tuple[list[bool], ChunkCosts, tuple[int, ...]]
 def fits(cp: ChunkPlan, starts: Sequence[int], least: bool = True) -> list[Fitted]:
     """The flags that make every rank fit, where it can: nothing recomputes where no rank is
     over its memory, the policy's where it fixes them; else the fit "least work" and, where it
-    differs, "largest first" (only the latter without ``least``; module docstring, steps 1
-    and 3).
+    differs, "largest first" (only the latter without ``least``: steps 1 and 3 of
+    :mod:`pipeplan.solvers.multichunk`).
 
     A chunk's costs depend on its own flag only, and a rank's peak on its own chunks only, so
     each rank over its memory is fitted alone: (least work) among the 2**v - 1 sets of its
