@@ -40,7 +40,8 @@ from pipeplan.planner.types import Cluster, Link, Plan, PlanOptions, Profile, Ti
 from pipeplan.profiler.synthetic import synthetic_profile
 from pipeplan.solvers.baselines import uniform_partition
 from pipeplan.solvers.chunks import ChunkPlan
-from pipeplan.solvers.multichunk import recompute_to_fit, solve_schedule
+from pipeplan.solvers.fit import recompute_to_fit
+from pipeplan.solvers.multichunk import solve_schedule
 from pipeplan.solvers.request import ResolvedRequest
 
 HERE = Path(__file__).parent

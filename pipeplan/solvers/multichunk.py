@@ -98,7 +98,7 @@ from pipeplan.solvers.chunk_plan import chunk_plan
 from pipeplan.solvers.chunks import ChunkPlan, fixed_flags, has_split_backward, refuse_split
 from pipeplan.solvers.exact_plan import Candidate, prove_candidates
 from pipeplan.solvers.final_gap import MODEL_TIME, raise_bounds
-from pipeplan.solvers.fit import fits, recompute_to_fit
+from pipeplan.solvers.fit import fits
 from pipeplan.solvers.request import ResolvedRequest
 from pipeplan.solvers.schedule_bounds import family_bound
 from pipeplan.solvers.schedule_search import (
@@ -115,7 +115,6 @@ __all__ = [
     "SEARCH_WORK",
     "Candidate",
     "candidates",
-    "recompute_to_fit",
     "schedule_floor",
     "solve_schedule",
     "weighed",
