@@ -24,7 +24,6 @@ failure leaves no partial save in it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -41,6 +40,7 @@ from pipeplan.planner.families import stages_of_rank
 from pipeplan.planner.io import load_plan
 from pipeplan.planner.types import Plan
 from pipeplan.report.progress import progress_bar
+from pipeplan.runtime.error_files import read_errors
 from pipeplan.runtime.save_lock import check_free, hold
 from pipeplan.runtime.stage_errors import rank_label
 from pipeplan.runtime.supervise import die_with_parent, forwarded_signals, process_start, supervise
@@ -203,16 +203,6 @@ def worker_command(plan: Plan, plan_path: str | os.PathLike[str], args: Sequence
     ]
 
 
-def _errors(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(run_dir.glob("error-*.json")):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    return out
-
-
 _FAILURE = re.compile(
     r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)[^\n]*?(SIG\w+)?\)?\s*$",
     re.MULTILINE,
@@ -251,7 +241,7 @@ def failure(
     out of memory) and that torchrun did not stop itself; else the earliest error caused by a
     peer; else the tail of torchrun's log.
     """
-    errors = _errors(run_dir)
+    errors = read_errors(run_dir)
     own = sorted((e for e in errors if not e.get("peer")), key=lambda e: e.get("time", 0))
     codes = _exit_codes(log)
     silent = sorted(set(range(n_ranks)) - {int(e["stage"]) for e in errors})

@@ -23,9 +23,9 @@ Chrome trace (``--trace``), and prints measured vs predicted.
 A plan whose rank count is not the world size, a missing model or a plan made for another
 model stops every rank before the pipeline starts, with one line and status 2.
 
-Failures: a rank that raises writes ``error-<rank>.json`` (stage, error, traceback) into
-``--run-dir`` when one is given, prints one line and exits with status 1; torchrun then stops
-the other ranks, and a rank blocked on a dead peer fails on the closed connection or, at the
+Failures: a rank that raises writes ``error-<rank>.json`` (stage, error, traceback;
+:mod:`pipeplan.runtime.error_files`) into ``--run-dir`` when one is given, prints one line and
+exits with status 1; torchrun then stops the other ranks, and a rank blocked on a dead peer fails on the closed connection or, at the
 latest, at the process group's ``--timeout``.  A rank also ends itself (status 143, as SIGTERM)
 within half a second of losing its launcher: when its parent (torchrun) changes, or when the
 ``pipeplan run`` named by ``PIPEPLAN_LAUNCHER`` (pid) and ``PIPEPLAN_LAUNCHER_START`` is gone
@@ -56,13 +56,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeplan.planner.types import OPTIMIZERS
+from pipeplan.runtime.error_files import PEER_LINGER_S, await_errors, is_peer_error, write_error
 from pipeplan.runtime.forkrun import FORKED
 
 if TYPE_CHECKING:
@@ -260,44 +260,6 @@ def _watchdog(period_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="pipeplan-watchdog", daemon=True).start()
 
 
-def _is_peer_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a consequence of another rank failing (a closed or timed-out link)."""
-    import torch.distributed as dist
-
-    if getattr(exc, "peer", False):
-        return True
-    text = str(exc).lower()
-    peer_words = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
-    return isinstance(exc, dist.DistError) or any(w in text for w in peer_words)
-
-
-#: Seconds a rank whose error a peer's death caused waits before it exits.
-PEER_LINGER_S = 1.0
-
-
-def _write_error(
-    run_dir: str | None, rank: int, step: int | None, exc: BaseException, request: bool
-) -> None:
-    if not run_dir:
-        return
-    data = {
-        "request": request,
-        "rank": rank,
-        "stage": rank,
-        "step": step,
-        "type": type(exc).__name__,
-        "message": " ".join(str(exc).split())[:2000],
-        "peer": _is_peer_error(exc),
-        "located": bool(getattr(exc, "located", False)),
-        "time": time.time(),
-        "traceback": traceback.format_exc(),
-    }
-    path = Path(run_dir) / f"error-{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 def _root_cause(exc: BaseException) -> BaseException:
     """The innermost cause (PipelineStage wraps a stage's error in a RuntimeError); a pipeplan
     error that names the stage and unit is kept rather than the exception it explains."""
@@ -463,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         step = _progress["step"]
         msg = " ".join(str(cause).split())[:500]
         code = 2 if isinstance(cause, PipeplanError) and step is None else 1  # 2: bad request
-        _write_error(args.run_dir, rank, step, cause, code == 2)
+        if args.run_dir:
+            write_error(Path(args.run_dir), rank, step, cause, code == 2)
         if code == 2:
             if rank == 0:
                 print(f"error: {msg}", file=sys.stderr, flush=True)
@@ -477,11 +440,14 @@ def main(argv: list[str] | None = None) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():  # do not wait for communication threads that may hang
-            if _is_peer_error(cause):
+            if is_peer_error(cause):
                 # a peer died first: let the agent see that death before this exit, or a
                 # forked rank's agent (pipeplan.runtime.forkrun, which reports only the first
                 # rank it sees end) may name this one, and the dead peer's exit code is lost
                 time.sleep(PEER_LINGER_S)
+            elif getattr(cause, "located", False) and args.run_dir:
+                # every rank learnt this error in one collective: let them write theirs
+                await_errors(Path(args.run_dir), dist.get_world_size())
             os._exit(code)
         sys.exit(code)
 
