@@ -118,15 +118,20 @@ def prove_candidates(
     best: dict[Candidate, tuple[list[int], list[bool], float]],
     deterministic_time: float,
 ) -> Proof:
-    """The exact model of each candidate in the order of its bound, warm-started from
-    ``best`` (its local search's cuts, flags and step), only on plans below the incumbent
-    (the least step of ``best``, then of what it finds), within ``deterministic_time`` of
-    CP-SAT's work each; a candidate whose bound reaches the incumbent is dropped, and one
-    the model refuses (two groups of shared parameters with users inside the model) keeps
-    its bound."""
+    """The exact model of each candidate, warm-started from ``best`` (its local search's cuts,
+    flags and step), only on plans below the incumbent (the least step of ``best``, then of
+    what it finds), within ``deterministic_time`` of CP-SAT's work each; a candidate whose
+    bound reaches the incumbent is dropped, and one the model refuses (two groups of shared
+    parameters with users inside the model) keeps its bound.
+
+    The incumbent's own candidate goes first, the others then in the order of their bounds:
+    a plan the first finds below the search's lowers the cutoff under which the rest must be
+    refuted, and refuting a candidate takes CP-SAT less the lower the cutoff."""
     proof = Proof(dict(bounds))
     incumbent = min((b[2] for b in best.values()), default=math.inf)
-    for c in sorted(bounds, key=bounds.__getitem__):
+    order = sorted(bounds, key=bounds.__getitem__)
+    order.sort(key=lambda c: c not in best or best[c][2] > incumbent)  # stable: the rest by bound
+    for c in order:
         if proof.bounds[c] >= incumbent:
             continue
         try:
