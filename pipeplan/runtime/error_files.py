@@ -95,12 +95,12 @@ def write_error(
 def read_errors(run_dir: Path) -> list[dict[str, Any]]:
     """Every rank's error file in ``run_dir``, by rank; an unreadable one is skipped."""
     out = []
-    for path in sorted(run_dir.glob("error-*.json")):
+    for path in run_dir.glob("error-*.json"):
         try:
             out.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
-    return out
+    return sorted(out, key=lambda e: int(e.get("rank", -1)))
 
 
 def await_errors(run_dir: Path, world: int, timeout_s: float = AWAIT_PEERS_S) -> bool:

@@ -22,10 +22,10 @@ def _raised(exc: BaseException) -> BaseException:
 def test_an_error_file_says_who_failed_and_whether_a_peer_caused_it(tmp_path: Path) -> None:
     write_error(tmp_path, 1, 2, _raised(CheckpointWriteError("stage 1 could not write")), False)
     write_error(tmp_path, 0, 2, _raised(PeerFailedError("stage 1 could not write")), False)
-    write_error(tmp_path, 2, None, _raised(ValueError("bad  \n value")), True)
+    write_error(tmp_path, 10, None, _raised(ValueError("bad  \n value")), True)
     (tmp_path / "error-3.json").write_text('{"rank": 3, "mess')  # torn: skipped
     errors = read_errors(tmp_path)
-    assert [e["rank"] for e in errors] == [0, 1, 2]
+    assert [e["rank"] for e in errors] == [0, 1, 10]  # by rank, not by name
     peer, own, request = errors
     assert (own["located"], own["peer"], own["step"]) == (True, False, 2)
     assert (peer["located"], peer["peer"]) == (False, True)
