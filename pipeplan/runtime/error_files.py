@@ -10,8 +10,8 @@ Two orders matter, because torchrun's agent stops every rank once it sees one en
 
 - a rank whose error a peer caused (a closed link, :func:`is_peer_error`) waits
   :data:`PEER_LINGER_S` after writing its file, so the agent sees the culprit end first;
-- a rank whose error every rank learnt in one collective (a save that one rank could not
-  write: all of them raise together) waits, at most :data:`AWAIT_PEERS_S`, for the others'
+- a rank whose error every rank learnt in one collective (its ``collective`` attribute: a
+  save that one rank could not write, all of them raise together) waits, at most :data:`AWAIT_PEERS_S`, for the others'
   files before it exits (:func:`await_errors`), so the agent does not stop a peer before it
   wrote that it stopped as a consequence.
 

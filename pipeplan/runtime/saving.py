@@ -96,6 +96,9 @@ class CheckpointWriteError(PipeplanError, RuntimeError):
 
     located = True
     """Its message names the stage, the step and what is kept: reported as it is."""
+    collective = True
+    """Every rank learnt it in the save's gather and raises with it: the rank that failed waits
+    for its peers' error files before it exits (:mod:`pipeplan.runtime.error_files`)."""
 
 
 class PeerFailedError(RuntimeError):

@@ -25,8 +25,8 @@ model stops every rank before the pipeline starts, with one line and status 2.
 
 Failures: a rank that raises writes ``error-<rank>.json`` (stage, error, traceback;
 :mod:`pipeplan.runtime.error_files`) into ``--run-dir`` when one is given, prints one line and
-exits with status 1; torchrun then stops the other ranks, and a rank blocked on a dead peer fails on the closed connection or, at the
-latest, at the process group's ``--timeout``.  A rank also ends itself (status 143, as SIGTERM)
+exits with status 1; torchrun then stops the other ranks, and a rank blocked on a dead peer
+fails on the closed connection or, at the latest, at the process group's ``--timeout``.  A rank also ends itself (status 143, as SIGTERM)
 within half a second of losing its launcher: when its parent (torchrun) changes, or when the
 ``pipeplan run`` named by ``PIPEPLAN_LAUNCHER`` (pid) and ``PIPEPLAN_LAUNCHER_START`` is gone
 (:func:`_watchdog`).  With ``--run-dir``, each rank also keeps a
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
                 # forked rank's agent (pipeplan.runtime.forkrun, which reports only the first
                 # rank it sees end) may name this one, and the dead peer's exit code is lost
                 time.sleep(PEER_LINGER_S)
-            elif getattr(cause, "located", False) and args.run_dir:
+            elif getattr(cause, "collective", False) and args.run_dir:
                 # every rank learnt this error in one collective: let them write theirs
                 await_errors(Path(args.run_dir), dist.get_world_size())
             os._exit(code)
