@@ -30,6 +30,7 @@ from typing import Any
 __all__ = [
     "AWAIT_PEERS_S",
     "PEER_LINGER_S",
+    "any_error",
     "await_errors",
     "is_peer_error",
     "read_errors",
@@ -44,10 +45,16 @@ PEER_LINGER_S = 1.0
 AWAIT_PEERS_S = 2.0
 
 _POLL_S = 0.02
+_GLOB = "error-*.json"
 
 
 def _path(run_dir: Path, rank: int) -> Path:
     return run_dir / f"error-{rank}.json"
+
+
+def any_error(run_dir: Path) -> bool:
+    """Whether some rank wrote its error file in ``run_dir``."""
+    return any(run_dir.glob(_GLOB))
 
 
 def is_peer_error(exc: BaseException) -> bool:
@@ -95,7 +102,7 @@ def write_error(
 def read_errors(run_dir: Path) -> list[dict[str, Any]]:
     """Every rank's error file in ``run_dir``, by rank; an unreadable one is skipped."""
     out = []
-    for path in run_dir.glob("error-*.json"):
+    for path in run_dir.glob(_GLOB):
         try:
             out.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeplan.runtime.error_files import any_error
+
 __all__ = [
     "STOP_SIGNALS",
     "Beat",
@@ -252,7 +254,7 @@ def supervise(
         if stalled:
             _stop(proc, pids, signal.SIGKILL)
             return Outcome(None, frozen=stalled, step=step, stalled=True)
-        if failed_at is None and any(run_dir.glob("error-*.json")):
+        if failed_at is None and any_error(run_dir):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
             frozen = {r: age for r, age in silent.items() if age > FROZEN_S}

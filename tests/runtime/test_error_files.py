@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeplan.runtime.error_files import await_errors, is_peer_error, read_errors, write_error
+from pipeplan.runtime.error_files import (
+    any_error,
+    await_errors,
+    is_peer_error,
+    read_errors,
+    write_error,
+)
 from pipeplan.runtime.saving import CheckpointWriteError, PeerFailedError
 
 
@@ -20,11 +26,13 @@ def _raised(exc: BaseException) -> BaseException:
 
 
 def test_an_error_file_says_who_failed_and_whether_a_peer_caused_it(tmp_path: Path) -> None:
+    assert not any_error(tmp_path)
     write_error(tmp_path, 1, 2, _raised(CheckpointWriteError("stage 1 could not write")), False)
     write_error(tmp_path, 0, 2, _raised(PeerFailedError("stage 1 could not write")), False)
     write_error(tmp_path, 10, None, _raised(ValueError("bad  \n value")), True)
     (tmp_path / "error-3.json").write_text('{"rank": 3, "mess')  # torn: skipped
     errors = read_errors(tmp_path)
+    assert any_error(tmp_path)
     assert [e["rank"] for e in errors] == [0, 1, 10]  # by rank, not by name
     peer, own, request = errors
     assert (own["located"], own["peer"], own["step"]) == (True, False, 2)
